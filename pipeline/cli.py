@@ -1,0 +1,102 @@
+"""One command line for every stage: ``python -m pipeline <command> ...`` (or ``pipeline ...``).
+
+Each command lives in its own module and is imported only when it runs, so ``pipeline broker``
+never pays for importing torch. A command module exposes::
+
+    HELP: str                                  # one line for ``pipeline --help``
+    def add_arguments(parser) -> None          # its own flags
+    def run(args, config) -> int | None        # the work; the exit status
+
+Every command also takes ``--config FILE`` (YAML) and ``--set section.key=value`` overrides on
+top of environment variables (``PIPELINE_<SECTION>__<KEY>``); see :mod:`pipeline.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+#: command name -> (module path, one-line help). Modules are imported lazily.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("pipeline.config_cli", "show the effective configuration (YAML + env + flags)"),
+    "broker": ("pipeline.broker", "run the embedded Kafka-protocol broker (Tansu)"),
+    "topics": ("pipeline.topics", "apply / list / render the topics of topics.yaml"),
+    "engine": ("pipeline.engine.cli", "CPU inference server speaking SGLang's HTTP API"),
+    "proxy": ("pipeline.proxy.cli", "OpenAI-compatible proxy that records every turn on Kafka"),
+    "judge": ("pipeline.judge.cli", "pair turns with next states and emit scored samples"),
+    "trainer": ("pipeline.trainer.cli", "Megatron-core policy updates from sample batches"),
+    "syncer": ("pipeline.syncer", "apply published weights to one engine replica"),
+    "up": ("pipeline.orchestrate.up", "start broker, engine, proxy, judge, trainer and syncer"),
+    "simulate": ("pipeline.simulate.cli", "simulated users (GSM8K, MT-Bench) talking to the proxy"),
+    "demo": ("pipeline.orchestrate.demo", "the main job: up + simulate until K steps, then report"),
+    "archive": ("pipeline.history.archive", "write the turns topic to local JSONL files"),
+    "replay": ("pipeline.history.replay", "re-feed archived or historical turns to a topic"),
+    "import": ("pipeline.history.importer", "load OpenAI-format conversation JSONL as turns"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items())
+    p = argparse.ArgumentParser(
+        prog="pipeline",
+        description="Online RL pipeline: every chat turn becomes a Kafka event, a judge scores it, "
+        "a Megatron-core trainer learns from it and syncs weights back to the engine.",
+        epilog=f"commands:\n{lines}\n\nRun 'pipeline <command> --help' for a command's flags.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("command", nargs="?", help="one of the commands below")
+    return p
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every command takes: config file, overrides, bootstrap servers, log level."""
+    g = parser.add_argument_group("common")
+    g.add_argument("--config", metavar="FILE", help="YAML config file (default: $PIPELINE_CONFIG)")
+    g.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+        help="override one config value, e.g. --set judge.votes=5 (repeatable)",
+    )
+    g.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (kafka.bootstrap_servers)")
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m pipeline`` and the ``pipeline`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        top.error(f"unknown command {name!r}; choose from: {', '.join(COMMANDS)}")
+    module_path, help_ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        if e.name and module_path.startswith(e.name):
+            print(f"pipeline: command {name!r} is not available in this build ({e})", file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"pipeline {name}", description=getattr(module, "HELP", help_))
+    module.add_arguments(parser)
+    add_common_arguments(parser)
+    args = parser.parse_args(argv[1:])
+
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, overrides=args.overrides, bootstrap=args.bootstrap)
+    except ConfigError as e:
+        print(f"pipeline: configuration error: {e}", file=sys.stderr)
+        return 2
+    level = (args.log_level or config.log_level).upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    rc = module.run(args, config)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The one typed configuration object of every stage.
+
+Precedence, highest first: ``--set section.key=value`` / ``--bootstrap`` flags, environment
+variables ``PIPELINE_<SECTION>__<KEY>`` (e.g. ``PIPELINE_KAFKA__BOOTSTRAP_SERVERS``), the YAML
+file given by ``--config`` or ``$PIPELINE_CONFIG``, then the defaults below. Secrets (SASL
+password, proxy API keys) should come from the environment only; ``config show`` masks them.
+
+Loading uses pydantic-settings; a bad value raises :class:`ConfigError` with the offending key.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
+
+ROOT = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A configuration file, variable or flag could not be read or validated."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are an error (catches typos)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KafkaConfig(Section):
+    """Kafka client settings shared by every stage (passed to kafka-python)."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    client_id: str = "pipeline"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = None  # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER
+    sasl_plain_username: str | None = None
+    sasl_plain_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_check_hostname: bool = True
+    # Tansu (the embedded broker) needs short group timeouts (ENVIRONMENT.md); Apache Kafka's
+    # group.min.session.timeout.ms is 6000 by default, so production configs raise these.
+    session_timeout_ms: int = 2000
+    heartbeat_interval_ms: int = 300
+    max_poll_records: int = 500
+    max_poll_interval_ms: int = 300_000
+    compression_type: Literal["none", "gzip", "lz4", "zstd", "snappy"] = "lz4"
+    linger_ms: int = 2
+    producer_buffer_bytes: int = 32 * 1024 * 1024
+    max_block_ms: int = 2000
+    request_timeout_ms: int = 15_000
+    max_request_size: int = 64 * 1024 * 1024
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """kafka-python keyword arguments common to producers, consumers and admin clients."""
+        kw: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            kw["sasl_mechanism"] = self.sasl_mechanism
+            kw["sasl_plain_username"] = self.sasl_plain_username
+            if self.sasl_plain_password is not None:
+                kw["sasl_plain_password"] = self.sasl_plain_password.get_secret_value()
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            kw.update(ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile,
+                      ssl_keyfile=self.ssl_keyfile, ssl_check_hostname=self.ssl_check_hostname)
+        return kw
+
+
+class TopicsConfig(Section):
+    """Where topic definitions come from and how logical names map to broker topic names."""
+
+    file: str = str(ROOT / "topics.yaml")
+    prefix: str = ""  # prepended to every topic name (namespacing, tests)
+    dlq_suffix: str = ".dlq"
+
+    def name(self, logical: str) -> str:
+        """Physical topic name of a logical topic (``turns`` -> ``<prefix>turns``)."""
+        return f"{self.prefix}{logical}"
+
+    def dlq(self, logical: str) -> str:
+        """Dead-letter topic of a logical topic (``turns`` -> ``<prefix>turns.dlq``)."""
+        return f"{self.prefix}{logical}{self.dlq_suffix}"
+
+
+class EngineConfig(Section):
+    """The policy inference engine (our CPU server, or SGLang) and how clients reach it."""
+
+    url: str = "http://127.0.0.1:30000"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model: str = "smollm2-135m"  # smollm2-135m | tiny-random | <HF folder>
+    served_model_name: str | None = None
+    cache_dir: str = "~/.cache/openclaw-pipeline"
+    context_length: int = 2048
+    max_batch_size: int = 16
+    threads: int | None = None
+    seed: int = 0
+    request_timeout_s: float = 300.0
+    teacher_url: str | None = None  # OPD teacher engine; None: same as url
+
+
+class ProxyConfig(Section):
+    """The OpenAI-compatible front door."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_turn_type: Literal["main", "side"] = "main"
+    sync_hold_timeout_s: float = 30.0
+    buffer_max_events: int = 10_000
+    spill_file: str | None = None
+    engine_timeout_s: float = 300.0
+
+
+class JudgeConfig(Section):
+    """The judge stage: join, scoring backend, votes, hints."""
+
+    group_id: str = "judge"
+    mode: Literal["rl", "opd", "combine"] = "rl"
+    backend: str = "embedding"  # llm | choice | embedding | <module:Class>
+    url: str | None = None  # judge endpoint for llm/choice; None: engine.url
+    model: str = "default"
+    votes: int = 3
+    temperature: float = 0.6
+    max_tokens: int = 512
+    vote_timeout_s: float = 60.0
+    retries: int = 2
+    idle_timeout_s: float = 300.0
+    max_in_flight: int = 256
+    teacher_top_k: int = 0
+
+
+class TrainerConfig(Section):
+    """The trainer stage: batches, loss, model, checkpoints, weight sync."""
+
+    group_id: str = "trainer"
+    model: str = "smollm2-135m"
+    rollout_batch_size: int = 16
+    micro_batch_size: int = 4
+    steps_per_batch: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    normalize_advantages: bool = False
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    eps_clip_c: float | None = None
+    kl_coef: float = 0.0
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = 0.0
+    loss_agg: Literal["sum_of_sample_mean", "token_mean"] = "sum_of_sample_mean"
+    tis_cap: float | None = None
+    max_staleness: int | None = 4
+    stale_policy: Literal["drop", "downweight"] = "drop"
+    tp: int = 1
+    checkpoint_dir: str = "runs/trainer"
+    checkpoint_every: int = 1
+    export_dir: str = "runs/weights"
+    engines: list[str] = Field(default_factory=lambda: ["engine-0"])
+    sync_timeout_s: float = 300.0
+    metrics_file: str | None = None
+    run_id: str = "default"
+
+
+class SyncerConfig(Section):
+    """One syncer per engine replica."""
+
+    group_id: str | None = None  # default: syncer-<engine_id>
+    engine_id: str = "engine-0"
+    engine_url: str | None = None  # None: engine.url
+    retries: int = 3
+    retry_backoff_s: float = 2.0
+
+
+class Config(BaseSettings):
+    """The effective configuration of one process (see the module docstring for precedence)."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPELINE_", env_nested_delimiter="__", extra="forbid")
+
+    log_level: str = "INFO"
+    metrics_port: int | None = None
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    topics: TopicsConfig = Field(default_factory=TopicsConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    syncer: SyncerConfig = Field(default_factory=SyncerConfig)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):  # noqa: D102
+        return (init_settings, env_settings,
+                InitSettingsSource(settings_cls, init_kwargs=_YAML_DATA.get()))
+
+
+_YAML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("_YAML_DATA", default={})
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
+    """Turn ``["judge.votes=5", "kafka.bootstrap_servers=h:9092"]`` into a nested dict.
+
+    Values are parsed as YAML scalars (``5`` -> int, ``true`` -> bool, ``[a, b]`` -> list).
+    Raises :class:`ConfigError` on an item without ``=``.
+    """
+    data: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. judge.votes=5)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides=(), bootstrap: str | None = None,
+                **sections: Any) -> Config:
+    """Build the effective :class:`Config`.
+
+    Args:
+        path: YAML file; ``None`` reads ``$PIPELINE_CONFIG`` if set, else no file.
+        overrides: ``section.key=value`` strings (highest precedence).
+        bootstrap: shortcut for ``kafka.bootstrap_servers``.
+        sections: nested dicts merged like overrides (for programmatic use, e.g. tests).
+    Raises:
+        ConfigError: unreadable YAML, unknown key, or a value of the wrong type.
+    """
+    path = path or os.environ.get("PIPELINE_CONFIG")
+    yaml_data: dict = {}
+    if path:
+        try:
+            yaml_data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        if not isinstance(yaml_data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    flags = _deep_merge(sections, parse_overrides(list(overrides)))
+    if bootstrap:
+        flags = _deep_merge(flags, {"kafka": {"bootstrap_servers": bootstrap}})
+    token = _YAML_DATA.set(yaml_data)
+    try:
+        return Config(**flags)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(msgs) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def redacted(config: Config) -> dict:
+    """The config as plain data with every secret replaced by ``'***'``."""
+    return config.model_dump(mode="json")  # SecretStr dumps as '**********'

@@ -1,0 +1,321 @@
+"""Event contracts: every value on every topic (see DESIGN.md and topics.yaml).
+
+Wire format: a msgpack map with ``type`` (event name) and ``v`` (schema version, currently 1).
+Token ids travel as packed little-endian int32 bytes, log-probs as packed little-endian float32
+bytes (so a 300-token sample is ~2.4 KB, not a list of Python objects). In memory those fields
+are plain ``list[int]`` / ``list[float]``; float values round-trip at float32 precision.
+
+:func:`decode` validates strictly and raises a subclass of :class:`EventError` naming the field
+(unknown ``type`` -> :class:`UnknownEventType`, unknown ``v`` -> :class:`UnsupportedVersion`,
+anything else -> :class:`MalformedEvent`). Stages route such records to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class EventError(ValueError):
+    """A record that is not a valid event of this schema."""
+
+
+class UnknownEventType(EventError):
+    """The ``type`` field names no event this version knows."""
+
+
+class UnsupportedVersion(EventError):
+    """The ``v`` field is a schema version this code cannot read."""
+
+
+class MalformedEvent(EventError):
+    """A field is missing, of the wrong type, or inconsistent with another field."""
+
+
+def now_ms() -> int:
+    """Wall-clock time in integer milliseconds since the epoch (the unit of every ``*_at``)."""
+    return int(time.time() * 1000)
+
+
+# field kinds: str, int, float, bool, list, dict, i32 (packed int32), f32 (packed float32), any
+def _f(kind: str, default: Any = dataclasses.MISSING, *, optional: bool = False):
+    meta = {"kind": kind, "optional": optional}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_PY = {"str": str, "int": int, "float": (int, float), "bool": bool, "list": list, "dict": dict}
+_DT = {"i32": np.dtype("<i4"), "f32": np.dtype("<f4")}
+
+
+@dataclass
+class Event:
+    """Base of all events. Subclasses set ``TYPE`` and declare fields with kinds."""
+
+    TYPE: ClassVar[str] = ""
+    V: ClassVar[int] = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (arrays as lists), e.g. for JSON archives."""
+        d = {"type": self.TYPE, "v": self.V}
+        d.update(dataclasses.asdict(self))
+        return d
+
+    def validate(self) -> None:
+        """Cross-field checks; raises :class:`MalformedEvent`. Field types are checked on decode."""
+
+
+@dataclass
+class Turn(Event):
+    """One assistant turn as served: the exact tokens and log-probs the engine sampled.
+
+    ``response_logprobs[i]`` is log p(response_token_ids[i] | prompt, response[:i]) in nats under
+    the policy that sampled it (``policy_version``). ``source`` is ``proxy`` for live traffic,
+    ``import`` for conversations loaded from files (not sampled: log-probs may be empty) and
+    ``replay`` for re-fed history.
+    """
+
+    TYPE: ClassVar[str] = "turn"
+    session_id: str = _f("str")
+    turn_type: str = _f("str", "main")
+    turn_index: int | None = _f("int", None, optional=True)
+    request_id: str = _f("str", "")
+    created_at: int = _f("int", 0)
+    policy_version: int = _f("int", 0)
+    model: str = _f("str", "")
+    messages: list = _f("list", [])
+    tools: list | None = _f("list", None, optional=True)
+    sampling: dict = _f("dict", {})
+    prompt_token_ids: list = _f("i32", [])
+    response_token_ids: list = _f("i32", [])
+    response_logprobs: list = _f("f32", [])
+    response: dict = _f("dict", {})  # {"content", "reasoning_content", "tool_calls"}
+    finish_reason: str | None = _f("str", None, optional=True)
+    source: str = _f("str", "proxy")
+    engine_id: str | None = _f("str", None, optional=True)
+
+    def validate(self) -> None:
+        if self.turn_type not in ("main", "side"):
+            raise MalformedEvent(f"turn.turn_type must be 'main' or 'side', got {self.turn_type!r}")
+        if self.turn_type == "main" and self.turn_index is None:
+            raise MalformedEvent("turn.turn_index is required for main turns")
+        if self.source not in ("proxy", "import", "replay"):
+            raise MalformedEvent(f"turn.source must be proxy|import|replay, got {self.source!r}")
+        n = len(self.response_token_ids)
+        if len(self.response_logprobs) != n and not (self.source == "import" and not self.response_logprobs):
+            raise MalformedEvent(
+                f"turn.response_logprobs has {len(self.response_logprobs)} entries for {n} response tokens")
+
+
+@dataclass
+class NextState(Event):
+    """What arrived after an assistant turn: the user's reply and/or tool results, all of them.
+
+    ``after_turn_index`` is the ``turn_index`` of the main turn this state follows.
+    """
+
+    TYPE: ClassVar[str] = "next_state"
+    session_id: str = _f("str")
+    messages: list = _f("list")
+    after_turn_index: int | None = _f("int", None, optional=True)
+    request_id: str = _f("str", "")
+    created_at: int = _f("int", 0)
+
+    def validate(self) -> None:
+        for m in self.messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise MalformedEvent("next_state.messages must be messages with a 'role'")
+
+
+@dataclass
+class SessionEnd(Event):
+    """A session is over (``reason``: ``header``, ``idle_timeout``, ``import`` ...)."""
+
+    TYPE: ClassVar[str] = "session_end"
+    session_id: str = _f("str")
+    reason: str = _f("str", "header")
+    created_at: int = _f("int", 0)
+
+
+@dataclass
+class Sample(Event):
+    """One scored training sample (a judged turn). Shapes, with R = ``response_length``:
+
+    - ``tokens``: prompt + response token ids, length P + R;
+    - ``rollout_log_probs``: R floats (nats), from the engine that sampled the response;
+    - ``teacher_log_probs``: R floats or empty (OPD: the hinted teacher's log-probs of the same ids);
+    - ``teacher_topk_ids`` / ``teacher_topk_log_probs``: R*k values, row-major, or empty;
+    - ``reward``: scalar (Binary RL: the PRM majority vote in {-1, 0, 1});
+    - ``loss_mask``: 1 = train on it, 0 = carried for accounting only.
+
+    ``sample_id`` is deterministic (``<session>:<turn_index>:<mode>``) so duplicates after a
+    crash are recognisable. ``kind`` is ``rl``, ``opd`` or ``opd+rl``.
+    """
+
+    TYPE: ClassVar[str] = "sample"
+    sample_id: str = _f("str")
+    session_id: str = _f("str")
+    turn_index: int = _f("int")
+    policy_version: int = _f("int", 0)
+    kind: str = _f("str", "rl")
+    tokens: list = _f("i32", [])
+    response_length: int = _f("int", 0)
+    rollout_log_probs: list = _f("f32", [])
+    reward: float = _f("float", 0.0)
+    loss_mask: int = _f("int", 1)
+    teacher_log_probs: list = _f("f32", [])
+    teacher_top_k: int = _f("int", 0)
+    teacher_topk_ids: list = _f("i32", [])
+    teacher_topk_log_probs: list = _f("f32", [])
+    votes: list = _f("list", [])
+    hint: str | None = _f("str", None, optional=True)
+    judge: str = _f("str", "")
+    created_at: int = _f("int", 0)
+    turn_created_at: int = _f("int", 0)
+    source: str = _f("str", "proxy")
+
+    def validate(self) -> None:
+        if self.kind not in ("rl", "opd", "opd+rl"):
+            raise MalformedEvent(f"sample.kind must be rl|opd|opd+rl, got {self.kind!r}")
+        r = self.response_length
+        if r < 0 or r > len(self.tokens):
+            raise MalformedEvent(f"sample.response_length {r} out of range for {len(self.tokens)} tokens")
+        if len(self.rollout_log_probs) != r:
+            raise MalformedEvent(f"sample.rollout_log_probs has {len(self.rollout_log_probs)} entries, want {r}")
+        if self.teacher_log_probs and len(self.teacher_log_probs) != r:
+            raise MalformedEvent(f"sample.teacher_log_probs has {len(self.teacher_log_probs)} entries, want {r}")
+        if self.kind in ("opd", "opd+rl") and not self.teacher_log_probs and self.loss_mask:
+            raise MalformedEvent(f"sample.kind {self.kind} needs teacher_log_probs")
+        k = self.teacher_top_k
+        if len(self.teacher_topk_ids) != len(self.teacher_topk_log_probs) or (
+                k and len(self.teacher_topk_ids) not in (0, k * r)):
+            raise MalformedEvent("sample.teacher_topk_* must both hold response_length * teacher_top_k values")
+        if self.loss_mask not in (0, 1):
+            raise MalformedEvent(f"sample.loss_mask must be 0 or 1, got {self.loss_mask}")
+
+
+CONTROL_ACTIONS = ("pause", "weights", "applied", "resume", "failed")
+
+
+@dataclass
+class Control(Event):
+    """An order or report on the ``control`` topic (one partition: total order).
+
+    ``action``: ``pause`` (stop admitting work for this epoch), ``weights`` (new weights at
+    ``location`` with ``sha256`` for ``policy_version``), ``applied`` (``engine_id`` now serves
+    ``policy_version``), ``resume``, ``failed`` (an engine could not apply; ``message`` says why).
+    """
+
+    TYPE: ClassVar[str] = "control"
+    action: str = _f("str")
+    epoch: int = _f("int")
+    policy_version: int = _f("int", 0)
+    run_id: str = _f("str", "default")
+    location: str | None = _f("str", None, optional=True)
+    sha256: str | None = _f("str", None, optional=True)
+    engine_id: str | None = _f("str", None, optional=True)
+    message: str = _f("str", "")
+    created_at: int = _f("int", 0)
+
+    def validate(self) -> None:
+        if self.action not in CONTROL_ACTIONS:
+            raise MalformedEvent(f"control.action must be one of {CONTROL_ACTIONS}, got {self.action!r}")
+        if self.action == "weights" and not (self.location and self.sha256):
+            raise MalformedEvent("control 'weights' needs location and sha256")
+        if self.action in ("applied", "failed") and not self.engine_id:
+            raise MalformedEvent(f"control '{self.action}' needs engine_id")
+
+
+@dataclass
+class DeadLetter(Event):
+    """A record a stage could not decode or process, kept with its origin for operators."""
+
+    TYPE: ClassVar[str] = "dead_letter"
+    source_topic: str = _f("str")
+    partition: int = _f("int")
+    offset: int = _f("int")
+    error: str = _f("str")
+    stage: str = _f("str", "")
+    key: bytes | None = _f("any", None, optional=True)
+    raw: bytes = _f("any", b"")
+    created_at: int = _f("int", 0)
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    c.TYPE: c for c in (Turn, NextState, SessionEnd, Sample, Control, DeadLetter)
+}
+_FIELDS = {t: [(f.name, f.metadata["kind"], f.metadata["optional"],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+               for f in dataclasses.fields(c)] for t, c in EVENT_TYPES.items()}
+
+
+def encode(event: Event) -> bytes:
+    """Serialise an event to msgpack bytes (arrays packed). Raises :class:`MalformedEvent`."""
+    event.validate()
+    out: dict[str, Any] = {"type": event.TYPE, "v": event.V}
+    for name, kind, _opt, _req in _FIELDS[event.TYPE]:
+        value = getattr(event, name)
+        if kind in _DT and value is not None:
+            try:
+                value = np.asarray(value, dtype=_DT[kind]).tobytes()
+            except (TypeError, ValueError, OverflowError) as e:
+                raise MalformedEvent(f"{event.TYPE}.{name}: cannot pack as {kind}: {e}") from e
+        out[name] = value
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def decode(data: bytes | bytearray | memoryview | None) -> Event:
+    """Parse and validate msgpack bytes into an :class:`Event` subclass.
+
+    Raises:
+        MalformedEvent: not msgpack, not a map, a missing/ill-typed field, inconsistent lengths.
+        UnknownEventType: ``type`` is not one of :data:`EVENT_TYPES`.
+        UnsupportedVersion: ``v`` is not :data:`SCHEMA_VERSION`.
+    """
+    if data is None:
+        raise MalformedEvent("record has no value (tombstone)")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise MalformedEvent(f"not a msgpack value: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise MalformedEvent(f"event must be a msgpack map, got {type(obj).__name__}")
+    etype = obj.get("type")
+    cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
+    if cls is None:
+        raise UnknownEventType(f"unknown event type {etype!r}")
+    v = obj.get("v")
+    if v != SCHEMA_VERSION or isinstance(v, bool):
+        raise UnsupportedVersion(f"{etype}: schema version {v!r} not supported (this code reads v{SCHEMA_VERSION})")
+    kwargs: dict[str, Any] = {}
+    for name, kind, optional, required in _FIELDS[etype]:
+        if name not in obj:
+            if required:
+                raise MalformedEvent(f"{etype}.{name} is missing")
+            continue
+        value = obj[name]
+        if value is None:
+            if not optional:
+                raise MalformedEvent(f"{etype}.{name} must not be null")
+        elif kind in _DT:
+            if not isinstance(value, bytes) or len(value) % 4:
+                raise MalformedEvent(f"{etype}.{name} must be packed {kind} bytes")
+            value = np.frombuffer(value, dtype=_DT[kind]).tolist()
+        elif kind != "any":
+            want = _PY[kind]
+            if not isinstance(value, want) or (kind in ("int", "float") and isinstance(value, bool)):
+                raise MalformedEvent(f"{etype}.{name} must be {kind}, got {type(value).__name__}")
+        kwargs[name] = value
+    event = cls(**kwargs)
+    event.validate()
+    return event
