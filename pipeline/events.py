@@ -155,6 +155,7 @@ class Sample(Event):
     - ``rollout_log_probs``: R floats (nats), from the engine that sampled the response;
     - ``teacher_log_probs``: R floats or empty (OPD: the hinted teacher's log-probs of the same ids);
     - ``teacher_topk_ids`` / ``teacher_topk_log_probs``: R*k values, row-major, or empty;
+    - ``rollout_temperature``: the sampling temperature T; log-probs are of softmax(logits / T);
     - ``reward``: scalar (Binary RL: the PRM majority vote in {-1, 0, 1});
     - ``loss_mask``: 1 = train on it, 0 = carried for accounting only.
 
@@ -171,6 +172,7 @@ class Sample(Event):
     tokens: list = _f("i32", [])
     response_length: int = _f("int", 0)
     rollout_log_probs: list = _f("f32", [])
+    rollout_temperature: float = _f("float", 1.0)
     reward: float = _f("float", 0.0)
     loss_mask: int = _f("int", 1)
     teacher_log_probs: list = _f("f32", [])
