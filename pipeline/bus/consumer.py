@@ -1,0 +1,316 @@
+"""One consumer-group application per process: poll, decode, handle, ack, commit.
+
+Commit rule: for each partition the committed offset is the lowest offset that has been
+polled but not yet acknowledged (or one past the last polled offset when everything is
+acknowledged). A handler acknowledges a record by returning ``None``/``True``, or defers it by
+returning ``False`` and calling :meth:`ConsumerApp.ack` later (from any thread). So nothing is
+committed before its output exists, and a crash re-delivers exactly the unfinished tail; the
+consumer of the output deduplicates by a deterministic id (e.g. ``sample_id``).
+
+Records that fail to decode, or whose handler raises, go to ``<topic>.dlq`` as a
+:class:`pipeline.events.DeadLetter` (error text, source partition and offset, the raw bytes)
+and are acknowledged only once the broker has the dead letter: never lost, never blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer
+from kafka.errors import CommitFailedError, KafkaError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from pipeline import events
+from pipeline.bus.producer import EventProducer
+from pipeline.bus.settings import consumer_kwargs
+from pipeline.config import Config
+from pipeline.metrics import COMMITS, CONSUMER_LAG, DEAD_LETTERS, IN_FLIGHT, RECORDS_CONSUMED
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    """A decoded record as handed to a stage (``event`` is the validated event)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    event: events.Event
+    timestamp_ms: int
+    generation: int = 0  # assignment generation; acks from an older one are ignored
+
+    @property
+    def tp(self) -> tuple[str, int]:
+        """``(topic, partition)``."""
+        return (self.topic, self.partition)
+
+
+class _Tracker:
+    """Outstanding offsets of one partition, in poll order."""
+
+    __slots__ = ("outstanding", "acked", "next_offset", "committed", "generation")
+
+    def __init__(self, generation: int) -> None:
+        self.outstanding: deque[int] = deque()
+        self.acked: set[int] = set()
+        self.next_offset: int | None = None
+        self.committed: int | None = None
+        self.generation = generation
+
+    def add(self, offset: int) -> None:
+        self.outstanding.append(offset)
+        self.next_offset = offset + 1
+
+    def ack(self, offset: int) -> None:
+        self.acked.add(offset)
+        while self.outstanding and self.outstanding[0] in self.acked:
+            self.acked.discard(self.outstanding.popleft())
+
+    def safe_offset(self) -> int | None:
+        return self.outstanding[0] if self.outstanding else self.next_offset
+
+
+class ConsumerApp:
+    """Run a handler over a consumer group's records with commit-after-processing semantics.
+
+    Args:
+        config: process config (``kafka`` and ``topics`` sections).
+        group_id: the consumer group.
+        topics: physical topic names to subscribe to.
+        name: stage name (metrics, logs, dead letters).
+        max_in_flight: pause all partitions while more records than this are unacknowledged,
+            resume below half of it (backpressure).
+        dlq: route undecodable records to ``<topic><dlq_suffix>``; False re-raises instead.
+        consumer_overrides: extra kafka-python consumer settings.
+    """
+
+    def __init__(self, config: Config, group_id: str, topics: Iterable[str], name: str,
+                 max_in_flight: int = 10_000, dlq: bool = True, producer: EventProducer | None = None,
+                 **consumer_overrides) -> None:
+        self.config = config
+        self.name = name
+        self.group_id = group_id
+        self.topics = list(topics)
+        self.max_in_flight = max_in_flight
+        self.dlq = dlq
+        self._consumer = KafkaConsumer(**consumer_kwargs(config, group_id, **consumer_overrides))
+        self._own_producer = producer is None
+        self._producer = producer
+        self._trackers: dict[TopicPartition, _Tracker] = {}
+        self._acks: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._paused = False
+        self._generation = 0
+        self._on_assigned: Callable | None = None
+        self._on_revoked: Callable | None = None
+        self.consumed = 0
+        self.dead_lettered = 0
+
+    # ---- public API -------------------------------------------------------------------------
+    def ack(self, record: Record) -> None:
+        """Mark a deferred record done (thread-safe). Ignored if its partition moved away since."""
+        self._acks.put((TopicPartition(record.topic, record.partition), record.offset, record.generation))
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish: it drains acks, commits and closes (thread/signal-safe)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._stop.is_set()
+
+    def assignment(self) -> set[tuple[str, int]]:
+        """Partitions currently owned by this member."""
+        return {(tp.topic, tp.partition) for tp in self._trackers}
+
+    def in_flight(self) -> int:
+        """Records polled but not yet acknowledged."""
+        return sum(len(t.outstanding) for t in self._trackers.values())
+
+    def run(self, handle: Callable[[Record], bool | None], tick: Callable[[], None] | None = None,
+            tick_interval_s: float = 1.0, on_assigned: Callable[[set], None] | None = None,
+            on_revoked: Callable[[set], None] | None = None, poll_timeout_ms: int = 100,
+            drain_timeout_s: float = 10.0, install_signals: bool = True,
+            on_stop: Callable[[], None] | None = None) -> None:
+        """Consume until :meth:`stop` (or SIGTERM/SIGINT when ``install_signals``).
+
+        ``handle(record)`` returns ``None``/``True`` when the record is done, ``False`` when the
+        stage will :meth:`ack` it later. ``tick()`` runs every ``tick_interval_s`` (timers such as
+        idle time-outs). ``on_assigned``/``on_revoked`` get sets of ``(topic, partition)``; on
+        revocation the safe offsets are committed first and later acks for those partitions are
+        ignored. At stop, ``on_stop()`` runs, then deferred acks are awaited up to
+        ``drain_timeout_s``, the final offsets committed and the consumer closed.
+        """
+        self._on_assigned, self._on_revoked = on_assigned, on_revoked
+        if install_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        self._consumer.subscribe(self.topics, listener=_Listener(self))
+        next_tick = time.monotonic() + tick_interval_s
+        try:
+            while not self._stop.is_set():
+                self._drain_acks()
+                batch = self._consumer.poll(timeout_ms=poll_timeout_ms)
+                for tp, recs in batch.items():
+                    tracker = self._trackers.get(tp)
+                    if tracker is None:  # revoked during this poll
+                        continue
+                    RECORDS_CONSUMED.labels(self.name, tp.topic).inc(len(recs))
+                    for r in recs:
+                        self._process(tp, tracker, r, handle)
+                self._drain_acks()
+                self._backpressure()
+                if tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + tick_interval_s
+                    self._safe_call(tick)
+                    self._drain_acks()
+                self._commit()
+        finally:
+            self._shutdown(on_stop, drain_timeout_s)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _process(self, tp: TopicPartition, tracker: _Tracker, r, handle) -> None:
+        tracker.add(r.offset)
+        self.consumed += 1
+        try:
+            event = events.decode(r.value)
+        except events.EventError as e:
+            self._dead_letter(tp, r, f"{type(e).__name__}: {e}")
+            tracker.ack(r.offset)
+            return
+        key = r.key.decode("utf-8", "replace") if r.key is not None else None
+        rec = Record(tp.topic, tp.partition, r.offset, key, event, r.timestamp, tracker.generation)
+        try:
+            done = handle(rec)
+        except Exception as e:  # a stage never crashes on one record
+            log.exception("%s: handler failed on %s[%d]@%d", self.name, tp.topic, tp.partition, r.offset)
+            self._dead_letter(tp, r, f"handler error: {type(e).__name__}: {e}")
+            done = True
+        if done is not False:
+            tracker.ack(r.offset)
+
+    def _dead_letter(self, tp: TopicPartition, r, error: str) -> None:
+        if not self.dlq:
+            raise events.MalformedEvent(error)
+        if self._producer is None:
+            self._producer = EventProducer(self.config, name=self.name)
+        dl = events.DeadLetter(source_topic=tp.topic, partition=tp.partition, offset=r.offset, error=error,
+                               stage=self.name, key=r.key, raw=r.value or b"", created_at=events.now_ms())
+        target = f"{tp.topic}{self.config.topics.dlq_suffix}"
+        # wait for the broker: the source offset may only be committed once the dead letter exists
+        self._producer.send(target, dl, key=r.key.decode("utf-8", "replace") if r.key else None).get(timeout=30)
+        self.dead_lettered += 1
+        DEAD_LETTERS.labels(self.name, tp.topic).inc()
+        log.warning("%s: %s[%d]@%d -> %s: %s", self.name, tp.topic, tp.partition, r.offset, target, error)
+
+    def _drain_acks(self) -> None:
+        while True:
+            try:
+                tp, offset, gen = self._acks.get_nowait()
+            except queue.Empty:
+                break
+            tracker = self._trackers.get(tp)
+            if tracker is not None and tracker.generation == gen:
+                tracker.ack(offset)
+        IN_FLIGHT.labels(self.name).set(self.in_flight())
+
+    def _backpressure(self) -> None:
+        n = self.in_flight()
+        parts = list(self._trackers)
+        if not self._paused and n > self.max_in_flight and parts:
+            self._consumer.pause(*parts)
+            self._paused = True
+            log.info("%s: %d records in flight, pausing %d partitions", self.name, n, len(parts))
+        elif self._paused and n <= self.max_in_flight // 2:
+            self._consumer.resume(*self._consumer.paused())
+            self._paused = False
+            log.info("%s: %d records in flight, resuming", self.name, n)
+
+    def _commit(self, only: Iterable[TopicPartition] | None = None) -> None:
+        offsets = {}
+        for tp in (only if only is not None else list(self._trackers)):
+            t = self._trackers.get(tp)
+            if t is None:
+                continue
+            safe = t.safe_offset()
+            if safe is not None and safe != t.committed:
+                offsets[tp] = OffsetAndMetadata(safe, "", -1)
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets=offsets)
+        except (CommitFailedError, KafkaError) as e:
+            log.warning("%s: commit failed (will retry): %s", self.name, e)
+            return
+        COMMITS.labels(self.name).inc()
+        for tp, om in offsets.items():
+            self._trackers[tp].committed = om.offset
+            hw = self._consumer.highwater(tp)
+            if hw is not None:
+                CONSUMER_LAG.labels(self.name, tp.topic, str(tp.partition)).set(max(0, hw - om.offset))
+
+    def _safe_call(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("%s: callback %s failed", self.name, getattr(fn, "__name__", fn))
+
+    def _assigned(self, tps) -> None:
+        self._generation += 1
+        for tp in tps:
+            self._trackers[tp] = _Tracker(self._generation)
+        if self._paused:
+            self._consumer.pause(*tps)
+        log.info("%s: assigned %s", self.name, sorted((t.topic, t.partition) for t in tps))
+        if self._on_assigned:
+            self._safe_call(self._on_assigned, {(t.topic, t.partition) for t in tps})
+
+    def _revoked(self, tps) -> None:
+        self._drain_acks()
+        self._commit(only=tps)
+        for tp in tps:
+            self._trackers.pop(tp, None)
+        log.info("%s: revoked %s", self.name, sorted((t.topic, t.partition) for t in tps))
+        if self._on_revoked:
+            self._safe_call(self._on_revoked, {(t.topic, t.partition) for t in tps})
+
+    def _shutdown(self, on_stop, drain_timeout_s: float) -> None:
+        if on_stop is not None:
+            self._safe_call(on_stop)
+        deadline = time.monotonic() + drain_timeout_s
+        while self.in_flight() and time.monotonic() < deadline:
+            self._drain_acks()
+            if self.in_flight():
+                time.sleep(0.02)
+        self._drain_acks()
+        try:
+            self._commit()
+        finally:
+            try:
+                self._consumer.close(autocommit=False)
+            finally:
+                if self._own_producer and self._producer is not None:
+                    self._producer.close()
+        log.info("%s: stopped (%d consumed, %d dead-lettered, %d left unacknowledged)",
+                 self.name, self.consumed, self.dead_lettered, self.in_flight())
+
+
+class _Listener(ConsumerRebalanceListener):
+    def __init__(self, app: ConsumerApp) -> None:
+        self.app = app
+
+    def on_partitions_revoked(self, revoked) -> None:
+        self.app._revoked(list(revoked))
+
+    def on_partitions_assigned(self, assigned) -> None:
+        self.app._assigned(list(assigned))

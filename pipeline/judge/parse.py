@@ -1,0 +1,102 @@
+"""Parsing judge output: ``\\boxed{...}`` scores, hints, and the majority vote.
+
+The PRM (process reward model) prompt of OpenClaw-RL's Binary RL asks the judge to end with
+``\\boxed{1}``, ``\\boxed{0}`` or ``\\boxed{-1}``; the OPD hint prompt asks for ``\\boxed{1}`` plus a
+hint between ``[HINT_START]`` and ``[HINT_END]``, or ``\\boxed{-1}``. Judges (especially small
+ones) write ``\\boxed{+1}``, ``\\boxed{1.0}``, ``\\boxed{ -1 }``, ``\\boxed{\\text{1}}`` or several boxes
+while thinking; the **last** box is the answer. Anything else is a failed vote (``None``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+_BOX = "\\boxed{"
+_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.S)
+_NUMBER = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)$")
+HINT_START = "[HINT_START]"
+HINT_END = "[HINT_END]"
+
+
+def last_boxed(text: str | None) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
+    if not text:
+        return None
+    pos = text.rfind(_BOX)
+    while pos >= 0:
+        depth, i = 1, pos + len(_BOX)
+        while i < len(text) and depth:
+            c = text[i]
+            depth += (c == "{") - (c == "}")
+            i += 1
+        if depth == 0:
+            return text[pos + len(_BOX): i - 1]
+        pos = text.rfind(_BOX, 0, pos)  # unterminated box (truncated output): try an earlier one
+    return None
+
+
+def parse_score(text: str | None, allowed: tuple[int, ...] = (1, 0, -1)) -> int | None:
+    """The vote in the last ``\\boxed{}``: an int in ``allowed``, or None (failed vote).
+
+    Accepts ``1``, ``+1``, ``-1``, ``0``, ``1.0``, ``-1.00``, surrounding spaces or ``$``,
+    and one ``\\text{..}``-style wrapper. Rejects other numbers (``2``, ``0.5``), words and
+    missing boxes.
+    """
+    inner = last_boxed(text)
+    if inner is None:
+        return None
+    s = inner.strip().strip("$").strip()
+    m = _WRAPPERS.match(s)
+    if m:
+        s = m.group(1).strip()
+    s = s.replace(" ", "")
+    if not _NUMBER.match(s):
+        return None
+    value = float(s)
+    if value != int(value) or int(value) not in allowed:
+        return None
+    return int(value)
+
+
+def parse_hint(text: str | None, min_chars: int = 10) -> tuple[int | None, str | None]:
+    """Parse one OPD hint vote: ``(vote, hint)``.
+
+    ``vote`` is 1, -1 or None (unparseable). ``hint`` is the stripped text between the last
+    ``[HINT_START]`` and the following ``[HINT_END]`` when the vote is 1 and the hint is
+    **longer than** ``min_chars`` characters (OpenClaw-RL's rule), else None.
+    """
+    vote = parse_score(text, allowed=(1, -1))
+    if vote != 1 or not text:
+        return vote, None
+    start = text.rfind(HINT_START)
+    if start < 0:
+        return vote, None
+    end = text.find(HINT_END, start)
+    if end < 0:
+        return vote, None
+    hint = text[start + len(HINT_START): end].strip()
+    return vote, (hint if len(hint) > min_chars else None)
+
+
+def majority_vote(votes: list[int | None]) -> int:
+    """Majority of the valid votes; a tie between the top values, or no valid vote, gives 0.
+
+    This is OpenClaw-RL's PRM aggregation (failed votes are ignored, not counted as 0).
+    """
+    valid = [v for v in votes if v is not None]
+    if not valid:
+        return 0
+    counts = Counter(valid).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        return 0
+    return int(counts[0][0])
+
+
+def best_hint(hints: list[str | None]) -> str | None:
+    """The longest valid hint (ties: the first), or None."""
+    best = None
+    for h in hints:
+        if h and (best is None or len(h) > len(best)):
+            best = h
+    return best

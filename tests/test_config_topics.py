@@ -1,0 +1,107 @@
+"""Configuration precedence, topics.yaml validation, and the broker/topics commands end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pipeline.broker import free_port
+from pipeline.config import ConfigError, load_config
+from pipeline.topics import TopicsError, load_topics, render
+
+PY = [sys.executable, "-m", "pipeline"]
+
+
+def test_precedence_yaml_env_flags(tmp_path, monkeypatch):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"judge": {"votes": 5, "mode": "opd"}, "kafka": {"client_id": "from-yaml"}}))
+    monkeypatch.setenv("PIPELINE_JUDGE__VOTES", "7")
+    c = load_config(str(f), overrides=["kafka.client_id=from-flag"])
+    assert (c.judge.votes, c.judge.mode, c.kafka.client_id) == (7, "opd", "from-flag")
+    c = load_config(str(f), overrides=["judge.votes=9"], bootstrap="h:1")
+    assert c.judge.votes == 9 and c.kafka.bootstrap_servers == "h:1"
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="judge.votes"):
+        load_config(None, overrides=["judge.votes=many"])
+    with pytest.raises(ConfigError, match="judge.no_such_key"):
+        load_config(None, overrides=["judge.no_such_key=1"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, overrides=["judge.votes"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(str(bad))
+
+
+def test_secrets_masked_and_passed(monkeypatch):
+    monkeypatch.setenv("PIPELINE_KAFKA__SASL_PLAIN_PASSWORD", "hunter2")
+    c = load_config(None, overrides=["kafka.security_protocol=SASL_SSL", "kafka.sasl_mechanism=PLAIN",
+                                     "kafka.sasl_plain_username=u"])
+    assert c.kafka.client_kwargs()["sasl_plain_password"] == "hunter2"
+    out = subprocess.run(PY + ["config", "show", "--format", "json"], capture_output=True, text=True,
+                         env={**os.environ, "PIPELINE_KAFKA__SASL_PLAIN_PASSWORD": "hunter2"})
+    assert out.returncode == 0 and "hunter2" not in out.stdout and "sasl_plain_password" in out.stdout
+
+
+def test_topics_yaml_is_valid_and_complete():
+    specs = {s.name: s for s in load_topics(load_config(None).topics.file)}
+    assert {"turns", "samples", "control", "turns.dlq", "samples.dlq", "control.dlq"} <= set(specs)
+    assert specs["control"].partitions == 1  # total order
+    assert set(specs["turns"].values) == {"turn", "next_state", "session_end"}
+
+
+def test_topics_yaml_errors(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("topics:\n  x:\n    partitions: 0\n    replication_factor: 1\n")
+    with pytest.raises(TopicsError, match="partitions"):
+        load_topics(f)
+    f.write_text("topics:\n  x:\n    partitions: 1\n    replication_factor: 1\n    values: [bogus]\n")
+    with pytest.raises(TopicsError, match="bogus"):
+        load_topics(f)
+    f.write_text("topics:\n  x: {}\n")
+    with pytest.raises(TopicsError, match="'x'"):
+        load_topics(f)
+
+
+def test_render_strimzi_matches_topics_yaml():
+    specs = load_topics(load_config(None).topics.file)
+    docs = list(yaml.safe_load_all(render(specs, "strimzi")))
+    assert [d["spec"]["topicName"] for d in docs] == [s.name for s in specs]
+    for d, s in zip(docs, specs):
+        assert d["kind"] == "KafkaTopic" and d["spec"]["partitions"] == s.partitions
+        assert d["spec"]["config"] == s.config and d["spec"]["replicas"] == s.replication_factor
+
+
+def test_broker_command_and_idempotent_apply():
+    port = free_port()
+    broker = subprocess.Popen(PY + ["broker", "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = broker.stdout.readline()
+        while line and "broker ready" not in line:
+            line = broker.stdout.readline()
+        assert f"bootstrap=127.0.0.1:{port}" in line
+        first = subprocess.run(PY + ["topics", "apply", "--bootstrap", f"127.0.0.1:{port}"], capture_output=True,
+                               text=True, timeout=60)
+        assert first.returncode == 0, first.stderr
+        created = [ln.split()[1] for ln in first.stdout.splitlines() if ln.startswith("created")]
+        assert sorted(created) == sorted(s.name for s in load_topics(load_config(None).topics.file))
+        second = subprocess.run(PY + ["topics", "apply", "--bootstrap", f"127.0.0.1:{port}"], capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode == 0 and "created" not in second.stdout
+        assert "nothing to create" in second.stdout
+        listed = subprocess.run(PY + ["topics", "list", "--bootstrap", f"127.0.0.1:{port}"], capture_output=True,
+                                text=True, timeout=60)
+        assert "MISSING" not in listed.stdout and "turns" in listed.stdout
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(20) == 0
+    down = subprocess.run(PY + ["topics", "apply", "--bootstrap", f"127.0.0.1:{port}"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PIPELINE_KAFKA__REQUEST_TIMEOUT_MS": "3000"})
+    assert down.returncode != 0 and "Traceback" not in down.stderr and "cannot reach" in down.stderr
