@@ -1,0 +1,262 @@
+"""Advantages and losses of the trainer: small pure tensor functions (no model, no state).
+
+Shapes: ``n`` samples, ``L`` token positions per sample (padded); ``mask`` is ``[n, L]`` with 1
+on the positions that predict a response token with ``loss_mask = 1`` and 0 elsewhere. All
+log-probs are natural-log probabilities (nats) of the sampled token. Everything is written to
+follow OpenClaw-RL's use of slime (``slime/utils/ppo_utils.py`` and the policy loss in
+``slime/backends/megatron_utils/loss.py``), re-derived here; each docstring names its source.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Tensor = torch.Tensor
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+LossAgg = Literal["sum_of_sample_mean", "token_mean"]
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def grpo_advantages(rewards: Tensor, mask: Tensor, normalize: bool = False, eps: float = 1e-6) -> Tensor:
+    """GRPO / Binary-RL advantage: each sample's scalar reward broadcast over its response tokens.
+
+    Args:
+        rewards: ``[n]`` scalar rewards (Binary RL: the PRM majority vote in {-1, 0, 1}).
+        mask: ``[n, L]`` response-token mask.
+        normalize: subtract the mean reward of the ``n`` samples and divide by their population
+            standard deviation plus ``eps`` (slime's GRPO group normalisation, with the batch as
+            the group: online samples of a live agent do not come in groups of the same prompt).
+            A batch of one, or one where every reward is equal, gets zero advantage (no NaN).
+    Returns:
+        ``[n, L]`` advantages, 0 outside ``mask``.
+    Source: OpenClaw-RL Binary RL (reward = advantage), slime ``--advantage-estimator grpo``.
+    """
+    r = rewards.to(torch.float32)
+    if normalize and r.numel():
+        r = (r - r.mean()) / (r.std(unbiased=False) + eps)
+    return r[:, None] * mask.to(r.dtype)
+
+
+def opd_advantages(teacher_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
+    """On-policy distillation advantage: ``teacher log-prob - old log-prob`` per response token.
+
+    Args:
+        teacher_log_probs: ``[n, L]`` log p_teacher(token) where the teacher saw the hindsight hint.
+        old_log_probs: ``[n, L]`` log-probs of the same tokens under the behaviour policy (the
+            rollout log-probs, or the trainer's recomputed ones; see ``TrainerConfig.old_log_probs``).
+        mask: ``[n, L]``.
+    Returns:
+        ``[n, L]``: positive where the hinted teacher likes the token more than the policy did.
+    Source: OpenClaw-RL hindsight OPD (token-level advantage = teacher minus student log-prob).
+    """
+    return (teacher_log_probs - old_log_probs) * mask.to(teacher_log_probs.dtype)
+
+
+def combine_advantages(grpo: Tensor, opd: Tensor, w_rl: float = 1.0, w_opd: float = 1.0) -> Tensor:
+    """OpenClaw-RL's combination: ``w_rl * grpo + w_opd * (teacher - old)``, all ``[n, L]``."""
+    return w_rl * grpo + w_opd * opd
+
+
+# ---------------------------------------------------------------- PPO pieces
+
+
+def approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kind: KLType = "low_var_kl") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of sampled tokens (Schulman's k1/k2/k3).
+
+    With ``log_ratio = log_probs - ref_log_probs``:
+    ``k1 = log_ratio``; ``k2 = log_ratio**2 / 2``; ``k3 = exp(-log_ratio) - 1 + log_ratio``
+    (non-negative, unbiased); ``low_var_kl`` = k3 clamped to [-10, 10] as in slime.
+    Shapes: any, element-wise. Source: http://joschu.net/blog/kl-approx.html, slime
+    ``compute_approx_kl``.
+    """
+    log_ratio = log_probs.float() - ref_log_probs.float()
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return log_ratio.pow(2) / 2
+    if kind in ("k3", "low_var_kl"):
+        k3 = torch.exp(-log_ratio) - 1 + log_ratio
+        return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
+    raise ValueError(f"unknown KL estimator {kind!r} (k1, k2, k3, low_var_kl)")
+
+
+def ppo_policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, eps_clip: float,
+                    eps_clip_high: float | None = None, eps_clip_c: float | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO clipped surrogate per token, with DAPO's asymmetric clip and optional dual-clip.
+
+    ``ratio = exp(log_probs - old_log_probs)``;
+    ``loss = max(-A * ratio, -A * clamp(ratio, 1 - eps_clip, 1 + eps_clip_high))``; with dual-clip
+    (``eps_clip_c`` = c > 1) the loss of a negative-advantage token is further capped at ``-A * c``,
+    so a huge ratio on a bad token cannot blow up the update.
+
+    Args:
+        log_probs: ``[n, L]`` current policy log-probs (with grad).
+        old_log_probs: ``[n, L]`` behaviour log-probs (no grad).
+        advantages: ``[n, L]``.
+        eps_clip: lower clip range; ``eps_clip_high`` upper (default: ``eps_clip``).
+        eps_clip_c: dual-clip constant (> 1) or None.
+    Returns:
+        ``(pg_losses, clipfrac, ppo_kl)``, each ``[n, L]``: per-token loss, 1.0 where the clipped
+        branch was taken, and ``old - new`` log-prob (slime's ``ppo_kl``).
+    Raises:
+        ValueError: ``eps_clip_c <= 1``.
+    Source: PPO (Schulman 2017), DAPO clip-higher (Yu 2025), dual-clip (Ye 2020); slime
+    ``compute_policy_loss``.
+    """
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    ppo_kl = old_log_probs - log_probs
+    ratio = torch.exp(-ppo_kl)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    loss = torch.maximum(pg1, pg2)
+    clipfrac = (pg2 > pg1).float()
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"eps_clip_c must be > 1 for dual-clip, got {eps_clip_c}")
+        pg3 = -advantages * eps_clip_c
+        loss = torch.where(advantages < 0, torch.minimum(pg3, loss), loss)
+    return loss, clipfrac, ppo_kl
+
+
+def truncated_is_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float,
+                         floor: float = 0.0) -> Tensor:
+    """Truncated importance-sampling weights for the rollout-vs-training mismatch (no grad).
+
+    ``w = clamp(exp(old - rollout), floor, cap)``, element-wise ``[n, L]``: the engine that sampled
+    (fp32 CPU server or SGLang in bf16) and the trainer compute slightly different probabilities;
+    multiplying the per-token policy loss by ``w`` corrects the off-policyness while the cap keeps
+    the variance bounded. Source: "Your efficient RL framework secretly brings you off-policy RL
+    training" (Yao et al., 2025), slime ``--use-tis``.
+    """
+    return torch.exp(old_log_probs.detach() - rollout_log_probs.detach()).clamp(min=floor, max=cap)
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: LossAgg = "sum_of_sample_mean",
+              sample_weights: Tensor | None = None, num_samples: int | None = None,
+              num_tokens: int | None = None) -> Tensor:
+    """Reduce per-token values ``[n, L]`` to a scalar, consistently across micro-batches.
+
+    - ``sum_of_sample_mean``: each sample's mean over its masked tokens, summed over samples and
+      divided by ``num_samples`` (the number of samples with at least one masked token in the
+      whole global batch; default: in ``values``). Every sample weighs the same whatever its
+      length (slime's default ``sum_of_sample_mean`` divided by the global batch size).
+    - ``token_mean``: the sum over all masked tokens divided by ``num_tokens`` (the global batch's
+      masked-token count; default: in ``values``). Long responses weigh more.
+
+    Summing the results of micro-batches that share the global ``num_samples`` / ``num_tokens``
+    gives the result of the whole batch. ``sample_weights`` ``[n]`` scale each sample (staleness
+    down-weighting). Empty input, or a mask with no 1, gives an exact 0 (never NaN) that is still
+    connected to the graph of ``values``.
+    """
+    m = mask.to(values.dtype)
+    v = values * m
+    if sample_weights is not None:
+        v = v * sample_weights.to(values.dtype)[:, None]
+    if mode == "sum_of_sample_mean":
+        per_sample = v.sum(-1) / m.sum(-1).clamp(min=1.0)
+        denom = num_samples if num_samples is not None else int((m.sum(-1) > 0).sum())
+        return per_sample.sum() / max(denom, 1)
+    if mode == "token_mean":
+        denom = num_tokens if num_tokens is not None else int(m.sum())
+        return v.sum() / max(denom, 1)
+    raise ValueError(f"unknown loss aggregation {mode!r} (sum_of_sample_mean, token_mean)")
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over ``mask == 1`` (0 when the mask is empty), for metrics."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1.0)
+
+
+# ---------------------------------------------------------------- staleness
+
+
+def staleness(sample_versions: Tensor, trainer_version: int) -> Tensor:
+    """``[n]`` integers: how many weight syncs ago each sample's policy was current (>= 0)."""
+    return (trainer_version - sample_versions.to(torch.int64)).clamp(min=0)
+
+
+def staleness_weights(sample_versions: Tensor, trainer_version: int, max_staleness: int | None,
+                      policy: Literal["drop", "downweight"] = "drop", decay: float = 0.5
+                      ) -> tuple[Tensor, Tensor]:
+    """Per-sample weights under a staleness bound.
+
+    A sample is stale when ``staleness > max_staleness``. ``drop``: weight 0 and ``keep`` False;
+    ``downweight``: kept with weight ``decay ** (staleness - max_staleness)``. ``max_staleness``
+    None disables the bound (all weights 1).
+
+    Returns:
+        ``(weights [n] float32, keep [n] bool)``.
+    Source: asynchronous RL practice (AReaL's staleness bound; OpenClaw-RL trains on
+    slightly off-policy samples and corrects with importance ratios).
+    """
+    s = staleness(sample_versions, trainer_version)
+    weights = torch.ones(s.shape, dtype=torch.float32)
+    keep = torch.ones(s.shape, dtype=torch.bool)
+    if max_staleness is None:
+        return weights, keep
+    stale = s > max_staleness
+    if policy == "drop":
+        keep = ~stale
+        weights = keep.to(torch.float32)
+    elif policy == "downweight":
+        weights = torch.where(stale, decay ** (s - max_staleness).to(torch.float32), weights)
+    else:
+        raise ValueError(f"unknown stale policy {policy!r} (drop, downweight)")
+    return weights, keep
+
+
+# ---------------------------------------------------------------- total loss
+
+
+def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
+                eps_clip: float, eps_clip_high: float | None = None, eps_clip_c: float | None = None,
+                entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                ref_log_probs: Tensor | None = None, kl_coef: float = 0.0, kl_type: KLType = "low_var_kl",
+                rollout_log_probs: Tensor | None = None, tis_cap: float | None = None, tis_floor: float = 0.0,
+                sample_weights: Tensor | None = None, agg: LossAgg = "sum_of_sample_mean",
+                num_samples: int | None = None, num_tokens: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The trainer's objective for one micro-batch: ``pg_loss - entropy_coef * entropy + kl_coef * kl``.
+
+    Every term is aggregated with :func:`aggregate` (``agg``, global ``num_samples`` /
+    ``num_tokens``, ``sample_weights``), so summing micro-batch losses gives the batch loss.
+    ``pg_loss`` is the PPO surrogate of :func:`ppo_policy_loss`, multiplied per token by
+    :func:`truncated_is_weights` when ``tis_cap`` is set (needs ``rollout_log_probs``). The KL
+    term needs ``ref_log_probs`` (a frozen reference model); the entropy term needs ``entropy``.
+
+    Args: ``[n, L]`` tensors as in the module docstring; ``sample_weights`` ``[n]``.
+    Returns:
+        ``(loss, stats)``: the scalar loss (with grad) and detached scalars ``pg_loss``,
+        ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``kl``, ``tis`` — each aggregated the same way.
+    Source: slime ``policy_loss_function`` (OpenClaw-RL's trainer).
+    """
+    def agg_(x: Tensor) -> Tensor:
+        return aggregate(x, mask, agg, sample_weights, num_samples, num_tokens)
+
+    pg, clipfrac, ppo_kl = ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
+    zero = log_probs.sum() * 0.0
+    tis = None
+    if tis_cap is not None:
+        if rollout_log_probs is None:
+            raise ValueError("tis_cap needs rollout_log_probs")
+        tis = truncated_is_weights(old_log_probs, rollout_log_probs, tis_cap, tis_floor)
+        pg = pg * tis
+    pg_loss = agg_(pg)
+    loss = pg_loss
+    ent = agg_(entropy) if entropy is not None else zero
+    if entropy_coef and entropy is not None:
+        loss = loss - entropy_coef * ent
+    kl = agg_(approx_kl(log_probs, ref_log_probs, kl_type)) if ref_log_probs is not None else zero
+    if kl_coef and ref_log_probs is not None:
+        loss = loss + kl_coef * kl
+    stats = {"pg_loss": pg_loss, "pg_clipfrac": agg_(clipfrac), "ppo_kl": agg_(ppo_kl), "entropy": ent,
+             "kl": kl, "tis": agg_(tis) if tis is not None else zero}
+    return loss, {k: v.detach() for k, v in stats.items()}
