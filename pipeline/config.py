@@ -107,6 +107,9 @@ class EngineConfig(Section):
     seed: int = 0
     request_timeout_s: float = 300.0
     teacher_url: str | None = None  # OPD teacher engine; None: same as url
+    # added by the engine stage
+    weight_version: str = "0"  # initial policy version reported by the engine
+    api_key: SecretStr | None = None  # if set, the engine requires "Authorization: Bearer <key>"
 
 
 class ProxyConfig(Section):
@@ -139,6 +142,15 @@ class JudgeConfig(Section):
     idle_timeout_s: float = 300.0
     max_in_flight: int = 256
     teacher_top_k: int = 0
+    # added by the judge stage
+    api_key: SecretStr | None = None  # bearer token of the judge endpoint (env only)
+    retry_backoff_s: float = 0.5  # first back-off of a failed vote; doubles per retry
+    hint_min_chars: int = 10  # an OPD hint counts when it is longer than this
+    tokenizer: str | None = None  # judge model tokenizer (choice backend); None: engine.model
+    embedding_threads: int | None = 1  # torch threads of the embedding backend
+    teacher_timeout_s: float = 300.0  # one teacher /generate scoring call
+    max_uncommitted_records: int = 200_000  # consumer pauses its partitions above this
+    drain_timeout_s: float = 30.0  # at shutdown, wait this long for judge jobs in flight
 
 
 class TrainerConfig(Section):

@@ -1,0 +1,326 @@
+"""The judge process: a consumer group on ``turns`` that produces scored ``samples``.
+
+Threads: the consumer loop (:class:`pipeline.bus.ConsumerApp`, kafka-python, synchronous) runs
+the join (:class:`pipeline.judge.join.Joiner`); judge jobs go to an asyncio event loop in a
+worker thread, where the backend's HTTP calls (votes, teacher) run concurrently. Per session,
+jobs may score concurrently but their samples are *sent* in turn order (each job waits for the
+previous job of its session), and the records a job settles are acknowledged only when the
+broker has confirmed its sample (the producer's delivery callback calls ``ConsumerApp.ack``).
+The committed offset of a partition is the lowest unacknowledged offset, so a crash (even
+``kill -9``) re-delivers exactly the unsettled tail: no sample is lost, and a re-produced
+sample carries the same ``sample_id``.
+
+Backpressure: at most ``judge.max_in_flight`` jobs are in flight (submitted, not yet
+delivered); the consumer loop waits for room, and the ConsumerApp pauses its partitions when
+more than ``judge.max_uncommitted_records`` records are unacknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+
+from kafka.errors import KafkaTimeoutError
+
+from pipeline import events
+from pipeline.bus import BufferFull, ConsumerApp, EventProducer
+from pipeline.judge import metrics
+from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
+from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
+from pipeline.judge.prompts import JudgeInput
+from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample
+from pipeline.judge.teacher import Teacher, TeacherError
+
+log = logging.getLogger(__name__)
+
+
+class _Link:
+    """A job's place in its session's chain: ``sent`` and ``delivered`` futures (worker loop)."""
+
+    __slots__ = ("sent", "delivered")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.sent = loop.create_future()
+        self.delivered = loop.create_future()
+
+
+class JudgeApp:
+    """One judge process (see the module docstring).
+
+    Args:
+        config: the process config (``judge``, ``kafka``, ``topics``, ``engine`` sections).
+        mode: ``rl``, ``opd`` or ``combine`` (default ``judge.mode``).
+        backend: a constructed :class:`Backend` (default: ``judge.backend`` by name/import path).
+        teacher: a :class:`Teacher` for OPD/combine (default: built from ``engine.model``).
+        group_id: consumer group (default ``judge.group_id``).
+        name: stage name in metrics, logs and dead letters.
+    Raises:
+        ValueError: unknown mode. :class:`pipeline.judge.backends.BackendError`: bad backend.
+    """
+
+    def __init__(self, config, mode: str | None = None, backend: Backend | None = None,
+                 teacher: Teacher | None = None, group_id: str | None = None, name: str = "judge") -> None:
+        jc = config.judge
+        self.config, self.name = config, name
+        self.mode = mode or jc.mode
+        if self.mode not in MODES:
+            raise ValueError(f"judge mode must be one of {MODES}, got {self.mode!r}")
+        self.backend = backend if backend is not None else make_backend(jc.backend, config)
+        self.judge_name = getattr(self.backend, "name", type(self.backend).__name__)
+        self.teacher = teacher if teacher is not None or self.mode == "rl" else Teacher(config)
+        self.samples_topic = config.topics.name("samples")
+        self.dlq_topic = config.topics.dlq("turns")
+        self.producer = EventProducer(config, name=name)
+        self.consumer = ConsumerApp(config, group_id=group_id or jc.group_id, topics=[config.topics.name("turns")],
+                                    name=name, max_in_flight=jc.max_uncommitted_records, producer=self.producer)
+        self.joiner = Joiner(jc.idle_timeout_s, at_least_one=(self.mode == "rl"))
+        self.max_jobs = max(1, jc.max_in_flight)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-worker", daemon=True)
+        self._queue: deque[Job] = deque()
+        self._scheduled = False
+        self._qlock = threading.Lock()
+        self._cond = threading.Condition()
+        self._jobs = 0
+        self._chains: dict[str, _Link] = {}
+        self.fatal: BaseException | None = None
+        self.samples_sent = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def run(self, install_signals: bool = True) -> int:
+        """Consume until stopped (SIGTERM/SIGINT or :meth:`stop`); returns the exit status."""
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._astart(), self.loop).result()
+            tick_s = min(1.0, max(0.05, self.config.judge.idle_timeout_s / 4))
+            self.consumer.run(self._handle, tick=self._tick, tick_interval_s=tick_s,
+                              on_revoked=self._revoked, on_stop=self._drain, drain_timeout_s=1.0,
+                              install_signals=install_signals)
+        finally:
+            try:
+                asyncio.run_coroutine_threadsafe(self._aclose(), self.loop).result(timeout=10)
+            except Exception:
+                log.exception("%s: closing the backend failed", self.name)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.producer.close()
+        if self.fatal is not None:
+            log.error("%s: stopped on a fatal error: %s", self.name, self.fatal)
+            return 1
+        return 0
+
+    def stop(self) -> None:
+        """Ask the judge to finish (thread-safe): in-flight jobs are drained, offsets committed."""
+        self.consumer.stop()
+
+    async def _astart(self) -> None:
+        await self.backend.start()
+        if self.teacher is not None:
+            await self.teacher.start()
+
+    async def _aclose(self) -> None:
+        await self.backend.aclose()
+        if self.teacher is not None:
+            await self.teacher.aclose()
+
+    # ---- consumer-thread callbacks ----------------------------------------------------------
+    def _handle(self, rec) -> bool:
+        ev = rec.event
+        if isinstance(ev, events.Turn) and ev.turn_type == "main":
+            metrics.TURNS.inc()
+        ack, jobs = self.joiner.on_record(rec)
+        if jobs:
+            self._submit(jobs)
+        return ack
+
+    def _tick(self) -> None:
+        jobs = self.joiner.expire()
+        if jobs:
+            self._submit(jobs)
+        metrics.SESSIONS_WAITING.set(self.joiner.waiting)
+
+    def _revoked(self, tps: set) -> None:
+        n = self.joiner.drop_partitions(tps)
+        metrics.SESSIONS_WAITING.set(self.joiner.waiting)
+        log.info("%s: dropped %d sessions of revoked partitions %s", self.name, n, sorted(tps))
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.judge.drain_timeout_s
+        with self._cond:
+            while self._jobs and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.05)
+            left = self._jobs
+        if left:
+            log.warning("%s: %d judge jobs still in flight at shutdown (their records will be re-delivered)",
+                        self.name, left)
+
+    def _submit(self, jobs: list[Job]) -> None:
+        with self._cond:
+            while self._jobs >= self.max_jobs and not self.consumer.stopping:
+                self._cond.wait(timeout=0.1)
+            self._jobs += len(jobs)
+            metrics.JOBS_IN_FLIGHT.set(self._jobs)
+        with self._qlock:
+            self._queue.extend(jobs)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._start_jobs)
+
+    def _job_done(self) -> None:
+        with self._cond:
+            self._jobs -= 1
+            metrics.JOBS_IN_FLIGHT.set(self._jobs)
+            self._cond.notify_all()
+
+    # ---- worker loop ------------------------------------------------------------------------
+    def _start_jobs(self) -> None:
+        with self._qlock:
+            jobs = list(self._queue)
+            self._queue.clear()
+            self._scheduled = False
+        for job in jobs:
+            prev = self._chains.get(job.session_id)
+            link = _Link(self.loop)
+            self._chains[job.session_id] = link
+            link.delivered.add_done_callback(lambda _f, sid=job.session_id, lk=link: self._unchain(sid, lk))
+            self.loop.create_task(self._run_job(job, prev, link))
+
+    def _unchain(self, sid: str, link: _Link) -> None:
+        if self._chains.get(sid) is link:
+            del self._chains[sid]
+
+    async def _run_job(self, job: Job, prev: _Link | None, link: _Link) -> None:
+        outputs: list[tuple[str, events.Event]] = []
+        try:
+            try:
+                outputs = await self._compute(job)
+            except Exception as e:  # a bug or an unexpected answer: never lose the turn silently
+                log.exception("%s: judging %s turn %s failed", self.name, job.session_id,
+                              job.turn.turn_index if job.turn else "-")
+                outputs = [self._dead_letter(job, f"judge error: {type(e).__name__}: {e}")]
+            if prev is not None and not prev.sent.done():
+                await asyncio.shield(prev.sent)
+            if outputs:
+                await self._send(job, outputs, link)
+            else:
+                if prev is not None and not prev.delivered.done():
+                    await asyncio.shield(prev.delivered)
+                self._settle(job, link)
+        finally:
+            if not link.sent.done():
+                link.sent.set_result(None)
+
+    async def _send(self, job: Job, outputs, link: _Link) -> None:
+        remaining = [len(outputs)]
+        lock = threading.Lock()
+
+        def on_delivery(exc) -> None:  # producer I/O thread
+            if exc is not None:
+                self.fatal = exc
+                log.error("%s: sample of %s could not be delivered (%s): stopping", self.name, job.session_id, exc)
+                self.consumer.stop()
+                self._job_done()
+                return
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self.loop.call_soon_threadsafe(self._settle, job, link)
+
+        for topic, ev in outputs:
+            while True:
+                try:
+                    self.producer.send(topic, ev, key=job.session_id, on_delivery=on_delivery)
+                    break
+                except (BufferFull, KafkaTimeoutError) as e:
+                    log.warning("%s: producer busy (%s), retrying", self.name, e)
+                    await asyncio.sleep(0.2)
+            if isinstance(ev, events.Sample):
+                self.samples_sent += 1
+        link.sent.set_result(None)
+
+    def _settle(self, job: Job, link: _Link) -> None:
+        """The job's outputs are delivered: acknowledge its records (worker loop)."""
+        for r in job.acks:
+            self.consumer.ack(r)
+        if job.kind != RELEASE:
+            metrics.LATENCY.observe(time.monotonic() - job.joined_at)
+        if not link.delivered.done():
+            link.delivered.set_result(None)
+        self._job_done()
+
+    # ---- scoring ---------------------------------------------------------------------------
+    async def _compute(self, job: Job) -> list[tuple[str, events.Event]]:
+        if job.kind == RELEASE:
+            return []
+        turn = job.turn
+        if job.kind == FLUSH:
+            metrics.FLUSHED.labels(job.reason).inc()
+            if self.mode == "rl":
+                return self._samples([rl_flush_sample(turn, self.judge_name)])
+            return []
+        inp = JudgeInput.from_turn(turn, job.next_state)
+        if self.mode == "rl":
+            verdict = await self._score(inp)
+            return self._samples([rl_sample(turn, verdict, job.candidate, self.judge_name)])
+        if self.mode == "opd":
+            hv = await self._hint(inp)
+            if not hv.hint:
+                metrics.DROPPED.labels("no_hint").inc()
+                return []
+            try:
+                teacher = await self.teacher.log_probs(turn, hv.hint)
+            except TeacherError as e:
+                metrics.TEACHER_FAILURES.inc()
+                return [self._dead_letter(job, f"teacher failed: {e}")]
+            return self._samples([opd_sample(turn, hv.hint, teacher, hv.votes, self.judge_name)])
+        # combine
+        verdict, hv = await asyncio.gather(self._score(inp), self._hint(inp))
+        teacher = None
+        if hv.hint:
+            try:
+                teacher = await self.teacher.log_probs(turn, hv.hint)
+            except TeacherError as e:
+                metrics.TEACHER_FAILURES.inc()
+                log.warning("%s: teacher failed for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
+        s = combine_sample(turn, verdict.score, hv.hint if teacher is not None else None, teacher,
+                           [list(verdict.votes), list(hv.votes)], self.judge_name)
+        if s is None:
+            metrics.DROPPED.labels("no_signal").inc()
+            return []
+        return self._samples([s])
+
+    def _samples(self, samples) -> list[tuple[str, events.Event]]:
+        for s in samples:
+            metrics.SAMPLES.labels(s.kind).inc()
+        return [(self.samples_topic, s) for s in samples]
+
+    async def _score(self, inp: JudgeInput) -> Verdict:
+        try:
+            v = await self.backend.score(inp)
+        except Exception:
+            log.exception("%s: backend %s failed to score", self.name, self.judge_name)
+            v = Verdict(0, [None])
+            metrics.count_vote(None)
+        if v.all_failed:
+            metrics.ALL_FAILED.inc()
+        return v
+
+    async def _hint(self, inp: JudgeInput) -> HintVerdict:
+        try:
+            return await self.backend.hint(inp)
+        except Exception:
+            log.exception("%s: backend %s failed to give a hint", self.name, self.judge_name)
+            metrics.count_vote(None)
+            return HintVerdict(None, [None])
+
+    def _dead_letter(self, job: Job, error: str) -> tuple[str, events.Event]:
+        rec = job.record
+        dl = events.DeadLetter(source_topic=rec.topic, partition=rec.partition, offset=rec.offset, error=error,
+                               stage=self.name, key=job.session_id.encode(), raw=events.encode(job.turn),
+                               created_at=events.now_ms())
+        return (self.dlq_topic, dl)

@@ -1,0 +1,153 @@
+"""``llm`` backend: m sampled votes from an OpenAI-compatible endpoint (SGLang, vLLM, ...).
+
+Each vote is one ``POST {judge.url}/v1/chat/completions`` with our PRM prompt (or the OPD hint
+prompt) at ``judge.temperature``; the m votes run concurrently. A vote whose request fails
+(connection error, time-out after ``judge.vote_timeout_s``, HTTP 429 or 5xx) is retried
+``judge.retries`` times with exponential back-off from ``judge.retry_backoff_s``, then counts
+as failed. A 200 answer without a valid last ``\\boxed{}`` is a failed vote at once (a parse
+failure, counted in ``pipeline_judge_parse_failures_total``). The score is the majority of the
+valid votes; a tie, or no valid vote, gives 0 (OpenClaw-RL's PRM rule).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import orjson
+
+from pipeline.judge import metrics
+from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
+from pipeline.judge.parse import best_hint, majority_vote, parse_hint, parse_score
+from pipeline.judge.prompts import JudgeInput, hint_messages, prm_messages
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+_HEADERS = {"content-type": "application/json"}
+
+
+class CallFailed(RuntimeError):
+    """A judge HTTP call failed after its retries."""
+
+
+def judge_url(config) -> str:
+    """Base URL of the judge endpoint (``judge.url``, else ``engine.url``), without a trailing /."""
+    return (config.judge.url or config.engine.url).rstrip("/")
+
+
+class HttpJudge:
+    """An async HTTP client for judge calls with time-outs, retries and back-off.
+
+    Args:
+        base_url: the endpoint's base URL.
+        timeout_s: per-attempt time-out (connect + read), seconds.
+        retries: extra attempts after the first for retryable failures.
+        backoff_s: first back-off; doubles each retry.
+        api_key: optional bearer token.
+        max_connections: connection pool size.
+    """
+
+    def __init__(self, base_url: str, timeout_s: float, retries: int, backoff_s: float,
+                 api_key: str | None = None, max_connections: int = 512) -> None:
+        headers = dict(_HEADERS)
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self.retries, self.backoff_s = retries, backoff_s
+        self.client = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    async def post(self, path: str, body: dict) -> dict:
+        """POST ``body`` as JSON and return the parsed JSON answer.
+
+        Raises:
+            CallFailed: every attempt failed (the last error is in the message).
+        """
+        data = orjson.dumps(body)
+        err: str = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            try:
+                r = await self.client.post(path, content=data)
+            except httpx.HTTPError as e:  # connect errors, time-outs, protocol errors
+                err = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code == 200:
+                try:
+                    return orjson.loads(r.content)
+                except orjson.JSONDecodeError as e:
+                    raise CallFailed(f"{path}: answer is not JSON: {e}") from None
+            err = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code not in _RETRY_STATUS:
+                break
+        raise CallFailed(f"{path}: {err}")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def completion_text(answer: dict) -> str:
+    """The assistant text of a chat completion (content, else reasoning_content)."""
+    try:
+        msg = answer["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return ""
+    return msg.get("content") or msg.get("reasoning_content") or ""
+
+
+class LLMBackend(Backend):
+    """Sampled ``\\boxed{}`` votes from an LLM judge (production default; SGLang on a GPU)."""
+
+    name = "llm"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.jc = config.judge
+        self.http: HttpJudge | None = None
+
+    async def start(self) -> None:
+        key = self.jc.api_key.get_secret_value() if self.jc.api_key else None
+        self.http = HttpJudge(judge_url(self.config), self.jc.vote_timeout_s, self.jc.retries,
+                              self.jc.retry_backoff_s, api_key=key,
+                              max_connections=max(16, self.jc.max_in_flight * max(1, self.jc.votes) * 2))
+
+    async def aclose(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+
+    async def _sample(self, messages: list[dict]) -> str | None:
+        body = {"model": self.jc.model, "messages": messages, "temperature": self.jc.temperature,
+                "max_tokens": self.jc.max_tokens, "stream": False}
+        try:
+            return completion_text(await self.http.post("/v1/chat/completions", body))
+        except CallFailed as e:
+            log.warning("judge vote failed: %s", e)
+            return None
+
+    async def _votes(self, messages: list[dict]) -> list[str | None]:
+        n = max(1, self.jc.votes)
+        return list(await asyncio.gather(*(self._sample(messages) for _ in range(n))))
+
+    async def score(self, inp: JudgeInput) -> Verdict:
+        votes = []
+        for text in await self._votes(prm_messages(inp)):
+            v = parse_score(text) if text is not None else None
+            if text is not None and v is None:
+                metrics.PARSE_FAILURES.inc()
+            metrics.count_vote(v)
+            votes.append(v)
+        return Verdict(majority_vote(votes), votes)
+
+    async def hint(self, inp: JudgeInput) -> HintVerdict:
+        votes, hints = [], []
+        for text in await self._votes(hint_messages(inp)):
+            v, h = parse_hint(text, self.jc.hint_min_chars) if text is not None else (None, None)
+            if text is not None and v is None:
+                metrics.PARSE_FAILURES.inc()
+            metrics.count_vote(v)
+            votes.append(v)
+            hints.append(h)
+        return HintVerdict(best_hint(hints), votes)

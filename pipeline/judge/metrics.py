@@ -1,0 +1,23 @@
+"""Prometheus metrics of the judge stage (served on ``config.metrics_port`` when set)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TURNS = Counter("pipeline_judge_turns_total", "Main turns consumed by the judge")
+SAMPLES = Counter("pipeline_judge_samples_total", "Samples produced", ["kind"])
+VOTES = Counter("pipeline_judge_votes_total", "Judge votes by value (1, 0, -1, failed)", ["value"])
+PARSE_FAILURES = Counter("pipeline_judge_parse_failures_total", "Judge outputs without a valid \\boxed{} answer")
+ALL_FAILED = Counter("pipeline_judge_all_votes_failed_total", "Judgements where every vote failed (score 0)")
+FLUSHED = Counter("pipeline_judge_flushed_total", "Waiting turns settled without a next state", ["reason"])
+DROPPED = Counter("pipeline_judge_dropped_total", "Judged turns that produced no sample", ["reason"])
+TEACHER_FAILURES = Counter("pipeline_judge_teacher_failures_total", "Turns whose teacher log-probs failed")
+LATENCY = Histogram("pipeline_judge_latency_seconds", "Join (next state seen) to sample delivered",
+                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+SESSIONS_WAITING = Gauge("pipeline_judge_sessions_waiting", "Sessions whose latest main turn waits for a next state")
+JOBS_IN_FLIGHT = Gauge("pipeline_judge_jobs_in_flight", "Judge jobs submitted and not yet produced")
+
+
+def count_vote(v: int | None) -> None:
+    """Count one vote (``None`` = failed)."""
+    VOTES.labels("failed" if v is None else str(v)).inc()

@@ -1,0 +1,124 @@
+"""OPD teacher log-probs: the hinted prompt, scored on the student's exact response token ids.
+
+Hindsight On-Policy Distillation (OpenClaw-RL): the hint the judge extracted from the next
+state is appended to the last user message of the turn's prompt (:func:`inject_hint`); that
+prompt is rendered with the policy's chat template (tokenizer of ``engine.model``, with
+``add_generation_prompt=True``) and the student's **exact** response ids are appended, never
+re-tokenized. One ``POST /generate`` with ``input_ids``, ``max_new_tokens=0``,
+``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = hinted prompt length) returns
+``input_token_logprobs`` for positions P .. P+R-1 (SGLang semantics, SGLANG_API.md §1.4), i.e.
+log p_teacher(response[i] | hinted prompt, response[:i]) in nats, one per response token, aligned
+one to one with the rollout log-probs. With ``judge.teacher_top_k`` = k > 0 the same call
+returns the teacher's top-k (``top_logprobs_num``) per response position, flattened row-major
+(R*k ids and R*k log-probs; missing entries are id 0 with log-prob -inf).
+
+The teacher endpoint is ``engine.teacher_url`` (a frozen copy of the policy), else ``engine.url``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+
+from pipeline.judge.backends.choice import load_tokenizer, render_ids
+from pipeline.judge.backends.llm import CallFailed, HttpJudge
+from pipeline.judge.prompts import inject_hint
+
+log = logging.getLogger(__name__)
+
+
+class TeacherError(RuntimeError):
+    """The teacher endpoint did not return log-probs for every response token."""
+
+
+@dataclass
+class TeacherOutput:
+    """Teacher log-probs for R response tokens (and optional top-k, R*k row-major)."""
+
+    log_probs: list
+    topk_ids: list = field(default_factory=list)
+    topk_log_probs: list = field(default_factory=list)
+
+
+def parse_teacher_answer(answer, n_response: int, top_k: int = 0) -> TeacherOutput:
+    """Pull the last ``n_response`` input log-probs (and top-k) out of a ``/generate`` answer.
+
+    Raises:
+        TeacherError: fewer entries than response tokens, or a null log-prob among them.
+    """
+    if isinstance(answer, list):
+        answer = answer[0] if answer else {}
+    meta = (answer or {}).get("meta_info") or {}
+    entries = meta.get("input_token_logprobs") or []
+    if len(entries) < n_response:
+        raise TeacherError(f"teacher returned {len(entries)} input log-probs for {n_response} response tokens")
+    tail = entries[len(entries) - n_response:] if n_response else []
+    lps = []
+    for e in tail:
+        if not isinstance(e, (list, tuple)) or not e or e[0] is None:
+            raise TeacherError("teacher returned a null log-prob inside the response")
+        lps.append(float(e[0]))
+    out = TeacherOutput(lps)
+    if top_k > 0 and n_response:
+        tops = meta.get("input_top_logprobs") or []
+        tops = tops[len(tops) - n_response:] if len(tops) >= n_response else [None] * n_response
+        for row in tops:
+            row = [t for t in (row or []) if isinstance(t, (list, tuple)) and len(t) >= 2][:top_k]
+            for t in row:
+                out.topk_ids.append(int(t[1]))
+                out.topk_log_probs.append(float(t[0]) if t[0] is not None else -math.inf)
+            for _ in range(top_k - len(row)):
+                out.topk_ids.append(0)
+                out.topk_log_probs.append(-math.inf)
+    return out
+
+
+class Teacher:
+    """Computes teacher log-probs for (turn, hint). One per judge process; async, thread-safe rendering.
+
+    Args:
+        config: the process config (``engine.model``/``cache_dir`` for the tokenizer,
+            ``engine.teacher_url``/``url``, ``judge.teacher_top_k``, ``judge.teacher_timeout_s``,
+            ``judge.retries``, ``judge.retry_backoff_s``).
+        tokenizer: an already loaded tokenizer (tests), else loaded from ``engine.model``.
+    """
+
+    def __init__(self, config, tokenizer=None) -> None:
+        self.config = config
+        self.top_k = config.judge.teacher_top_k
+        self.tokenizer = tokenizer or load_tokenizer(config.engine.model, config.engine.cache_dir)
+        self.http: HttpJudge | None = None
+
+    async def start(self) -> None:
+        jc = self.config.judge
+        self.http = HttpJudge((self.config.engine.teacher_url or self.config.engine.url).rstrip("/"),
+                              jc.teacher_timeout_s, jc.retries, jc.retry_backoff_s,
+                              max_connections=max(8, jc.max_in_flight))
+
+    async def aclose(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+
+    def prompt_ids(self, turn, hint: str) -> list[int]:
+        """Token ids of the turn's prompt with ``hint`` injected (chat template, generation prompt)."""
+        return render_ids(self.tokenizer, inject_hint(turn.messages, hint), tools=turn.tools)
+
+    async def log_probs(self, turn, hint: str) -> TeacherOutput:
+        """Teacher log-probs of ``turn.response_token_ids`` under the hinted prompt.
+
+        Raises:
+            TeacherError: the endpoint failed after retries or answered with too few log-probs.
+        """
+        prompt = await asyncio.to_thread(self.prompt_ids, turn, hint)
+        response = list(turn.response_token_ids)
+        body = {"input_ids": prompt + response, "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True, "logprob_start_len": len(prompt) - 1}
+        if self.top_k > 0:
+            body["top_logprobs_num"] = self.top_k
+        try:
+            answer = await self.http.post("/generate", body)
+        except CallFailed as e:
+            raise TeacherError(str(e)) from None
+        return parse_teacher_answer(answer, len(response), self.top_k)

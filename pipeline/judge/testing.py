@@ -1,0 +1,249 @@
+"""Stand-in judge endpoints for tests and benchmarks (real HTTP servers, scripted answers).
+
+:class:`ScriptedJudgeServer` speaks the subset of the OpenAI / SGLang HTTP API the judge uses
+(``POST /v1/chat/completions``, ``POST /generate``, ``GET /health``) and answers from a
+*script* written into the conversation itself, so a test controls every vote through the
+next-state text it publishes. It is not a model.
+
+Script directives (anywhere in the prompt text the judge sends):
+
+- ``<<score: A || B || C>>``: answers to PRM (score) prompts; the n-th call for the same prompt
+  gets item ``n mod len``. Items are raw completion texts (e.g. ``\\boxed{1.0}``, ``no box``).
+- ``<<hint: A || B>>``: the same for OPD hint prompts (recognised by ``[HINT_START]`` in the system prompt).
+- Special items: ``!500`` (HTTP 500), ``!hang`` (sleep ``hang_s`` seconds before answering),
+  ``!400`` (HTTP 400).
+- ``<<choice: X>>`` (``/generate`` with a ``tokenizer`` given): the scored continuation whose text
+  contains ``\\boxed{X}`` gets log-prob 0 per token, the others -5.
+
+Without a directive, score prompts get ``\\boxed{0}`` and hint prompts ``\\boxed{-1}``.
+``/generate`` with ``max_new_tokens=0`` returns SGLang-shaped ``input_token_logprobs`` (and
+``input_top_logprobs`` when ``top_logprobs_num`` > 0) with deterministic values, so OPD plumbing
+can be checked for shape and alignment. ``calls`` counts requests per route.
+
+:class:`InstantJudgeServer` answers every chat call with ``\\boxed{1}`` at once (benchmarks).
+Both run in a background thread (uvicorn on a free 127.0.0.1 port) or, for benchmarks, as a
+subprocess: ``python -m pipeline.judge.testing [--instant]`` prints ``PORT <n>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+from collections import Counter, defaultdict
+
+import orjson
+
+_DIRECTIVE = re.compile(r"<<(score|hint|choice):(.*?)>>", re.S)
+
+
+def free_socket() -> socket.socket:
+    """A listening-ready TCP socket bound to a free port on 127.0.0.1."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def fake_logprob(token_id: int, position: int) -> float:
+    """The deterministic log-prob the scripted ``/generate`` reports (nats, in [-1, 0))."""
+    return -((token_id * 7919 + position * 104729) % 1000 + 1) / 1000.0
+
+
+class _AsgiServer:
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    async def __call__(self, scope, receive, send):  # ASGI
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        path = scope["path"]
+        self.calls[path] += 1
+        try:
+            status, payload = await self.route(scope["method"], path, orjson.loads(body) if body else {})
+        except orjson.JSONDecodeError:
+            status, payload = 400, {"error": {"message": "body is not JSON"}}
+        data = orjson.dumps(payload)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def route(self, method: str, path: str, body: dict):
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:43567``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "_AsgiServer":
+        """Serve in a daemon thread; returns once the port accepts connections."""
+        import uvicorn
+
+        sock = free_socket()
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("judge test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and join the thread."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _chat_answer(text: str) -> dict:
+    return {"id": "chatcmpl-scripted", "object": "chat.completion", "created": int(time.time()),
+            "model": "scripted-judge",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text, "reasoning_content": None,
+                                     "tool_calls": None}}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+
+
+class ScriptedJudgeServer(_AsgiServer):
+    """A stand-in judge endpoint driven by ``<<score: ...>>`` / ``<<hint: ...>>`` directives.
+
+    Args:
+        hang_s: how long ``!hang`` sleeps (longer than the judge's vote time-out in tests).
+        tokenizer: optional HF tokenizer, to decode ``/generate`` input ids for ``<<choice: X>>``.
+    """
+
+    def __init__(self, hang_s: float = 30.0, tokenizer=None) -> None:
+        super().__init__()
+        self.hang_s = hang_s
+        self.tokenizer = tokenizer
+        self._counters: dict[tuple, int] = defaultdict(int)
+        self.generate_bodies: list[dict] = []
+
+    async def route(self, method: str, path: str, body: dict):
+        if path in ("/health", "/health_generate"):
+            return 200, {}
+        if path == "/v1/chat/completions":
+            return await self._chat(body)
+        if path == "/generate":
+            return self._generate(body)
+        return 404, {"error": {"message": f"no route {path}"}}
+
+    async def _chat(self, body: dict):
+        msgs = body.get("messages") or []
+        text = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        system = " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict) and m.get("role") == "system")
+        kind = "hint" if "[HINT_START]" in system else "score"
+        items = None
+        for m in _DIRECTIVE.finditer(text):
+            if m.group(1) == kind:
+                items = [i.strip() for i in m.group(2).split("||")]
+        if items is None:
+            items = ["\\boxed{0}"] if kind == "score" else ["\\boxed{-1}"]
+        key = (kind, text)
+        n = self._counters[key]
+        self._counters[key] = n + 1
+        item = items[n % len(items)]
+        if item == "!hang":
+            await asyncio.sleep(self.hang_s)
+            item = "\\boxed{0}"
+        if item == "!500":
+            return 500, {"object": "error", "message": "scripted failure", "code": 500}
+        if item == "!400":
+            return 400, {"object": "error", "message": "scripted bad request", "code": 400}
+        return 200, _chat_answer(item)
+
+    def _generate(self, body: dict):
+        self.generate_bodies.append(body)
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            return 400, {"error": {"message": "input_ids cannot be empty."}}
+        start = int(body.get("logprob_start_len", -1))
+        if start >= len(ids):
+            return 400, {"error": {"message": "logprob_start_len is higher than the number of input tokens"}}
+        k = int(body.get("top_logprobs_num") or 0)
+        positions = range(start + 1, len(ids)) if start >= 0 else range(0)
+        choice_lp = None
+        if self.tokenizer is not None and start >= 0:
+            full = self.tokenizer.decode(ids)
+            m = re.search(r"<<choice:\s*(-?\d)\s*>>", full)
+            if m:
+                tail = self.tokenizer.decode(ids[start + 1:])
+                choice_lp = 0.0 if f"\\boxed{{{m.group(1)}}}" in tail else -5.0
+        entries, tops = [], []
+        for i in positions:
+            lp = choice_lp if choice_lp is not None else fake_logprob(ids[i], i)
+            entries.append([lp, ids[i], None])
+            if k:
+                tops.append([[fake_logprob(ids[i] + j, i) - j, ids[i] + j, None] for j in range(k)])
+        if start == 0:
+            entries.insert(0, [None, ids[0], None])
+            if k:
+                tops.insert(0, None)
+        meta = {"id": "scripted", "finish_reason": {"type": "length", "length": 0},
+                "prompt_tokens": len(ids), "completion_tokens": 0, "weight_version": "scripted",
+                "input_token_logprobs": entries, "output_token_logprobs": []}
+        if k:
+            meta["input_top_logprobs"] = tops
+            meta["output_top_logprobs"] = []
+        return 200, {"text": "", "output_ids": [], "meta_info": meta}
+
+
+class InstantJudgeServer(_AsgiServer):
+    """Answers every chat completion with ``\\boxed{1}`` immediately (benchmark baseline)."""
+
+    _ANSWER = orjson.loads(orjson.dumps(_chat_answer("Looks fine. \\boxed{1}")))
+
+    async def route(self, method: str, path: str, body: dict):
+        if path == "/v1/chat/completions":
+            return 200, self._ANSWER
+        return 200, {}
+
+
+def main(argv=None) -> int:  # pragma: no cover - used by bench/judge.py
+    """Serve a stand-in judge in the foreground; prints ``PORT <n>`` once listening."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--instant", action="store_true", help="InstantJudgeServer instead of ScriptedJudgeServer")
+    args = ap.parse_args(argv)
+    srv = (InstantJudgeServer() if args.instant else ScriptedJudgeServer()).start()
+    print(f"PORT {srv.port}", flush=True)
+    try:
+        sys.stdin.read()  # until the parent closes our stdin
+    finally:
+        srv.stop()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
