@@ -1,0 +1,134 @@
+"""Run many simulated sessions concurrently against a proxy and summarise them.
+
+Sessions run as asyncio tasks bounded by a semaphore (``concurrency``): each session is
+sequential, different sessions overlap, so the engine can batch their decoding. Every reply is
+appended to a JSONL log as soon as it arrives (one :class:`pipeline.simulate.users.TurnRecord`
+per line), so a report can aggregate by policy version even if the run is interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+from typing import Iterable
+
+import orjson
+
+from pipeline.simulate.client import ChatClient
+from pipeline.simulate.datasets import load_gsm8k, load_mt_bench, pick
+from pipeline.simulate.users import SessionResult, TurnRecord, UserSettings, gsm8k_session, mt_bench_session
+
+DATASETS = ("gsm8k", "mt_bench")
+
+
+@dataclass
+class SimulationPlan:
+    """What to run: ``sessions`` sessions of ``dataset`` (items picked with ``seed``)."""
+
+    dataset: str = "gsm8k"
+    sessions: int = 16
+    seed: int = 0
+    concurrency: int = 8
+    split: str = "train"
+    session_prefix: str | None = None
+
+
+def _mean(xs: list) -> float | None:
+    return round(fmean(xs), 4) if xs else None
+
+
+def summarize(records: Iterable[TurnRecord | dict]) -> dict:
+    """Aggregate logged replies (objects or JSONL dicts) into the run's metrics.
+
+    Closing replies are excluded. Returns ``replies``, ``success_rate`` (the feedback policy's
+    success, graded replies only), ``first_reply_success_rate``, ``accuracy`` (GSM8K final number
+    right), ``words_per_reply`` (mean words, the guard metric beside the reward),
+    ``completion_tokens`` (mean) and the same per ``policy_version`` under ``by_policy_version``.
+    """
+    rows = [r.to_json() if isinstance(r, TurnRecord) else r for r in records]
+    rows = [r for r in rows if not r.get("closing")]
+
+    def stats(rs: list[dict]) -> dict:
+        graded = [r for r in rs if r.get("graded")]
+        first = [r for r in graded if r.get("turn") == 0]
+        toks = [r["completion_tokens"] for r in rs if r.get("completion_tokens") is not None]
+        return {
+            "replies": len(rs),
+            "graded_replies": len(graded),
+            "success_rate": _mean([bool(r["success"]) for r in graded]),
+            "first_reply_success_rate": _mean([bool(r["success"]) for r in first]),
+            "accuracy": _mean([bool(r["correct"]) for r in graded if r.get("correct") is not None]),
+            "brief_rate": _mean([bool(r["brief"]) for r in graded if r.get("brief") is not None]),
+            "words_per_reply": _mean([r["words"] for r in rs]),
+            "completion_tokens": _mean(toks),
+        }
+
+    out = stats(rows)
+    by_version: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_version[str(r.get("policy_version"))].append(r)
+    out["by_policy_version"] = {v: stats(rs) for v, rs in sorted(by_version.items())}
+    return out
+
+
+async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, *, model: str = "default",
+                   api_key: str | None = None, timeout_s: float = 300.0, log_path: str | Path | None = None,
+                   progress: bool = True) -> dict:
+    """Run the plan against the proxy at ``base_url``; returns the summary (see :func:`summarize`)
+    plus ``sessions``, ``sessions_failed``, ``requests``, ``errors`` (first few messages).
+
+    Raises:
+        ValueError: unknown dataset or split.
+    """
+    if plan.dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {plan.dataset!r}; choose from {DATASETS}")
+    items = load_gsm8k(plan.split) if plan.dataset == "gsm8k" else load_mt_bench()
+    chosen = pick(items, plan.sessions, plan.seed)
+    prefix = plan.session_prefix or f"sim-{plan.dataset}-{uuid.uuid4().hex[:8]}"
+    run_session = gsm8k_session if plan.dataset == "gsm8k" else mt_bench_session
+
+    log_file = open(log_path, "ab") if log_path else None
+    records: list[TurnRecord] = []
+
+    def on_record(rec: TurnRecord) -> None:
+        records.append(rec)
+        if log_file is not None:
+            log_file.write(orjson.dumps(rec.to_json()) + b"\n")
+            log_file.flush()
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(chosen), desc=f"simulate {plan.dataset}", unit="session")
+    sem = asyncio.Semaphore(max(1, plan.concurrency))
+    client = ChatClient(base_url, model=model, api_key=api_key, timeout_s=timeout_s,
+                        max_connections=max(8, plan.concurrency * 2))
+
+    async def one(i: int, item) -> SessionResult:
+        async with sem:
+            res = await run_session(client, f"{prefix}-{i:05d}", item, settings, seed=plan.seed, on_record=on_record)
+        if bar is not None:
+            graded = [r for r in records if r.graded]
+            ok = sum(bool(r.success) for r in graded)
+            bar.set_postfix(success=f"{ok}/{len(graded)}", refresh=False)
+            bar.update(1)
+        return res
+
+    try:
+        results = await asyncio.gather(*(one(i, item) for i, item in enumerate(chosen)))
+    finally:
+        await client.aclose()
+        if bar is not None:
+            bar.close()
+        if log_file is not None:
+            log_file.close()
+    summary = summarize(records)
+    failed = [r for r in results if r.error]
+    return {"dataset": plan.dataset, "feedback": settings.feedback if plan.dataset == "gsm8k" else None,
+            "sessions": len(results), "sessions_failed": len(failed),
+            "requests": sum(r.requests for r in results), "errors": [r.error for r in failed[:5]], **summary}

@@ -1,0 +1,172 @@
+"""Simulated users against a real HTTP server: a scripted stand-in (ScriptedChatServer) for the
+conversation logic, and the real CPU engine (tiny-random) when its test helper exists."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from decimal import Decimal
+
+import pytest
+
+from pipeline.simulate.datasets import load_gsm8k, load_mt_bench
+from pipeline.simulate.evaluate import evaluate
+from pipeline.simulate.feedback import THANKS_BRIEF, THANKS_CORRECT
+from pipeline.simulate.runner import SimulationPlan, simulate, summarize
+from pipeline.simulate.testing import ScriptedChatServer
+from pipeline.simulate.users import UserSettings
+
+LONG = " ".join(["blah"] * 50)
+GOLD = {p.question: p for p in load_gsm8k("train") + load_gsm8k("heldout")}
+
+
+def _by_session(server: ScriptedChatServer) -> dict[str, list[dict]]:
+    out = defaultdict(list)
+    for r in server.requests:
+        out[r["headers"].get("x-session-id")].append(r)
+    return out
+
+
+def _run(url, plan, settings, **kw):
+    return asyncio.run(simulate(url, plan, settings, progress=False, **kw))
+
+
+def test_gsm8k_brevity_session_too_long_then_thanks_then_closing(tmp_path):
+    def script(messages, headers):  # first reply long, then short; closing replies anything
+        return LONG if len(messages) == 1 else "It is 7."
+
+    log = tmp_path / "sim.jsonl"
+    with ScriptedChatServer(script, weight_version="3") as srv:
+        out = _run(srv.url, SimulationPlan(sessions=3, seed=1, concurrency=2, session_prefix="s"),
+                   UserSettings(max_words=40), log_path=log)
+    sessions = _by_session(srv)
+    assert sorted(sessions) == ["s-00000", "s-00001", "s-00002"]
+    for sid, reqs in sessions.items():
+        assert len(reqs) == 3  # ask, answer "too long", closing request with the thanks
+        assert [r["headers"].get("x-turn-type") for r in reqs] == ["main"] * 3
+        assert [r["headers"].get("x-session-done") for r in reqs] == [None, None, "true"]
+        m1, m2, m3 = (r["body"]["messages"] for r in reqs)
+        assert [m["role"] for m in m1] == ["user"] and m1[0]["content"] in GOLD
+        assert m2 == m1 + [{"role": "assistant", "content": LONG},
+                           {"role": "user", "content": "Too long — answer in at most 40 words."}]
+        assert m3[:3] == m2 and m3[3] == {"role": "assistant", "content": "It is 7."}
+        assert m3[4]["role"] == "user" and m3[4]["content"] in THANKS_BRIEF
+        assert [r["body"]["max_tokens"] for r in reqs] == [96, 96, 16]
+        assert all(r["body"]["temperature"] == 1.0 and r["body"]["stream"] is False for r in reqs)
+    assert out["sessions"] == 3 and out["sessions_failed"] == 0 and out["requests"] == 9
+    assert out["replies"] == 6 and out["graded_replies"] == 6
+    assert out["success_rate"] == 0.5 and out["first_reply_success_rate"] == 0.0
+    assert out["words_per_reply"] == (50 + 3) / 2 and out["accuracy"] == 0.0
+    assert list(out["by_policy_version"]) == ["3"]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == 9 and sum(x["closing"] for x in lines) == 3
+    assert {x["feedback_kind"] for x in lines if not x["closing"]} == {"too_long", "thanks"}
+    assert summarize(lines) == {k: v for k, v in out.items() if k in summarize(lines)}
+
+
+def test_gsm8k_correctness_policy_hints_steps_and_stops_at_max_turns():
+    def script(messages, headers):  # always short and wrong
+        return "It is 123456789."
+
+    with ScriptedChatServer(script) as srv:
+        out = _run(srv.url, SimulationPlan(sessions=2, seed=0, session_prefix="c"),
+                   UserSettings(feedback="correctness", max_turns=2))
+    for reqs in _by_session(srv).values():
+        assert len(reqs) == 3 and reqs[-1]["headers"].get("x-session-done") == "true"
+        problem = GOLD[reqs[0]["body"]["messages"][0]["content"]]
+        fb1 = reqs[1]["body"]["messages"][-1]["content"]
+        fb2 = reqs[2]["body"]["messages"][-1]["content"]
+        assert problem.answer.steps[0] in fb1  # the first correction reveals step 1
+        assert problem.answer.steps[min(1, len(problem.answer.steps) - 1)] in fb2
+    assert out["success_rate"] == 0.0 and out["graded_replies"] == 4
+
+
+def test_gsm8k_right_answer_is_thanked_at_once():
+    def script(messages, headers):
+        p = GOLD.get(messages[0]["content"])
+        return f"So the answer is {p.answer.final}." if p else "ok"
+
+    with ScriptedChatServer(script) as srv:
+        out = _run(srv.url, SimulationPlan(sessions=4, seed=2), UserSettings(feedback="correctness"))
+    for reqs in _by_session(srv).values():
+        assert len(reqs) == 2 and reqs[1]["body"]["messages"][-1]["content"] in THANKS_CORRECT
+    assert out["accuracy"] == 1.0 and out["success_rate"] == 1.0
+
+
+def test_mt_bench_second_turn_is_the_real_follow_up_and_ends_the_session():
+    questions = {q.turns[0]: q for q in load_mt_bench()}
+    with ScriptedChatServer(lambda m, h: f"reply {len(m)}") as srv:
+        out = _run(srv.url, SimulationPlan(dataset="mt_bench", sessions=5, seed=0), UserSettings(max_tokens=32))
+    sessions = _by_session(srv)
+    assert len(sessions) == 5
+    for reqs in sessions.values():
+        assert [r["headers"].get("x-session-done") for r in reqs] == [None, "true"]
+        q = questions[reqs[0]["body"]["messages"][0]["content"]]
+        assert reqs[1]["body"]["messages"] == [{"role": "user", "content": q.turns[0]},
+                                               {"role": "assistant", "content": "reply 1"},
+                                               {"role": "user", "content": q.turns[1]}]
+    assert out["replies"] == 10 and out["graded_replies"] == 0 and out["success_rate"] is None
+    assert out["words_per_reply"] == 2.0
+
+
+def test_concurrency_bound_and_retry_on_503():
+    with ScriptedChatServer(lambda m, h: "Fine.", fail_first=1, delay_s=0.05) as srv:
+        out = _run(srv.url, SimulationPlan(sessions=6, concurrency=3), UserSettings())
+    assert out["sessions_failed"] == 0 and out["sessions"] == 6
+    assert len(srv.requests) == 6 * 2 + 1  # one 503 answered, then retried
+    assert 2 <= srv.peak_in_flight <= 3  # sessions overlap, but never more than --concurrency
+
+
+def test_unreachable_proxy_fails_sessions_without_raising():
+    from pipeline.broker import free_port
+
+    out = _run(f"http://127.0.0.1:{free_port()}", SimulationPlan(sessions=2), UserSettings(),)
+    assert out["sessions_failed"] == 2 and "cannot reach" in out["errors"][0]
+
+
+def test_cli_writes_log_and_json_summary(tmp_path):
+    log = tmp_path / "log.jsonl"
+    with ScriptedChatServer(lambda m, h: "Short answer: 5") as srv:
+        p = subprocess.run([sys.executable, "-m", "pipeline", "simulate", "--proxy-url", srv.url, "--sessions", "2",
+                            "--log", str(log), "--no-progress", "--max-words", "10", "--seed", "4"],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["sessions"] == 2 and summary["success_rate"] == 1.0 and summary["requests"] == 4
+    assert len(log.read_text().splitlines()) == 4
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "simulate", "--dataset", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_evaluate_sends_heldout_prompts_without_session_headers():
+    held = load_gsm8k("heldout")
+    right = {p.question for p in held[::2]}
+
+    def script(messages, headers):
+        p = GOLD[messages[-1]["content"]]
+        return f"The answer is {p.answer.final}." if p.question in right else LONG
+
+    with ScriptedChatServer(script, weight_version="7") as srv:
+        out = evaluate(srv.url, max_tokens=48, concurrency=8)
+    assert len(srv.requests) == 32
+    assert all("x-session-id" not in r["headers"] and "x-turn-type" not in r["headers"] for r in srv.requests)
+    assert {r["body"]["messages"][-1]["content"] for r in srv.requests} == {p.question for p in held}
+    assert out["n"] == 32 and out["accuracy"] == 0.5 and out["success_rate"] == 0.5 and out["brief_rate"] == 0.5
+    assert out["words_per_reply"] == (4 + 50) / 2 and out["policy_versions"] == ["7"]
+    assert Decimal(out["accuracy"]) == Decimal("0.5")
+
+
+def test_against_real_engine_tiny_random(tmp_path):
+    testing = pytest.importorskip("pipeline.engine.testing")
+    with testing.running_engine("tiny-random") as engine:
+        url = engine if isinstance(engine, str) else engine.url
+        out = _run(url, SimulationPlan(sessions=2, concurrency=2), UserSettings(max_tokens=24, max_turns=2))
+        ev = evaluate(url, load_gsm8k("heldout")[:4], max_tokens=16, concurrency=4)
+    assert out["sessions_failed"] == 0, out["errors"]
+    assert out["graded_replies"] >= 2 and out["completion_tokens"] is not None
+    assert 0 < out["completion_tokens"] <= 24
+    assert ev["n"] == 4 and ev["completion_tokens"] <= 16
