@@ -185,6 +185,25 @@ class TrainerConfig(Section):
     sync_timeout_s: float = 300.0
     metrics_file: str | None = None
     run_id: str = "default"
+    # added by the trainer stage
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    export_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: the training dtype
+    micro_batch_tokens: int = 0  # >0: also cap padded tokens per micro-batch (memory bound)
+    count_masked_samples: bool = False  # loss_mask=0 samples count toward rollout_batch_size
+    old_log_probs: Literal["rollout", "recompute"] = "rollout"  # behaviour log-probs of the PPO ratio
+    tis_floor: float = 0.0  # lower clamp of the truncated IS weight (tis_cap: upper; None = off)
+    stale_decay: float = 0.5  # downweight: weight = stale_decay ** (staleness - max_staleness)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    threads: int | None = None  # torch threads (None: torch default)
+    seed: int = 1234
+    keep_checkpoints: int = 2
+    max_steps: int | None = None  # stop after this many trainer steps (batches); None: run forever
+    dedup_window: int = 100_000  # remembered sample_ids for de-duplication (kept in checkpoints)
+    poll_timeout_s: float = 1.0
+    log_sample_ids: bool = True  # write each step's sample_ids to the metrics log
+    progress: bool = True  # tqdm progress bar on the console
 
 
 class SyncerConfig(Section):
