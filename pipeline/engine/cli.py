@@ -1,0 +1,71 @@
+"""``python -m pipeline engine``: the CPU inference server speaking SGLang's HTTP API.
+
+Examples::
+
+    python -m pipeline engine --model smollm2-135m --port 30000
+    python -m pipeline engine --model tiny-random --port 0          # any free port (printed)
+    python -m pipeline engine --model runs/weights/v3 --weight-version 3
+
+Flags override the ``engine`` section of the config (``--set engine.threads=2`` works too).
+The first line on stdout once serving is ``ENGINE READY http://HOST:PORT`` (for supervisors).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+HELP = "CPU inference server speaking SGLang's HTTP API (/generate, /v1/chat/completions, weight updates)"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="smollm2-135m | tiny-random | path of an HF folder (engine.model)")
+    parser.add_argument("--host", help="bind address (engine.host)")
+    parser.add_argument("--port", type=int, help="port, 0 = any free port (engine.port)")
+    parser.add_argument("--threads", type=int, help="torch threads (engine.threads; default all cores)")
+    parser.add_argument("--weight-version", help="initial policy version string (engine.weight_version)")
+    parser.add_argument("--context-length", type=int, help="prompt + output token limit (engine.context_length)")
+    parser.add_argument("--max-batch-size", type=int, help="rows decoded together (engine.max_batch_size)")
+    parser.add_argument("--served-model-name", help="name in /v1/models (default: --model)")
+    parser.add_argument("--cache-dir", help="where built-in models are converted (engine.cache_dir)")
+    parser.add_argument("--seed", type=int, help="seed of the shared sampling generator (engine.seed)")
+
+
+def run(args, config) -> int:
+    from pipeline.engine.model import ModelLoadError
+    from pipeline.engine.runtime import build_state, serve
+    from pipeline.models import ModelNotFound
+
+    e = config.engine
+    overrides = {"model": args.model, "host": args.host, "port": args.port, "threads": args.threads,
+                 "weight_version": args.weight_version, "context_length": args.context_length,
+                 "max_batch_size": args.max_batch_size, "served_model_name": args.served_model_name,
+                 "cache_dir": args.cache_dir, "seed": args.seed}
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(e, k, v)
+    log = logging.getLogger("pipeline.engine")
+    try:
+        state = build_state(e.model, cache_dir=e.cache_dir, context_length=e.context_length,
+                            max_batch_size=e.max_batch_size, weight_version=e.weight_version, seed=e.seed,
+                            threads=e.threads, served_model_name=e.served_model_name)
+    except (ModelNotFound, ModelLoadError) as exc:
+        print(f"pipeline engine: {exc}", file=sys.stderr)
+        return 2
+    sock = socket.socket(socket.AF_INET6 if ":" in e.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((e.host, e.port))
+    except OSError as exc:
+        print(f"pipeline engine: cannot bind {e.host}:{e.port}: {exc}", file=sys.stderr)
+        state.worker.stop()
+        return 2
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    print(f"ENGINE READY http://{e.host}:{port}", flush=True)
+    log.info("serving %s on http://%s:%d (weight version %s)", e.model, e.host, port, e.weight_version)
+    api_key = e.api_key.get_secret_value() if e.api_key is not None else None
+    serve(state, e.host, port, api_key=api_key, sock=sock, log_level=config.log_level.lower()
+          if config.log_level.upper() == "DEBUG" else "warning")
+    return 0

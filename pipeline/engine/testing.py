@@ -1,0 +1,146 @@
+"""Start a real engine for tests and local tools: ``running_engine(model) -> base_url``.
+
+Usage (any helper's tests)::
+
+    from pipeline.engine.testing import running_engine
+
+    def test_something():
+        with running_engine("tiny-random") as url:          # in this process, ~1-3 s
+            ...  # EngineClient(url), httpx, the proxy pointed at url ...
+
+    @pytest.fixture(scope="module")
+    def engine_url():
+        with running_engine("tiny-random") as url:
+            yield url
+
+``subprocess=True`` runs ``python -m pipeline engine`` instead (own process and torch threads,
+~5-8 s to start; use it when a test needs to kill the engine or must not share torch's
+process-wide thread setting). Both bind 127.0.0.1 on a free port and shut down cleanly on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess as sp
+import sys
+import threading
+import time
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, subprocess: bool = False,
+                   threads: int | None = None, weight_version: str = "0", max_batch_size: int = 16,
+                   context_length: int | None = 2048, api_key: str | None = None, seed: int = 0,
+                   start_timeout_s: float = 180.0) -> Iterator[str]:
+    """Serve ``model`` (``tiny-random`` | ``smollm2-135m`` | HF folder) and yield its base URL.
+
+    Args:
+        cache_dir: where built-in models live (default ``~/.cache/openclaw-pipeline``).
+        subprocess: run the engine as a child process instead of a thread of this process.
+        threads: torch threads (in-process mode changes this process's setting); None = all cores.
+        weight_version, max_batch_size, context_length, api_key, seed: engine settings.
+    Raises:
+        RuntimeError: the engine did not come up within ``start_timeout_s``.
+    """
+    if subprocess:
+        with _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size, context_length,
+                                api_key, seed, start_timeout_s) as url:
+            yield url
+        return
+    from pipeline.engine.runtime import build_state, make_server
+
+    state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
+                        weight_version=weight_version, seed=seed, threads=threads)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = make_server(state, api_key=api_key)
+    errors: list[BaseException] = []
+
+    def _serve() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as e:  # noqa: BLE001 - surfaced to the caller below
+            errors.append(e)
+
+    thread = threading.Thread(target=_serve, name=f"engine-http-{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if errors or not thread.is_alive():
+                raise RuntimeError(f"engine server failed to start: {errors[:1]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine server did not start in time")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        state.shutting_down = True
+        state.worker.stop()
+        sock.close()
+
+
+@contextlib.contextmanager
+def _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size, context_length, api_key, seed,
+                       start_timeout_s) -> Iterator[str]:
+    cmd = [sys.executable, "-m", "pipeline", "engine", "--model", model, "--host", "127.0.0.1", "--port", "0",
+           "--weight-version", str(weight_version), "--max-batch-size", str(max_batch_size), "--seed", str(seed)]
+    if cache_dir:
+        cmd += ["--cache-dir", str(cache_dir)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if context_length:
+        cmd += ["--context-length", str(context_length)]
+    env = dict(os.environ)
+    if api_key:
+        env["PIPELINE_ENGINE__API_KEY"] = api_key
+    proc = sp.Popen(cmd, stdout=sp.PIPE, stderr=None, text=True, env=env)
+    url: list[str] = []
+
+    def _read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("ENGINE READY ") and not url:
+                url.append(line.split()[2])
+
+    reader = threading.Thread(target=_read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not url:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine process exited with {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine process did not become ready in time")
+            time.sleep(0.05)
+        _wait_health(url[0], deadline)
+        yield url[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except sp.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _wait_health(url: str, deadline: float) -> None:
+    import httpx
+
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"engine at {url} not healthy in time")
