@@ -10,8 +10,8 @@ Script directives (anywhere in the prompt text the judge sends):
 - ``<<score: A || B || C>>``: answers to PRM (score) prompts; the n-th call for the same prompt
   gets item ``n mod len``. Items are raw completion texts (e.g. ``\\boxed{1.0}``, ``no box``).
 - ``<<hint: A || B>>``: the same for OPD hint prompts (recognised by ``[HINT_START]`` in the system prompt).
-- Special items: ``!500`` (HTTP 500), ``!hang`` (sleep ``hang_s`` seconds before answering),
-  ``!400`` (HTTP 400).
+- Special items: ``!500`` (HTTP 500), ``!400`` (HTTP 400), ``!hang`` (sleep ``hang_s``
+  seconds before answering), ``!sleep S TEXT`` (answer TEXT after S seconds).
 - ``<<choice: X>>`` (``/generate`` with a ``tokenizer`` given): the scored continuation whose text
   contains ``\\boxed{X}`` gets log-prob 0 per token, the others -5.
 
@@ -172,6 +172,9 @@ class ScriptedJudgeServer(_AsgiServer):
         n = self._counters[key]
         self._counters[key] = n + 1
         item = items[n % len(items)]
+        if item.startswith("!sleep "):  # "!sleep 0.5 <answer>"
+            _, secs, item = item.split(" ", 2)
+            await asyncio.sleep(float(secs))
         if item == "!hang":
             await asyncio.sleep(self.hang_s)
             item = "\\boxed{0}"
@@ -247,3 +250,104 @@ def main(argv=None) -> int:  # pragma: no cover - used by bench/judge.py
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+# ---- stream helpers for tests and benchmarks -------------------------------------------------
+
+def make_turn(session_id: str, turn_index: int, request: str = "question", answer: str = "answer",
+              prompt_ids=(1, 2, 3, 4), response_ids=(5, 6, 7), temperature: float = 1.0,
+              policy_version: int = 0, tools=None):
+    """A main :class:`pipeline.events.Turn` with small token arrays and log-probs."""
+    from pipeline import events
+
+    response_ids = list(response_ids)
+    return events.Turn(session_id=session_id, turn_index=turn_index, request_id=f"{session_id}-{turn_index}",
+                       created_at=events.now_ms(), policy_version=policy_version, model="test",
+                       messages=[{"role": "system", "content": "You are helpful."},
+                                 {"role": "user", "content": request}], tools=tools,
+                       sampling={"temperature": temperature}, prompt_token_ids=list(prompt_ids),
+                       response_token_ids=response_ids,
+                       response_logprobs=[-0.125 * (i + 1) for i in range(len(response_ids))],
+                       response={"content": answer, "reasoning_content": None, "tool_calls": None},
+                       finish_reason="stop")
+
+
+def make_next_state(session_id: str, after: int, text: str | None, role: str = "user", name: str | None = None):
+    """A :class:`pipeline.events.NextState` with one message (``text`` None: no message)."""
+    from pipeline import events
+
+    msgs = []
+    if text is not None:
+        msgs = [{"role": role, "content": text, **({"name": name} if name else {})}]
+    return events.NextState(session_id=session_id, messages=msgs, after_turn_index=after,
+                            created_at=events.now_ms())
+
+
+def publish(config, evs, topic: str = "turns") -> None:
+    """Publish events to a logical topic keyed by session id, and wait for the broker."""
+    from pipeline.bus import EventProducer
+
+    p = EventProducer(config, name="test-publisher")
+    try:
+        for ev in evs:
+            p.send(config.topics.name(topic), ev, key=getattr(ev, "session_id", None))
+        p.flush(30)
+    finally:
+        p.close()
+
+
+def read_events(config, topic: str, expect: int, timeout_s: float = 30.0, settle_s: float = 0.3):
+    """All events of a logical topic from the beginning (no group): waits for ``expect`` events,
+    then ``settle_s`` more for extras, or returns what arrived within ``timeout_s``."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from pipeline import events
+    from pipeline.bus import consumer_kwargs
+
+    name = config.topics.name(topic)
+    c = KafkaConsumer(**consumer_kwargs(config, None))
+    try:
+        deadline = time.monotonic() + 10
+        parts = None
+        while not parts and time.monotonic() < deadline:
+            parts = c.partitions_for_topic(name)
+            if not parts:
+                time.sleep(0.1)
+        tps = [TopicPartition(name, p) for p in sorted(parts or [])]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        out = []
+        deadline = time.monotonic() + timeout_s
+        settle_until = None
+        while time.monotonic() < deadline:
+            for recs in c.poll(timeout_ms=100).values():
+                out.extend(events.decode(r.value) for r in recs)
+            if len(out) >= expect:
+                settle_until = settle_until or time.monotonic() + settle_s
+                if time.monotonic() >= settle_until:
+                    break
+        return out
+    finally:
+        c.close()
+
+
+class JudgeThread:
+    """Run a :class:`pipeline.judge.app.JudgeApp` in a background thread (context manager)."""
+
+    def __init__(self, config, **kwargs) -> None:
+        from pipeline.judge.app import JudgeApp
+
+        self.app = JudgeApp(config, **kwargs)
+        self.rc: int | None = None
+        self._thread = threading.Thread(target=self._run, name="judge-app", daemon=True)
+
+    def _run(self) -> None:
+        self.rc = self.app.run(install_signals=False)
+
+    def __enter__(self) -> "JudgeThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.app.stop()
+        self._thread.join(timeout=60)

@@ -1,0 +1,136 @@
+"""Judge output parsing, votes, hints, prompts and sample rules (no broker, no HTTP)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import events
+from pipeline.judge.backends import BackendError, backend_class
+from pipeline.judge.backends.base import Verdict
+from pipeline.judge.parse import best_hint, last_boxed, majority_vote, parse_hint, parse_score
+from pipeline.judge.prompts import JudgeInput, hint_messages, inject_hint, prm_messages
+from pipeline.judge.samples import combine_sample, rl_flush_sample, rl_sample, sample_id
+from pipeline.judge.teacher import TeacherError, TeacherOutput, parse_teacher_answer
+
+
+@pytest.mark.parametrize("text,want", [
+    ("\\boxed{1}", 1), ("\\boxed{+1}", 1), ("\\boxed{-1}", -1), ("\\boxed{0}", 0),
+    ("\\boxed{1.0}", 1), ("\\boxed{-1.00}", -1), ("\\boxed{ 1 }", 1), ("\\boxed{ - 1 }", -1),
+    ("\\boxed{$1$}", 1), ("\\boxed{\\text{-1}}", -1), ("score: \\boxed{0.0}.", 0),
+    ("first \\boxed{1} then on reflection \\boxed{-1}", -1),  # the last box counts
+    ("no box at all", None), ("", None), (None, None), ("\\boxed{}", None), ("\\boxed{2}", None),
+    ("\\boxed{0.5}", None), ("\\boxed{good}", None), ("\\boxed{1", None),  # unterminated
+    ("\\boxed{1} and a truncated \\boxed{-", 1),  # unterminated last box: the earlier complete one
+])
+def test_parse_score(text, want):
+    assert parse_score(text) == want
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+
+
+@pytest.mark.parametrize("votes,want", [
+    ([1, 1, -1], 1), ([-1, -1, 1], -1), ([1, -1, 0], 0),  # three-way tie
+    ([1, -1, None], 0),  # tie among valid votes
+    ([1, None, None], 1), ([None, None, None], 0), ([], 0), ([0, 0, 1], 0), ([1, 1, 0, 0], 0),
+])
+def test_majority_vote(votes, want):
+    assert majority_vote(votes) == want
+
+
+def test_parse_hint_rules():
+    ok = "\\boxed{1} [HINT_START]Give the answer in kilometres.[HINT_END]"
+    assert parse_hint(ok) == (1, "Give the answer in kilometres.")
+    # exactly 10 characters does not count; 11 does
+    assert parse_hint("\\boxed{1} [HINT_START]0123456789[HINT_END]") == (1, None)
+    assert parse_hint("\\boxed{1} [HINT_START]01234567890[HINT_END]") == (1, "01234567890")
+    assert parse_hint("\\boxed{-1} [HINT_START]Use fewer words, please.[HINT_END]") == (-1, None)
+    assert parse_hint("[HINT_START]Use fewer words, please.[HINT_END]") == (None, None)  # no vote
+    assert parse_hint("\\boxed{0}") == (None, None)  # 0 is not a hint vote
+    assert parse_hint("\\boxed{1} [HINT_START]never closed") == (1, None)
+    assert best_hint([None, "short hint!", "a much longer hint text", "mid length hint"]) == "a much longer hint text"
+    assert best_hint([None, None]) is None
+
+
+def _turn(**kw):
+    base = dict(session_id="s1", turn_index=0, messages=[{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": "What is 2+2?"}],
+                prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], response_logprobs=[-0.5, -0.25],
+                response={"content": "4", "tool_calls": [{"function": {"name": "calc", "arguments": "{\"x\": 1}"}}]},
+                sampling={"temperature": 0.7}, policy_version=3, created_at=123)
+    base.update(kw)
+    return events.Turn(**base)
+
+
+def test_prompts_show_request_response_and_next_state_with_role():
+    inp = JudgeInput.from_turn(_turn(), [{"role": "tool", "name": "calc", "content": "Error: overflow"}])
+    assert inp.request == "What is 2+2?"
+    assert "calc({\"x\": 1})" in inp.response
+    user = prm_messages(inp)[1]["content"]
+    assert "What is 2+2?" in user and "[tool result: calc] Error: overflow" in user and "Next state (tool)" in user
+    assert "[HINT_START]" in hint_messages(inp)[0]["content"]
+    assert "[user reply] thanks" in JudgeInput("q", "a", [{"role": "user", "content": "thanks"}]).next_state_text()
+
+
+def test_inject_hint_into_last_user_message():
+    msgs = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "second"}]
+    out = inject_hint(msgs, "Be concise.")
+    assert out[2]["content"] == "second\n\n[Hint] Be concise." and msgs[2]["content"] == "second"
+    assert out[0]["content"] == "first"
+    parts = inject_hint([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "Be concise.")
+    assert parts[0]["content"][-1]["text"].endswith("Be concise.")
+    assert inject_hint([{"role": "system", "content": "s"}], "Be concise.")[-1]["role"] == "user"
+
+
+def test_rl_sample_rules():
+    t = _turn()
+    s = rl_sample(t, Verdict(-1, [-1, -1, 1]), candidate=False, judge="llm")
+    assert (s.reward, s.loss_mask, s.kind, s.sample_id) == (-1.0, 1, "rl", "s1:0:rl")
+    assert s.tokens == [1, 2, 3, 4, 5] and s.response_length == 2 and s.rollout_temperature == pytest.approx(0.7)
+    assert rl_sample(t, Verdict(0, [1, -1, 0]), candidate=False, judge="llm").loss_mask == 0
+    promoted = rl_sample(t, Verdict(0, [None, None, None]), candidate=True, judge="llm")
+    assert (promoted.reward, promoted.loss_mask) == (0.0, 1)
+    flushed = rl_flush_sample(t, "llm")
+    assert (flushed.reward, flushed.loss_mask) == (0.0, 0)
+    assert sample_id("a:b", 7, "combine") == "a:b:7:combine"
+    events.decode(events.encode(s))  # valid on the wire
+    assert rl_sample(_turn(sampling={}), Verdict(1, [1]), False, "x").rollout_temperature == 1.0
+    assert rl_sample(_turn(sampling={"temperature": 0.0}), Verdict(1, [1]), False, "x").rollout_temperature == 0.0
+
+
+def test_combine_sample_cases():
+    t = _turn()
+    teacher = TeacherOutput([-1.0, -2.0])
+    both = combine_sample(t, 1, "hint text here", teacher, [[1], [1]], "llm")
+    assert (both.kind, both.reward, both.teacher_log_probs, both.hint) == ("opd+rl", 1.0, [-1.0, -2.0], "hint text here")
+    hint_only = combine_sample(t, 0, "hint text here", teacher, [[0], [1]], "llm")
+    assert (hint_only.reward, hint_only.teacher_log_probs) == (0.0, [-1.0, -2.0])
+    score_only = combine_sample(t, -1, None, None, [[-1], [-1]], "llm")
+    assert score_only.reward == -1.0 and score_only.teacher_log_probs == score_only.rollout_log_probs
+    assert combine_sample(t, 0, None, None, [[0], [-1]], "llm") is None
+    for s in (both, hint_only, score_only):
+        events.decode(events.encode(s))
+
+
+def test_parse_teacher_answer_alignment_and_topk():
+    entries = [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 13, None]]
+    tops = [[[-0.1, 11, None], [-2.0, 99, None]], [[-0.2, 12, None]], None]
+    out = parse_teacher_answer({"meta_info": {"input_token_logprobs": entries, "input_top_logprobs": tops}}, 2, top_k=2)
+    assert out.log_probs == pytest.approx([-0.2, -0.3])  # the last R entries are the response
+    assert out.topk_ids == [12, 0, 0, 0] and out.topk_log_probs[0] == pytest.approx(-0.2)
+    with pytest.raises(TeacherError):
+        parse_teacher_answer({"meta_info": {"input_token_logprobs": entries[:1]}}, 2)
+    with pytest.raises(TeacherError):
+        parse_teacher_answer({"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None]]}}, 2)
+
+
+def test_backend_names_and_import_paths():
+    assert backend_class("constant").name == "constant"
+    assert backend_class("pipeline.judge.backends.llm:LLMBackend").name == "llm"
+    assert backend_class("pipeline.judge.backends.llm.LLMBackend").name == "llm"
+    with pytest.raises(BackendError):
+        backend_class("nonexistent_backend")
+    with pytest.raises(BackendError):
+        backend_class("pipeline.judge.parse:parse_score")  # not a Backend
