@@ -124,6 +124,17 @@ class ProxyConfig(Section):
     buffer_max_events: int = 10_000
     spill_file: str | None = None
     engine_timeout_s: float = 300.0
+    # requests without X-Session-Id: record (one-turn session + session_end), skip (serve only), reject (400)
+    anonymous: Literal["record", "skip", "reject"] = "record"
+    sync_strict: bool = False  # 503 instead of serving when a weight-sync hold times out
+    sync_max_pause_s: float = 600.0  # a pause older than this is ignored (trainer died mid-sync)
+    follow_control: bool = True
+    spill_max_bytes: int = 1 << 30
+    publish_delivery_timeout_ms: int = 30_000
+    shutdown_flush_s: float = 10.0
+    max_sessions: int = 100_000
+    session_idle_s: float = 3600.0
+    max_connections: int = 512  # keep-alive pool to the engine
 
 
 class JudgeConfig(Section):

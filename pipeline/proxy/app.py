@@ -1,0 +1,565 @@
+"""The proxy's ASGI application: a lean chat-completions handler in front of a FastAPI app.
+
+``POST /v1/chat/completions`` is handled by :meth:`ProxyApp.chat`, a plain ASGI coroutine (no
+pydantic model, no middleware stack: the request is parsed once with orjson and validated by
+:mod:`pipeline.proxy.validate`). Every other route (``/v1/models``, ``/healthz``, ``/readyz``,
+``/metrics``, ``POST /v1/sessions/{id}/end``) is an ordinary FastAPI app. Serve it with
+``uvicorn.run(ProxyApp(config), loop="uvloop", http="httptools")`` (what ``pipeline proxy`` does).
+
+Per request (main turn of a known session):
+
+1. API key check (401), body size (413), JSON (400), fields (400), session metadata (400);
+2. weight-sync hold (bounded; 503 only with ``proxy.sync_strict``);
+3. turn index + ``next_state`` (published now, before the engine sees the request);
+4. forward with ``logprobs``/``return_token_ids``/``return_prompt_token_ids`` added; the user gets
+   the answer without the extras it did not ask for (streams are forwarded chunk by chunk);
+5. ``turn`` published after the last byte of the answer, then ``session_end`` on
+   ``X-Session-Done``. Publishing only appends to :class:`pipeline.proxy.publisher.EventPublisher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline import events
+from pipeline.config import Config
+from pipeline.proxy import metrics as M
+from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
+from pipeline.proxy.errors import ProxyError, bad_request, error_body, upstream_error
+from pipeline.proxy.publisher import EventPublisher
+from pipeline.proxy.record import Recorded, StreamRecorder, from_response, policy_version, strip_response
+from pipeline.proxy.sessions import SessionTable
+from pipeline.proxy.upstream import Upstream, sse_events
+from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
+
+log = logging.getLogger(__name__)
+
+_CHAT = "/v1/chat/completions"
+_JSON_HDR = (b"content-type", b"application/json")
+_SSE_HDRS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+             (b"x-accel-buffering", b"no")]
+_DONE = b"data: [DONE]\n\n"
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class ProxyApp:
+    """OpenAI-compatible proxy that records every turn on Kafka (see the module docstring).
+
+    Args:
+        config: the process config (``proxy``, ``engine.url``, ``kafka``, ``topics``).
+        engine_url: overrides ``config.engine.url``.
+        publisher: an :class:`EventPublisher` to use (default: one built from ``config.proxy``).
+        follow_control: follow the control topic for weight-sync holds and versions.
+    """
+
+    def __init__(self, config: Config, engine_url: str | None = None, publisher: EventPublisher | None = None,
+                 follow_control: bool = True) -> None:
+        pc = config.proxy
+        self.config = config
+        self.pc = pc
+        self.topic = config.topics.name("turns")
+        self.sessions = SessionTable(pc.max_sessions, pc.session_idle_s)
+        self.publisher = publisher or EventPublisher(
+            config, max_buffer=pc.buffer_max_events, spill_file=pc.spill_file, spill_max_bytes=pc.spill_max_bytes,
+            delivery_timeout_ms=pc.publish_delivery_timeout_ms)
+        self.upstream = Upstream(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
+        self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
+        self.follower = ControlFollower(config, self._on_control) if follow_control else None
+        self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._ready_cache = (0.0, 0)
+        self._native_stream: bool | None = None
+        self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
+        self._client = None  # EngineClient for the SGLang streaming path, created on first use
+        self.api = self._build_api()
+
+    # ---- ASGI entry -----------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http" and scope["path"] == _CHAT and scope["method"] == "POST":
+            await self.chat(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            m = await receive()
+            if m["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:
+                    log.exception("proxy start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif m["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> None:
+        """Open the engine pool, start publishing and following the control topic."""
+        self._loop = asyncio.get_running_loop()
+        await self.upstream.start()
+        self.publisher.start()
+        if self.follower is not None:
+            self.follower.start()
+        self._tasks.append(asyncio.ensure_future(self._housekeeping()))
+        if self.on_started is not None:
+            self.on_started()
+        log.info("proxy: engine %s, turns -> %s, %d API key(s), anonymous=%s, buffer %d events%s",
+                 self.upstream.base_url, self.topic, len(self._keys), self.pc.anonymous, self.pc.buffer_max_events,
+                 f", spill {self.pc.spill_file}" if self.pc.spill_file else "")
+
+    async def shutdown(self) -> None:
+        """Stop following, close the pool, deliver or spill what is buffered."""
+        for t in self._tasks:
+            t.cancel()
+        if self.follower is not None:
+            await asyncio.to_thread(self.follower.stop)
+        await self.upstream.close()
+        if self._client is not None:
+            await self._client.aclose()
+        await asyncio.to_thread(self.publisher.close, self.pc.shutdown_flush_s)
+        log.info("proxy stopped: %s", self.publisher.stats())
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(10.0)
+            n = self.sessions.expire()
+            if n:
+                log.debug("expired %d idle sessions", n)
+            M.SESSIONS.set(len(self.sessions))
+
+    def _on_control(self, state: ControlState) -> None:  # follower thread
+        M.SYNC_PAUSED.set(1 if state.paused else 0)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.gate.update, state)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _auth(self, headers: dict) -> None:
+        if not self._keys:
+            return
+        h = headers.get(b"authorization")
+        if h is None:
+            raise ProxyError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                             code="invalid_api_key")
+        scheme, _, key = h.partition(b" ")
+        if scheme.lower() != b"bearer" or key.strip() not in self._keys:
+            raise ProxyError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+
+    async def _read_body(self, headers: dict, receive) -> bytes:
+        limit = self.pc.max_body_bytes
+        cl = headers.get(b"content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                raise bad_request("invalid Content-Length header") from None
+            if n > limit:
+                raise ProxyError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes",
+                                 code="request_too_large")
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            raise _ClientGone()
+        body = m.get("body", b"")
+        if not m.get("more_body"):
+            if len(body) > limit:
+                raise ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            return body
+        parts = [body]
+        size = len(body)
+        while True:
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                raise _ClientGone()
+            b = m.get("body", b"")
+            size += len(b)
+            if size > limit:
+                raise ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            parts.append(b)
+            if not m.get("more_body"):
+                return b"".join(parts)
+
+    @staticmethod
+    async def _send_json(send, status: int, body: bytes, extra: list | None = None) -> None:
+        headers = [_JSON_HDR, (b"content-length", str(len(body)).encode())]
+        if extra:
+            headers.extend(extra)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _engine_error(self, status: int, data: bytes) -> ProxyError:
+        msg = None
+        try:
+            obj = orjson.loads(data)
+            err = obj.get("error", obj) if isinstance(obj, dict) else None
+            if isinstance(err, dict):
+                msg = err.get("message") or err.get("detail")
+            elif isinstance(err, str):
+                msg = err
+        except orjson.JSONDecodeError:
+            pass
+        msg = str(msg)[:2000] if msg else data[:300].decode("utf-8", "replace")
+        if 400 <= status < 500 and status not in (401, 403, 407, 408, 429):
+            return ProxyError(status, f"the engine rejected the request: {msg}", code="engine_rejected")
+        if status == 429:
+            return ProxyError(429, f"the engine is overloaded: {msg}", "rate_limit_error", code="engine_overloaded")
+        if status in (408, 504):
+            return upstream_error(f"the engine timed out: {msg}", 504)
+        return upstream_error(f"the engine failed with HTTP {status}: {msg}")
+
+    def _publish(self, ev: events.Event, key: str) -> None:
+        self.publisher.publish(self.topic, ev, key)
+
+    def _version(self, raw: Any) -> int:
+        fb = self.gate.state.applied_version
+        v = policy_version(raw, fb if fb >= 0 else 0)
+        M.POLICY_VERSION.set(v)
+        return v
+
+    # ---- the chat route ---------------------------------------------------------------------------
+    async def chat(self, scope, receive, send) -> None:
+        """ASGI handler of ``POST /v1/chat/completions`` (see the module docstring)."""
+        t0 = time.perf_counter()
+        created = events.now_ms()
+        rid = os.urandom(8).hex()
+        stream = False
+        status = 500
+        try:
+            headers = dict(scope["headers"])
+            self._auth(headers)
+            if not content_type_ok(headers.get(b"content-type")):
+                raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
+            raw = await self._read_body(headers, receive)
+            try:
+                req = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+            if not isinstance(req, dict):
+                raise bad_request(f"the request body must be a JSON object, got {type(req).__name__}")
+            meta = session_meta(headers, req, self.pc.default_turn_type)
+            check_request(req)
+            stream = req.get("stream") is True
+            status = await self._serve(req, meta, rid, created, t0, stream, receive, send)
+        except ProxyError as e:
+            status = e.status
+            extra = [(b"x-request-id", rid.encode())]
+            if e.status == 503:
+                extra.append((b"retry-after", b"1"))
+            await self._send_json(send, e.status, e.body(), extra)
+        except _ClientGone:
+            status = 499
+        except Exception as e:  # a bug must still give the client an answer, not a dropped connection
+            log.exception("request %s failed", rid)
+            status = 500
+            try:
+                await self._send_json(send, 500, error_body(f"internal proxy error ({type(e).__name__})",
+                                                            "server_error", code="internal_error"))
+            except Exception:
+                pass
+        M.CACHE.request(status, stream).inc()
+        M.CACHE.latency[stream].observe(time.perf_counter() - t0)
+
+    async def _serve(self, req: dict, meta: SessionMeta, rid: str, created: int, t0: float, stream: bool,
+                     receive, send) -> int:
+        sid = meta.session_id
+        record = True
+        if sid is None:
+            M.WITHOUT_SESSION.inc()
+            mode = self.pc.anonymous
+            if mode == "reject":
+                raise bad_request("X-Session-Id is required by this proxy (proxy.anonymous=reject)",
+                                  param="X-Session-Id", code="missing_session_id")
+            record = mode == "record"
+            sid = f"anon-{rid}"
+        try:
+            held = await self.gate.wait()
+        except TimeoutError as e:
+            M.SYNC_HOLD.observe(self.pc.sync_hold_timeout_s)
+            if self.pc.sync_strict:
+                raise ProxyError(503, f"{e}; retry shortly", "server_error", code="weight_sync") from None
+            log.warning("request %s: %s, serving it anyway", rid, e)
+        else:
+            if held:
+                M.SYNC_HOLD.observe(held)
+        turn_index = None
+        if record and meta.turn_type == "main":
+            if meta.session_id is None:
+                turn_index = 0
+            else:
+                mt = self.sessions.begin(sid, req["messages"])
+                turn_index = mt.turn_index
+                if mt.next_state is not None:
+                    self._publish(events.NextState(session_id=sid, messages=mt.next_state,
+                                                   after_turn_index=mt.after_turn_index, request_id=rid,
+                                                   created_at=created), sid)
+        extra = [(b"x-request-id", rid.encode())]
+        if meta.session_id is not None:
+            extra.append((b"x-session-id", sid.encode()))
+        if turn_index is not None:
+            extra.append((b"x-turn-index", str(turn_index).encode()))
+        keep = (req.get("logprobs") is True, req.get("return_token_ids") is True,
+                req.get("return_token_ids") is True or req.get("return_prompt_token_ids") is True,
+                req.get("return_meta_info") is True)
+        user_view = {"messages": req["messages"], "tools": req.get("tools"), "model": req.get("model"),
+                     "sampling": {k: req[k] for k in SAMPLING_KEYS if k in req}}
+        if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
+            req["logprobs"] = True
+            req["return_token_ids"] = True
+        try:
+            if stream:
+                status, rec = await self._stream(req, keep if record else None, extra, t0, receive, send)
+            else:
+                    status, rec = await self._unary(orjson.dumps(req), keep, extra, send, record, meta, sid,
+                                                turn_index, rid, created, user_view)
+        except BaseException:
+            if record and meta.done or (record and meta.session_id is None):
+                self._end(sid, "header" if meta.session_id else "no_session")
+            raise
+        if stream and record and rec is not None:
+            self._record(rec, meta, sid, turn_index, rid, created, user_view)
+        if record and (meta.done or meta.session_id is None):
+            self._end(sid, "header" if meta.session_id else "no_session")
+        return status
+
+    def _end(self, sid: str, reason: str) -> None:
+        self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms()), sid)
+        self.sessions.end(sid)
+
+    def _record(self, rec: Recorded, meta: SessionMeta, sid: str, turn_index: int | None, rid: str, created: int,
+                user_view: dict) -> None:
+        if not rec.complete:
+            M.TURNS_WITHOUT_IDS.inc()
+            log.warning("request %s: engine answer lacks token ids or log-probs (%d ids, %d log-probs, prompt %s);"
+                        " recorded without them", rid, len(rec.token_ids), len(rec.logprobs),
+                        "present" if rec.prompt_ids is not None else "missing")
+            token_ids, logprobs = [], []
+        else:
+            token_ids, logprobs = rec.token_ids, rec.logprobs
+        turn = events.Turn(
+            session_id=sid, turn_type=meta.turn_type, turn_index=turn_index, request_id=rid, created_at=created,
+            policy_version=self._version(rec.weight_version), model=user_view["model"] or rec.model,
+            messages=user_view["messages"], tools=user_view["tools"], sampling=user_view["sampling"],
+            prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
+            response=rec.response, finish_reason=rec.finish_reason, source="proxy")
+        if turn_index is not None and meta.session_id is not None:
+            self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"))
+        self._publish(turn, sid)
+        M.TURNS.labels(meta.turn_type).inc()
+
+    async def _unary(self, body: bytes, keep: tuple, extra: list, send, record: bool, meta: SessionMeta, sid: str,
+                     turn_index: int | None, rid: str, created: int, user_view: dict) -> tuple[int, None]:
+        status, data = await self.upstream.call("POST", _CHAT, body)
+        if status >= 400:
+            raise self._engine_error(status, data)
+        if record:
+            try:
+                resp = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                raise upstream_error("the engine returned a body that is not JSON") from None
+            if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list):
+                raise upstream_error("the engine returned no 'choices'")
+            if record:
+                self._record(from_response(resp), meta, sid, turn_index, rid, created, user_view)
+            strip_response(resp, *keep)
+            data = orjson.dumps(resp)
+        await self._send_json(send, status, data, extra)
+        return status, None
+
+    async def _native_stream_ok(self) -> bool:
+        """Does the engine stream token ids on chat (``/server_info`` ``chat_stream_token_ids``)?"""
+        if self._native_stream is None:
+            status, data = await self.upstream.call("GET", "/server_info")
+            if status == 200:
+                try:
+                    info = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    info = {}
+                self._native_stream = bool(isinstance(info, dict) and info.get("chat_stream_token_ids"))
+                if not self._native_stream:
+                    log.warning("the engine does not stream token ids on chat (SGLang): streamed turns use "
+                                "EngineClient's /v1/tokenize + /generate path")
+            else:
+                return True  # unknown: try the native way (our engine, vLLM)
+        return self._native_stream
+
+    async def _stream(self, req: dict, keep: tuple | None, extra: list, t0: float, receive, send
+                      ) -> tuple[int, Recorded | None]:
+        if keep is not None and not await self._native_stream_ok():
+            return await self._stream_via_client(req, keep, extra, t0, send)
+        resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
+        watcher = None
+        try:
+            if resp.status >= 400:
+                raise self._engine_error(resp.status, await resp.read())
+            ctype = resp.headers.get("Content-Type", "")
+            if "text/event-stream" not in ctype:
+                raise upstream_error(f"the engine answered a stream request with {ctype or 'no content type'}")
+            recorder = StreamRecorder(*keep[:3]) if keep is not None else None
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
+            gone = asyncio.Event()
+
+            async def watch() -> None:
+                while True:
+                    m = await receive()
+                    if m["type"] == "http.disconnect":
+                        gone.set()
+                        resp.close()
+                        return
+
+            watcher = asyncio.ensure_future(watch())
+            first = True
+            finished = False
+            try:
+                async for data in sse_events(resp):
+                    if data == b"[DONE]":
+                        await send({"type": "http.response.body", "body": _DONE, "more_body": True})
+                        finished = True
+                        break
+                    out = recorder.feed(data) if recorder is not None else data
+                    await send({"type": "http.response.body", "body": b"data: " + out + b"\n\n", "more_body": True})
+                    if first:
+                        first = False
+                        M.TTFT.observe(time.perf_counter() - t0)
+            except ProxyError as e:
+                if not gone.is_set():
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": b"data: " + e.body() + b"\n\n" + _DONE})
+                    await send({"type": "http.response.body", "body": b""})
+                    log.warning("stream broke: %s", e.message)
+                    return 502, None
+            if gone.is_set():
+                if recorder is None:
+                    return 499, None
+                rec = recorder.finish()
+                rec.finish_reason = "abort"
+                return 499, rec if rec.token_ids else None
+            if not finished:  # the engine closed without [DONE]
+                await send({"type": "http.response.body", "body": _DONE, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            if recorder is None:
+                return 200, None
+            if recorder.error is not None:
+                return 502, None
+            return 200, recorder.finish()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            resp.release()
+
+    async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, send
+                                 ) -> tuple[int, Recorded | None]:
+        """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
+        ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``."""
+        from pipeline.client import EngineClient, EngineError, EngineTimeout
+
+        if self._client is None:
+            self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s)
+        body = {k: v for k, v in req.items() if k not in ("return_token_ids", "stream")}
+        recorder = StreamRecorder(*keep[:3])
+        it = self._client.chat_stream(body, token_ids=True).__aiter__()
+        started = False
+        try:
+            while True:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
+                    started = True
+                    M.TTFT.observe(time.perf_counter() - t0)
+                out = recorder.feed(orjson.dumps(chunk))
+                await send({"type": "http.response.body", "body": b"data: " + out + b"\n\n", "more_body": True})
+        except EngineError as e:
+            err = (upstream_error(str(e.message), 504) if isinstance(e, EngineTimeout) else
+                   self._engine_error(e.status, orjson.dumps({"message": e.message})) if e.status else
+                   upstream_error(f"the engine is unreachable or failed: {e.message}"))
+            if not started:
+                raise err from None
+            await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\n" + _DONE,
+                        "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return 502, None
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
+        await send({"type": "http.response.body", "body": _DONE})
+        return 200, recorder.finish()
+
+    # ---- the FastAPI part -------------------------------------------------------------------------
+    def _build_api(self) -> FastAPI:
+        api = FastAPI(title="pipeline proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @api.exception_handler(ProxyError)
+        async def _proxy_error(_req: Request, e: ProxyError):
+            return Response(e.body(), status_code=e.status, media_type="application/json")
+
+        @api.exception_handler(StarletteHTTPException)
+        async def _http_error(req: Request, e: StarletteHTTPException):
+            msg = (f"no route {req.method} {req.url.path}" if e.status_code == 404 else
+                   f"method {req.method} not allowed on {req.url.path}" if e.status_code == 405 else str(e.detail))
+            return Response(error_body(msg, code=e.status_code), status_code=e.status_code,
+                            media_type="application/json")
+
+        @api.exception_handler(RequestValidationError)
+        async def _validation(_req: Request, e: RequestValidationError):
+            return Response(error_body(f"invalid request: {e.errors()}"), status_code=400,
+                            media_type="application/json")
+
+        @api.get("/v1/models")
+        async def models(request: Request):
+            self._auth({k.lower(): v for k, v in request.headers.raw})
+            status, data = await self.upstream.call("GET", "/v1/models")
+            if status >= 400:
+                raise self._engine_error(status, data)
+            return Response(data, status_code=status, media_type="application/json")
+
+        @api.post("/v1/sessions/{session_id}/end")
+        async def end_session(session_id: str, request: Request):
+            headers = {k.lower(): v for k, v in request.headers.raw}
+            self._auth(headers)
+            headers[b"x-session-id"] = session_id.encode("utf-8", "replace")
+            meta = session_meta(headers, {}, "main")
+            self._end(meta.session_id, "api")
+            return {"session_id": meta.session_id, "ended": True}
+
+        @api.get("/healthz")
+        async def healthz():
+            return {"status": "ok"}
+
+        @api.get("/readyz")
+        async def readyz():
+            now = time.monotonic()
+            if now - self._ready_cache[0] > 1.0:
+                self._ready_cache = (now, await self.upstream.probe("/health"))
+            engine = self._ready_cache[1]
+            st = self.publisher.stats()
+            body = {"status": "ready" if engine == 200 else "engine unavailable", "engine_status": engine,
+                    "broker_connected": st["broker_connected"], "events_buffered": st["buffered"],
+                    "events_dropped": st["dropped_total"], "sync_paused": self.gate.paused}
+            return JSONResponse(body, status_code=200 if engine == 200 else 503)
+
+        @api.get("/metrics")
+        async def metrics():
+            M.EVENTS_BUFFERED.set(self.publisher.buffered)
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+        return api

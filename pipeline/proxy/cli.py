@@ -1,0 +1,57 @@
+"""``python -m pipeline proxy``: serve the OpenAI-compatible proxy (see :mod:`pipeline.proxy`)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+HELP = "OpenAI-compatible proxy that records every turn on Kafka"
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--host", help="listen address (proxy.host, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (proxy.port, default 8000; 0 = any free port)")
+    parser.add_argument("--engine-url", help="engine base URL (engine.url)")
+    parser.add_argument("--spill-file", help="overflow file for events while the broker is away (proxy.spill_file)")
+    parser.add_argument("--no-control", action="store_true", help="do not follow the control topic")
+
+
+def _pick(name: str, fallback: str) -> str:
+    try:
+        __import__(name)
+        return name
+    except ImportError:
+        return fallback
+
+
+def run(args, config) -> int:
+    import uvicorn
+
+    from pipeline.proxy.app import ProxyApp
+
+    pc = config.proxy
+    if args.host:
+        pc.host = args.host
+    if args.port is not None:
+        pc.port = args.port
+    if args.engine_url:
+        config.engine.url = args.engine_url
+    if args.spill_file:
+        pc.spill_file = args.spill_file
+    if args.no_control:
+        pc.follow_control = False
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((pc.host, pc.port))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    app = ProxyApp(config, follow_control=pc.follow_control)
+    url = f"http://{pc.host}:{port}"
+    app.on_started = lambda: print(f"PROXY READY {url}", flush=True)
+    cfg = uvicorn.Config(app, loop=_pick("uvloop", "asyncio"), http=_pick("httptools", "h11"), lifespan="on",
+                         access_log=False, log_level="warning", timeout_keep_alive=75,
+                         timeout_graceful_shutdown=max(5, int(pc.shutdown_flush_s)))
+    server = uvicorn.Server(cfg)
+    server.run(sockets=[sock])
+    return 0

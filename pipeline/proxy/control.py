@@ -1,0 +1,195 @@
+"""Follow the ``control`` topic: weight-sync pauses and the policy versions engines apply.
+
+A daemon thread reads partition 0 of the control topic with no consumer group (manual
+assignment, nothing committed) from the beginning, so a proxy that starts in the middle of a
+sync learns that it is paused. State:
+
+- ``pause`` (epoch e): a sync runs; the proxy holds new requests (see :class:`SyncGate`).
+- ``resume``: the sync is over. ``failed`` does not resume by itself (the trainer decides).
+- ``applied`` (engine, version): ``applied_version`` is the highest version an engine reported;
+  it tags turns when the engine's response carries no usable ``weight_version``.
+
+A pause older than ``max_pause_s`` (by its ``created_at``) is treated as over, so a trainer
+that died mid-sync cannot hold traffic for ever. Broker trouble only delays these updates; the
+thread reconnects with back-off and never affects serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kafka import KafkaConsumer, TopicPartition
+
+from pipeline import events
+from pipeline.bus.settings import consumer_kwargs
+from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ControlState:
+    """What the control topic says now.
+
+    Attributes:
+        paused: a weight sync is in progress.
+        epoch: the epoch of the latest pause/resume.
+        paused_at_ms: ``created_at`` of the pause (ms since the epoch), 0 when not paused.
+        applied_version: highest policy version an engine reported as applied (-1: none seen).
+    """
+
+    paused: bool = False
+    epoch: int = -1
+    paused_at_ms: int = 0
+    applied_version: int = -1
+
+
+class ControlFollower:
+    """Daemon thread applying control events to a :class:`ControlState`.
+
+    Args:
+        config: the process config (topic name from ``topics``, client settings from ``kafka``).
+        on_change: called (from the follower thread) with a copy of the state after each change.
+    """
+
+    def __init__(self, config: Config, on_change: Callable[[ControlState], None]) -> None:
+        self.config = config
+        self.topic = config.topics.name("control")
+        self.on_change = on_change
+        self.state = ControlState()
+        self.records = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="proxy-control", daemon=True)
+        self._next_offset = 0
+
+    def start(self) -> "ControlFollower":
+        """Start following."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def apply(self, ev: events.Event) -> bool:
+        """Apply one event to the state; True if it changed."""
+        if not isinstance(ev, events.Control):
+            return False
+        s = self.state
+        before = (s.paused, s.epoch, s.applied_version)
+        if ev.action == "pause":
+            s.paused, s.epoch, s.paused_at_ms = True, ev.epoch, ev.created_at or events.now_ms()
+        elif ev.action == "resume":
+            if ev.epoch >= s.epoch:
+                s.paused, s.epoch, s.paused_at_ms = False, ev.epoch, 0
+        elif ev.action == "applied":
+            s.applied_version = max(s.applied_version, ev.policy_version)
+        return before != (s.paused, s.epoch, s.applied_version)
+
+    def _consumer(self) -> KafkaConsumer:
+        kw = consumer_kwargs(self.config, None, enable_auto_commit=False, auto_offset_reset="earliest")
+        c = KafkaConsumer(**kw)
+        tp = TopicPartition(self.topic, 0)
+        c.assign([tp])
+        c.seek(tp, self._next_offset)
+        return c
+
+    def _run(self) -> None:
+        backoff = 0.5
+        consumer = None
+        while not self._stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = self._consumer()
+                batch = consumer.poll(timeout_ms=300)
+                backoff = 0.5
+                changed = False
+                for recs in batch.values():
+                    for r in recs:
+                        self._next_offset = r.offset + 1
+                        self.records += 1
+                        try:
+                            ev = events.decode(r.value)
+                        except events.EventError as e:
+                            log.warning("control[%d]: undecodable record skipped: %s", r.offset, e)
+                            continue
+                        changed |= self.apply(ev)
+                if changed:
+                    s = self.state
+                    log.info("control: paused=%s epoch=%d applied_version=%d", s.paused, s.epoch, s.applied_version)
+                    self.on_change(ControlState(s.paused, s.epoch, s.paused_at_ms, s.applied_version))
+            except Exception as e:  # broker away, topic missing: retry quietly
+                log.debug("control follower: %s", e)
+                if consumer is not None:
+                    try:
+                        consumer.close(autocommit=False)
+                    except Exception:
+                        pass
+                    consumer = None
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+        if consumer is not None:
+            try:
+                consumer.close(autocommit=False)
+            except Exception:
+                pass
+
+
+class SyncGate:
+    """Event-loop side of the weight-sync hold.
+
+    ``wait()`` returns at once when no sync runs; during one it waits until ``resume`` or until
+    ``hold_timeout_s`` (then the request goes through, or gets 503 when ``strict``).
+
+    Args:
+        hold_timeout_s: the longest a request is held.
+        max_pause_s: a pause older than this (from its ``created_at``) is ignored.
+    """
+
+    def __init__(self, hold_timeout_s: float, max_pause_s: float) -> None:
+        import asyncio
+
+        self.hold_timeout_s = hold_timeout_s
+        self.max_pause_s = max_pause_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self.state = ControlState()
+
+    @property
+    def paused(self) -> bool:
+        """A sync runs now (and its pause is not stale)."""
+        s = self.state
+        return s.paused and (time.time() * 1000 - s.paused_at_ms) < self.max_pause_s * 1000
+
+    def update(self, state: ControlState) -> None:
+        """Apply a new control state (call on the event loop thread)."""
+        self.state = state
+        if self.paused:
+            self._open.clear()
+        else:
+            self._open.set()
+
+    async def wait(self) -> float:
+        """Hold while paused; returns the seconds held (0.0 when not paused).
+
+        Raises:
+            TimeoutError: the hold timed out (the caller decides: go through or 503).
+        """
+        if self._open.is_set() or not self.paused:
+            return 0.0
+        import asyncio
+
+        t0 = time.monotonic()
+        left = self.max_pause_s - (time.time() * 1000 - self.state.paused_at_ms) / 1000
+        timeout = max(0.0, min(self.hold_timeout_s, left))
+        try:
+            await asyncio.wait_for(self._open.wait(), timeout)
+        except asyncio.TimeoutError:
+            if self.paused and timeout >= self.hold_timeout_s:
+                raise TimeoutError(f"weight sync still running after {self.hold_timeout_s:.1f} s") from None
+        return time.monotonic() - t0

@@ -1,0 +1,55 @@
+"""OpenAI-style error bodies and the exceptions the proxy maps to them.
+
+Every error the proxy answers has the shape the official ``openai`` client parses::
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
+
+``type`` is ``invalid_request_error`` for 4xx caused by the request, ``authentication_error``
+for 401, ``upstream_error`` for 502 and ``timeout_error`` for 504.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class ProxyError(Exception):
+    """An error answered to the client with ``status`` and an OpenAI-style body.
+
+    Args:
+        status: HTTP status code (4xx for bad input, 502/503/504 for engine trouble).
+        message: a clear, human-readable reason (never conversation content).
+        type_: OpenAI error ``type``.
+        param: the offending request field, e.g. ``messages[2].role``.
+        code: a short machine-readable code.
+    """
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> bytes:
+        """The JSON error body (bytes)."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> bytes:
+    """Serialise an OpenAI-style error object."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ProxyError:
+    """A 400 for a malformed or invalid request field."""
+    return ProxyError(400, message, param=param, code=code)
+
+
+def upstream_error(message: str, status: int = 502) -> ProxyError:
+    """A 502 (engine failed or unreachable) or 504 (engine timed out)."""
+    return ProxyError(status, message, type_="timeout_error" if status == 504 else "upstream_error",
+                      code="engine_timeout" if status == 504 else "engine_error")

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the proxy (names used by the dashboard in deploy/).
+
+The bus metrics of :mod:`pipeline.metrics` (``pipeline_events_produced_total`` ...) are reported
+too, with ``stage="proxy"``. Histograms are in seconds.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, 120.0, 300.0)
+
+REQUESTS = Counter("pipeline_proxy_requests_total", "Chat completion requests answered",
+                   ["status", "stream"])
+LATENCY = Histogram("pipeline_proxy_request_latency_seconds",
+                    "Request arrival to last byte sent (includes any sync hold)", ["stream"],
+                    buckets=_LAT_BUCKETS)
+TTFT = Histogram("pipeline_proxy_ttft_seconds", "Streaming: request arrival to first chunk sent",
+                 buckets=_LAT_BUCKETS)
+WITHOUT_SESSION = Counter("pipeline_proxy_requests_without_session_total",
+                          "Requests without X-Session-Id (recorded as one-turn sessions, or skipped/"
+                          "rejected per proxy.anonymous)")
+TURNS = Counter("pipeline_proxy_turns_total", "Turn events queued for publishing", ["turn_type"])
+TURNS_WITHOUT_IDS = Counter("pipeline_proxy_turns_without_token_ids_total",
+                            "Turns whose engine response lacked token ids or log-probs")
+EVENTS_BUFFERED = Gauge("pipeline_proxy_events_buffered",
+                        "Events accepted but not yet acknowledged by the broker (memory + spill file)")
+EVENTS_DROPPED = Counter("pipeline_proxy_events_dropped_total", "Events given up (never delivered)",
+                         ["reason"])
+EVENTS_SPILLED = Counter("pipeline_proxy_events_spilled_total", "Events written to the spill file")
+EVENTS_DELIVERED = Counter("pipeline_proxy_events_delivered_total", "Events acknowledged by the broker")
+PUBLISH_RETRIES = Counter("pipeline_proxy_publish_retries_total",
+                          "Windows of events re-sent after a broker error")
+BROKER_UP = Gauge("pipeline_proxy_broker_connected", "1 while the last publish window succeeded")
+SYNC_HOLD = Histogram("pipeline_proxy_sync_hold_seconds", "Time a request was held by a weight sync",
+                      buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
+SYNC_PAUSED = Gauge("pipeline_proxy_sync_paused", "1 while the control topic says a weight sync runs")
+POLICY_VERSION = Gauge("pipeline_proxy_policy_version", "Policy version of the latest served turn")
+SESSIONS = Gauge("pipeline_proxy_sessions", "Sessions held in memory")
+
+
+class _Cache:
+    """Pre-resolved label children (``labels()`` costs a lock and a dict lookup per call)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[int, bool], object] = {}
+        self.latency = {True: LATENCY.labels("true"), False: LATENCY.labels("false")}
+
+    def request(self, status: int, stream: bool):
+        c = self.requests.get((status, stream))
+        if c is None:
+            c = self.requests[(status, stream)] = REQUESTS.labels(str(status), "true" if stream else "false")
+        return c
+
+
+CACHE = _Cache()

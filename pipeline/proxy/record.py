@@ -1,0 +1,224 @@
+"""What the engine returned, turned into the turn's record: ids, log-probs, message, version.
+
+Non-stream responses carry (when the proxy asked for them; SGLang >= 0.5.13 semantics, see
+SGLANG_API.md 2.2/2.4) ``choices[0].token_ids``, ``choices[0].prompt_token_ids``,
+``choices[0].logprobs.content[i].logprob`` aligned with ``token_ids`` (or
+``choices[0].meta_info.output_token_logprobs`` as ``[logprob, id, text]``) and
+``metadata.weight_version``. Streamed chunks of our engine (vLLM-style extension) carry
+``token_ids`` deltas per choice, ``prompt_token_ids`` in the first chunk (top level or per
+choice) and per-chunk ``logprobs.content``. Nothing is re-tokenized: what the engine sampled is
+what is recorded.
+
+:class:`StreamRecorder` also removes the fields the proxy added and the user did not ask for
+from each chunk before it is forwarded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+def policy_version(raw: Any, fallback: int) -> int:
+    """The engine's ``weight_version`` as an int, else ``fallback`` (e.g. the control topic's)."""
+    if isinstance(raw, bool):
+        return fallback
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str):
+        s = raw.strip()
+        if s.lstrip("-").isdigit():
+            return int(s)
+        if s[:1] in ("v", "V") and s[1:].isdigit():
+            return int(s[1:])
+    return fallback
+
+
+def _logprob_values(lp: Any) -> list[float]:
+    if not isinstance(lp, dict):
+        return []
+    content = lp.get("content")
+    if not isinstance(content, list):
+        return []
+    return [e.get("logprob") for e in content if isinstance(e, dict)]
+
+
+class Recorded:
+    """The parts of one engine answer a turn needs (filled by the functions below)."""
+
+    __slots__ = ("prompt_ids", "token_ids", "logprobs", "response", "finish_reason", "weight_version", "model")
+
+    def __init__(self) -> None:
+        self.prompt_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.response: dict = {"content": None, "reasoning_content": None, "tool_calls": None}
+        self.finish_reason: str | None = None
+        self.weight_version: Any = None
+        self.model: str = ""
+
+    @property
+    def complete(self) -> bool:
+        """Token ids, prompt ids and one log-prob per response token are all present."""
+        return (self.prompt_ids is not None and len(self.logprobs) == len(self.token_ids)
+                and all(isinstance(x, (int, float)) for x in self.logprobs))
+
+
+def from_response(resp: dict) -> Recorded:
+    """Read a non-stream chat completion (``choices[0]``)."""
+    r = Recorded()
+    r.model = resp.get("model") or ""
+    choices = resp.get("choices") or []
+    c = choices[0] if choices and isinstance(choices[0], dict) else {}
+    msg = c.get("message") or {}
+    r.response = {"content": msg.get("content"), "reasoning_content": msg.get("reasoning_content"),
+                  "tool_calls": msg.get("tool_calls") or None}
+    r.finish_reason = c.get("finish_reason")
+    meta = c.get("meta_info") if isinstance(c.get("meta_info"), dict) else {}
+    ids = c.get("token_ids")
+    otl = meta.get("output_token_logprobs")
+    if isinstance(otl, list) and otl and (ids is None or len(otl) == len(ids)):
+        r.token_ids = [e[1] for e in otl]
+        r.logprobs = [e[0] for e in otl]
+    else:
+        r.token_ids = list(ids) if isinstance(ids, list) else []
+        r.logprobs = _logprob_values(c.get("logprobs"))
+    pids = c.get("prompt_token_ids", resp.get("prompt_token_ids"))
+    r.prompt_ids = list(pids) if isinstance(pids, list) else None
+    md = resp.get("metadata")
+    r.weight_version = md.get("weight_version") if isinstance(md, dict) else None
+    if r.weight_version is None:
+        r.weight_version = meta.get("weight_version")
+    return r
+
+
+def strip_response(resp: dict, keep_logprobs: bool, keep_ids: bool, keep_prompt_ids: bool,
+                   keep_meta: bool) -> None:
+    """Remove from a non-stream response the extras the user did not ask for (in place)."""
+    if not keep_prompt_ids:
+        resp.pop("prompt_token_ids", None)
+    for c in resp.get("choices") or ():
+        if not isinstance(c, dict):
+            continue
+        if not keep_logprobs and "logprobs" in c:
+            c["logprobs"] = None
+        if not keep_ids:
+            c.pop("token_ids", None)
+        if not keep_prompt_ids:
+            c.pop("prompt_token_ids", None)
+        if not keep_meta:
+            c.pop("meta_info", None)
+
+
+class StreamRecorder:
+    """Accumulates a streamed answer chunk by chunk and rewrites chunks for the user.
+
+    Args:
+        keep_logprobs, keep_ids, keep_prompt_ids: the user asked for these (else they are removed
+            from the forwarded chunks).
+    """
+
+    def __init__(self, keep_logprobs: bool, keep_ids: bool, keep_prompt_ids: bool) -> None:
+        self.rec = Recorded()
+        self.keep_logprobs = keep_logprobs
+        self.keep_ids = keep_ids
+        self.keep_prompt_ids = keep_prompt_ids
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._tools: dict[int, dict] = {}
+        self.error: Any = None
+        self.chunks = 0
+
+    def feed(self, data: bytes) -> bytes:
+        """Record one SSE ``data`` payload; return the payload to forward (maybe rewritten)."""
+        self.chunks += 1
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+        if not isinstance(obj, dict):
+            return data
+        if "error" in obj:
+            self.error = obj["error"]
+            return data
+        rec = self.rec
+        changed = False
+        if not rec.model and isinstance(obj.get("model"), str):
+            rec.model = obj["model"]
+        pids = obj.get("prompt_token_ids")
+        if pids is not None:
+            if rec.prompt_ids is None and isinstance(pids, list):
+                rec.prompt_ids = pids
+            if not self.keep_prompt_ids:
+                del obj["prompt_token_ids"]
+                changed = True
+        md = obj.get("metadata")
+        if isinstance(md, dict) and md.get("weight_version") is not None:
+            rec.weight_version = md["weight_version"]
+        for c in obj.get("choices") or ():
+            if not isinstance(c, dict):
+                continue
+            d = c.get("delta")
+            if isinstance(d, dict):
+                if d.get("content"):
+                    self._content.append(d["content"])
+                if d.get("reasoning_content"):
+                    self._reasoning.append(d["reasoning_content"])
+                if d.get("tool_calls"):
+                    self._tool_deltas(d["tool_calls"])
+            ids = c.get("token_ids")
+            if ids is not None:
+                if isinstance(ids, list):
+                    rec.token_ids.extend(ids)
+                if not self.keep_ids:
+                    del c["token_ids"]
+                    changed = True
+            pids = c.get("prompt_token_ids")
+            if pids is not None:
+                if rec.prompt_ids is None and isinstance(pids, list):
+                    rec.prompt_ids = pids
+                if not self.keep_prompt_ids:
+                    del c["prompt_token_ids"]
+                    changed = True
+            lp = c.get("logprobs")
+            if lp is not None:
+                rec.logprobs.extend(_logprob_values(lp))
+                if not self.keep_logprobs:
+                    c["logprobs"] = None
+                    changed = True
+            if c.get("finish_reason") is not None:
+                rec.finish_reason = c["finish_reason"]
+            mi = c.get("meta_info")
+            if isinstance(mi, dict) and mi.get("weight_version") is not None:
+                rec.weight_version = mi["weight_version"]
+        return orjson.dumps(obj) if changed else data
+
+    def _tool_deltas(self, deltas: Any) -> None:
+        if not isinstance(deltas, list):
+            return
+        for pos, tc in enumerate(deltas):
+            if not isinstance(tc, dict):
+                continue
+            idx = tc.get("index", pos)
+            e = self._tools.get(idx)
+            if e is None:
+                e = self._tools[idx] = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            if tc.get("id"):
+                e["id"] = tc["id"]
+            if tc.get("type"):
+                e["type"] = tc["type"]
+            fn = tc.get("function")
+            if isinstance(fn, dict):
+                if fn.get("name"):
+                    e["function"]["name"] += fn["name"]
+                if fn.get("arguments"):
+                    e["function"]["arguments"] += fn["arguments"]
+
+    def finish(self) -> Recorded:
+        """The accumulated record (content, reasoning, tool calls in index order)."""
+        r = self.rec
+        r.response = {"content": "".join(self._content),
+                      "reasoning_content": "".join(self._reasoning) or None,
+                      "tool_calls": [dict(self._tools[i], index=i) for i in sorted(self._tools)] or None}
+        return r
