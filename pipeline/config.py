@@ -210,6 +210,7 @@ class TrainerConfig(Section):
     threads: int | None = None  # torch threads (None: torch default)
     seed: int = 1234
     keep_checkpoints: int = 2
+    keep_exports: int = 3  # exported weight folders kept (older ones are deleted after a sync)
     max_steps: int | None = None  # stop after this many trainer steps (batches); None: run forever
     dedup_window: int = 100_000  # remembered sample_ids for de-duplication (kept in checkpoints)
     poll_timeout_s: float = 1.0
@@ -225,6 +226,9 @@ class SyncerConfig(Section):
     engine_url: str | None = None  # None: engine.url
     retries: int = 3
     retry_backoff_s: float = 2.0
+    # added by the syncer
+    run_id: str | None = None  # apply weights of this run only; None: trainer.run_id
+    apply_timeout_s: float = 300.0  # one /update_weights_from_disk call (waits for in-flight requests)
 
 
 class Config(BaseSettings):

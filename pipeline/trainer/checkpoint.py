@@ -1,0 +1,122 @@
+"""Trainer checkpoints: model + optimizer shards, step, policy version, consumed offsets.
+
+Layout under ``trainer.checkpoint_dir``::
+
+    step_00000012/
+        tp00.pt ... tpNN.pt   # one per tensor-parallel rank: model shard, optimizer state, counters
+        meta.json             # step, policy_version, offsets {topic: {partition: next offset}},
+                              # dedup window of sample_ids, the step's metrics record
+    latest                    # text: "step_00000012" (replaced atomically)
+    synced.json               # {"policy_version": V}: the last version every engine was told about
+
+A checkpoint is written into ``.step_N.tmp`` and renamed when complete, then ``latest`` is
+replaced, so a crash leaves either the previous checkpoint or the new one, never a torn one.
+The consumed offsets inside ``meta.json`` are the source of truth on restart (the consumer
+group's committed offsets only show lag). Data-parallel replicas hold identical state, so only
+the ranks with DP rank 0 write. Restoring needs the same tensor-parallel size. With several
+machines, ``checkpoint_dir`` must be a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.trainer.dist import Parallel
+
+LATEST = "latest"
+SYNCED = "synced.json"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(root: str | os.PathLike, step: int, par: Parallel, state: dict[str, Any], meta: dict[str, Any],
+         keep: int = 2) -> Path:
+    """Write checkpoint ``step`` (collective: every rank calls it). Returns its folder.
+
+    ``state`` is this rank's :meth:`PolicyTrainer.state_dict`; ``meta`` (JSON-serialisable) is
+    taken from rank 0. Keeps the newest ``keep`` checkpoints.
+    """
+    root = Path(root)
+    name = f"step_{step:08d}"
+    tmp = root / f".{name}.tmp"
+    if par.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    if par.dp_rank == 0:
+        path = tmp / f"tp{par.tp_rank:02d}.pt"
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier()
+    final = root / name
+    if par.is_main:
+        _atomic_write(tmp / "meta.json", json.dumps({**meta, "step": step, "tp": par.tp}, sort_keys=True))
+        if final.exists():  # re-doing a step after a crash that happened past this point
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _atomic_write(root / LATEST, name + "\n")
+        old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
+        for p in old[:max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint folder, or None."""
+    root = Path(root)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    path = root / name
+    return path if (path / "meta.json").exists() else None
+
+
+def load(path: str | os.PathLike, par: Parallel) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(meta, state)`` of this rank from checkpoint folder ``path``.
+
+    Raises ``ValueError`` when the checkpoint was written with another tensor-parallel size.
+    """
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if int(meta.get("tp", 1)) != par.tp:
+        raise ValueError(f"checkpoint {path} has tensor parallel size {meta.get('tp')}, this run {par.tp}")
+    state = torch.load(path / f"tp{par.tp_rank:02d}.pt", map_location=par.device, weights_only=False)
+    return meta, state
+
+
+def read_synced(root: str | os.PathLike) -> int:
+    """The last policy version whose sync finished (0 if none)."""
+    try:
+        return int(json.loads((Path(root) / SYNCED).read_text())["policy_version"])
+    except (FileNotFoundError, KeyError, ValueError):
+        return 0
+
+
+def write_synced(root: str | os.PathLike, version: int) -> None:
+    """Record that the sync of ``version`` finished (atomic)."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    _atomic_write(Path(root) / SYNCED, json.dumps({"policy_version": version}) + "\n")

@@ -1,0 +1,51 @@
+"""``python -m pipeline trainer``: Megatron-core policy updates from ``samples`` batches.
+
+Single process on the CPU (or one GPU)::
+
+    python -m pipeline trainer --model tiny-random --max-steps 3 --set trainer.rollout_batch_size=4
+
+Tensor parallel (CPU: gloo; TP must divide heads, KV groups and vocabulary)::
+
+    torchrun --nproc-per-node 2 -m pipeline trainer --model tiny-random --set trainer.tp=2
+
+Every flag below overrides the ``trainer`` config section (``--set trainer.<key>=...`` reaches
+the rest, see ``python -m pipeline config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Megatron-core policy updates from sample batches; checkpoints with offsets; weight sync on control"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Trainer flags (each maps onto ``trainer.<name>``)."""
+    g = parser.add_argument_group("trainer")
+    g.add_argument("--model", help="policy: smollm2-135m | tiny-random | HF folder (trainer.model)")
+    g.add_argument("--max-steps", type=int, help="stop after this many trainer steps (trainer.max_steps)")
+    g.add_argument("--batch-size", type=int, dest="rollout_batch_size", help="samples per step (trainer.rollout_batch_size)")
+    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch (trainer.micro_batch_size)")
+    g.add_argument("--checkpoint-dir", help="trainer.checkpoint_dir")
+    g.add_argument("--export-dir", help="trainer.export_dir")
+    g.add_argument("--engines", help="comma-separated engine ids to wait for at each sync ('' for none)")
+    g.add_argument("--tp", type=int, help="tensor parallel size (trainer.tp)")
+    g.add_argument("--threads", type=int, help="torch threads (trainer.threads)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace, config) -> int:
+    """Apply the flags to ``config.trainer`` and run :class:`pipeline.trainer.stage.TrainerStage`."""
+    t = config.trainer
+    for name in ("model", "max_steps", "rollout_batch_size", "micro_batch_size", "checkpoint_dir", "export_dir",
+                 "tp", "threads"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(t, name, value)
+    if args.engines is not None:
+        t.engines = [e for e in args.engines.split(",") if e]
+    if args.no_progress:
+        t.progress = False
+    from pipeline.trainer.stage import TrainerStage
+
+    return TrainerStage(config).run()

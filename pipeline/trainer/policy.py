@@ -1,0 +1,306 @@
+"""The policy under training: Megatron GPTModel + Megatron DDP + Megatron optimizer.
+
+Optimizer choice: ``get_megatron_optimizer`` (Adam with decoupled weight decay, i.e. AdamW,
+global-norm gradient clipping that knows which parameters are tensor-parallel shards) over
+Megatron's ``DistributedDataParallel`` grad buffers. The same code then gives fp32 master
+weights for bf16 training and the distributed optimizer on GPUs; on the CPU it runs through
+:mod:`pipeline.trainer.cpu_shim` (measured in ENVIRONMENT.md: TP=2 and DP=2 reproduce the
+single-process parameters). A plain ``torch.optim.AdamW`` would need none of the shim's
+optimizer patches but would be wrong for bf16 parameters and for TP gradient norms.
+
+One :meth:`PolicyTrainer.train_batch` = ``steps_per_batch`` optimizer steps over the whole batch,
+each accumulating gradients over micro-batches (forward, log-probs at the sample's rollout
+temperature through vocab-parallel cross-entropy, loss of :mod:`pipeline.trainer.loss`,
+backward), then ``finalize_model_grads`` (DP/TP all-reduces) and ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import events
+from pipeline.config import TrainerConfig
+from pipeline.trainer import batch as B
+from pipeline.trainer import loss as L
+from pipeline.trainer import model as M
+from pipeline.trainer.dist import Parallel
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> fp32 on the CPU (log-prob parity needs it), bf16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits) when the vocabulary is split over TP ranks.
+
+    ``logits`` ``[..., V/tp]`` (this rank's slice) -> ``[...]`` full-vocabulary entropy
+    ``H = log Z - sum_v p_v z_v``, with the max and both sums all-reduced over the TP group
+    (differentiable: Megatron's ``reduce_from_tensor_model_parallel_region`` is an all-reduce in
+    the forward pass and the identity in the backward pass).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    m = logits.detach().max(dim=-1).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    z = logits - m.unsqueeze(-1)
+    e = torch.exp(z)
+    s = reduce_from_tensor_model_parallel_region(e.sum(-1))
+    ez = reduce_from_tensor_model_parallel_region((e * z).sum(-1))
+    return torch.log(s) - ez / s
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
+                    entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` under ``softmax(logits / T)`` with the vocabulary split over TP.
+
+    Args:
+        logits: ``[b, S, V/tp]`` from the model (any float dtype; computed in fp32).
+        targets: ``[b, S]`` token ids.
+        temperatures: ``[b]`` each sample's rollout temperature (the engine's log-probs are of
+            the tempered distribution it sampled from).
+        entropy: ``none``, ``metric`` (no grad) or ``grad`` (part of the loss).
+    Returns:
+        ``(log_probs [b, S], entropy [b, S] or None)``.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    scaled = logits.float() / temperatures.to(logits.device, torch.float32)[:, None, None]
+    ent = None
+    if entropy == "metric":
+        with torch.no_grad():
+            ent = vocab_parallel_entropy(scaled)
+    elif entropy == "grad":
+        ent = vocab_parallel_entropy(scaled)
+        scaled = scaled.clone()  # the cross-entropy kernel works in place on its input
+    logp = -vocab_parallel_cross_entropy(scaled, targets)
+    return logp, ent
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times)."""
+
+    metrics: dict[str, float]
+    skipped: bool
+
+
+class PolicyTrainer:
+    """The trained policy and its optimizer, on this process's TP/DP shard.
+
+    Args:
+        cfg: the ``trainer`` config section.
+        hf_dir: HF folder of the initial policy (config, tokenizer and weights).
+        par: this process's place from :func:`pipeline.trainer.dist.init`.
+    """
+
+    def __init__(self, cfg: TrainerConfig, hf_dir: str | Path, par: Parallel) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg, self.par, self.hf_dir = cfg, par, Path(hf_dir)
+        self.arch = M.Arch.from_hf(self.hf_dir)
+        self.dtype = resolve_dtype(cfg.dtype, par.device)
+        t0 = time.perf_counter()
+        self.model = M.build_model(self.arch, par.tp, self.dtype, par.device)
+        M.load_hf_weights(self.model, self.hf_dir, self.arch)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=par.device.type == "cuda" and par.dp > 1)
+        self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_cfg, module=self.model)
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=ddp_cfg.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(ocfg, [self.ddp])
+        self.ref_model = None
+        if cfg.kl_coef:
+            self.ref_model = M.build_model(self.arch, par.tp, self.dtype, par.device)
+            M.load_hf_weights(self.ref_model, self.hf_dir, self.arch)
+            self.ref_model.eval().requires_grad_(False)
+        self.optimizer_steps = 0
+        self.load_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------ scoring
+
+    def _forward(self, model, mb: B.MicroBatch, entropy: str = "none"):
+        mb = mb.to(self.par.device)
+        logits = model(mb.tokens, mb.position_ids, None)
+        return token_log_probs(logits, mb.targets, mb.temperatures, entropy)
+
+    @torch.no_grad()
+    def log_probs(self, samples: list[events.Sample], reference: bool = False) -> list[list[float]]:
+        """Each sample's response-token log-probs (nats, at its rollout temperature), no grad.
+
+        Returns one list of ``response_length`` floats per sample, in input order (``loss_mask``
+        is ignored: masked samples are scored too). ``reference`` scores with the frozen
+        reference model (needs ``kl_coef > 0``).
+        """
+        model = self.ref_model if reference else self.ddp
+        if model is None:
+            raise ValueError("no reference model (kl_coef is 0)")
+        model.eval()
+        out: list[list[float]] = [[] for _ in samples]
+        for mb in B.split(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, include_masked=True):
+            lp, _ = self._forward(model, mb)
+            lp = lp.float().cpu()
+            for row, i in enumerate(mb.index):
+                out[i] = lp[row][mb.mask[row] > 0].tolist()
+        return out
+
+    # ------------------------------------------------------------ training
+
+    def _advantages(self, mb: B.MicroBatch, old: torch.Tensor, rl_adv: torch.Tensor) -> torch.Tensor:
+        """``[b, S]``: ``w_rl * grpo`` on rl samples + ``w_opd * (teacher - old)`` on opd samples."""
+        mask = mb.mask.to(old.device)
+        grpo = L.grpo_advantages(rl_adv.to(old.device), mask) * mb.is_rl.to(old.device)[:, None]
+        opd = L.opd_advantages(mb.teacher_log_probs.to(old.device), old, mask) * mb.has_teacher.to(old.device)[:, None]
+        return L.combine_advantages(grpo, opd, self.cfg.w_rl, self.cfg.w_opd)
+
+    def train_batch(self, samples: list[events.Sample], weights: list[float] | None = None) -> StepResult:
+        """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
+
+        ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
+        that are not :func:`batch.trainable` are ignored. A batch without any trainable token
+        makes no optimizer step (``skipped``): Adam's moments would still move the weights.
+        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
+        steps of the aggregated values), ``logprob_abs_diff`` (mean |train - rollout| log-prob
+        over trained tokens, before the update), ``grad_norm`` (last step), ``reward_mean``,
+        ``train_samples``, ``train_tokens``, ``forward_backward_s``, ``optimizer_s``.
+        """
+        cfg, par = self.cfg, self.par
+        weights = list(weights) if weights is not None else [1.0] * len(samples)
+        keep = [i for i, s in enumerate(samples) if B.trainable(s) and weights[i] > 0]
+        samples = [samples[i] for i in keep]
+        weights = [weights[i] for i in keep]
+        num_samples = len(samples)
+        num_tokens = sum(s.response_length for s in samples)
+        metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
+        if num_samples == 0:
+            return StepResult(metrics, skipped=True)
+        rewards = torch.tensor([float(s.reward) for s in samples])
+        is_rl = torch.tensor(["rl" in s.kind for s in samples])
+        rl_adv = torch.zeros(num_samples)
+        if is_rl.any():
+            rl_adv[is_rl] = L.grpo_advantages(rewards[is_rl], torch.ones(int(is_rl.sum()), 1),
+                                              cfg.normalize_advantages)[:, 0]
+        metrics["reward_mean"] = float(rewards.mean())
+        # this DP rank's share of the batch (the loss is normalised by the global counts)
+        mine = list(range(par.dp_rank, num_samples, par.dp))
+        micro = B.split([samples[i] for i in mine], cfg.micro_batch_size, cfg.micro_batch_tokens,
+                        weights=[weights[i] for i in mine])
+        for mb in micro:
+            mb.index = [mine[i] for i in mb.index]
+        t0 = time.perf_counter()
+        old_cache: list[torch.Tensor] = []
+        ref_cache: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for mb in micro:
+                if cfg.old_log_probs == "recompute":
+                    self.ddp.eval()
+                    old_cache.append(self._forward(self.ddp, mb)[0].float())
+                else:
+                    old_cache.append(mb.rollout_log_probs.to(par.device))
+                ref_cache.append(self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None)
+        pre_s = time.perf_counter() - t0
+        sums: dict[str, float] = {}
+        diff_sum = torch.zeros((), dtype=torch.float64)
+        fb_s = opt_s = 0.0
+        grad_norm = 0.0
+        entropy_mode = "grad" if cfg.entropy_coef else "metric"
+        for step in range(cfg.steps_per_batch):
+            t1 = time.perf_counter()
+            self.ddp.train()
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            step_stats: dict[str, torch.Tensor] = {}
+            for mb, old, ref in zip(micro, old_cache, ref_cache):
+                logp, ent = self._forward(self.ddp, mb, entropy_mode)
+                dev = logp.device
+                mask = mb.mask.to(dev)
+                adv = self._advantages(mb, old, rl_adv[mb.index])
+                loss, stats = L.policy_loss(
+                    logp, old, adv, mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                    eps_clip_c=cfg.eps_clip_c, entropy=ent, entropy_coef=cfg.entropy_coef,
+                    ref_log_probs=ref, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type,
+                    rollout_log_probs=mb.rollout_log_probs.to(dev), tis_cap=cfg.tis_cap, tis_floor=cfg.tis_floor,
+                    sample_weights=mb.weights.to(dev), agg=cfg.loss_agg,
+                    num_samples=num_samples, num_tokens=num_tokens)
+                # Megatron DDP averages gradients over DP ranks; the loss is already a global mean
+                (loss * par.dp).backward()
+                stats["loss"] = loss.detach()
+                for k, v in stats.items():
+                    step_stats[k] = step_stats.get(k, 0.0) + v.float().cpu()
+                if step == 0:
+                    diff_sum += ((logp.detach().float() - mb.rollout_log_probs.to(dev)).abs() * mask).sum().double().cpu()
+            t2 = time.perf_counter()
+            ok, grad_norm, _ = self._optimizer_step()
+            t3 = time.perf_counter()
+            fb_s += t2 - t1
+            opt_s += t3 - t2
+            if not ok:
+                log.warning("optimizer step %d skipped (non-finite gradients)", self.optimizer_steps)
+            for k, v in self._all_reduce_dp(step_stats).items():
+                sums[k] = sums.get(k, 0.0) + v
+        n = cfg.steps_per_batch
+        metrics.update({k: v / n for k, v in sums.items()})
+        diff = self._all_reduce_dp({"d": diff_sum})["d"]
+        metrics["logprob_abs_diff"] = diff / max(num_tokens, 1)
+        metrics["grad_norm"] = float(grad_norm or 0.0)
+        metrics["forward_backward_s"] = fb_s + pre_s
+        metrics["optimizer_s"] = opt_s
+        return StepResult(metrics, skipped=False)
+
+    def _optimizer_step(self):
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        ok, grad_norm, zeros = self.optimizer.step()
+        self.optimizer_steps += 1
+        return ok, grad_norm, zeros
+
+    def _all_reduce_dp(self, stats: dict[str, Any]) -> dict[str, float]:
+        """Sum scalar stats over DP ranks (each rank holds its micro-batches' share)."""
+        if self.par.dp == 1:
+            return {k: float(v) for k, v in stats.items()}
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(stats)
+        t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=self.par.device)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return dict(zip(keys, t.tolist()))
+
+    # ------------------------------------------------------------ export / state
+
+    def export(self, out_dir: str | Path) -> M.Exported | None:
+        """Write the current weights as an HF folder (collective over TP; rank 0 writes)."""
+        dtype = resolve_dtype(self.cfg.export_dtype, self.par.device) if self.cfg.export_dtype != "auto" else self.dtype
+        return M.export_hf(self.model, self.arch, self.hf_dir, out_dir, dtype=dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model shard, optimizer state and step counter (for checkpoints)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same TP size and model)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_steps = int(state["optimizer_steps"])

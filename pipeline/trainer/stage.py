@@ -1,0 +1,228 @@
+"""The trainer stage: consume ``samples`` in fixed-size batches, update the policy, sync weights.
+
+One step (rank 0 talks to Kafka; every TP/DP rank trains on the broadcast batch)::
+
+    batch   = source.next_batch(policy_version)       # rollout_batch_size samples, exact offsets
+    metrics = policy.train_batch(batch)               # steps_per_batch optimizer steps
+    policy_version += 1                               # unless the batch had nothing to train
+    checkpoint(model, optimizer, step, policy_version, offsets, dedup window)  # every N steps
+    commit offsets to the consumer group              # lag visibility only
+    export -> <export_dir>/v<version>/ (atomic, sha256)
+    control: pause -> weights -> (applied from every engine | timeout -> failed) -> resume
+    metrics log line + progress bar
+
+Policy version = number of weight syncs; 0 is the initial checkpoint the engines start with.
+On restart the trainer restores the newest checkpoint and seeks every partition to its
+offsets, so no sample is trained twice or skipped (with ``checkpoint_every: 1``; with a larger
+interval the steps after the last checkpoint are redone from the same offsets and weights). If
+the engines were told about a version the checkpoint does not have (they served weights from
+steps that were rolled back), the restored weights are exported and synced as a new, higher
+version, so versions never go backwards. A version whose sync did not finish is synced again.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline import events
+from pipeline.config import Config
+from pipeline.models import resolve_model
+from pipeline.trainer import checkpoint as C
+from pipeline.trainer import dist
+from pipeline.trainer import model as M
+from pipeline.trainer.metrics import MetricsLog, Progress
+
+log = logging.getLogger(__name__)
+
+
+def export_versions(export_dir: str | Path) -> list[int]:
+    """Versions with a complete export folder (``v<N>`` holding its checksum file), ascending."""
+    out = []
+    root = Path(export_dir)
+    if root.is_dir():
+        for p in root.glob("v*"):
+            if p.is_dir() and p.name[1:].isdigit() and (p / M.CHECKSUM_FILE).exists():
+                out.append(int(p.name[1:]))
+    return sorted(out)
+
+
+class TrainerStage:
+    """The ``python -m pipeline trainer`` process (see the module docstring).
+
+    Args:
+        config: the process config.
+        stop: set it (or send SIGTERM/SIGINT when :meth:`run` installs handlers) to finish the
+            current step and exit.
+    """
+
+    def __init__(self, config: Config, stop: threading.Event | None = None) -> None:
+        self.config, self.cfg = config, config.trainer
+        self.stop = stop or threading.Event()
+        self.step = 0
+        self.version = 0
+        self.source = self.publisher = None
+        self.log = MetricsLog(None)
+
+    # ------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        from pipeline.trainer.policy import PolicyTrainer
+
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.par = dist.init(cfg.tp, cfg.seed)
+        self.hf_dir = resolve_model(cfg.model, self.config.engine.cache_dir)
+        self.policy = PolicyTrainer(cfg, self.hf_dir, self.par)
+        self.ckpt_dir = Path(cfg.checkpoint_dir)
+        self.export_dir = Path(cfg.export_dir)
+        offsets: dict[int, int] = {}
+        seen: list[str] = []
+        last_record = None
+        found = C.latest(self.ckpt_dir)
+        if found is not None:
+            meta, state = C.load(found, self.par)
+            self.policy.load_state_dict(state)
+            self.step, self.version = int(meta["step"]), int(meta["policy_version"])
+            topic_offsets = meta.get("offsets", {}).get(self.config.topics.name("samples"), {})
+            offsets = {int(p): int(o) for p, o in topic_offsets.items()}
+            seen = list(meta.get("seen", []))
+            last_record = meta.get("record")
+            log.info("restored %s: step %d, policy version %d, offsets %s", found, self.step, self.version, offsets)
+        need_sync = False
+        if self.par.is_main:
+            self.log = MetricsLog(cfg.metrics_file or self.ckpt_dir / "metrics.jsonl")
+            self.log.reconcile(self.step, last_record)
+            for tmp in self.export_dir.glob(".v*.tmp-*") if self.export_dir.is_dir() else []:
+                shutil.rmtree(tmp, ignore_errors=True)
+            published = max(export_versions(self.export_dir) + [C.read_synced(self.ckpt_dir)])
+            if published > self.version:
+                log.warning("engines may serve v%d, newer than the checkpoint's v%d: re-publishing the "
+                            "restored weights as v%d", published, self.version, published + 1)
+                self.version, need_sync = published + 1, True
+            elif C.read_synced(self.ckpt_dir) < self.version:
+                need_sync = True
+            from pipeline.trainer.source import SampleSource
+            from pipeline.trainer.sync import WeightPublisher
+
+            self.source = SampleSource(self.config, offsets, seen, validate=self._validate)
+            self.publisher = WeightPublisher(self.config)
+        self.version, need_sync = dist.broadcast_object((self.version, need_sync))
+        if need_sync:
+            self._export_and_sync({})
+
+    def _validate(self, s: events.Sample) -> str | None:
+        """Why ``s`` cannot be trained by this model (goes to the DLQ), or None."""
+        arch = self.policy.arch
+        if s.tokens and (min(s.tokens) < 0 or max(s.tokens) >= arch.vocab_size):
+            return f"token id out of range for vocabulary {arch.vocab_size}"
+        if len(s.tokens) > arch.max_positions:
+            return f"{len(s.tokens)} tokens exceed the model's {arch.max_positions} positions"
+        if s.rollout_temperature <= 0:
+            return f"rollout_temperature {s.rollout_temperature} must be > 0"
+        return None
+
+    # ------------------------------------------------------------ sync
+
+    def _export_and_sync(self, record: dict) -> None:
+        """Export the weights as ``v<version>`` (reusing a complete folder) and run the sync."""
+        out = self.export_dir / f"v{self.version:06d}"
+        t0 = time.perf_counter()
+        reuse = False
+        if self.par.is_main and out.exists():
+            try:
+                M.verify_folder(out)
+                reuse = True
+            except (OSError, ValueError):
+                shutil.rmtree(out, ignore_errors=True)
+        reuse = dist.broadcast_object(reuse)
+        exported = None if reuse else self.policy.export(out)
+        record["export_s"] = time.perf_counter() - t0
+        if not self.par.is_main:
+            return
+        sha = exported.sha256 if exported is not None else M.verify_folder(out)
+        report = self.publisher.sync(self.version, str(out.resolve()), sha)
+        record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
+        C.write_synced(self.ckpt_dir, self.version)
+        self._prune_exports()
+
+    def _prune_exports(self) -> None:
+        versions = export_versions(self.export_dir)
+        for v in versions[:max(0, len(versions) - self.cfg.keep_exports)]:
+            shutil.rmtree(self.export_dir / f"v{v:06d}", ignore_errors=True)
+
+    # ------------------------------------------------------------ loop
+
+    def _one_step(self, progress: Progress) -> bool:
+        """Train one batch; False when stopping (no batch)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = None
+        if self.par.is_main and not self.stop.is_set():
+            batch = self.source.next_batch(self.version, self.stop)
+        # rank 0 decides for everyone (only its stop flag counts): the batch, and whether to stop after it
+        payload = dist.broadcast_object(None if batch is None else (batch.samples, batch.weights, self.stop.is_set()))
+        if payload is None:
+            return False
+        samples, weights, stopping = payload
+        result = self.policy.train_batch(samples, weights)
+        self.step += 1
+        if not result.skipped:
+            self.version += 1
+        record: dict = {"step": self.step, "policy_version": self.version, "time_ms": events.now_ms(),
+                        "optimizer_steps": self.policy.optimizer_steps, "skipped": result.skipped,
+                        "batch_samples": len(samples), **result.metrics}
+        if batch is not None:
+            record.update(batch.stats)
+            if cfg.log_sample_ids:
+                record["sample_ids"] = [s.sample_id for s in samples]
+        t1 = time.perf_counter()
+        last = cfg.max_steps is not None and self.step >= cfg.max_steps
+        if self.step % cfg.checkpoint_every == 0 or last or stopping:
+            meta = {"policy_version": self.version, "record": record,
+                    "offsets": {self.config.topics.name("samples"): batch.offsets if batch else {}},
+                    "seen": self.source.dedup.to_list() if self.source else []}
+            C.save(self.ckpt_dir, self.step, self.par, self.policy.state_dict(), meta, cfg.keep_checkpoints)
+            if self.par.is_main:
+                self.source.commit(batch.offsets)
+        record["checkpoint_s"] = time.perf_counter() - t1
+        if not result.skipped:
+            self._export_and_sync(record)
+        step_s = time.perf_counter() - t0
+        record.update(step_s=step_s, samples_per_s=record["train_samples"] / step_s,
+                      tokens_per_s=record["train_tokens"] / step_s,
+                      train_tokens_per_s=record["train_tokens"] / max(
+                          record.get("forward_backward_s", 0.0) + record.get("optimizer_s", 0.0), 1e-9))
+        if self.par.is_main:
+            self.log.append(record)
+            progress.update(record)
+            log.info("step %d v%d loss %.4f reward %.3f samples %d (%.1f s)", self.step, self.version,
+                     record.get("loss", 0.0), record.get("reward_mean", 0.0), len(samples), step_s)
+        return not stopping
+
+    def run(self, install_signals: bool = True) -> int:
+        """Set up, then train until ``max_steps`` or a stop request. Returns an exit status."""
+        if install_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop.set())
+        self._setup()
+        progress = Progress(self.cfg.progress and self.par.is_main, self.cfg.max_steps, self.step)
+        try:
+            while self.cfg.max_steps is None or self.step < self.cfg.max_steps:
+                if not self._one_step(progress):
+                    break
+        finally:
+            progress.close()
+            if self.source is not None:
+                self.source.close()
+            if self.publisher is not None:
+                self.publisher.close()
+        log.info("trainer stopped at step %d, policy version %d", self.step, self.version)
+        return 0

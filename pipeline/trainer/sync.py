@@ -1,0 +1,119 @@
+"""The trainer's side of a weight sync on ``control`` (one partition, total order).
+
+Protocol for policy version ``V`` (epoch = ``V``):
+
+1. trainer: ``pause``; then ``weights`` (``location`` = the exported folder, ``sha256`` of its
+   ``model.safetensors``);
+2. each syncer (``python -m pipeline syncer``, one per engine replica) verifies the checksum,
+   calls the engine's ``/update_weights_from_disk`` (with retries) and answers ``applied`` or
+   ``failed`` with its ``engine_id``;
+3. trainer: once every engine of ``trainer.engines`` answered, or after ``sync_timeout_s``
+   (then it publishes a ``failed`` report for each silent engine), ``resume``. Engines are
+   never left paused: ``resume`` is always sent, also when the wait is interrupted.
+
+Answers are read from the offset of the trainer's own ``weights`` record onward (known from the
+produce acknowledgement), so no end-offset lookup is needed (Tansu's is unreliable).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kafka import KafkaConsumer
+from kafka.structs import TopicPartition
+
+from pipeline import events
+from pipeline.bus import EventProducer, consumer_kwargs
+from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncReport:
+    """Outcome of one sync: which engines applied, which failed (with why), how long it took."""
+
+    policy_version: int
+    applied: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when no engine failed or timed out."""
+        return not self.failed
+
+
+class WeightPublisher:
+    """Publishes pause/weights/resume for the trainer and waits for the syncers' answers."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.cfg = config.trainer
+        self.topic = config.topics.name("control")
+        self.producer = EventProducer(config, name="trainer")
+
+    def _send(self, ev: events.Control):
+        meta = self.producer.send(self.topic, ev, key=ev.run_id).get(timeout=30)
+        return meta
+
+    def _control(self, action: str, version: int, **kw) -> events.Control:
+        return events.Control(action=action, epoch=version, policy_version=version, run_id=self.cfg.run_id,
+                              created_at=events.now_ms(), **kw)
+
+    def sync(self, version: int, location: str, sha256: str, stop: threading.Event | None = None) -> SyncReport:
+        """Run the protocol of the module docstring for ``version``; returns a :class:`SyncReport`."""
+        t0 = time.perf_counter()
+        report = SyncReport(version)
+        self._send(self._control("pause", version))
+        try:
+            meta = self._send(self._control("weights", version, location=str(location), sha256=sha256))
+            waiting = [e for e in dict.fromkeys(self.cfg.engines)]
+            if waiting:
+                self._await(version, meta.partition, meta.offset, waiting, report, stop)
+            for engine in waiting:
+                if engine not in report.applied and engine not in report.failed:
+                    report.failed[engine] = f"no answer within {self.cfg.sync_timeout_s:.0f} s"
+                    self._send(self._control("failed", version, engine_id=engine,
+                                             message=f"trainer: {report.failed[engine]}"))
+        finally:
+            self._send(self._control("resume", version))
+        report.seconds = time.perf_counter() - t0
+        if report.failed:
+            log.warning("sync of v%d: applied by %s, failed on %s", version, report.applied, report.failed)
+        return report
+
+    def _await(self, version: int, partition: int, offset: int, engines: list[str], report: SyncReport,
+               stop: threading.Event | None) -> None:
+        consumer = KafkaConsumer(**consumer_kwargs(self.config, None))
+        try:
+            tp = TopicPartition(self.topic, partition)
+            consumer.assign([tp])
+            consumer.seek(tp, offset)
+            deadline = time.monotonic() + self.cfg.sync_timeout_s
+            pending = set(engines)
+            while pending and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+                for recs in consumer.poll(timeout_ms=200).values():
+                    for rec in recs:
+                        try:
+                            ev = events.decode(rec.value)
+                        except events.EventError:
+                            continue
+                        if not isinstance(ev, events.Control) or ev.run_id != self.cfg.run_id \
+                                or ev.policy_version != version or ev.engine_id not in pending:
+                            continue
+                        if ev.action == "applied":
+                            report.applied.append(ev.engine_id)
+                            pending.discard(ev.engine_id)
+                        elif ev.action == "failed":
+                            report.failed[ev.engine_id] = ev.message or "failed"
+                            pending.discard(ev.engine_id)
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        """Flush and close the producer."""
+        self.producer.close()

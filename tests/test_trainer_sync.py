@@ -1,0 +1,169 @@
+"""Trainer stage + syncer + engine over a real broker: a real step, its weights served after the sync."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from pipeline import events
+from pipeline.bus import EventProducer
+from pipeline.config import load_config
+
+
+def _config(kafka_config, tmp_path, **trainer):
+    base = kafka_config.model_dump(mode="python")
+    t = dict(model="tiny-random", rollout_batch_size=2, micro_batch_size=2, lr=1e-3, max_steps=1,
+             checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "weights"), engines=["engine-0"],
+             sync_timeout_s=60.0, progress=False, threads=1, run_id="test-run")
+    t.update(trainer)
+    return load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=t)
+
+
+def _control_log(config, timeout_s: float = 10.0, want: int = 1) -> list[events.Control]:
+    from kafka import KafkaConsumer
+    from kafka.structs import TopicPartition
+
+    from pipeline.bus import consumer_kwargs
+
+    c = KafkaConsumer(**consumer_kwargs(config, None))
+    tp = TopicPartition(config.topics.name("control"), 0)
+    c.assign([tp])
+    c.seek(tp, 0)
+    out: list[events.Control] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(out) < want:
+        for recs in c.poll(timeout_ms=200).values():
+            out.extend(events.decode(r.value) for r in recs)
+    c.close()
+    return out
+
+
+def _produce(config, samples):
+    p = EventProducer(config, name="test")
+    for s in samples:
+        p.send(config.topics.name("samples"), s, key=s.session_id)
+    p.flush(10)
+    p.close()
+
+
+async def _sample_from_engine(url, prompt, seed, temperature=1.0, n=12):
+    from pipeline.client import EngineClient
+
+    async with EngineClient(url, timeout_s=60) as eng:
+        out = await eng.generate(prompt, sampling_params={"max_new_tokens": n, "temperature": temperature,
+                                                          "sampling_seed": seed}, return_logprob=True)
+        mi = out["meta_info"]
+        ids = [e[1] for e in mi["output_token_logprobs"]]
+        lps = [e[0] for e in mi["output_token_logprobs"]]
+        return ids, lps
+
+
+async def _score(url, tokens, start):
+    from pipeline.client import EngineClient
+
+    async with EngineClient(url, timeout_s=60) as eng:
+        return await eng.score(tokens, start), await eng.weight_version()
+
+
+def test_training_step_raises_positive_response_logprob_on_the_engine(kafka_config, tmp_path):
+    from pipeline.engine.testing import running_engine
+    from pipeline.syncer import Syncer
+    from pipeline.trainer.stage import TrainerStage
+    from pipeline.trainer.testing import megatron_runtime
+
+    cfg = _config(kafka_config, tmp_path)
+    cfg.syncer.engine_id = "engine-0"
+    cfg.syncer.retry_backoff_s = 0.2
+    with running_engine("tiny-random", threads=1) as url:
+        cfg.syncer.engine_url = url
+        prompt = list(range(100, 130))
+        good, good_lp = asyncio.run(_sample_from_engine(url, prompt, seed=1))
+        bad, bad_lp = asyncio.run(_sample_from_engine(url, prompt, seed=2))
+        samples = [
+            events.Sample(sample_id=f"s:{i}:rl", session_id=f"s{i}", turn_index=0, tokens=prompt + resp,
+                          response_length=len(resp), rollout_log_probs=lp, reward=r, policy_version=0)
+            for i, (resp, lp, r) in enumerate([(good, good_lp, 1.0), (bad, bad_lp, -1.0)])]
+        _produce(cfg, samples)
+        syncer = Syncer(cfg)
+        t = threading.Thread(target=syncer.run, daemon=True)
+        t.start()
+        try:
+            with megatron_runtime(tp=1, threads=1):
+                stage = TrainerStage(cfg)
+                assert stage.run(install_signals=False) == 0
+        finally:
+            syncer.stop.set()
+            t.join(20)
+        assert syncer.applied == [1]
+        after_good, version = asyncio.run(_score(url, prompt + good, len(prompt)))
+        after_bad, _ = asyncio.run(_score(url, prompt + bad, len(prompt)))
+    assert version == "1"
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean(after_good) > mean(good_lp) + 1e-3, (mean(after_good), mean(good_lp))
+    assert mean(after_bad) < mean(bad_lp) - 1e-3, (mean(after_bad), mean(bad_lp))
+    rec = stage.log.records()[-1]
+    assert rec["step"] == 1 and rec["policy_version"] == 1 and rec["sync_applied"] == ["engine-0"]
+    assert sorted(rec["sample_ids"]) == ["s:0:rl", "s:1:rl"]
+    assert rec["logprob_abs_diff"] < 1e-4  # trainer vs engine log-probs on identical weights
+    ctl = [(c.action, c.engine_id) for c in _control_log(cfg, want=4) if c.run_id == "test-run"]
+    assert ctl == [("pause", None), ("weights", None), ("applied", "engine-0"), ("resume", None)]
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text().strip() == "step_00000001"
+    assert (tmp_path / "weights" / "v000001" / "model.safetensors").exists()
+
+
+def test_sync_times_out_reports_failed_and_resumes(kafka_config, tmp_path):
+    from pipeline.trainer.sync import WeightPublisher
+
+    cfg = _config(kafka_config, tmp_path, engines=["ghost-engine"], sync_timeout_s=1.0)
+    pub = WeightPublisher(cfg)
+    try:
+        report = pub.sync(7, str(tmp_path), "0" * 64)
+    finally:
+        pub.close()
+    assert not report.ok and "ghost-engine" in report.failed
+    ctl = [(c.action, c.policy_version, c.engine_id) for c in _control_log(cfg, want=4)]
+    assert ctl == [("pause", 7, None), ("weights", 7, None), ("failed", 7, "ghost-engine"), ("resume", 7, None)]
+
+
+def test_syncer_verifies_checksum_retries_and_reports_failed(kafka_config, tmp_path):
+    from pipeline.syncer import Syncer
+    from pipeline.trainer.dist import free_port
+    from pipeline.trainer.model import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
+
+    folder = tmp_path / "v000003"
+    folder.mkdir()
+    (folder / WEIGHTS_FILE).write_bytes(b"not really weights")
+    good_sha = sha256_file(folder / WEIGHTS_FILE)
+    (folder / CHECKSUM_FILE).write_text(f"{good_sha}  {WEIGHTS_FILE}\n")
+    cfg = _config(kafka_config, tmp_path)
+    cfg.syncer.engine_id = "engine-9"
+    cfg.syncer.engine_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg.syncer.retries = 2
+    cfg.syncer.retry_backoff_s = 0.05
+    syncer = Syncer(cfg)
+    p = EventProducer(cfg, name="test")
+    base = dict(epoch=3, policy_version=3, run_id="test-run", location=str(folder))
+    p.send(cfg.topics.name("control"), events.Control(action="weights", sha256="f" * 64, **base), key="test-run")
+    p.flush(10)
+    t = threading.Thread(target=syncer.run, daemon=True)
+    t.start()
+    try:
+        ans = [c for c in _control_log(cfg, timeout_s=30, want=2) if c.action in ("applied", "failed")]
+        assert [(c.action, c.engine_id, c.policy_version) for c in ans] == [("failed", "engine-9", 3)]
+        assert "sha256" in ans[0].message
+        # right checksum, but the engine is down: retried, then reported
+        base.update(epoch=4, policy_version=4)
+        p.send(cfg.topics.name("control"), events.Control(action="weights", sha256=good_sha, **base), key="test-run")
+        p.flush(10)
+        ans = [c for c in _control_log(cfg, timeout_s=30, want=4) if c.action in ("applied", "failed")]
+        assert [(c.action, c.policy_version) for c in ans] == [("failed", 3), ("failed", 4)]
+        assert "Engine" in ans[1].message or "onnect" in ans[1].message, ans[1].message
+    finally:
+        syncer.stop.set()
+        t.join(20)
+        p.close()
+    assert syncer.failed == [3, 4] and syncer.applied == []
