@@ -53,7 +53,10 @@ def run(args, config) -> int:
     except (ModelNotFound, ModelLoadError) as exc:
         print(f"pipeline engine: {exc}", file=sys.stderr)
         return 2
-    sock = socket.socket(socket.AF_INET6 if ":" in e.host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then (else Nagle +
+    # delayed ACK add ~40 ms to every response with a body)
+    sock = socket.socket(socket.AF_INET6 if ":" in e.host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((e.host, e.port))

@@ -28,6 +28,7 @@ chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); unk
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -339,6 +340,29 @@ async def _merge(gens: list[Generation]) -> AsyncIterator[tuple[int, Generation]
             fut.cancel()
 
 
+async def wait_all(request: Request, gens: list[Generation], poll_s: float = 0.5) -> bool:
+    """Wait for every generation; abort them and return False if the client disconnects first.
+
+    Raises RequestFailed from a failed generation.
+    """
+    waiter = asyncio.ensure_future(asyncio.gather(*(g.wait() for g in gens)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=poll_s)
+            if done:
+                waiter.result()
+                return True
+            if await request.is_disconnected():
+                return False
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+            with contextlib.suppress(BaseException):
+                await waiter
+        for g in gens:
+            g.cancel()
+
+
 # ---------------------------------------------------------------------------------------------
 # chat
 # ---------------------------------------------------------------------------------------------
@@ -641,14 +665,10 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 yield SSE_DONE
             return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            await asyncio.gather(*(g.wait() for g in gens))
+            if not await wait_all(request, gens):
+                return Response(status_code=499)  # client closed the request; nobody reads this
         except RequestFailed as e:
-            for g in gens:
-                g.cancel()
             return openai_error(e.status, str(e), str(e.status))
-        finally:
-            for g in gens:
-                g.cancel()
         outs = [g.generate_output(with_text=with_text, prompt_ids=prompt_ids) for g in gens]
         return ORJSONResponse(outs if is_batch else outs[0])
 
@@ -667,12 +687,10 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
             return StreamingResponse(chat_stream(state, body, rid, gens, tools), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         try:
-            await asyncio.gather(*(g.wait() for g in gens))
+            if not await wait_all(request, gens):
+                return Response(status_code=499)
         except RequestFailed as e:
             return openai_error(e.status, str(e), str(e.status))
-        finally:
-            for g in gens:
-                g.cancel()
         return ORJSONResponse(chat_response(state, body, rid, gens, tools))
 
     # ---- tokenizer -------------------------------------------------------------------------

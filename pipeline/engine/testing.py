@@ -56,7 +56,7 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
     state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
                         weight_version=weight_version, seed=seed, threads=threads)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
