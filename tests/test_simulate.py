@@ -162,11 +162,11 @@ def test_evaluate_sends_heldout_prompts_without_session_headers():
 
 def test_against_real_engine_tiny_random(tmp_path):
     testing = pytest.importorskip("pipeline.engine.testing")
-    with testing.running_engine("tiny-random") as engine:
-        url = engine if isinstance(engine, str) else engine.url
+    with testing.running_engine("tiny-random", threads=1) as url:
         out = _run(url, SimulationPlan(sessions=2, concurrency=2), UserSettings(max_tokens=24, max_turns=2))
         ev = evaluate(url, load_gsm8k("heldout")[:4], max_tokens=16, concurrency=4)
     assert out["sessions_failed"] == 0, out["errors"]
     assert out["graded_replies"] >= 2 and out["completion_tokens"] is not None
     assert 0 < out["completion_tokens"] <= 24
-    assert ev["n"] == 4 and ev["completion_tokens"] <= 16
+    assert list(out["by_policy_version"]) == ["0"]  # the engine's weight_version reaches the log
+    assert ev["n"] == 4 and ev["completion_tokens"] <= 16 and ev["policy_versions"] == ["0"]

@@ -1,0 +1,378 @@
+"""``python -m pipeline replay``: re-feed historical turns to a topic (or a consumer group).
+
+Sources:
+- ``--archive DIR``: files written by ``pipeline archive`` (works after the broker is gone);
+- otherwise the ``turns`` topic itself (``--source-topic``/``--source-bootstrap``), read by a
+  fresh consumer with manual assignment (no group, nothing committed).
+
+Range: ``--from`` (inclusive) and ``--to`` (exclusive), each a time or offsets:
+``2024-05-01``, ``2024-05-01T10:00:00`` (UTC unless an offset such as ``+02:00`` is given),
+``ms:1714557600000``, ``-2h`` / ``-30m`` / ``-1d`` (relative to now), or offsets: ``1200`` (the
+same offset on every partition) or ``0:120,1:88`` (per partition). Times are compared with each
+record's timestamp; on the topic the start is found with ``offsets_for_times`` (on Tansu that
+call is per batch and answers 0 past the end, so records are filtered by timestamp as well).
+
+Target: ``--to-topic`` (physical name; default ``turns`` under the configured prefix) on the
+configured broker. Keys (session ids) are kept, so each session lands in one partition in its
+original order (one source partition is read in offset order; the idempotent producer keeps
+per-partition order). Turns sampled live are marked ``source="replay"`` (imported ones stay
+``import``); other events are re-sent unchanged. Then start the judge on that topic (or with a
+new group id) to retrain with other settings.
+
+``--reset-group G`` (topic source only) copies nothing: it commits the ``--from`` positions of
+the source topic for consumer group ``G``, so a stage started with that group re-reads history
+from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Iterable, Iterator
+
+import orjson
+
+from pipeline import events
+from pipeline.history.store import ArchivedRecord, count_lines, read_archive, read_manifest
+
+log = logging.getLogger(__name__)
+HELP = "Re-feed archived or historical turns (time or offset range) into a topic or consumer group."
+
+_REL = re.compile(r"^-(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class BoundError(ValueError):
+    """A ``--from``/``--to`` value that is neither a time nor offsets."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One end of a replay range: a time (``time_ms``, ms since the epoch), one offset for every
+    partition (``offset``), or offsets per partition (``offsets``; unlisted partitions: unbounded)."""
+
+    time_ms: int | None = None
+    offset: int | None = None
+    offsets: dict[int, int] | None = None
+
+    def offset_for(self, partition: int) -> int | None:
+        """The offset bound of ``partition`` (None: no offset bound)."""
+        if self.offset is not None:
+            return self.offset
+        return (self.offsets or {}).get(partition)
+
+
+def parse_bound(text: str, now_ms: int | None = None) -> Bound:
+    """Parse a ``--from``/``--to`` value (module docstring). Raises :class:`BoundError`."""
+    s = text.strip()
+    now = events.now_ms() if now_ms is None else now_ms
+    if re.fullmatch(r"\d+", s):
+        return Bound(offset=int(s))
+    if re.fullmatch(r"\d+:\d+(,\d+:\d+)*", s):
+        return Bound(offsets={int(p): int(o) for p, o in (x.split(":") for x in s.split(","))})
+    if s.startswith("ms:") and s[3:].isdigit():
+        return Bound(time_ms=int(s[3:]))
+    if s == "now":
+        return Bound(time_ms=now)
+    m = _REL.match(s)
+    if m:
+        return Bound(time_ms=now - int(float(m.group(1)) * _UNIT_S[m.group(2)] * 1000))
+    try:
+        dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        raise BoundError(f"{text!r} is not a time (2024-05-01[T10:00[:00][+02:00]], ms:<epoch ms>, -2h) "
+                         "nor offsets (1200 or 0:120,1:88)") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return Bound(time_ms=int(dt.timestamp() * 1000))
+
+
+def in_range(rec: ArchivedRecord, start: Bound | None, end: Bound | None) -> bool:
+    """True when ``start <= rec < end`` (time on ``timestamp_ms``, offsets on ``offset``)."""
+    if start is not None:
+        if start.time_ms is not None and rec.timestamp_ms < start.time_ms:
+            return False
+        o = start.offset_for(rec.partition)
+        if o is not None and rec.offset < o:
+            return False
+    if end is not None:
+        if end.time_ms is not None and rec.timestamp_ms >= end.time_ms:
+            return False
+        o = end.offset_for(rec.partition)
+        if o is not None and rec.offset >= o:
+            return False
+    return True
+
+
+def mark_replayed(ev: events.Event) -> events.Event:
+    """A live turn re-fed from history becomes ``source="replay"``; everything else is unchanged."""
+    if isinstance(ev, events.Turn) and ev.source == "proxy":
+        return dataclasses.replace(ev, source="replay")
+    return ev
+
+
+# ---- sources ----------------------------------------------------------------------------------
+def archive_records(directory: str, start: Bound | None, end: Bound | None, stats: dict) -> Iterator[ArchivedRecord]:
+    """Records of an archive directory in range (per partition in offset order)."""
+    for rec in read_archive(directory, stats=stats):
+        if in_range(rec, start, end):
+            yield rec
+        else:
+            stats["out_of_range"] = stats.get("out_of_range", 0) + 1
+
+
+def _start_positions(consumer, tps: list, start: Bound | None) -> dict:
+    """Where to begin reading each partition (see the Tansu note in the module docstring)."""
+    begin = consumer.beginning_offsets(tps)
+    pos = dict(begin)
+    if start is None:
+        return pos
+    if start.time_ms is not None:
+        found = consumer.offsets_for_times({tp: start.time_ms for tp in tps})
+        for tp in tps:
+            oat = found.get(tp)
+            if oat is None:  # Apache Kafka: no record at or after the time
+                pos[tp] = None
+            elif oat.timestamp >= 0:
+                pos[tp] = max(begin[tp], oat.offset)
+            # timestamp -1 (Tansu past the end / unknown): scan from the beginning, filter by time
+    for tp in tps:
+        o = start.offset_for(tp.partition)
+        if o is not None and pos[tp] is not None:
+            pos[tp] = max(pos[tp], o)
+    return pos
+
+
+def topic_records(config, topic: str, start: Bound | None, end: Bound | None, stats: dict,
+                  idle_timeout_s: float = 10.0, on_total=None) -> Iterator[ArchivedRecord]:
+    """Records of ``topic`` in range, read with manual assignment up to the high-water marks seen
+    at the start (records produced meanwhile are not chased). Undecodable records are skipped
+    and counted in ``stats["bad"]``. ``on_total(n)`` gets the number of offsets to scan."""
+    from kafka import KafkaConsumer
+    from kafka.structs import TopicPartition
+
+    from pipeline.bus import consumer_kwargs
+
+    consumer = KafkaConsumer(**consumer_kwargs(config, None))
+    try:
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            raise RuntimeError(f"topic {topic!r} does not exist on {config.kafka.bootstrap_servers}")
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        pos = _start_positions(consumer, tps, start)
+        active = set()
+        for tp in tps:
+            if pos[tp] is None or (end is not None and end.offset_for(tp.partition) is not None
+                                   and pos[tp] >= end.offset_for(tp.partition)):
+                continue
+            consumer.seek(tp, pos[tp])
+            active.add(tp)
+        if set(tps) - active:
+            consumer.pause(*(set(tps) - active))
+        stop_at: dict = {}
+        total_reported = False
+        last_data = time.monotonic()
+        while active:
+            batch = consumer.poll(timeout_ms=200)
+            for tp, recs in batch.items():
+                if tp not in active:
+                    continue
+                last_data = time.monotonic()
+                for r in recs:
+                    if tp in stop_at and r.offset >= stop_at[tp]:
+                        break
+                    try:
+                        ev = events.decode(r.value)
+                    except events.EventError as e:
+                        stats["bad"] = stats.get("bad", 0) + 1
+                        log.warning("replay: %s[%d]@%d skipped: %s", tp.topic, tp.partition, r.offset, e)
+                        continue
+                    rec = ArchivedRecord(tp.topic, tp.partition, r.offset, r.timestamp,
+                                         r.key.decode("utf-8", "replace") if r.key is not None else None, ev)
+                    if in_range(rec, start, end):
+                        yield rec
+                    else:
+                        stats["out_of_range"] = stats.get("out_of_range", 0) + 1
+            for tp in list(active):
+                if tp not in stop_at:
+                    hw = consumer.highwater(tp)
+                    if hw is None:
+                        continue
+                    o = end.offset_for(tp.partition) if end is not None else None
+                    stop_at[tp] = hw if o is None else min(hw, o)
+                if consumer.position(tp) >= stop_at[tp]:
+                    active.discard(tp)
+                    consumer.pause(tp)
+            if not total_reported and on_total and all(tp in stop_at for tp in active):
+                total_reported = True
+                on_total(sum(max(0, stop_at[tp] - (pos[tp] or 0)) for tp in stop_at))
+            if active and time.monotonic() - last_data > idle_timeout_s:
+                log.warning("replay: no data for %.0f s from %s; stopping early", idle_timeout_s,
+                            sorted(tp.partition for tp in active))
+                stats["stopped_idle"] = True
+                break
+    finally:
+        consumer.close(autocommit=False)
+
+
+# ---- sink -------------------------------------------------------------------------------------
+def ensure_topic(config, name: str, like: str = "turns") -> bool:
+    """Create topic ``name`` with the partitions/config of ``like`` in topics.yaml if missing.
+    Returns True when created."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    from pipeline.bus import admin_kwargs
+    from pipeline.topics import load_topics
+
+    spec = next(s for s in load_topics(config.topics.file) if s.name == like)
+    admin = KafkaAdminClient(**admin_kwargs(config))
+    try:
+        if name in set(admin.list_topics()):
+            return False
+        try:
+            admin.create_topics([NewTopic(name, spec.partitions, spec.replication_factor, topic_configs=spec.config)],
+                                timeout_ms=30_000)
+        except TopicAlreadyExistsError:
+            return False
+        return True
+    finally:
+        admin.close()
+
+
+def replay(records: Iterable[ArchivedRecord], producer, topic: str, *, mark: bool = True, bar=None) -> dict:
+    """Send ``records`` to ``topic`` keyed by their key (else the session id), in order.
+
+    Returns ``{"sent", "turns", "sessions"}``. Raises what :meth:`EventProducer.send` raises.
+    """
+    sent = turns = 0
+    sessions = set()
+    for rec in records:
+        ev = mark_replayed(rec.event) if mark else rec.event
+        sid = getattr(ev, "session_id", None)
+        producer.send(topic, ev, key=rec.key if rec.key is not None else sid)
+        sent += 1
+        turns += isinstance(ev, events.Turn)
+        if sid is not None:
+            sessions.add(sid)
+        if bar is not None:
+            bar.update(1)
+    return {"sent": sent, "turns": turns, "sessions": len(sessions)}
+
+
+def reset_group(config, group: str, topic: str, start: Bound | None) -> dict[int, int]:
+    """Commit the start positions of ``topic`` for ``group`` (no copy). Returns partition -> offset.
+    The group should have no running members (their commits would overwrite these)."""
+    from kafka import KafkaConsumer
+    from kafka.structs import OffsetAndMetadata, TopicPartition
+
+    from pipeline.bus import consumer_kwargs
+
+    consumer = KafkaConsumer(**consumer_kwargs(config, group))
+    try:
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            raise RuntimeError(f"topic {topic!r} does not exist on {config.kafka.bootstrap_servers}")
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        pos = _start_positions(consumer, tps, start)
+        offsets = {}
+        for tp in tps:
+            if pos[tp] is None:  # nothing at or after the time: start at the end
+                consumer.seek_to_end(tp)
+                pos[tp] = consumer.position(tp)
+            offsets[tp] = OffsetAndMetadata(pos[tp], "", -1)
+        consumer.commit(offsets=offsets)
+        return {tp.partition: om.offset for tp, om in offsets.items()}
+    finally:
+        consumer.close(autocommit=False)
+
+
+# ---- command ----------------------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--archive", metavar="DIR", help="read this archive directory (default: the source topic)")
+    parser.add_argument("--from", dest="from_", metavar="TIME|OFFSETS", help="start, inclusive (default: the beginning)")
+    parser.add_argument("--to", metavar="TIME|OFFSETS", help="end, exclusive (default: everything present now)")
+    parser.add_argument("--to-topic", help="target topic, physical name (default: turns with the configured prefix)")
+    parser.add_argument("--source-topic", help="source topic, physical name (default: turns with the configured prefix)")
+    parser.add_argument("--source-bootstrap", metavar="HOST:PORT", help="broker of the source topic (default: --bootstrap)")
+    parser.add_argument("--reset-group", metavar="GROUP",
+                        help="instead of copying, commit the --from positions of the source topic for GROUP")
+    parser.add_argument("--keep-source", action="store_true", help="do not mark live turns as source=replay")
+    parser.add_argument("--no-create", action="store_true", help="do not create a missing target topic")
+    parser.add_argument("--idle-timeout-s", type=float, default=10.0, help="topic source: give up after S idle seconds")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args, config) -> int:
+    try:
+        start = parse_bound(args.from_) if args.from_ else None
+        end = parse_bound(args.to) if args.to else None
+    except BoundError as e:
+        print(f"pipeline replay: {e}", file=sys.stderr)
+        return 2
+    source_topic = args.source_topic or config.topics.name("turns")
+    source_config = config.model_copy(update={"kafka": config.kafka.model_copy(
+        update={"bootstrap_servers": args.source_bootstrap})}) if args.source_bootstrap else config
+    if args.reset_group:
+        if args.archive:
+            print("pipeline replay: --reset-group works on the source topic, not on --archive", file=sys.stderr)
+            return 2
+        got = reset_group(source_config, args.reset_group, source_topic, start)
+        print(orjson.dumps({"group": args.reset_group, "topic": source_topic,
+                            "committed": {str(k): v for k, v in got.items()}}).decode(), flush=True)
+        return 0
+    target = args.to_topic or config.topics.name("turns")
+    if not args.archive and target == source_topic and source_config.kafka.bootstrap_servers == \
+            config.kafka.bootstrap_servers:
+        print(f"pipeline replay: source and target are both {target!r} on the same broker; give --to-topic "
+              "(or --archive DIR, or --reset-group GROUP)", file=sys.stderr)
+        return 2
+    if args.archive:
+        try:
+            manifest = read_manifest(args.archive)
+        except Exception as e:
+            print(f"pipeline replay: {e}", file=sys.stderr)
+            return 2
+        if manifest is None:
+            print(f"pipeline replay: {args.archive} is not an archive (no ARCHIVE.json)", file=sys.stderr)
+            return 2
+
+    from pipeline.bus import EventProducer
+
+    if not args.no_create and ensure_topic(config, target):
+        log.info("replay: created topic %s", target)
+    stats: dict = {"bad": 0}
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"replay -> {target}", unit="event")
+    if args.archive:
+        if bar is not None:
+            bar.total = count_lines(args.archive)
+        records = archive_records(args.archive, start, end, stats)
+    else:
+        def on_total(n: int) -> None:
+            if bar is not None:
+                bar.total = n
+                bar.refresh()
+
+        records = topic_records(source_config, source_topic, start, end, stats, args.idle_timeout_s, on_total)
+    producer = EventProducer(config, name="replay")
+    try:
+        out = replay(records, producer, target, mark=not args.keep_source, bar=bar)
+    finally:
+        producer.close()
+        if bar is not None:
+            bar.close()
+    out.update(target=target, source=args.archive or source_topic, failed=producer.failed, **stats)
+    print(orjson.dumps(out).decode(), flush=True)
+    return 1 if producer.failed else 0
