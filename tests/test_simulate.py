@@ -142,6 +142,30 @@ def test_cli_writes_log_and_json_summary(tmp_path):
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
+def test_cli_sigterm_stops_a_long_run_and_still_reports(tmp_path):
+    import signal
+    import time
+
+    log = tmp_path / "log.jsonl"
+    with ScriptedChatServer(lambda m, h: "Fine.", delay_s=0.05) as srv:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "simulate", "--proxy-url", srv.url, "--sessions",
+                                 "100000", "--concurrency", "2", "--log", str(log), "--no-progress"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 6):
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert 3 <= summary["sessions"] < 100000 and summary["sessions_cancelled"] <= 2
+    assert summary["requests"] == 2 * summary["sessions"]
+
+
 def test_evaluate_sends_heldout_prompts_without_session_headers():
     held = load_gsm8k("heldout")
     right = {p.question for p in held[::2]}
@@ -170,3 +194,45 @@ def test_against_real_engine_tiny_random(tmp_path):
     assert 0 < out["completion_tokens"] <= 24
     assert list(out["by_policy_version"]) == ["0"]  # the engine's weight_version reaches the log
     assert ev["n"] == 4 and ev["completion_tokens"] <= 16 and ev["policy_versions"] == ["0"]
+
+
+def test_sessions_through_the_real_proxy_and_engine_become_turn_events(kafka_config, tmp_path):
+    """Simulator -> proxy -> engine (tiny-random): the feedback is each turn's next state, the
+    closing request is the last turn, then session_end (the header rule of the simulator)."""
+    engine_testing = pytest.importorskip("pipeline.engine.testing")
+    proxy_testing = pytest.importorskip("pipeline.proxy.testing")
+    from pipeline import events
+
+    log = tmp_path / "sim.jsonl"
+    with engine_testing.running_engine("tiny-random", threads=1) as engine_url, \
+            proxy_testing.running_proxy(kafka_config, engine_url) as (proxy_url, _app):
+        out = _run(proxy_url, SimulationPlan(sessions=3, concurrency=3, session_prefix="e2e"),
+                   UserSettings(max_tokens=16, max_turns=2, max_words=8), log_path=log)
+        assert out["sessions_failed"] == 0, out["errors"]
+        got = proxy_testing.read_events(kafka_config, timeout_s=30, want=out["requests"] + 2 * 3)
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    per = defaultdict(list)
+    for _p, _o, key, ev in got:
+        assert key == ev.session_id
+        per[ev.session_id].append(ev)
+    assert sorted(per) == ["e2e-00000", "e2e-00001", "e2e-00002"]
+    for sid, evs in per.items():
+        mine = [r for r in rows if r["session_id"] == sid]
+        turns = [e for e in evs if isinstance(e, events.Turn)]
+        states = [e for e in evs if isinstance(e, events.NextState)]
+        assert isinstance(evs[-1], events.SessionEnd) and sum(isinstance(e, events.SessionEnd) for e in evs) == 1
+        assert [t.turn_index for t in turns] == list(range(len(mine)))  # graded replies + the closing one
+        assert all(t.turn_type == "main" and t.source == "proxy" and t.response_logprobs for t in turns)
+        assert [t.response["content"] for t in turns] == [r["reply"] for r in mine]
+        feedback = [r["feedback"] for r in mine if not r["closing"]]
+        assert [s.messages for s in states] == [[{"role": "user", "content": f}] for f in feedback]
+        assert [s.after_turn_index for s in states] == list(range(len(feedback)))
+        # order in the partition: turn k, its next state, turn k+1 ..., then session_end
+        kinds = [(e.TYPE, getattr(e, "turn_index", None) if isinstance(e, events.Turn) else
+                  getattr(e, "after_turn_index", None)) for e in evs]
+        want = []
+        for k in range(len(mine)):
+            want.append(("turn", k))
+            if k < len(feedback):
+                want.append(("next_state", k))
+        assert kinds == want + [("session_end", None)]

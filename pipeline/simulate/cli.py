@@ -7,12 +7,14 @@ Examples::
     pipeline simulate --evaluate --engine-url http://127.0.0.1:30000   # held-out 32, no training data
 
 Prints a progress bar, then one JSON summary line on stdout (sessions, requests, success rate,
-mean words per reply, GSM8K accuracy, and the same per policy version).
+mean words per reply, GSM8K accuracy, and the same per policy version). SIGTERM/SIGINT cancel
+the sessions in flight and still print the summary (exit 0); ``--log`` has every reply so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 
 import orjson
@@ -84,9 +86,17 @@ def run(args, config) -> int:
                             closing_max_tokens=args.closing_max_tokens, temperature=args.temperature,
                             max_words=args.max_words, max_reply_tokens=args.max_reply_tokens,
                             system_prompt=args.system_prompt)
-    summary = asyncio.run(simulate(url, plan, settings, model=model, api_key=api_key,
-                                   timeout_s=config.proxy.engine_timeout_s, log_path=args.log,
-                                   progress=not args.no_progress))
+
+    async def main() -> dict:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: cancel sessions, print the summary
+            loop.add_signal_handler(sig, stop.set)
+        return await simulate(url, plan, settings, model=model, api_key=api_key,
+                              timeout_s=config.proxy.engine_timeout_s, log_path=args.log,
+                              progress=not args.no_progress, stop=stop)
+
+    summary = asyncio.run(main())
     print(orjson.dumps(summary).decode(), flush=True)
     if summary["sessions"] and summary["sessions_failed"] == summary["sessions"]:
         print(f"pipeline simulate: every session failed, e.g. {summary['errors'][0]}", file=sys.stderr)

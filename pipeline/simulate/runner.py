@@ -77,9 +77,14 @@ def summarize(records: Iterable[TurnRecord | dict]) -> dict:
 
 async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, *, model: str = "default",
                    api_key: str | None = None, timeout_s: float = 300.0, log_path: str | Path | None = None,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, stop: asyncio.Event | None = None) -> dict:
     """Run the plan against the proxy at ``base_url``; returns the summary (see :func:`summarize`)
-    plus ``sessions``, ``sessions_failed``, ``requests``, ``errors`` (first few messages).
+    plus ``sessions`` (completed), ``sessions_failed``, ``sessions_cancelled``, ``requests`` and
+    ``errors`` (the first few messages).
+
+    ``plan.concurrency`` workers each run one session at a time, so memory stays flat however
+    many sessions are planned. Setting ``stop`` cancels the sessions in flight (their replies so
+    far are already logged; the proxy ends such sessions by its idle time-out) and returns.
 
     Raises:
         ValueError: unknown dataset or split.
@@ -93,9 +98,13 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
 
     log_file = open(log_path, "ab") if log_path else None
     records: list[TurnRecord] = []
+    counts = {"graded": 0, "success": 0}
 
     def on_record(rec: TurnRecord) -> None:
         records.append(rec)
+        if rec.graded:
+            counts["graded"] += 1
+            counts["success"] += bool(rec.success)
         if log_file is not None:
             log_file.write(orjson.dumps(rec.to_json()) + b"\n")
             log_file.flush()
@@ -105,30 +114,45 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
         from tqdm import tqdm
 
         bar = tqdm(total=len(chosen), desc=f"simulate {plan.dataset}", unit="session")
-    sem = asyncio.Semaphore(max(1, plan.concurrency))
     client = ChatClient(base_url, model=model, api_key=api_key, timeout_s=timeout_s,
                         max_connections=max(8, plan.concurrency * 2))
+    todo = iter(enumerate(chosen))
+    results: list[SessionResult] = []
+    started = [0]
 
-    async def one(i: int, item) -> SessionResult:
-        async with sem:
+    async def worker() -> None:
+        for i, item in todo:  # one shared iterator: each session is taken by exactly one worker
+            started[0] += 1
             res = await run_session(client, f"{prefix}-{i:05d}", item, settings, seed=plan.seed, on_record=on_record)
-        if bar is not None:
-            graded = [r for r in records if r.graded]
-            ok = sum(bool(r.success) for r in graded)
-            bar.set_postfix(success=f"{ok}/{len(graded)}", refresh=False)
-            bar.update(1)
-        return res
+            results.append(res)
+            if bar is not None:
+                bar.set_postfix(success=f"{counts['success']}/{counts['graded']}", refresh=False)
+                bar.update(1)
 
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(plan.concurrency, len(chosen) or 1)))]
+    watcher = None
+    if stop is not None:
+        async def watch() -> None:
+            await stop.wait()
+            for w in workers:
+                w.cancel()
+
+        watcher = asyncio.create_task(watch())
     try:
-        results = await asyncio.gather(*(one(i, item) for i, item in enumerate(chosen)))
+        await asyncio.gather(*workers, return_exceptions=True)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await client.aclose()
         if bar is not None:
             bar.close()
         if log_file is not None:
             log_file.close()
+    for w in workers:  # a bug in a session must not vanish silently
+        if not w.cancelled() and w.exception() is not None:
+            raise w.exception()
     summary = summarize(records)
     failed = [r for r in results if r.error]
     return {"dataset": plan.dataset, "feedback": settings.feedback if plan.dataset == "gsm8k" else None,
-            "sessions": len(results), "sessions_failed": len(failed),
+            "sessions": len(results), "sessions_failed": len(failed), "sessions_cancelled": started[0] - len(results),
             "requests": sum(r.requests for r in results), "errors": [r.error for r in failed[:5]], **summary}
