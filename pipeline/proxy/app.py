@@ -91,8 +91,12 @@ class ProxyApp:
     # ---- ASGI entry -----------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
-        if kind == "http" and scope["path"] == _CHAT and scope["method"] == "POST":
-            await self.chat(scope, receive, send)
+        if kind == "http" and scope["path"] == _CHAT:
+            if scope["method"] == "POST":
+                await self.chat(scope, receive, send)
+            else:
+                await self._send_json(send, 405, error_body(f"method {scope['method']} not allowed on {_CHAT}; use POST",
+                                                            code="method_not_allowed"), [(b"allow", b"POST")])
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:

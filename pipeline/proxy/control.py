@@ -92,7 +92,8 @@ class ControlFollower:
         return before != (s.paused, s.epoch, s.applied_version)
 
     def _consumer(self) -> KafkaConsumer:
-        kw = consumer_kwargs(self.config, None, enable_auto_commit=False, auto_offset_reset="earliest")
+        kw = consumer_kwargs(self.config, None, enable_auto_commit=False, auto_offset_reset="earliest",
+                             bootstrap_timeout_ms=2000)
         c = KafkaConsumer(**kw)
         tp = TopicPartition(self.topic, 0)
         c.assign([tp])

@@ -67,6 +67,7 @@ class EventPublisher:
         self.config = config
         self.name = name
         self.max_buffer = max(1, max_buffer)
+        self.inbox_max = self.max_buffer + 10_000  # safety net only: the intake thread drains it continuously
         self.window = max(1, window)
         self.delivery_timeout_ms = delivery_timeout_ms
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -81,6 +82,7 @@ class EventPublisher:
         self._stop = threading.Event()
         self._intake_done = threading.Event()
         self._deadline = float("inf")
+        self._finished = False
         self._threads: list[threading.Thread] = []
         self._drop_lock = threading.Lock()
         self.dropped: dict[str, int] = {}
@@ -96,7 +98,7 @@ class EventPublisher:
         if self._stop.is_set():
             self._drop("closed", 1)
             return False
-        if self._in - self._out >= self.max_buffer:  # intake thread stalled: protect memory
+        if self._in - self._out >= self.inbox_max:  # intake thread stalled: protect memory
             self._drop("inbox_full", 1)
             return False
         self._in += 1
@@ -230,6 +232,8 @@ class EventPublisher:
                 self._inflight = self._take()
             failed = self._send_window(self._inflight)
             with self._lock:
+                if self._finished:  # close() gave up waiting and already accounted for this window
+                    return
                 ok = len(self._inflight) - len(failed)
                 if failed:
                     if self._inflight_from_spill:
@@ -264,6 +268,7 @@ class EventPublisher:
         kw["request_timeout_ms"] = min(kw["request_timeout_ms"], max(1000, self.delivery_timeout_ms - kw["linger_ms"] - 1))
         kw["max_block_ms"] = min(kw["max_block_ms"], 2000)
         kw["reconnect_backoff_max_ms"] = 1000
+        kw["bootstrap_timeout_ms"] = 2000  # kafka-python waits 30 s by default when the broker is away
         return KafkaProducer(**kw)
 
     def _reset_producer(self) -> None:
@@ -283,6 +288,8 @@ class EventPublisher:
                 self._producer = self._make_producer()
         except Exception as e:
             log.debug("producer not available: %s", e)
+            return items
+        if self._finished:
             return items
         p = self._producer
         futures = []
@@ -323,6 +330,7 @@ class EventPublisher:
     # ---- shutdown and accounting ----------------------------------------------------------------
     def _finish(self) -> None:
         with self._lock:
+            self._finished = True
             rest = [] if self._inflight_from_spill else list(self._inflight)
             rest += list(self._mem)  # empty when the window came from the spill file
             self._inflight, self._mem = [], deque()

@@ -337,3 +337,20 @@ def read_events(config, timeout_s: float = 10.0, want: int | None = None, topic:
         return out
     finally:
         c.close()
+
+
+@contextlib.contextmanager
+def running_proxy(config, engine_url: str, *, follow_control: bool = False, publisher=None,
+                  **proxy_settings: Any) -> Iterator[tuple[str, Any]]:
+    """Serve a :class:`pipeline.proxy.app.ProxyApp` for ``engine_url``; yield ``(base_url, app)``.
+
+    ``proxy_settings`` override fields of ``config.proxy`` (on a copy), e.g. ``api_keys=["k"]``.
+    """
+    from pipeline.proxy.app import ProxyApp
+
+    cfg = config.model_copy(deep=True)
+    for k, v in proxy_settings.items():
+        setattr(cfg.proxy, k, v)
+    app = ProxyApp(cfg, engine_url=engine_url, publisher=publisher, follow_control=follow_control)
+    with serve_app(app) as url:
+        yield url, app

@@ -1,0 +1,166 @@
+"""Serving never depends on Kafka: the broker stops mid-conversation and comes back.
+
+Each test runs its own embedded broker (memory storage) so it can stop it. A restarted Tansu
+broker has lost its topics (memory only), so the test re-creates them on the same port, as an
+operator would, and then checks that every event published during the outage arrives — in
+session order — or that the loss is counted exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import httpx
+from pipeline import events
+from pipeline.broker import EmbeddedBroker, free_port
+from pipeline.config import load_config
+from pipeline.proxy.publisher import EventPublisher
+from pipeline.proxy.testing import ScriptedUpstream, read_events, running_proxy, serve_app
+from pipeline.topics import apply_topics, load_topics
+
+CHAT = "/v1/chat/completions"
+
+
+@contextlib.contextmanager
+def own_broker():
+    port = free_port()
+    broker = EmbeddedBroker(port=port).start()
+    config = load_config(None, kafka={"bootstrap_servers": broker.bootstrap}, topics={"prefix": "o-"})
+    apply_topics(config, load_topics(config.topics.file))
+    try:
+        yield broker, config
+    finally:
+        crash(broker)
+
+
+def crash(broker: EmbeddedBroker) -> None:
+    """Kill the broker (no graceful shutdown: Tansu's waits seconds for connected clients)."""
+    broker.proc.kill()
+    broker.proc.wait(10)
+
+
+def restart(broker: EmbeddedBroker, config) -> None:
+    broker.start()
+    apply_topics(config, load_topics(config.topics.file))
+
+
+def converse(url: str, session: str, turns: int, history: list | None = None, done: bool = False) -> list:
+    """``turns`` sequential requests of one session; every one must succeed. Returns the history."""
+    msgs = history or [{"role": "user", "content": f"hello from {session}"}]
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for i in range(turns):
+            h = {"X-Session-Id": session}
+            if done and i == turns - 1:
+                h["X-Session-Done"] = "1"
+            r = c.post(CHAT, json={"model": "m", "messages": msgs, "stream": i % 2 == 1}, headers=h)
+            assert r.status_code == 200, r.text
+            if i % 2 == 1:  # streamed: the client assembles the message from the deltas
+                assert r.text.rstrip().endswith("data: [DONE]")
+                msgs = msgs + [{"role": "assistant", "content": "ok"}]  # ScriptedUpstream's default reply
+            else:
+                msgs = msgs + [r.json()["choices"][0]["message"]]
+            msgs = msgs + [{"role": "user", "content": f"more {i}"}]
+    return msgs
+
+
+def _by_session(evs) -> dict:
+    out: dict = {}
+    for _, _, key, ev in evs:
+        out.setdefault(key, []).append(ev)
+    return out
+
+
+def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_after(tmp_path):
+    with own_broker() as (broker, config), serve_app(ScriptedUpstream()) as up_url, \
+            running_proxy(config, up_url, publish_delivery_timeout_ms=3000) as (url, app):
+        hist_a = converse(url, "A", 2)
+        assert app.publisher.wait_idle(15)
+        before = read_events(config, want=3)
+        assert [e.TYPE for *_, e in before] == ["turn", "next_state", "turn"]
+        published_before = app.publisher.stats()["delivered"]
+
+        crash(broker)
+        hist_a = converse(url, "A", 3, hist_a)  # mid-conversation: next_state + turn each
+        converse(url, "B", 3, done=True)  # a new session during the outage
+        time.sleep(1.0)
+        assert app.publisher.buffered == 2 * 3 + (1 + 2 * 2 + 1)  # still waiting, none lost
+        assert app.publisher.stats()["dropped_total"] == 0
+
+        restart(broker, config)
+        assert app.publisher.wait_idle(60), app.publisher.stats()
+        stats = app.publisher.stats()
+        after = read_events(config, want=12, timeout_s=20)
+    assert stats["dropped_total"] == 0
+    assert stats["delivered"] - published_before >= 12
+    sessions = _by_session(after)
+    a, b = sessions["A"], sessions["B"]
+    assert [e.TYPE for e in a] == ["next_state", "turn"] * 3
+    assert [e.turn_index for e in a if e.TYPE == "turn"] == [2, 3, 4]
+    assert [e.after_turn_index for e in a if e.TYPE == "next_state"] == [1, 2, 3]
+    assert [e.TYPE for e in b] == ["turn", "next_state", "turn", "next_state", "turn", "session_end"]
+    assert [e.turn_index for e in b if e.TYPE == "turn"] == [0, 1, 2]
+    assert len(after) == 12  # nothing duplicated either
+
+
+def test_bounded_buffer_spills_to_file_or_counts_every_drop(tmp_path):
+    with own_broker() as (broker, config), serve_app(ScriptedUpstream()) as up_url, \
+            running_proxy(config, up_url, buffer_max_events=3, spill_file=str(tmp_path / "spill.bin"),
+                          publish_delivery_timeout_ms=3000) as (url_spill, app_spill), \
+            running_proxy(config, up_url, buffer_max_events=3, publish_delivery_timeout_ms=3000) as (url_drop, app_drop):
+        converse(url_spill, "warm", 1)
+        converse(url_drop, "warm2", 1)
+        assert app_spill.publisher.wait_idle(15) and app_drop.publisher.wait_idle(15)
+        crash(broker)
+        converse(url_spill, "S", 5)  # 1 + 2*4 = 9 events, memory holds 3
+        converse(url_drop, "D", 5)
+        time.sleep(1.0)
+        spill_stats, drop_stats = app_spill.publisher.stats(), app_drop.publisher.stats()
+        assert spill_stats["spilled"] > 0 and spill_stats["dropped_total"] == 0
+        assert drop_stats["dropped_total"] > 0 and drop_stats["spilled"] == 0
+        restart(broker, config)
+        assert app_spill.publisher.wait_idle(60) and app_drop.publisher.wait_idle(60)
+        drop_stats = app_drop.publisher.stats()
+        evs = read_events(config, want=9 + 9 - drop_stats["dropped_total"], timeout_s=20)
+    sessions = _by_session(evs)
+    s = sessions["S"]
+    assert [e.TYPE for e in s] == ["turn"] + ["next_state", "turn"] * 4  # all of them, in order
+    assert [e.turn_index for e in s if e.TYPE == "turn"] == [0, 1, 2, 3, 4]
+    d = sessions.get("D", [])
+    assert len(d) + drop_stats["dropped"]["buffer_full"] == 9  # the loss is counted exactly
+    assert drop_stats["dropped"] == {"buffer_full": drop_stats["dropped_total"]}
+
+
+def test_undelivered_events_survive_a_restart_in_the_spill_file(tmp_path):
+    spill = str(tmp_path / "spill.bin")
+    with own_broker() as (broker, config):
+        topic = config.topics.name("turns")
+        crash(broker)
+        pub = EventPublisher(config, max_buffer=100, spill_file=spill, delivery_timeout_ms=3000).start()
+        for i in range(5):
+            pub.publish(topic, events.SessionEnd(session_id=f"x{i}", reason="header", created_at=i), f"x{i}")
+        time.sleep(0.5)
+        pub.close(timeout_s=1.0)  # broker still down: everything goes to the file
+        assert pub.stats()["dropped_total"] == 0
+        restart(broker, config)
+        pub2 = EventPublisher(config, spill_file=spill).start()
+        pub2.publish(topic, events.SessionEnd(session_id="x5", reason="header", created_at=5), "x5")
+        assert pub2.wait_idle(30)
+        pub2.close()
+        evs = read_events(config, want=6, timeout_s=15)
+    assert sorted(e.session_id for *_, e in evs) == [f"x{i}" for i in range(6)]
+    got = {e.session_id: e.created_at for *_, e in evs}
+    assert got == {f"x{i}": i for i in range(6)}
+
+
+def test_unreachable_broker_overflow_and_shutdown_are_counted_exactly():
+    # a bootstrap address where nothing listens: publish() accepts, the backlog keeps 10, the rest is counted
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, max_buffer=10).start()
+    accepted = [pub.publish("t", events.SessionEnd(session_id="s", created_at=0), "s") for _ in range(20)]
+    time.sleep(0.3)
+    stats = pub.stats()
+    pub.close(timeout_s=0.5)
+    assert all(accepted)
+    assert stats["buffered"] + stats["dropped_total"] == 20 and stats["dropped"].get("buffer_full", 0) == 10
+    assert pub.stats()["dropped"]["shutdown"] == 10

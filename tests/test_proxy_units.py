@@ -1,0 +1,163 @@
+"""Proxy logic without servers: session rules, metadata parsing, stream recording, spill file."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from pipeline.proxy.errors import ProxyError
+from pipeline.proxy.record import StreamRecorder, from_response, policy_version, strip_response
+from pipeline.proxy.sessions import SessionTable
+from pipeline.proxy.spill import SpillFile
+from pipeline.proxy.validate import check_request, session_meta
+
+
+def _u(text):
+    return {"role": "user", "content": text}
+
+
+def _a(text, calls=None):
+    return {"role": "assistant", "content": text, "tool_calls": calls}
+
+
+def test_next_state_is_everything_after_the_previous_assistant_turn():
+    t = SessionTable()
+    first = t.begin("s", [{"role": "system", "content": "sys"}, _u("q1")])
+    assert (first.turn_index, first.next_state) == (0, None)
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    t.complete("s", 0, None, call)
+    tool1 = {"role": "tool", "tool_call_id": "c1", "content": "r1"}
+    tool2 = {"role": "tool", "tool_call_id": "c2", "content": "r2"}
+    # the client re-serialises the arguments: the fingerprint still matches turn 0
+    echoed = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}]
+    second = t.begin("s", [{"role": "system", "content": "sys"}, _u("q1"), _a(None, echoed), tool1, tool2])
+    assert second.turn_index == 1
+    assert second.after_turn_index == 0
+    assert second.next_state == [tool1, tool2]  # all tool results, not only the last
+
+
+def test_retry_and_regenerate_publish_no_second_next_state_and_never_reuse_an_index():
+    t = SessionTable()
+    t.begin("s", [_u("q1")])
+    t.complete("s", 0, "a1", None)
+    msgs = [_u("q1"), _a("a1"), _u("q2")]
+    b = t.begin("s", msgs)
+    assert (b.turn_index, b.after_turn_index, b.next_state) == (1, 0, [_u("q2")])
+    # turn 1 failed at the engine; the client retries the same messages
+    c = t.begin("s", msgs)
+    assert c.turn_index == 2 and c.next_state is None
+    t.complete("s", 2, "a2", None)
+    # "regenerate" of turn 2: same history again -> new index, next state of turn 0 not repeated
+    d = t.begin("s", msgs)
+    assert d.turn_index == 3 and d.next_state is None
+
+
+def test_state_lost_indices_continue_from_the_assistant_count():
+    t = SessionTable(max_sessions=1)
+    t.begin("a", [_u("q")])
+    t.begin("b", [_u("q")])  # evicts "a"
+    assert t.get("a") is None
+    r = t.begin("a", [_u("q1"), _a("x"), _u("q2"), _a("y"), _u("q3")])
+    assert r.turn_index == 2  # never 0 again: earlier turns 0 and 1 exist on the topic
+    assert (r.after_turn_index, r.next_state) == (1, [_u("q3")])
+
+
+def test_concurrent_requests_of_one_session_get_distinct_indices():
+    t = SessionTable()
+    got = [t.begin("s", [_u("q")]).turn_index for _ in range(50)]
+    assert got == list(range(50))
+
+
+def test_idle_sessions_expire():
+    t = SessionTable(idle_s=10)
+    t.begin("old", [_u("q")], now=0.0)
+    t.begin("new", [_u("q")], now=15.0)
+    assert t.expire(now=16.0) == 1
+    assert t.get("old") is None and t.get("new") is not None
+
+
+def test_session_meta_headers_win_and_body_fields_are_stripped():
+    body = {"messages": [], "session_id": "body-s", "turn_type": "side", "session_done": True}
+    m = session_meta({b"x-session-id": b"hdr-s"}, body, "main")
+    assert (m.session_id, m.turn_type, m.done) == ("hdr-s", "side", True)
+    assert set(body) == {"messages"}
+    m = session_meta({b"x-session-done": b"no", b"x-turn-type": b"MAIN"}, {}, "main")
+    assert (m.session_id, m.turn_type, m.done) == (None, "main", False)
+    for headers in ({b"x-turn-type": b"other"}, {b"x-session-done": b"maybe"}, {b"x-session-id": b"has space"}):
+        with pytest.raises(ProxyError) as e:
+            session_meta(headers, {}, "main")
+        assert e.value.status == 400
+
+
+def test_check_request_accepts_a_full_openai_request():
+    check_request({
+        "model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "top_p": 0.9,
+        "max_tokens": 16, "logprobs": True, "top_logprobs": 2, "stop": ["\n"], "seed": 1, "n": 1, "top_k": 5,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "c", "content": "r"}]})
+
+
+def test_stream_recorder_merges_tool_call_deltas_by_index_and_strips_extras():
+    rec = StreamRecorder(keep_logprobs=False, keep_ids=False, keep_prompt_ids=False)
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": [1, 2],
+         "metadata": {"weight_version": "7"}},
+        {"choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [5],
+                      "logprobs": {"content": [{"token": "Hi", "logprob": -0.5}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}},
+            {"index": 1, "id": "b", "type": "function", "function": {"name": "g", "arguments": "{"}}]},
+            "token_ids": [6, 7], "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "function": {"arguments": "}"}},
+                                                           {"index": 0, "function": {"arguments": "{}"}}]},
+                      "token_ids": [8], "logprobs": {"content": [{"logprob": -3.0}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ]
+    forwarded = [orjson.loads(rec.feed(orjson.dumps(c))) for c in chunks]
+    r = rec.finish()
+    assert r.prompt_ids == [1, 2] and r.token_ids == [5, 6, 7, 8] and r.logprobs == [-0.5, -1.0, -2.0, -3.0]
+    assert r.weight_version == "7" and r.finish_reason == "tool_calls" and r.complete
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"], c["index"])
+            for c in r.response["tool_calls"]] == [("a", "f", "{}", 0), ("b", "g", "{}", 1)]
+    assert "prompt_token_ids" not in forwarded[0]
+    assert all("token_ids" not in c["choices"][0] and c["choices"][0].get("logprobs") is None for c in forwarded)
+    assert forwarded[2]["choices"][0]["delta"] == chunks[2]["choices"][0]["delta"]
+
+
+def test_from_response_and_strip():
+    resp = {"model": "m", "choices": [{"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+                                       "token_ids": [4, 5], "prompt_token_ids": [1],
+                                       "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]}}],
+            "metadata": {"weight_version": "3"}}
+    r = from_response(resp)
+    assert (r.token_ids, r.logprobs, r.prompt_ids, r.weight_version) == ([4, 5], [-0.1, -0.2], [1], "3")
+    strip_response(resp, keep_logprobs=False, keep_ids=False, keep_prompt_ids=False, keep_meta=False)
+    assert resp["choices"][0] == {"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+                                  "logprobs": None}
+    assert policy_version("12", 0) == 12 and policy_version("v3", 0) == 3 and policy_version("main", 5) == 5
+
+
+def test_spill_file_is_a_persistent_fifo(tmp_path):
+    path = tmp_path / "spill.bin"
+    s = SpillFile(path)
+    s.append([("t", "k1", b"a"), ("t", None, b"b"), ("t", "k3", b"c")])
+    assert [x[2] for x in s.read(2)] == [b"a", b"b"]
+    s.rewind()  # delivery failed: read again
+    assert [x[2] for x in s.read(1)] == [b"a"]
+    s.commit()  # "a" delivered
+    s.append([("t", "k4", b"d")])
+    s.close()
+    s = SpillFile(path)  # a restart resumes after the committed position
+    assert len(s) == 3
+    assert [x[2] for x in s.read(10)] == [b"b", b"c", b"d"]
+    s.rewind()
+    assert s.rewrite([("t", "k0", b"z")]) == 4  # shutdown: in-memory events go in front
+    assert [x[2] for x in s.read(10)] == [b"z", b"b", b"c", b"d"]
+    s.commit()
+    assert len(s) == 0 and path.stat().st_size == 0
+    small = SpillFile(tmp_path / "small.bin", max_bytes=40)
+    assert small.append([("t", "k", b"x" * 10)] * 5) == 1  # refused beyond the bound
