@@ -296,9 +296,10 @@ def publish(config, evs, topic: str = "turns") -> None:
         p.close()
 
 
-def read_events(config, topic: str, expect: int, timeout_s: float = 30.0, settle_s: float = 0.3):
-    """All events of a logical topic from the beginning (no group): waits for ``expect`` events,
-    then ``settle_s`` more for extras, or returns what arrived within ``timeout_s``."""
+def read_events(config, topic: str, expect, timeout_s: float = 30.0, settle_s: float = 0.3):
+    """All events of a logical topic from the beginning (no group): waits for ``expect`` events
+    (an int, or a predicate on the list read so far), then ``settle_s`` more for extras, or
+    returns what arrived within ``timeout_s``."""
     from kafka import KafkaConsumer, TopicPartition
 
     from pipeline import events
@@ -322,7 +323,7 @@ def read_events(config, topic: str, expect: int, timeout_s: float = 30.0, settle
         while time.monotonic() < deadline:
             for recs in c.poll(timeout_ms=100).values():
                 out.extend(events.decode(r.value) for r in recs)
-            if len(out) >= expect:
+            if (expect(out) if callable(expect) else len(out) >= expect):
                 settle_until = settle_until or time.monotonic() + settle_s
                 if time.monotonic() >= settle_until:
                     break
@@ -351,3 +352,81 @@ class JudgeThread:
     def __exit__(self, *exc) -> None:
         self.app.stop()
         self._thread.join(timeout=60)
+
+
+def scripted_stream(n_sessions: int, turns: int, seed: int = 0, window: int = 8, prefix: str = "s",
+                    vote_delay_s: float = 0.0):
+    """A synthetic ``turns`` stream for crash and rebalance tests, with its expected RL samples.
+
+    Sessions interleave (``window`` open at a time, seeded random choice) but each keeps its
+    order. Session ``i`` follows pattern ``i % 3``: 0 every turn gets a next state; 1 turn 0
+    gets none (turn 1 arrives directly); 2 turn 1 gets an empty next state. Every session ends
+    with ``SessionEnd`` (its last turn is flushed). A joined turn's vote is scripted into its
+    next state (answered after ``vote_delay_s``), so a re-judged turn gets the same vote.
+
+    Returns ``(events, expected)`` with ``expected[sample_id] = (reward, loss_mask)`` for mode rl,
+    computed from the at-least-one rule as documented in :mod:`pipeline.judge.join`.
+    """
+    import random
+
+    from pipeline import events
+
+    rng = random.Random(seed)
+    per_session, expected = [], {}
+    for i in range(n_sessions):
+        sid = f"{prefix}{i}"
+        evs, judged_any = [], False
+        for k in range(turns):
+            evs.append(make_turn(sid, k, request=f"request {k} of {sid}", response_ids=[10 + k, 20 + i % 50, 30]))
+            last = k == turns - 1
+            if last or (i % 3 == 1 and k == 0):
+                expected[f"{sid}:{k}:rl"] = (0.0, 0)
+                continue
+            if i % 3 == 2 and k == 1:
+                evs.append(make_next_state(sid, k, None))
+                expected[f"{sid}:{k}:rl"] = (0.0, 0)
+                continue
+            v = (i + 2 * k) % 3 - 1
+            item = f"\\boxed{{{v}}}" if not vote_delay_s else f"!sleep {vote_delay_s} \\boxed{{{v}}}"
+            evs.append(make_next_state(sid, k, f"reply {k} <<score: {item}>>"))
+            expected[f"{sid}:{k}:rl"] = (float(v), 1 if (v != 0 or not judged_any) else 0)
+            judged_any = True
+        evs.append(events.SessionEnd(session_id=sid))
+        per_session.append(evs)
+    out, open_, pending = [], [], list(reversed(per_session))
+    while pending or open_:
+        while pending and len(open_) < window:
+            open_.append(pending.pop())
+        j = rng.randrange(len(open_))
+        out.append(open_[j].pop(0))
+        if not open_[j]:
+            open_.pop(j)
+    return out, expected
+
+
+def check_samples(samples, expected: dict) -> dict:
+    """Check a samples stream against ``expected`` after de-duplication by ``sample_id``.
+
+    Returns ``{"unique", "duplicates", "missing", "unexpected", "mismatched", "reordered"}``:
+    lists of ids (``reordered``: sessions whose first occurrences are not in turn order), and
+    counts for ``unique`` / ``duplicates``. Duplicates must equal the first occurrence in
+    reward and loss_mask (else they are reported as mismatched).
+    """
+    first, dups, mismatched = {}, 0, []
+    order: dict[str, list[int]] = {}
+    for s in samples:
+        if s.sample_id in first:
+            dups += 1
+            f = first[s.sample_id]
+            if (f.reward, f.loss_mask) != (s.reward, s.loss_mask):
+                mismatched.append(s.sample_id)
+            continue
+        first[s.sample_id] = s
+        order.setdefault(s.session_id, []).append(s.turn_index)
+        want = expected.get(s.sample_id)
+        if want is not None and (s.reward, s.loss_mask) != want:
+            mismatched.append(s.sample_id)
+    return {"unique": len(first), "duplicates": dups,
+            "missing": sorted(set(expected) - set(first)), "unexpected": sorted(set(first) - set(expected)),
+            "mismatched": sorted(set(mismatched)),
+            "reordered": sorted(sid for sid, idx in order.items() if idx != sorted(idx))}
