@@ -106,6 +106,7 @@ class ConsumerApp:
         self._own_producer = producer is None
         self._producer = producer
         self._trackers: dict[TopicPartition, _Tracker] = {}
+        self._rewind: dict[TopicPartition, int] = {}  # safe offsets at the last revocation
         self._acks: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._paused = False
@@ -269,6 +270,13 @@ class ConsumerApp:
         self._generation += 1
         for tp in tps:
             self._trackers[tp] = _Tracker(self._generation)
+            # kafka-python keeps the fetch position of a partition that is revoked and assigned
+            # back in the same (eager) rebalance; rewind it to what was unacknowledged at the
+            # revocation, or deferred records would never be re-delivered (added by the judge stage)
+            rewind = self._rewind.get(tp)
+            if rewind is not None:
+                self._consumer.seek(tp, rewind)
+        self._rewind.clear()
         if self._paused:
             self._consumer.pause(*tps)
         log.info("%s: assigned %s", self.name, sorted((t.topic, t.partition) for t in tps))
@@ -279,7 +287,9 @@ class ConsumerApp:
         self._drain_acks()
         self._commit(only=tps)
         for tp in tps:
-            self._trackers.pop(tp, None)
+            t = self._trackers.pop(tp, None)
+            if t is not None and t.safe_offset() is not None:
+                self._rewind[tp] = t.safe_offset()
         log.info("%s: revoked %s", self.name, sorted((t.topic, t.partition) for t in tps))
         if self._on_revoked:
             self._safe_call(self._on_revoked, {(t.topic, t.partition) for t in tps})
