@@ -297,3 +297,29 @@ def test_metrics_endpoint_exposes_the_proxy_metrics(kafka_config):
                  "pipeline_proxy_sync_hold_seconds", "pipeline_proxy_policy_version", "pipeline_events_produced_total"):
         assert name in text, name
     assert 'pipeline_proxy_requests_total{status="200",stream="true"}' in text
+
+
+def test_openai_client_assembles_tool_calls_from_forwarded_deltas(kafka_config):
+    import openai
+
+    calls = [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"tz": "CET"}')]
+    with stack(kafka_config, lambda req: Reply(content="", tool_calls=calls)) as (url, app, up):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in calls]
+        msgs = [{"role": "user", "content": "weather and time?"}]
+        out = client.chat.completions.create(model="m", messages=msgs, tools=tools,
+                                             extra_headers={"X-Session-Id": "oa-tools"})
+        assert [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls] == calls
+        assert out.choices[0].finish_reason == "tool_calls"
+        acc: dict = {}
+        finish = None
+        for chunk in client.chat.completions.create(model="m", messages=msgs, tools=tools, stream=True,
+                                                    extra_headers={"X-Session-Id": "oa-tools-2"}):
+            for c in chunk.choices:
+                for tc in c.delta.tool_calls or []:
+                    e = acc.setdefault(tc.index, {"name": "", "arguments": ""})
+                    e["name"] += (tc.function.name or "") if tc.function else ""
+                    e["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                finish = c.finish_reason or finish
+        assert [(acc[i]["name"], acc[i]["arguments"]) for i in sorted(acc)] == calls
+        assert finish == "tool_calls"
