@@ -75,7 +75,8 @@ class JudgeApp:
         self.dlq_topic = config.topics.dlq("turns")
         self.producer = EventProducer(config, name=name)
         self.consumer = ConsumerApp(config, group_id=group_id or jc.group_id, topics=[config.topics.name("turns")],
-                                    name=name, max_in_flight=jc.max_uncommitted_records, producer=self.producer)
+                                    name=name, max_in_flight=jc.max_uncommitted_records, producer=self.producer,
+                                    fetch_max_wait_ms=jc.fetch_max_wait_ms)
         self.joiner = Joiner(jc.idle_timeout_s, at_least_one=(self.mode == "rl"))
         self.max_jobs = max(1, jc.max_in_flight)
         self.loop = asyncio.new_event_loop()

@@ -18,6 +18,9 @@ SESSIONS_WAITING = Gauge("pipeline_judge_sessions_waiting", "Sessions whose late
 JOBS_IN_FLIGHT = Gauge("pipeline_judge_jobs_in_flight", "Judge jobs submitted and not yet produced")
 
 
+_VOTE_CHILDREN = {v: VOTES.labels("failed" if v is None else str(v)) for v in (1, 0, -1, None)}
+
+
 def count_vote(v: int | None) -> None:
     """Count one vote (``None`` = failed)."""
-    VOTES.labels("failed" if v is None else str(v)).inc()
+    _VOTE_CHILDREN[v].inc()

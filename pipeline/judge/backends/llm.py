@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
 import orjson
 
 from pipeline.judge import metrics
@@ -40,9 +39,14 @@ def judge_url(config) -> str:
 class HttpJudge:
     """An async HTTP client for judge calls with time-outs, retries and back-off.
 
+    Built on aiohttp: with tens of concurrent calls, httpx's AsyncClient (0.28 / httpcore 1.0)
+    slows down sharply (encode/httpx#3215; measured here: 73 calls/s at 48 concurrent calls
+    against a server that aiohttp drives at ~4,000/s), which would make the judge, not the
+    LLM, the bottleneck. Create it inside the event loop that uses it.
+
     Args:
         base_url: the endpoint's base URL.
-        timeout_s: per-attempt time-out (connect + read), seconds.
+        timeout_s: per-attempt time-out (whole request), seconds.
         retries: extra attempts after the first for retryable failures.
         backoff_s: first back-off; doubles each retry.
         api_key: optional bearer token.
@@ -51,42 +55,49 @@ class HttpJudge:
 
     def __init__(self, base_url: str, timeout_s: float, retries: int, backoff_s: float,
                  api_key: str | None = None, max_connections: int = 512) -> None:
+        import aiohttp
+
         headers = dict(_HEADERS)
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
+        self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
-        self.client = httpx.AsyncClient(
-            base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._errors = (aiohttp.ClientError, asyncio.TimeoutError)
+        self.session = aiohttp.ClientSession(
+            headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+            connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=300))
 
-    async def post(self, path: str, body: dict) -> dict:
-        """POST ``body`` as JSON and return the parsed JSON answer.
+    async def post(self, path: str, body: dict | bytes) -> dict:
+        """POST ``body`` (a dict, or JSON already encoded) and return the parsed JSON answer.
 
         Raises:
-            CallFailed: every attempt failed (the last error is in the message).
+            CallFailed: every attempt failed (the last error is in the message), or a non-retryable
+                status (4xx other than 408/409/425/429) came back.
         """
-        data = orjson.dumps(body)
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        url = self.base_url + path
         err: str = ""
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
             try:
-                r = await self.client.post(path, content=data)
-            except httpx.HTTPError as e:  # connect errors, time-outs, protocol errors
+                async with self.session.post(url, data=data) as r:
+                    status, content = r.status, await r.read()
+            except self._errors as e:  # connect errors, time-outs, broken connections
                 err = f"{type(e).__name__}: {e}"
                 continue
-            if r.status_code == 200:
+            if status == 200:
                 try:
-                    return orjson.loads(r.content)
+                    return orjson.loads(content)
                 except orjson.JSONDecodeError as e:
                     raise CallFailed(f"{path}: answer is not JSON: {e}") from None
-            err = f"HTTP {r.status_code}: {r.text[:200]}"
-            if r.status_code not in _RETRY_STATUS:
+            err = f"HTTP {status}: {content[:200].decode('utf-8', 'replace')}"
+            if status not in _RETRY_STATUS:
                 break
         raise CallFailed(f"{path}: {err}")
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.session.close()
 
 
 def completion_text(answer: dict) -> str:
@@ -118,9 +129,7 @@ class LLMBackend(Backend):
         if self.http is not None:
             await self.http.aclose()
 
-    async def _sample(self, messages: list[dict]) -> str | None:
-        body = {"model": self.jc.model, "messages": messages, "temperature": self.jc.temperature,
-                "max_tokens": self.jc.max_tokens, "stream": False}
+    async def _sample(self, body: bytes) -> str | None:
         try:
             return completion_text(await self.http.post("/v1/chat/completions", body))
         except CallFailed as e:
@@ -129,7 +138,9 @@ class LLMBackend(Backend):
 
     async def _votes(self, messages: list[dict]) -> list[str | None]:
         n = max(1, self.jc.votes)
-        return list(await asyncio.gather(*(self._sample(messages) for _ in range(n))))
+        body = orjson.dumps({"model": self.jc.model, "messages": messages, "temperature": self.jc.temperature,
+                             "max_tokens": self.jc.max_tokens, "stream": False})
+        return list(await asyncio.gather(*(self._sample(body) for _ in range(n))))
 
     async def score(self, inp: JudgeInput) -> Verdict:
         votes = []
