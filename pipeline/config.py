@@ -162,6 +162,7 @@ class JudgeConfig(Section):
     teacher_timeout_s: float = 300.0  # one teacher /generate scoring call
     max_uncommitted_records: int = 200_000  # consumer pauses its partitions above this
     drain_timeout_s: float = 30.0  # at shutdown, wait this long for judge jobs in flight
+    fetch_max_wait_ms: int = 10  # consumer fetch wait (Tansu holds fetches this long: latency)
 
 
 class TrainerConfig(Section):
