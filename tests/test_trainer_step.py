@@ -1,0 +1,170 @@
+"""The training step on the tiny model: positions, log-probs, micro-batching, options, checkpoints."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pipeline import events
+from pipeline.config import load_config
+from pipeline.models import resolve_model
+from pipeline.trainer import batch as B
+
+
+def _sample(i, n_prompt=6, n_resp=4, reward=1.0, seed=0, **kw):
+    rng = random.Random(seed * 1000 + i)
+    toks = [rng.randrange(1, 49152) for _ in range(n_prompt + n_resp)]
+    return events.Sample(sample_id=f"x:{i}", session_id=f"x{i}", turn_index=0, tokens=toks, response_length=n_resp,
+                         rollout_log_probs=[-1.0] * n_resp, reward=reward, **kw)
+
+
+def test_collate_places_response_positions():
+    s = events.Sample(sample_id="a", session_id="a", turn_index=0, tokens=[10, 11, 12, 13, 14], response_length=2,
+                      rollout_log_probs=[-0.5, -0.25], teacher_log_probs=[-0.1, -0.2], kind="opd+rl",
+                      rollout_temperature=0.7, reward=1.0)
+    short = events.Sample(sample_id="b", session_id="b", turn_index=0, tokens=[20, 21, 22], response_length=1,
+                          rollout_log_probs=[-2.0], reward=-1.0, loss_mask=0)
+    mb = B.collate([s, short], [1.0, 0.5])
+    assert mb.tokens.tolist() == [[10, 11, 12, 13], [20, 21, 0, 0]]
+    assert mb.targets.tolist() == [[11, 12, 13, 14], [21, 22, 0, 0]]
+    # response tokens 13, 14 are predicted at positions 2, 3; the masked sample has no positions
+    assert mb.mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
+    assert mb.rollout_log_probs.tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
+    assert torch.allclose(mb.teacher_log_probs[0], torch.tensor([0, 0, -0.1, -0.2]))
+    assert mb.temperatures.tolist() == pytest.approx([0.7, 1.0])
+    assert mb.is_rl.tolist() == [True, True] and mb.has_teacher.tolist() == [True, False]
+    assert mb.weights.tolist() == [1.0, 0.5] and mb.num_tokens == 2
+    scored = B.collate([short], include_masked=True)
+    assert scored.mask.tolist() == [[0, 1]]
+    assert not B.trainable(short) and B.trainable(s)
+
+
+def test_split_bounds_samples_and_tokens():
+    samples = [_sample(i, n_prompt=2 + i, n_resp=2) for i in range(5)]  # lengths 4..8
+    mbs = B.split(samples, micro_batch_size=2)
+    assert [mb.size for mb in mbs] == [2, 2, 1]
+    assert sorted(i for mb in mbs for i in mb.index) == list(range(5))
+    mbs = B.split(samples, micro_batch_size=8, max_tokens=14)
+    assert all(mb.tokens.numel() <= 14 or mb.size == 1 for mb in mbs)
+    assert sum(mb.size for mb in mbs) == 5
+    for mb in mbs:  # each row is its sample
+        for row, i in enumerate(mb.index):
+            n = len(samples[i].tokens) - 1
+            assert mb.tokens[row, :n].tolist() == samples[i].tokens[:-1]
+    assert B.split([], 4) == []
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from pipeline.trainer.testing import megatron_runtime
+
+    with megatron_runtime(tp=1, threads=2) as par:
+        yield par
+
+
+def _trainer(par, **kw):
+    from pipeline.trainer.policy import PolicyTrainer
+
+    t = dict(model="tiny-random", lr=1e-3, micro_batch_size=4)
+    t.update(kw)
+    cfg = load_config(None, trainer=t).trainer
+    return PolicyTrainer(cfg, resolve_model("tiny-random"), par)
+
+
+def _params(pt):
+    return {n: p.detach().clone() for n, p in pt.model.named_parameters()}
+
+
+def test_log_probs_and_entropy_match_full_softmax(runtime):
+    from pipeline.trainer.policy import token_log_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (2, 5), generator=g)
+    temps = torch.tensor([1.0, 0.6])
+    lp, ent = token_log_probs(logits, targets, temps, entropy="grad")
+    ref = torch.log_softmax(logits / temps[:, None, None], -1)
+    assert torch.allclose(lp, ref.gather(-1, targets[..., None])[..., 0], atol=1e-5)
+    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_positive_advantage_raises_logprob_negative_lowers(runtime):
+    pt = _trainer(runtime)
+    samples = [_sample(0, reward=1.0), _sample(1, reward=-1.0)]
+    before = pt.log_probs(samples)
+    for s, lp in zip(samples, before):
+        s.rollout_log_probs = lp
+    res = pt.train_batch(samples)
+    after = pt.log_probs(samples)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert not res.skipped and res.metrics["train_samples"] == 2
+    assert mean(after[0]) > mean(before[0]) and mean(after[1]) < mean(before[1])
+    assert res.metrics["logprob_abs_diff"] < 1e-5  # identical weights before the step
+    assert res.metrics["pg_clipfrac"] == 0.0 and abs(res.metrics["ppo_kl"]) < 1e-6
+
+
+def test_micro_batching_does_not_change_the_update(runtime):
+    samples = [_sample(i, n_prompt=3 + i, n_resp=2 + (i % 3), reward=(-1.0) ** i) for i in range(6)]
+    results = []
+    for mbs, agg in ((1, "sum_of_sample_mean"), (6, "sum_of_sample_mean"), (2, "token_mean"), (6, "token_mean")):
+        pt = _trainer(runtime, micro_batch_size=mbs, loss_agg=agg)
+        pt.train_batch(samples)
+        results.append(_params(pt))
+    for a, b in ((0, 1), (2, 3)):
+        for k in results[a]:
+            assert torch.allclose(results[a][k], results[b][k], atol=1e-6), k
+    # and the two aggregations really differ (the test can fail)
+    assert any(not torch.allclose(results[0][k], results[2][k], atol=1e-6) for k in results[0])
+
+
+def test_empty_batch_makes_no_optimizer_step(runtime):
+    pt = _trainer(runtime)
+    before = _params(pt)
+    masked = [_sample(0, loss_mask=0), _sample(1, loss_mask=0)]
+    res = pt.train_batch(masked)
+    assert res.skipped and res.metrics["train_samples"] == 0 and pt.optimizer_steps == 0
+    assert all(torch.equal(before[k], v) for k, v in _params(pt).items())
+    res = pt.train_batch([_sample(2)], weights=[0.0])  # a dropped (weight 0) sample trains nothing either
+    assert res.skipped
+
+
+def test_options_recompute_tis_kl_entropy_opd(runtime):
+    pt = _trainer(runtime, old_log_probs="recompute", tis_cap=2.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.01,
+                  steps_per_batch=2, eps_clip_c=3.0, normalize_advantages=True)
+    assert pt.ref_model is not None
+    opd = _sample(0, kind="opd", teacher_log_probs=[-0.5, -1.0, -2.0, -0.1])
+    both = _sample(1, kind="opd+rl", teacher_log_probs=[-1.0] * 4, reward=1.0)
+    rl = _sample(2, reward=-1.0)
+    res = pt.train_batch([opd, both, rl], weights=[1.0, 0.5, 1.0])
+    m = res.metrics
+    assert pt.optimizer_steps == 2 and not res.skipped
+    for k in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl", "tis", "grad_norm"):
+        assert m[k] == m[k] and abs(m[k]) < 1e6, (k, m[k])  # finite
+    assert m["kl"] > 0.0  # the second step moved away from the frozen reference
+    assert m["entropy"] > 0.0 and m["tis"] > 0.0
+    ref = pt.log_probs([rl], reference=True)[0]
+    assert len(ref) == 4
+
+
+def test_checkpoint_round_trip_restores_model_and_optimizer(runtime, tmp_path):
+    from pipeline.trainer import checkpoint as C
+
+    samples = [_sample(i, reward=(-1.0) ** i) for i in range(3)]
+    a = _trainer(runtime)
+    a.train_batch(samples)
+    C.save(tmp_path, 1, runtime, a.state_dict(), {"policy_version": 1, "offsets": {"t": {"0": 3}}})
+    a.train_batch(samples)  # uninterrupted second step
+    b = _trainer(runtime)
+    meta, state = C.load(C.latest(tmp_path), runtime)
+    assert meta["step"] == 1 and meta["offsets"] == {"t": {"0": 3}}
+    b.load_state_dict(state)
+    assert b.optimizer_steps == 1
+    b.train_batch(samples)  # resumed second step: same Adam moments, same result
+    pa, pb = _params(a), _params(b)
+    assert all(torch.allclose(pa[k], pb[k], atol=1e-7) for k in pa)
+    with pytest.raises(ValueError, match="tensor parallel"):
+        from dataclasses import replace
+
+        C.load(C.latest(tmp_path), replace(runtime, tp=2))
