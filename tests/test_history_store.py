@@ -112,3 +112,22 @@ def test_in_range_and_marking():
     assert mark_replayed(imported).source == "import"
     ns = events.NextState(session_id="s", messages=[])
     assert mark_replayed(ns) is ns
+
+
+def test_archive_records_filters_by_time_and_offsets(tmp_path):
+    from pipeline.history.replay import archive_records
+
+    for p in (0, 1):
+        for o in range(5):
+            ts = 1_000_000 + o * 1000 + p
+            f = partition_file(tmp_path, ts, p)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            with f.open("ab") as fh:
+                fh.write(to_line("t", p, o, ts, f"k{p}", events.SessionEnd(session_id=f"k{p}")))
+    stats = {}
+    got = [(r.partition, r.offset) for r in archive_records(tmp_path, Bound(time_ms=1_002_000),
+                                                             Bound(time_ms=1_004_000), stats)]
+    assert got == [(0, 2), (1, 2), (0, 3), (1, 3)]  # merged by timestamp, per partition in order
+    assert stats["out_of_range"] == 6
+    got = [(r.partition, r.offset) for r in archive_records(tmp_path, Bound(offsets={1: 3}), Bound(offset=4), {})]
+    assert sorted(got) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3)]

@@ -136,6 +136,8 @@ class ChatClient:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 if attempt == self.retries:
                     raise ChatError(f"cannot reach {self.url}: {e}") from e
+            except httpx.HTTPError as e:  # read timeout, dropped connection: it may have been served
+                raise ChatError(f"request to {self.url} failed: {type(e).__name__}: {e}") from e
             else:
                 if r.status_code == 200:
                     try:
