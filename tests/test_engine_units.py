@@ -211,3 +211,13 @@ def test_render_trailing_assistant(renderer):
     assert cont.rstrip().endswith("Once upon")
     as_user = renderer.render_text(msgs)  # SGLang: becomes a user turn
     assert "<|im_start|>user\nOnce upon<|im_end|>" in as_user
+
+
+def test_inverse_cdf_sampling_matches_probabilities():
+    from pipeline.engine.sampler import _multinomial
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).expand(20000, 6)
+    rows = [RowSpec(SamplingParams(), [], [], None)] * 20000
+    counts = torch.bincount(_multinomial(probs, rows, torch.Generator().manual_seed(0)), minlength=6) / 20000
+    assert counts[[0, 2, 5]].sum() == 0  # zero-probability tokens are never drawn
+    assert counts[[1, 3, 4]].tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.02)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.engine.params import TOP_K_ALL, SamplingParams
+from pipeline.engine.params import SamplingParams
 
 
 @dataclass
@@ -128,17 +128,16 @@ def sample_step(logits: torch.Tensor, rows: list[RowSpec], generator: torch.Gene
 
 
 def _multinomial(probs: torch.Tensor, rows: list[RowSpec], generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of (unnormalised) ``probs`` [b, K]; seeded rows use their own generator."""
-    out = torch.empty(probs.shape[0], dtype=torch.long)
+    """One draw per row of (unnormalised, non-negative) ``probs`` [b, K]; seeded rows use their own
+    generator. Inverse-CDF sampling (cumsum + searchsorted), several times faster on the CPU than
+    ``torch.multinomial`` for a 49k vocabulary; a zero-probability entry is never picked."""
+    u = torch.empty(probs.shape[0], 1, dtype=probs.dtype)
     shared = [i for i, r in enumerate(rows) if r.generator is None]
     if shared:
-        out[shared] = torch.multinomial(probs[shared], 1, generator=generator)[:, 0]
+        u[shared] = torch.rand(len(shared), 1, generator=generator, dtype=probs.dtype)
     for i, r in enumerate(rows):
         if r.generator is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
-    return out
-
-
-def top_k_all(k: int) -> bool:
-    """True when ``k`` means "no top-k truncation"."""
-    return k >= TOP_K_ALL
+            u[i] = torch.rand(1, generator=r.generator, dtype=probs.dtype)
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[1] - 1)

@@ -12,6 +12,9 @@ Weight swap (``/update_weights_from_disk``) follows SGLang's reader/writer lock:
 requested no new request is admitted, the running batch finishes on the *old* weights, then the
 model reference and the weight version change together and admission resumes. Every update a
 request receives carries the version it was admitted under, so a response never mixes versions.
+As in SGLang, a swap requested while generation is paused (``/pause_generation``) happens at
+once; rows frozen by an ``in_place``/``retract`` pause then continue on the new weights and report
+the new version (use the default ``abort`` pause, or none, to avoid mixed-policy responses).
 
 Log-probs: see :mod:`pipeline.engine.sampler` (softmax(logits/T) before top-p/top-k).
 Prompt log-probs follow SGLang's ``logprob_start_len`` alignment (SGLANG_API.md 1.4): with start
@@ -108,6 +111,74 @@ class _Seq:
                        r.top_logprobs_num if want_lp else 0, r.token_ids_logprob if want_lp else None)
 
 
+def _new_cache(model):
+    """A ``DynamicCache`` whose full-attention layers append into preallocated buffers."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_GrowLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def _grow_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowLayer(DynamicLayer):
+        """``DynamicLayer`` that writes new keys/values into spare capacity instead of
+        concatenating (HF copies the whole ``[B, H, S, D]`` cache on every token otherwise).
+        ``keys``/``values`` stay views ``[B, H, S, D]`` of the buffers."""
+
+        _kbuf = _vbuf = None
+        _len = 0
+
+        def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Replace the contents (copies into fresh buffers with room to grow)."""
+            b, h, s, d = keys.shape
+            cap = s + max(64, s // 2)
+            self._kbuf = keys.new_empty(b, h, cap, d)
+            self._vbuf = values.new_empty(values.shape[0], values.shape[1], cap, values.shape[3])
+            self._kbuf[:, :, :s] = keys
+            self._vbuf[:, :, :s] = values
+            self._len = s
+            self.keys, self.values = self._kbuf[:, :, :s], self._vbuf[:, :, :s]
+            self.device, self.is_initialized = keys.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self._kbuf is None:
+                self.set(key_states, value_states)
+                return self.keys, self.values
+            n = key_states.shape[-2]
+            if self._len + n > self._kbuf.shape[2]:
+                self.set(self.keys, self.values)
+            self._kbuf[:, :, self._len:self._len + n] = key_states
+            self._vbuf[:, :, self._len:self._len + n] = value_states
+            self._len += n
+            self.keys, self.values = self._kbuf[:, :, :self._len], self._vbuf[:, :, :self._len]
+            return self.keys, self.values
+
+    return GrowLayer
+
+
+class _LazyGrowLayer:
+    cls = None
+
+    def __call__(self):
+        if _LazyGrowLayer.cls is None:
+            _LazyGrowLayer.cls = _grow_layer_class()
+        return _LazyGrowLayer.cls()
+
+
+_GrowLayer = _LazyGrowLayer()
+
+
+def _set_kv(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if hasattr(layer, "set"):
+        layer.set(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
+
+
 class _Batch:
     """Running rows with a left-padded KV cache ``[B, H, S, D]`` per layer and a mask ``[B, S]``."""
 
@@ -128,8 +199,8 @@ class _Batch:
         s_old, s_new = self.mask.shape[1], seq.n_ctx
         width = max(s_old, s_new)
         for old_layer, new_layer in zip(self.cache.layers, cache.layers):
-            old_layer.keys = torch.cat([_lpad(old_layer.keys, width), _lpad(new_layer.keys, width)], 0)
-            old_layer.values = torch.cat([_lpad(old_layer.values, width), _lpad(new_layer.values, width)], 0)
+            _set_kv(old_layer, torch.cat([_lpad(old_layer.keys, width), _lpad(new_layer.keys, width)], 0),
+                    torch.cat([_lpad(old_layer.values, width), _lpad(new_layer.values, width)], 0))
         new_mask = torch.zeros(1, width, dtype=torch.long)
         new_mask[0, width - s_new:] = 1
         old_mask = self.mask if s_old == width else torch.cat(
@@ -149,8 +220,7 @@ class _Batch:
         trim = int(valid_cols[0]) if valid_cols.numel() else 0
         self.mask = self.mask[:, trim:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys[idx, :, trim:]
-            layer.values = layer.values[idx, :, trim:]
+            _set_kv(layer, layer.keys[idx, :, trim:], layer.values[idx, :, trim:])
 
 
 def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -189,6 +259,8 @@ class EngineWorker:
         self._paused = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-model", daemon=True)
+        self._submit_lock = threading.Lock()
+        self._closed = False
         self.fatal: BaseException | None = None
         self.steps = 0
         self.on_tokens: Callable[[int], None] = lambda n: None  # metrics hook
@@ -213,8 +285,14 @@ class EngineWorker:
         return len(self._batch), len(self._waiting) + self._inbox.qsize()
 
     def submit(self, req: GenRequest) -> None:
-        """Queue a request; its updates arrive through ``req.sink``."""
-        self._inbox.put(("req", req))
+        """Queue a request; its updates arrive through ``req.sink`` (an error update at once
+        when the model thread has ended)."""
+        with self._submit_lock:
+            if not self._closed:
+                self._inbox.put(("req", req))
+                return
+        self._emit(req, Update(self.version, error=f"engine stopped: {self.fatal!r}" if self.fatal
+                               else "engine is shutting down", status=503))
 
     def abort(self, req: GenRequest, message: str = "Abort by user request.") -> None:
         """Stop a request between steps; it finishes with ``finish_reason.type == "abort"``."""
@@ -244,7 +322,7 @@ class EngineWorker:
                 while not self._stop.is_set():
                     self._drain(block=not self._has_work())
                     self._reap_aborted()
-                    if self._swap is not None and not self._batch:
+                    if self._swap is not None and (not self._batch or self._paused):
                         self._do_swap()
                     if self._paused:
                         continue
@@ -258,6 +336,8 @@ class EngineWorker:
             log.exception("engine model thread crashed")
             self.fatal = e
         finally:
+            with self._submit_lock:
+                self._closed = True
             msg = f"engine stopped: {self.fatal!r}" if self.fatal else "engine is shutting down"
             for s in list(self._batch.seqs):
                 self._emit(s.req, Update(s.version, error=msg, status=503))
@@ -334,6 +414,8 @@ class EngineWorker:
             except ValueError:
                 version = f"{self.version}+1"
         self.loaded, self.version = loaded, str(version)
+        for s in self._batch.seqs:  # only when paused in place: they continue on the new weights
+            s.version = self.version
         log.info("weights swapped to %s (version %s)", loaded.path, self.version)
         on_done(self.version)
 
@@ -369,8 +451,7 @@ class EngineWorker:
         model = self.loaded.model
         cache = None
         if generate:
-            from transformers import DynamicCache
-            cache = DynamicCache(config=model.config)
+            cache = _new_cache(model)
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids], dtype=torch.long), cache=cache, use_cache=generate,
                     logits_to_keep=L - start)
