@@ -88,6 +88,13 @@ def test_log_probs_and_entropy_match_full_softmax(runtime):
     ref = torch.log_softmax(logits / temps[:, None, None], -1)
     assert torch.allclose(lp, ref.gather(-1, targets[..., None])[..., 0], atol=1e-5)
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+    # restricted to a mask: same values there, zeros elsewhere, gradients only through the mask
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 0, 1, 1]])
+    x = logits.clone().requires_grad_()
+    lp2, ent2 = token_log_probs(x, targets, temps, entropy="grad", mask=mask)
+    assert torch.allclose(lp2, lp * mask, atol=1e-6) and torch.allclose(ent2, ent * mask, atol=1e-6)
+    (lp2.sum() + ent2.sum()).backward()
+    assert (x.grad[mask == 0] == 0).all() and (x.grad[mask == 1].abs().sum(-1) > 0).all()
 
 
 def test_positive_advantage_raises_logprob_negative_lowers(runtime):

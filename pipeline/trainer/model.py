@@ -158,8 +158,11 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
     """Megatron ``TransformerConfig`` for ``arch``.
 
     CPU (``cuda=False``): fp32, every fusion off, CPU initialisation (ENVIRONMENT.md). GPU: the
-    same model with bias-activation / dropout / softmax fusions on and RoPE fusion when Transformer
-    Engine is present; ``dtype`` bf16 enables Megatron's mixed-precision path. Dropout is 0 (RL
+    same model with the pure-PyTorch bias-activation (SwiGLU) and bias-dropout fusions on, and
+    RoPE fusion when Transformer Engine is present (its attention is then TE's fused attention);
+    the masked-softmax fusion stays off because it needs Megatron's compiled kernels, which a
+    plain ``pip install megatron-core`` lacks. ``dtype`` bf16 enables Megatron's mixed-precision
+    path. Dropout is 0 (RL
     fine-tuning). Sequence parallel stays off (it does not run on the CPU).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -175,7 +178,7 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda, perform_initialization=True, init_method=_skip_init,
         output_layer_init_method=_skip_init, embedding_init_method=_skip_init,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=cuda, bias_activation_fusion=cuda,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda, apply_rope_fusion=te, persist_layer_norm=False,
     )
 

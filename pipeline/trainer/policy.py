@@ -66,7 +66,8 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
-                    entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+                    entropy: str = "none", mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` under ``softmax(logits / T)`` with the vocabulary split over TP.
 
     Args:
@@ -75,12 +76,23 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
         temperatures: ``[b]`` each sample's rollout temperature (the engine's log-probs are of
             the tempered distribution it sampled from).
         entropy: ``none``, ``metric`` (no grad) or ``grad`` (part of the loss).
+        mask: ``[b, S]``; when given, only positions with ``mask > 0`` are computed (the rest are
+            0), which skips the softmax work on prompt and padding positions.
     Returns:
         ``(log_probs [b, S], entropy [b, S] or None)``.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    scaled = logits.float() / temperatures.to(logits.device, torch.float32)[:, None, None]
+    temps = temperatures.to(logits.device, torch.float32)
+    if mask is not None:
+        sel = mask.to(logits.device) > 0
+        rows = logits[sel].float()  # [N, V/tp], a copy: the kernel below may work in place
+        row_t = temps[:, None].expand(sel.shape)[sel]
+        scaled = rows / row_t[:, None] if bool((row_t != 1).any()) else rows
+        tgt = targets.to(logits.device)[sel]
+    else:
+        scaled = logits.float() / temps[:, None, None]
+        tgt = targets
     ent = None
     if entropy == "metric":
         with torch.no_grad():
@@ -88,8 +100,14 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
     elif entropy == "grad":
         ent = vocab_parallel_entropy(scaled)
         scaled = scaled.clone()  # the cross-entropy kernel works in place on its input
-    logp = -vocab_parallel_cross_entropy(scaled, targets)
-    return logp, ent
+    logp = -vocab_parallel_cross_entropy(scaled, tgt)
+    if mask is None:
+        return logp, ent
+    full = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)
+    full = full.index_put((sel,), logp)
+    if ent is not None:
+        ent = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device).index_put((sel,), ent)
+    return full, ent
 
 
 @dataclass
@@ -142,7 +160,7 @@ class PolicyTrainer:
     def _forward(self, model, mb: B.MicroBatch, entropy: str = "none"):
         mb = mb.to(self.par.device)
         logits = model(mb.tokens, mb.position_ids, None)
-        return token_log_probs(logits, mb.targets, mb.temperatures, entropy)
+        return token_log_probs(logits, mb.targets, mb.temperatures, entropy, mask=mb.mask)
 
     @torch.no_grad()
     def log_probs(self, samples: list[events.Sample], reference: bool = False) -> list[list[float]]:
