@@ -135,6 +135,8 @@ class ProxyConfig(Section):
     max_sessions: int = 100_000
     session_idle_s: float = 3600.0
     max_connections: int = 512  # keep-alive pool to the engine
+    kafka_client: Literal["auto", "librdkafka", "kafka-python"] = "auto"  # auto: librdkafka when installed
+    publish_linger_ms: int = 10  # events are gathered this long into one produce window
 
 
 class JudgeConfig(Section):

@@ -12,6 +12,7 @@ import contextlib
 import time
 
 import httpx
+import pytest
 from pipeline import events
 from pipeline.broker import EmbeddedBroker, free_port
 from pipeline.config import load_config
@@ -71,9 +72,10 @@ def _by_session(evs) -> dict:
     return out
 
 
-def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_after(tmp_path):
+@pytest.mark.parametrize("client", ["librdkafka", "kafka-python"])
+def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_after(client):
     with own_broker() as (broker, config), serve_app(ScriptedUpstream()) as up_url, \
-            running_proxy(config, up_url, publish_delivery_timeout_ms=3000) as (url, app):
+            running_proxy(config, up_url, publish_delivery_timeout_ms=3000, kafka_client=client) as (url, app):
         hist_a = converse(url, "A", 2)
         assert app.publisher.wait_idle(15)
         before = read_events(config, want=3)

@@ -75,7 +75,8 @@ class ProxyApp:
         self.sessions = SessionTable(pc.max_sessions, pc.session_idle_s)
         self.publisher = publisher or EventPublisher(
             config, max_buffer=pc.buffer_max_events, spill_file=pc.spill_file, spill_max_bytes=pc.spill_max_bytes,
-            delivery_timeout_ms=pc.publish_delivery_timeout_ms)
+            delivery_timeout_ms=pc.publish_delivery_timeout_ms, linger_s=pc.publish_linger_ms / 1000,
+            kafka_client=pc.kafka_client)
         self.upstream = Upstream(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
@@ -84,6 +85,8 @@ class ProxyApp:
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)
         self._native_stream: bool | None = None
+        self._rid_prefix = os.urandom(4).hex() + "-"  # request ids: <process prefix>-<counter> (no syscall per request)
+        self._seq = 0
         self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
         self._client = None  # EngineClient for the SGLang streaming path, created on first use
         self.api = self._build_api()
@@ -244,7 +247,8 @@ class ProxyApp:
         """ASGI handler of ``POST /v1/chat/completions`` (see the module docstring)."""
         t0 = time.perf_counter()
         created = events.now_ms()
-        rid = os.urandom(8).hex()
+        self._seq += 1
+        rid = f"{self._rid_prefix}{self._seq:x}"
         stream = False
         status = 500
         try:

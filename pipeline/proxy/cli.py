@@ -44,6 +44,7 @@ def run(args, config) -> int:
     if logging.getLogger().level > logging.DEBUG:
         # kafka-python logs every failed reconnect; the publisher reports broker state changes itself
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
+        logging.getLogger("rdkafka").setLevel(logging.CRITICAL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((pc.host, pc.port))

@@ -12,8 +12,9 @@ Flow of one event::
   there is room, else to the spill file (``proxy.spill_file``) — once spilling has started every
   newer event goes to the file too, so the backlog stays one FIFO. With no room anywhere the
   event is dropped, counted in ``pipeline_proxy_events_dropped_total{reason}`` and logged.
-- The sender thread owns one idempotent ``KafkaProducer`` (acks=all). It takes a window of the
-  oldest events, sends them, and waits until each is acknowledged or failed. Failed events are
+- The sender thread owns one idempotent producer (acks=all; librdkafka or kafka-python, see
+  :mod:`pipeline.proxy.transport`). It takes a window of the oldest events (gathered for up to
+  ``linger_s``), sends them, and waits until each is acknowledged or failed. Failed events are
   put back at the front of the backlog (same order); the producer is then recreated (a broker
   that restarted does not know the old producer id) and the window is retried with back-off.
   Events stay queued for as long as the broker is away; nothing times out of the backlog.
@@ -35,14 +36,12 @@ import time
 from collections import deque
 from typing import Any
 
-from kafka import KafkaProducer
-
 from pipeline import events
-from pipeline.bus.settings import producer_kwargs
 from pipeline.config import Config
 from pipeline.metrics import EVENTS_FAILED, EVENTS_PRODUCED
 from pipeline.proxy import metrics as M
 from pipeline.proxy.spill import SpillFile
+from pipeline.proxy.transport import make_transport
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,10 @@ class EventPublisher:
         spill_file: path of the spill file, or None (overflow is dropped and counted).
         spill_max_bytes: size bound of the spill file; beyond it events are dropped and counted.
         window: most events in flight at once.
+        linger_s: how long the threads gather events before encoding / sending a window (fewer
+            wake-ups and produce requests; adds at most this much to the delivery delay).
+        kafka_client: ``auto`` (librdkafka when installed), ``librdkafka`` or ``kafka-python``
+            (see :mod:`pipeline.proxy.transport`).
         delivery_timeout_ms: how long kafka-python retries one window before it is failed and
             retried by this class with a fresh producer.
         name: stage label for the bus metrics.
@@ -63,12 +66,13 @@ class EventPublisher:
 
     def __init__(self, config: Config, max_buffer: int = 10_000, spill_file: str | None = None,
                  spill_max_bytes: int = 1 << 30, window: int = 2000, delivery_timeout_ms: int = 30_000,
-                 name: str = "proxy") -> None:
+                 linger_s: float = 0.01, kafka_client: str = "auto", name: str = "proxy") -> None:
         self.config = config
         self.name = name
         self.max_buffer = max(1, max_buffer)
         self.inbox_max = self.max_buffer + 10_000  # safety net only: the intake thread drains it continuously
         self.window = max(1, window)
+        self.linger_s = max(0.0, linger_s)
         self.delivery_timeout_ms = delivery_timeout_ms
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in = 0  # written by publish() callers only
@@ -78,7 +82,8 @@ class EventPublisher:
         self._lock = threading.Condition()
         self._inflight: list = []
         self._inflight_from_spill = False
-        self._producer: KafkaProducer | None = None
+        self.kafka_client = kafka_client
+        self._transport = None
         self._stop = threading.Event()
         self._intake_done = threading.Event()
         self._deadline = float("inf")
@@ -151,6 +156,9 @@ class EventPublisher:
     def _intake(self) -> None:
         while True:
             first = self._inbox.get()
+            if first is not None and self.linger_s:
+                # batch: one wake-up per linger period, not per event (GIL contention with the event loop)
+                time.sleep(self.linger_s / 2)
             batch = [first]
             while len(batch) < 4096:
                 try:
@@ -229,6 +237,12 @@ class EventPublisher:
                     self._lock.wait(0.5)
                 if self._stop.is_set() and time.monotonic() > self._deadline:
                     return
+                linger_end = time.monotonic() + self.linger_s
+                while len(self._mem) < self.window and not self._stop.is_set():
+                    left = linger_end - time.monotonic()  # gather a bigger window: one produce request per window
+                    if left <= 0:
+                        break
+                    self._lock.wait(left)
                 self._inflight = self._take()
             failed = self._send_window(self._inflight)
             with self._lock:
@@ -262,54 +276,31 @@ class EventPublisher:
             time.sleep(0.05)
         self._backoff = min(self._backoff * 2, 5.0)
 
-    def _make_producer(self) -> KafkaProducer:
-        kw = producer_kwargs(self.config)
-        kw["delivery_timeout_ms"] = self.delivery_timeout_ms
-        kw["request_timeout_ms"] = min(kw["request_timeout_ms"], max(1000, self.delivery_timeout_ms - kw["linger_ms"] - 1))
-        kw["max_block_ms"] = min(kw["max_block_ms"], 2000)
-        kw["reconnect_backoff_max_ms"] = 1000
-        kw["bootstrap_timeout_ms"] = 2000  # kafka-python waits 30 s by default when the broker is away
-        return KafkaProducer(**kw)
-
     def _reset_producer(self) -> None:
-        p, self._producer = self._producer, None
-        if p is not None:
-            try:
-                p.close(timeout=0)
-            except Exception:  # closing a broken producer may fail in many ways
-                pass
+        t, self._transport = self._transport, None
+        if t is not None:
+            t.close()
+
+    def _give_up(self) -> bool:
+        return self._stop.is_set() and time.monotonic() > self._deadline
 
     def _send_window(self, items: list) -> list:
         """Send ``items`` and wait for every acknowledgement; return the failed ones, in order."""
         if not items:
             return []
         try:
-            if self._producer is None:
-                self._producer = self._make_producer()
+            if self._transport is None:
+                self._transport = make_transport(self.config, self.kafka_client, self.delivery_timeout_ms)
+        except ImportError:
+            raise
         except Exception as e:
             log.debug("producer not available: %s", e)
             return items
         if self._finished:
             return items
-        p = self._producer
-        futures = []
-        unsent: list = []
-        for i, (topic, key, value) in enumerate(items):
-            try:
-                futures.append(p.send(topic, value=value, key=key.encode() if key is not None else None))
-            except Exception as e:  # metadata time-out, buffer full, closed producer
-                log.debug("send failed: %s", e)
-                unsent = items[i:]
-                break
-        while not all(f.is_done for f in futures):
-            try:
-                p.flush(timeout=0.25)
-            except Exception:
-                pass
-            if self._stop.is_set() and time.monotonic() > self._deadline:
-                break
-        failed = [items[j] for j, f in enumerate(futures) if not f.succeeded()] + unsent
-        done = len(futures) - sum(1 for f in futures if not f.succeeded())
+        ok = self._transport.send_window(items, self._give_up)
+        failed = [it for it, good in zip(items, ok) if not good]
+        done = len(items) - len(failed)
         if done:
             if not self.broker_connected:
                 log.info("broker reachable: publishing resumed")
@@ -317,9 +308,9 @@ class EventPublisher:
             M.BROKER_UP.set(1)
             M.EVENTS_DELIVERED.inc(done)
             by_topic: dict[str, int] = {}
-            for j, f in enumerate(futures):
-                if f.succeeded():
-                    by_topic[items[j][0]] = by_topic.get(items[j][0], 0) + 1
+            for it, good in zip(items, ok):
+                if good:
+                    by_topic[it[0]] = by_topic.get(it[0], 0) + 1
             for t, c in by_topic.items():
                 EVENTS_PRODUCED.labels(self.name, t).inc(c)
         if failed:

@@ -100,6 +100,8 @@ class ScriptedUpstream:
         token_interval_s: streaming: pause between chunks (0 = as fast as possible).
         fixed: cache the answer bytes by (stream, include_usage) — for benchmarks, where the
             script and the prompt do not change.
+        always_extras: answer as if ``logprobs`` and ``return_token_ids`` were asked (benchmarks:
+            every client gets the same bytes).
 
     Attributes:
         requests: every chat request body received (parsed).
@@ -107,12 +109,14 @@ class ScriptedUpstream:
     """
 
     def __init__(self, script: Callable[[dict], Reply] | None = None, weight_version: str = "0",
-                 token_interval_s: float = 0.0, fixed: bool = False, record: bool = True) -> None:
+                 token_interval_s: float = 0.0, fixed: bool = False, record: bool = True,
+                 always_extras: bool = False) -> None:
         self.script = script or (lambda req: Reply())
         self.weight_version = weight_version
         self.token_interval_s = token_interval_s
         self.fixed = fixed
         self.record = record
+        self.always_extras = always_extras
         self.requests: list[dict] = []
         self.answers: list[dict] = []
         self._cache: dict = {}
@@ -182,6 +186,8 @@ class ScriptedUpstream:
             await _json(send, 404, {"object": "error", "message": f"no route {path}", "code": 404})
 
     async def _chat(self, req: dict, send) -> None:
+        if self.always_extras:
+            req = dict(req, logprobs=True, return_token_ids=True)
         stream = bool(req.get("stream"))
         usage = bool((req.get("stream_options") or {}).get("include_usage"))
         if self.fixed and (stream, usage) in self._cache:
