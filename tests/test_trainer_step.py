@@ -175,3 +175,33 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(runtime, tmp_path):
         from dataclasses import replace
 
         C.load(C.latest(tmp_path), replace(runtime, tp=2))
+
+
+def test_metrics_log_follows_the_checkpoint(tmp_path):
+    from pipeline.trainer.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "m.jsonl")
+    for step in (1, 2, 3):
+        log.append({"step": step, "sample_ids": [f"s{step}"]})
+    with open(tmp_path / "m.jsonl", "a") as f:
+        f.write('{"step": 4, "torn')  # a crash in the middle of a line
+    log.reconcile(2, {"step": 2, "sample_ids": ["s2"]})  # restored checkpoint: step 2
+    assert [r["step"] for r in log.records()] == [1, 2]
+    log.reconcile(3, {"step": 3, "sample_ids": ["s3"]})  # died after the checkpoint, before the log line
+    assert [r["step"] for r in log.records()] == [1, 2, 3]
+    log.append({"step": 4, "loss": float("nan")})
+    assert log.records()[-1]["loss"] is None
+
+
+def test_export_versions_lists_complete_folders_only(tmp_path):
+    from pipeline.trainer.model import CHECKSUM_FILE
+    from pipeline.trainer.stage import export_versions
+
+    for v, complete in ((1, True), (2, True), (3, False)):
+        d = tmp_path / f"v{v:06d}"
+        d.mkdir()
+        if complete:
+            (d / CHECKSUM_FILE).write_text("x  model.safetensors\n")
+    (tmp_path / ".v000004.tmp-abc").mkdir()
+    assert export_versions(tmp_path) == [1, 2]
+    assert export_versions(tmp_path / "missing") == []
