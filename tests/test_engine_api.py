@@ -290,3 +290,18 @@ def test_abort_request_and_pause(url, http):
             assert len((await held)["output_ids"]) == 2
 
     asyncio.run(main())
+
+
+def test_chat_stream_holds_back_stop_strings(http):
+    sampled = {"messages": MSG, "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    base = http.post("/v1/chat/completions", json=sampled).json()["choices"][0]["message"]["content"]
+    stop = base[len(base) // 2:][:4]
+    assert stop.strip()
+    body = dict(sampled, stop=[stop])
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    with http.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+        chunks = [c for c in sse_events(r) if c != "[DONE]"]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert plain["finish_reason"] == "stop" and plain["matched_stop"] == stop
+    assert streamed == plain["message"]["content"] and stop not in streamed
+    assert base.startswith(streamed)

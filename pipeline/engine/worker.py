@@ -328,10 +328,21 @@ class EngineWorker:
                         continue
                     while (self._waiting and len(self._batch) < self.max_batch_size
                            and self._swap is None and not self._stop.is_set()):
-                        self._prefill(self._waiting.popleft())
+                        req = self._waiting.popleft()
+                        try:
+                            self._prefill(req)
+                        except Exception as e:  # noqa: BLE001 - fail this request, keep serving
+                            log.exception("prefill of %s failed", req.rid)
+                            self._emit(req, Update(self.version, error=f"prefill failed: {e!r}", status=500))
                         self._drain(block=False)
                     if self._batch:
-                        self._decode()
+                        try:
+                            self._decode()
+                        except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                            log.exception("decode step failed; failing %d running requests", len(self._batch))
+                            for s in self._batch.seqs:
+                                self._emit(s.req, Update(s.version, error=f"decode failed: {e!r}", status=500))
+                            self._batch.keep([])
         except BaseException as e:  # noqa: BLE001 - report, fail every request, end the thread
             log.exception("engine model thread crashed")
             self.fatal = e
