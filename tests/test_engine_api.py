@@ -210,6 +210,7 @@ def test_chat_n_choices_and_seed(http):
     b = http.post("/v1/chat/completions", json=body).json()
     assert [c["index"] for c in a["choices"]] == [0, 1]
     assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
+    assert a["choices"][0]["token_ids"] != a["choices"][1]["token_ids"]  # sample j uses seed + j
 
 
 def test_chat_with_tools_is_accepted(http):

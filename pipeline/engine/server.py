@@ -22,13 +22,15 @@ Errors never surface as 500 for bad input: body validation -> 400 ``{"object": "
 Differences from SGLang (deliberate): ``return_token_ids`` is accepted with ``stream: true`` on
 chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); unknown keys inside
 ``sampling_params`` are a 400 (SGLang raises a TypeError there); constrained decoding
-(json_schema/regex/ebnf, ``response_format`` json) is not implemented (400).
+(json_schema/regex/ebnf, ``response_format`` json) is not implemented (400); with ``n > 1`` and
+a seed, sample j is drawn with ``seed + j``; there is no prefix cache (``cached_tokens`` is 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -312,9 +314,18 @@ def generate_items(state: EngineState, body: GenerateBody) -> tuple[list[Item], 
             state.check_ids(fixed[i], "token_ids_logprob")
         for j in range(n):
             rid = rids[i * n + j]
-            items.append(Item(state.new_rid(rid), ids, p, bool(rlp[i]), int(starts[i]) if rlp[i] else -1,
-                              int(tops[i]) if rlp[i] else 0, fixed[i] if rlp[i] else None))
+            items.append(Item(state.new_rid(rid), ids, _nth_sample(p, j), bool(rlp[i]),
+                              int(starts[i]) if rlp[i] else -1, int(tops[i]) if rlp[i] else 0,
+                              fixed[i] if rlp[i] else None))
     return items, is_batch or total > 1
+
+
+def _nth_sample(p: SamplingParams, j: int) -> SamplingParams:
+    """Params of parallel sample ``j`` (``n > 1``): with a seed, sample j uses ``seed + j`` so the n
+    samples differ but stay reproducible."""
+    if j == 0 or p.sampling_seed is None:
+        return p
+    return dataclasses.replace(p, sampling_seed=p.sampling_seed + j)
 
 
 async def _merge(gens: list[Generation]) -> AsyncIterator[tuple[int, Generation]]:
@@ -422,7 +433,7 @@ def chat_items(state: EngineState, body: ChatBody, prompt: list[int], params: Sa
     rid = state.new_rid(body.rid)
     rids = [rid] if params.n == 1 else [state.new_rid(f"{rid}_{i}") for i in range(params.n)]
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    return rid, [Item(r, prompt, params, body.logprobs, -1, top, None) for r in rids]
+    return rid, [Item(r, prompt, _nth_sample(params, j), body.logprobs, -1, top, None) for j, r in enumerate(rids)]
 
 
 def chat_response(state: EngineState, body: ChatBody, rid: str, gens: list[Generation], tools) -> dict:
