@@ -259,9 +259,9 @@ def _closed_port_url() -> str:
 
 
 def test_engine_failures_map_to_502_504_and_4xx(kafka_config):
-    replies = {"500": Reply(status=500), "400": Reply(status=400), "slow": Reply(delay_s=3.0),
+    replies = {"500": Reply(status=500), "400": Reply(status=400), "slow": Reply(delay_s=1.5),
                "break": Reply(content="abcdefghijkl", break_after=3)}
-    with stack(kafka_config, lambda req: replies[req["messages"][0]["content"]], engine_timeout_s=1.0) as (url, app, up):
+    with stack(kafka_config, lambda req: replies[req["messages"][0]["content"]], engine_timeout_s=0.5) as (url, app, up):
         def ask(kind, **kw):
             return httpx.post(url + CHAT, json={"messages": [{"role": "user", "content": kind}], **kw},
                               headers={"X-Session-Id": f"f-{kind}"}, timeout=10)
@@ -323,3 +323,26 @@ def test_openai_client_assembles_tool_calls_from_forwarded_deltas(kafka_config):
                 finish = c.finish_reason or finish
         assert [(acc[i]["name"], acc[i]["arguments"]) for i in sorted(acc)] == calls
         assert finish == "tool_calls"
+
+
+def test_client_leaving_mid_stream_records_the_partial_turn_and_session_end_route(kafka_config):
+    up = ScriptedUpstream(lambda req: Reply(content="word " * 200), token_interval_s=0.02)
+    with serve_app(up) as up_url, running_proxy(kafka_config, up_url) as (url, app):
+        with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": "long"}], "stream": True},
+                          headers={"X-Session-Id": "leaver"}) as s:
+            seen = 0
+            for line in s.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == 4:
+                    break  # the user closes the tab
+        assert len(read_events(kafka_config, want=1, timeout_s=15)) == 1  # the partial turn
+        r = httpx.post(url + "/v1/sessions/leaver/end")
+        assert r.status_code == 200 and r.json() == {"session_id": "leaver", "ended": True}
+        assert httpx.post(url + "/v1/sessions/bad%20id/end").status_code == 400
+        evs = read_events(kafka_config, want=2, timeout_s=15)
+    turn, end = (e for *_, e in evs)
+    assert turn.TYPE == "turn" and turn.finish_reason == "abort"
+    assert 3 <= len(turn.response_token_ids) < len(up.answers[0]["token_ids"])
+    assert turn.response_token_ids == up.answers[0]["token_ids"][:len(turn.response_token_ids)]
+    assert end.TYPE == "session_end" and end.reason == "api"
+    assert up.disconnects == 1  # the proxy hung up on the engine too (an engine aborts the generation)

@@ -334,16 +334,16 @@ class ProxyApp:
             req["return_token_ids"] = True
         try:
             if stream:
-                status, rec = await self._stream(req, keep if record else None, extra, t0, receive, send)
+                on_done = (lambda rec: self._record(rec, meta, sid, turn_index, rid, created, user_view)) \
+                    if record else None
+                status = await self._stream(req, keep if record else None, extra, t0, receive, send, on_done)
             else:
-                    status, rec = await self._unary(orjson.dumps(req), keep, extra, send, record, meta, sid,
-                                                turn_index, rid, created, user_view)
+                status = await self._unary(orjson.dumps(req), keep, extra, send, record, meta, sid, turn_index, rid,
+                                           created, user_view)
         except BaseException:
             if record and meta.done or (record and meta.session_id is None):
                 self._end(sid, "header" if meta.session_id else "no_session")
             raise
-        if stream and record and rec is not None:
-            self._record(rec, meta, sid, turn_index, rid, created, user_view)
         if record and (meta.done or meta.session_id is None):
             self._end(sid, "header" if meta.session_id else "no_session")
         return status
@@ -374,7 +374,7 @@ class ProxyApp:
         M.TURNS.labels(meta.turn_type).inc()
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, record: bool, meta: SessionMeta, sid: str,
-                     turn_index: int | None, rid: str, created: int, user_view: dict) -> tuple[int, None]:
+                     turn_index: int | None, rid: str, created: int, user_view: dict) -> int:
         status, data = await self.upstream.call("POST", _CHAT, body)
         if status >= 400:
             raise self._engine_error(status, data)
@@ -390,7 +390,7 @@ class ProxyApp:
             strip_response(resp, *keep)
             data = orjson.dumps(resp)
         await self._send_json(send, status, data, extra)
-        return status, None
+        return status
 
     async def _native_stream_ok(self) -> bool:
         """Does the engine stream token ids on chat (``/server_info`` ``chat_stream_token_ids``)?"""
@@ -409,10 +409,11 @@ class ProxyApp:
                 return True  # unknown: try the native way (our engine, vLLM)
         return self._native_stream
 
-    async def _stream(self, req: dict, keep: tuple | None, extra: list, t0: float, receive, send
-                      ) -> tuple[int, Recorded | None]:
+    async def _stream(self, req: dict, keep: tuple | None, extra: list, t0: float, receive, send, on_done) -> int:
+        """Forward a stream chunk by chunk; ``on_done(record)`` runs before ``[DONE]`` is forwarded (so the
+        turn is queued and the session updated before the client can send its next request)."""
         if keep is not None and not await self._native_stream_ok():
-            return await self._stream_via_client(req, keep, extra, t0, send)
+            return await self._stream_via_client(req, keep, extra, t0, send, on_done)
         resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
         watcher = None
         try:
@@ -439,7 +440,6 @@ class ProxyApp:
             try:
                 async for data in sse_events(resp):
                     if data == b"[DONE]":
-                        await send({"type": "http.response.body", "body": _DONE, "more_body": True})
                         finished = True
                         break
                     out = recorder.feed(data) if recorder is not None else data
@@ -453,28 +453,27 @@ class ProxyApp:
                                 "body": b"data: " + e.body() + b"\n\n" + _DONE})
                     await send({"type": "http.response.body", "body": b""})
                     log.warning("stream broke: %s", e.message)
-                    return 502, None
+                    return 502
             if gone.is_set():
-                if recorder is None:
-                    return 499, None
-                rec = recorder.finish()
-                rec.finish_reason = "abort"
-                return 499, rec if rec.token_ids else None
-            if not finished:  # the engine closed without [DONE]
-                await send({"type": "http.response.body", "body": _DONE, "more_body": True})
+                if recorder is not None:
+                    rec = recorder.finish()
+                    rec.finish_reason = "abort"  # what the user saw before leaving: recorded, marked
+                    if rec.token_ids:
+                        on_done(rec)
+                return 499
+            if recorder is not None and recorder.error is None:
+                on_done(recorder.finish())
+            await send({"type": "http.response.body", "body": _DONE, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
-            if recorder is None:
-                return 200, None
-            if recorder.error is not None:
-                return 502, None
-            return 200, recorder.finish()
+            if not finished:
+                log.warning("the engine closed a stream without [DONE]")
+            return 502 if recorder is not None and recorder.error is not None else 200
         finally:
             if watcher is not None:
                 watcher.cancel()
             resp.release()
 
-    async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, send
-                                 ) -> tuple[int, Recorded | None]:
+    async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, send, on_done) -> int:
         """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
         ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``."""
         from pipeline.client import EngineClient, EngineError, EngineTimeout
@@ -506,11 +505,12 @@ class ProxyApp:
             await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\n" + _DONE,
                         "more_body": True})
             await send({"type": "http.response.body", "body": b""})
-            return 502, None
+            return 502
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
+        on_done(recorder.finish())
         await send({"type": "http.response.body", "body": _DONE})
-        return 200, recorder.finish()
+        return 200
 
     # ---- the FastAPI part -------------------------------------------------------------------------
     def _build_api(self) -> FastAPI:

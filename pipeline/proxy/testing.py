@@ -119,6 +119,7 @@ class ScriptedUpstream:
         self.always_extras = always_extras
         self.requests: list[dict] = []
         self.answers: list[dict] = []
+        self.disconnects = 0  # streams cut short because the client hung up
         self._cache: dict = {}
 
     # ---- deterministic ids -------------------------------------------------------------------
@@ -174,7 +175,7 @@ class ScriptedUpstream:
                 break
         path = scope["path"]
         if path == "/v1/chat/completions" and scope["method"] == "POST":
-            await self._chat(orjson.loads(body), send)
+            await self._chat(orjson.loads(body), send, receive)
         elif path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [{"id": "scripted", "object": "model",
                                                                 "owned_by": "stand-in"}]})
@@ -185,7 +186,7 @@ class ScriptedUpstream:
         else:
             await _json(send, 404, {"object": "error", "message": f"no route {path}", "code": 404})
 
-    async def _chat(self, req: dict, send) -> None:
+    async def _chat(self, req: dict, send, receive=None) -> None:
         if self.always_extras:
             req = dict(req, logprobs=True, return_token_ids=True)
         stream = bool(req.get("stream"))
@@ -193,7 +194,7 @@ class ScriptedUpstream:
         if self.fixed and (stream, usage) in self._cache:
             if self.record:
                 self.requests.append(req)
-            await self._send_cached(self._cache[(stream, usage)], stream, send)
+            await self._send_cached(self._cache[(stream, usage)], stream, send, receive)
             return
         reply, pids, ids, lps, pieces = self._answer(req)
         if self.record:
@@ -210,16 +211,16 @@ class ScriptedUpstream:
             chunks = self._chunks(req, reply, pids, ids, lps, pieces, usage)
             if self.fixed:
                 self._cache[(stream, usage)] = chunks
-            await self._send_stream(chunks, reply.break_after, send)
+            await self._send_stream(chunks, reply.break_after, send, receive)
         else:
             data = orjson.dumps(self._full(req, reply, pids, ids, lps))
             if self.fixed:
                 self._cache[(stream, usage)] = data
             await _raw(send, 200, data)
 
-    async def _send_cached(self, cached, stream: bool, send) -> None:
+    async def _send_cached(self, cached, stream: bool, send, receive) -> None:
         if stream:
-            await self._send_stream(cached, None, send)
+            await self._send_stream(cached, None, send, receive)
         else:
             await _raw(send, 200, cached)
 
@@ -289,16 +290,31 @@ class ScriptedUpstream:
         out.append(b"data: [DONE]\n\n")
         return out
 
-    async def _send_stream(self, chunks: list[bytes], break_after: int | None, send) -> None:
+    async def _send_stream(self, chunks: list[bytes], break_after: int | None, send, receive) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for i, c in enumerate(chunks):
-            if break_after is not None and i >= break_after:
-                raise RuntimeError("scripted stream break")  # uvicorn drops the connection
-            await send({"type": "http.response.body", "body": c, "more_body": True})
-            if self.token_interval_s:
-                await asyncio.sleep(self.token_interval_s)
-        await send({"type": "http.response.body", "body": b""})
+        gone = asyncio.Event()
+        watcher = None
+        if self.token_interval_s and receive is not None:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone.set()
+            watcher = asyncio.ensure_future(watch())
+        try:
+            for i, c in enumerate(chunks):
+                if break_after is not None and i >= break_after:
+                    raise RuntimeError("scripted stream break")  # uvicorn drops the connection
+                if gone.is_set():  # the client (the proxy) hung up: stop generating, like an engine aborts
+                    self.disconnects += 1
+                    return
+                await send({"type": "http.response.body", "body": c, "more_body": True})
+                if self.token_interval_s:
+                    await asyncio.sleep(self.token_interval_s)
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
 
 async def _raw(send, status: int, data: bytes) -> None:
