@@ -117,13 +117,16 @@ def test_combine_sample_cases():
 def test_parse_teacher_answer_alignment_and_topk():
     entries = [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 13, None]]
     tops = [[[-0.1, 11, None], [-2.0, 99, None]], [[-0.2, 12, None]], None]
-    out = parse_teacher_answer({"meta_info": {"input_token_logprobs": entries, "input_top_logprobs": tops}}, 2, top_k=2)
+    out = parse_teacher_answer({"meta_info": {"input_token_logprobs": entries, "input_top_logprobs": tops}},
+                               [12, 13], top_k=2)
     assert out.log_probs == pytest.approx([-0.2, -0.3])  # the last R entries are the response
     assert out.topk_ids == [12, 0, 0, 0] and out.topk_log_probs[0] == pytest.approx(-0.2)
     with pytest.raises(TeacherError):
-        parse_teacher_answer({"meta_info": {"input_token_logprobs": entries[:1]}}, 2)
+        parse_teacher_answer({"meta_info": {"input_token_logprobs": entries[:1]}}, [12, 13])
     with pytest.raises(TeacherError):
-        parse_teacher_answer({"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None]]}}, 2)
+        parse_teacher_answer({"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None]]}}, [1, 2])
+    with pytest.raises(TeacherError, match="aligned"):
+        parse_teacher_answer({"meta_info": {"input_token_logprobs": entries}}, [13, 12])
 
 
 def test_backend_names_and_import_paths():

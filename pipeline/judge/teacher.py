@@ -42,12 +42,15 @@ class TeacherOutput:
     topk_log_probs: list = field(default_factory=list)
 
 
-def parse_teacher_answer(answer, n_response: int, top_k: int = 0) -> TeacherOutput:
-    """Pull the last ``n_response`` input log-probs (and top-k) out of a ``/generate`` answer.
+def parse_teacher_answer(answer, response_ids: list[int], top_k: int = 0) -> TeacherOutput:
+    """Pull the log-probs of ``response_ids`` (the last R input entries, and top-k) out of a
+    ``/generate`` answer.
 
     Raises:
-        TeacherError: fewer entries than response tokens, or a null log-prob among them.
+        TeacherError: fewer entries than response tokens, a null log-prob among them, or entry
+            token ids that differ from ``response_ids`` (misaligned).
     """
+    n_response = len(response_ids)
     if isinstance(answer, list):
         answer = answer[0] if answer else {}
     meta = (answer or {}).get("meta_info") or {}
@@ -56,9 +59,11 @@ def parse_teacher_answer(answer, n_response: int, top_k: int = 0) -> TeacherOutp
         raise TeacherError(f"teacher returned {len(entries)} input log-probs for {n_response} response tokens")
     tail = entries[len(entries) - n_response:] if n_response else []
     lps = []
-    for e in tail:
+    for e, want in zip(tail, response_ids):
         if not isinstance(e, (list, tuple)) or not e or e[0] is None:
             raise TeacherError("teacher returned a null log-prob inside the response")
+        if len(e) > 1 and e[1] is not None and int(e[1]) != int(want):
+            raise TeacherError(f"teacher log-probs are not aligned with the response ids ({e[1]} != {want})")
         lps.append(float(e[0]))
     out = TeacherOutput(lps)
     if top_k > 0 and n_response:
@@ -121,4 +126,4 @@ class Teacher:
             answer = await self.http.post("/generate", body)
         except CallFailed as e:
             raise TeacherError(str(e)) from None
-        return parse_teacher_answer(answer, len(response), self.top_k)
+        return parse_teacher_answer(answer, response, self.top_k)

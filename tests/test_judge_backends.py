@@ -1,0 +1,113 @@
+"""Judge backends against the labelled next states, and against the real small model.
+
+- ``embedding`` (MiniLM prototypes): agreement with tests/fixtures/judge_next_states.jsonl
+  (printed; the bar is below the measured value so a broken classifier fails), and its OPD path
+  in the stream (the corrective next state itself is the hint).
+- The real small model (SmolLM2-135M-Instruct on the CPU engine) as the ``choice`` judge in the
+  stream and as the OPD teacher: checks the plumbing (no parse failures, teacher log-probs
+  aligned with the engine's own scoring of the same ids); its agreement is printed, not
+  asserted (it is at chance as a judge, see ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pipeline import events
+from pipeline.config import load_config
+from pipeline.judge.backends.embedding import EmbeddingBackend
+from pipeline.judge.evaluate import evaluate, load_rows, report
+from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, make_next_state, make_turn, publish, read_events
+
+FIXTURE = Path(__file__).parent / "fixtures" / "judge_next_states.jsonl"
+EMBEDDING_BAR = 0.70  # measured 34/40 = 0.85 when written
+
+
+@pytest.fixture(scope="module")
+def embedding_backend():
+    return EmbeddingBackend(load_config(None))
+
+
+def test_fixture_is_labelled_and_has_tool_results():
+    rows = load_rows(FIXTURE)
+    roles = {r["next_state"][0]["role"] for r in rows}
+    labels = {r["label"] for r in rows}
+    assert len(rows) >= 40 and roles == {"user", "tool"} and labels == {1, 0, -1}
+
+
+def test_embedding_agreement_with_labelled_next_states(embedding_backend):
+    rows = load_rows(FIXTURE)
+    res, preds = asyncio.run(evaluate(embedding_backend, rows))
+    print("\n" + report(res, rows, preds))
+    assert res.n == len(rows) and res.failed == 0
+    assert res.agreement >= EMBEDDING_BAR, report(res, rows, preds)
+
+
+def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embedding_backend):
+    c = kafka_config
+    c.judge.group_id = f"{c.topics.prefix}judge"
+    c.engine.model = "tiny-random"
+    correction = "That's incorrect, 17 times 23 is 391."  # classified -1 (corrective)
+    with ScriptedJudgeServer() as teacher:
+        c.engine.teacher_url = teacher.url
+        publish(c, [make_turn("e", 0, request="What is 17*23?", answer="381"), make_next_state("e", 0, correction),
+                    make_turn("e", 1), make_next_state("e", 1, "Perfect, thank you!"),
+                    events.SessionEnd(session_id="e")])
+        with JudgeThread(c, mode="opd", backend=embedding_backend):
+            got = read_events(c, "samples", 1, timeout_s=30, settle_s=1.0)
+    assert [(s.sample_id, s.hint, s.judge) for s in got] == [("e:0:opd", correction, "embedding")]
+    assert len(got[0].teacher_log_probs) == got[0].response_length == 3
+
+
+@pytest.mark.slow
+def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
+    from pipeline.client import EngineClient
+    from pipeline.engine.testing import running_engine
+    from pipeline.judge.backends.choice import ChoiceBackend
+    from pipeline.judge.teacher import Teacher
+
+    rows = load_rows(FIXTURE)[::10]  # 4 rows: 3 scoring passes each on the CPU
+    c = kafka_config
+    with running_engine("smollm2-135m", threads=2) as url:
+        c.engine.url = url
+        c.engine.model = "smollm2-135m"
+        c.judge.url = url
+        c.judge.backend = "choice"
+        c.judge.group_id = f"{c.topics.prefix}judge"
+        c.judge.vote_timeout_s = 120
+
+        async def direct():
+            backend = ChoiceBackend(c)
+            await backend.start()
+            teacher = Teacher(c, tokenizer=backend.tokenizer)
+            await teacher.start()
+            try:
+                res, preds = await evaluate(backend, rows, concurrency=4)
+                turn = make_turn("t", 0, request="What is the capital of France?",
+                                 response_ids=backend.tokenizer.encode("The capital is Paris.", add_special_tokens=False))
+                out = await teacher.log_probs(turn, "Answer in one word.")
+                prompt = teacher.prompt_ids(turn, "Answer in one word.")
+                async with EngineClient(url) as client:
+                    ref = await client.score(prompt + list(turn.response_token_ids), len(prompt))
+                return res, preds, turn, out, ref
+            finally:
+                await backend.aclose()
+                await teacher.aclose()
+
+        res, preds, turn, out, ref = asyncio.run(direct())
+        print("\nSmolLM2-135M as choice judge:\n" + report(res, rows, preds))
+        assert res.n == len(rows) and res.failed == 0  # scoring never fails to parse
+        assert len(out.log_probs) == len(turn.response_token_ids)
+        assert out.log_probs == pytest.approx(ref, abs=1e-5)  # one to one with the engine's own scoring
+        # and through the stream: Binary RL samples judged by the real model
+        publish(c, [make_turn("r", 0), make_next_state("r", 0, "Thanks, that is right."),
+                    make_turn("r", 1), make_next_state("r", 1, "Error: command not found", role="tool"),
+                    events.SessionEnd(session_id="r")])
+        with JudgeThread(c, mode="rl"):
+            got = {s.sample_id: s for s in read_events(c, "samples", 2, timeout_s=120)}
+    assert set(got) == {"r:0:rl", "r:1:rl"}
+    assert all(s.judge == "choice" and s.votes != [None] for s in (got["r:0:rl"], got["r:1:rl"]))
+    print("stream verdicts:", {k: (s.reward, s.loss_mask) for k, s in sorted(got.items())})
