@@ -40,7 +40,7 @@ from pipeline.proxy.errors import ProxyError, bad_request, error_body, upstream_
 from pipeline.proxy.publisher import EventPublisher
 from pipeline.proxy.record import Recorded, StreamRecorder, from_response, policy_version, strip_response
 from pipeline.proxy.sessions import SessionTable
-from pipeline.proxy.upstream import Upstream, sse_events
+from pipeline.proxy.upstream import Upstream, sse_batches
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
 
 log = logging.getLogger(__name__)
@@ -438,15 +438,20 @@ class ProxyApp:
             first = True
             finished = False
             try:
-                async for data in sse_events(resp):
-                    if data == b"[DONE]":
-                        finished = True
+                async for batch in sse_batches(resp):
+                    parts = []
+                    for data in batch:
+                        if data == b"[DONE]":
+                            finished = True
+                            break
+                        parts.append(b"data: " + (recorder.feed(data) if recorder is not None else data) + b"\n\n")
+                    if parts:
+                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                        if first:
+                            first = False
+                            M.TTFT.observe(time.perf_counter() - t0)
+                    if finished:
                         break
-                    out = recorder.feed(data) if recorder is not None else data
-                    await send({"type": "http.response.body", "body": b"data: " + out + b"\n\n", "more_body": True})
-                    if first:
-                        first = False
-                        M.TTFT.observe(time.perf_counter() - t0)
             except ProxyError as e:
                 if not gone.is_set():
                     await send({"type": "http.response.body", "more_body": True,

@@ -87,12 +87,14 @@ class Upstream:
             raise upstream_error(f"the engine is unreachable or failed: {type(e).__name__}") from None
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Yield the ``data`` payload of each server-sent event as soon as it is complete.
+async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """Yield the ``data`` payloads of the server-sent events completed by each network read.
 
-    Handles ``\\n\\n`` and ``\\r\\n\\r\\n`` separators, several ``data:`` lines per event
-    (joined with ``\\n``), comments and other fields (ignored). Raises :class:`ProxyError` (502/504)
-    when the engine connection fails mid-stream.
+    One read usually completes one event (low latency); when the engine is ahead of the proxy a
+    read completes several, and the caller forwards them with one write. Handles ``\\n\\n`` and
+    ``\\r\\n\\r\\n`` separators, several ``data:`` lines per event (joined with ``\\n``),
+    comments and other fields (ignored). Raises :class:`ProxyError` (502/504) when the engine
+    connection fails mid-stream.
     """
     buf = b""
     try:
@@ -100,6 +102,7 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
             buf += chunk
             if b"\r" in buf:
                 buf = buf.replace(b"\r\n", b"\n")
+            out = []
             while True:
                 i = buf.find(b"\n\n")
                 if i < 0:
@@ -107,7 +110,9 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
                 raw, buf = buf[:i], buf[i + 2:]
                 data = _data(raw)
                 if data is not None:
-                    yield data
+                    out.append(data)
+            if out:
+                yield out
     except asyncio.TimeoutError:
         raise upstream_error("the engine stopped sending within the time-out", 504) from None
     except aiohttp.ClientError as e:
@@ -115,7 +120,7 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     if buf.strip():
         data = _data(buf.strip(b"\n"))
         if data is not None:
-            yield data
+            yield [data]
 
 
 def _data(raw: bytes) -> bytes | None:
@@ -126,4 +131,4 @@ def _data(raw: bytes) -> bytes | None:
     return b"\n".join(parts) if parts else None
 
 
-__all__ = ["Upstream", "sse_events", "ProxyError"]
+__all__ = ["Upstream", "sse_batches", "ProxyError"]
