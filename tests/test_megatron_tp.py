@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU: ``torchrun --nproc-per-node 2`` with the tiny model.
+"""Tensor and data parallelism on the CPU: ``torchrun --nproc-per-node 2`` with the tiny model.
 
 The test launches this same file under torchrun; the ``__main__`` block is the worker. Each rank
 holds half of every split weight; the gathered vocab-parallel logits must equal transformers'
@@ -50,6 +50,9 @@ def test_tp2_tiny_matches_transformers_and_exports(tmp_path):
     assert sum((a[k] - b[k]).abs().sum().item() for k in a) / sum(a[k].numel() for k in a) < 1e-7
     assert max((a[k] - src[k]).abs().max().item() for k in a) > 1e-4  # the step did move the weights
     assert f"LOSS {res.metrics['loss']:.6f}" in r.stdout
+    d = load_file(tmp_path / "dp2-step" / "model.safetensors")
+    assert max((a[k] - d[k]).abs().max().item() for k in a) < 5e-5
+    assert f"DP LOSS {res.metrics['loss']:.6f}" in r.stdout
 
 
 def test_trainer_stage_under_torchrun_tp2(kafka_config, tmp_path):
@@ -141,6 +144,14 @@ def _worker(hf_dir: str, out_dir: str) -> None:
     pt.export(Path(out_dir) / "tp2-step")
     if par.rank == 0:
         print(f"LOSS {res.metrics['loss']:.6f}", flush=True)
+    # the same step data-parallel (TP=1, DP=2): each rank trains on half the samples
+    par = dist.init(tp=1)
+    assert par.dp == 2 and par.tp == 1
+    pt = PolicyTrainer(load_config(None, trainer=_TRAIN).trainer, hf_dir, par)
+    res = pt.train_batch(_samples())
+    pt.export(Path(out_dir) / "dp2-step")
+    if par.rank == 0:
+        print(f"DP LOSS {res.metrics['loss']:.6f}", flush=True)
     print(f"RANK{par.rank} OK", flush=True)
     dist.shutdown()
 

@@ -148,7 +148,7 @@ class TrainerStage:
         if not self.par.is_main:
             return
         sha = exported.sha256 if exported is not None else M.verify_folder(out)
-        report = self.publisher.sync(self.version, str(out.resolve()), sha)
+        report = self.publisher.sync(self.version, str(out.resolve()), sha, stop=self.stop)
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
         self._prune_exports()
