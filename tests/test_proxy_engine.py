@@ -81,3 +81,22 @@ def test_openai_client_stream_and_non_stream_with_tools_and_exact_ids(engine_url
     assert t1.response["content"] == text and t1.turn_index == 1
     plain_turn = [e for *_, k, e in evs if k == "oa-2"][0]
     assert len(plain_turn.response_token_ids) == len(plain_turn.response_logprobs) > 0
+
+
+def test_stream_through_engine_client_path_used_for_sglang(engine_url, kafka_config):
+    """Against SGLang (no token ids on streamed chat) the proxy streams via EngineClient.chat_stream;
+    forced here on our engine to exercise the proxy's side of that path."""
+    with running_proxy(kafka_config, engine_url) as (url, app):
+        app._native_stream = False
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ids, text = [], ""
+        for chunk in client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True,
+                extra_body={"return_token_ids": True}, extra_headers={"X-Session-Id": "sg"}):
+            for c in chunk.choices:
+                ids += (c.model_extra or {}).get("token_ids") or []
+                text += c.delta.content or ""
+        assert app.publisher.wait_idle(10)
+        (turn,) = [e for *_, e in read_events(kafka_config, want=1)]
+    assert turn.response_token_ids == ids and len(ids) == len(turn.response_logprobs) > 0
+    assert turn.response["content"] == text

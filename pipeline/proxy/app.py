@@ -341,8 +341,8 @@ class ProxyApp:
                 status = await self._unary(orjson.dumps(req), keep, extra, send, record, meta, sid, turn_index, rid,
                                            created, user_view)
         except BaseException:
-            if record and meta.done or (record and meta.session_id is None):
-                self._end(sid, "header" if meta.session_id else "no_session")
+            if record and meta.done and meta.session_id is not None:  # the client said the session is over
+                self._end(sid, "header")
             raise
         if record and (meta.done or meta.session_id is None):
             self._end(sid, "header" if meta.session_id else "no_session")
@@ -367,7 +367,8 @@ class ProxyApp:
             policy_version=self._version(rec.weight_version), model=user_view["model"] or rec.model,
             messages=user_view["messages"], tools=user_view["tools"], sampling=user_view["sampling"],
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
-            response=rec.response, finish_reason=rec.finish_reason, source="proxy")
+            response=rec.response, finish_reason=rec.finish_reason if isinstance(rec.finish_reason, str) else None,
+            source="proxy")
         if turn_index is not None and meta.session_id is not None:
             self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"))
         self._publish(turn, sid)
