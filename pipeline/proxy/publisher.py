@@ -41,7 +41,7 @@ from pipeline.config import Config
 from pipeline.metrics import EVENTS_FAILED, EVENTS_PRODUCED
 from pipeline.proxy import metrics as M
 from pipeline.proxy.spill import SpillFile
-from pipeline.proxy.transport import make_transport
+from pipeline.proxy.transport import have_librdkafka, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,18 @@ class EventPublisher:
             wake-ups and produce requests; adds at most this much to the delivery delay).
         kafka_client: ``auto`` (librdkafka when installed), ``librdkafka`` or ``kafka-python``
             (see :mod:`pipeline.proxy.transport`).
-        delivery_timeout_ms: how long kafka-python retries one window before it is failed and
+        delivery_timeout_ms: how long the Kafka client retries one window before it is failed and
             retried by this class with a fresh producer.
         name: stage label for the bus metrics.
+
+    Raises:
+        ImportError: ``kafka_client="librdkafka"`` without confluent-kafka installed.
+        ValueError: an unknown ``kafka_client``.
+        OSError: the spill file cannot be opened.
+
+    Order caveat: if the broker acknowledged a later event of a window but not an earlier one of
+    the same partition (not seen with an idempotent producer, whose failures are suffixes), the
+    earlier one is re-sent after it.
     """
 
     def __init__(self, config: Config, max_buffer: int = 10_000, spill_file: str | None = None,
@@ -82,6 +91,10 @@ class EventPublisher:
         self._lock = threading.Condition()
         self._inflight: list = []
         self._inflight_from_spill = False
+        if kafka_client == "librdkafka" and not have_librdkafka():
+            raise ImportError("proxy.kafka_client=librdkafka needs: pip install confluent-kafka")
+        if kafka_client not in ("auto", "librdkafka", "kafka-python"):
+            raise ValueError(f"kafka_client must be auto, librdkafka or kafka-python, got {kafka_client!r}")
         self.kafka_client = kafka_client
         self._transport = None
         self._stop = threading.Event()
@@ -291,8 +304,6 @@ class EventPublisher:
         try:
             if self._transport is None:
                 self._transport = make_transport(self.config, self.kafka_client, self.delivery_timeout_ms)
-        except ImportError:
-            raise
         except Exception as e:
             log.debug("producer not available: %s", e)
             return items
