@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     level = (args.log_level or config.log_level).upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if level != "DEBUG":  # kafka-python logs every connection at INFO
-        logging.getLogger("kafka").setLevel(logging.WARNING)
+        for noisy in ("kafka", "httpx", "httpcore", "matplotlib"):  # chatty at INFO
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     rc = module.run(args, config)
     return int(rc or 0)
 
