@@ -53,6 +53,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
         s.engine_id = args.engine_id
     if args.group_id:
         s.group_id = args.group_id
+    from pipeline.metrics import serve_metrics
+
+    serve_metrics(config.metrics_port)
     syncer = Syncer(config)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -100,7 +103,7 @@ class Syncer:
 
     def apply(self, ev: events.Control) -> tuple[bool, str]:
         """Verify and apply one ``weights`` event with retries. Returns ``(ok, message)``."""
-        from pipeline.trainer.model import verify_folder
+        from pipeline.trainer.checksum import verify_folder
 
         delay = self.cfg.retry_backoff_s
         last = ""
@@ -138,6 +141,7 @@ class Syncer:
         from kafka.structs import OffsetAndMetadata, TopicPartition
 
         from pipeline.bus import EventProducer, consumer_kwargs
+        from pipeline.trainer import prom
 
         consumer = KafkaConsumer(**consumer_kwargs(self.config, self.group_id))
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
@@ -169,7 +173,10 @@ class Syncer:
                                 latest = ev
                     more = consumer.poll(timeout_ms=0)
                 if latest is not None:
+                    t0 = time.perf_counter()
                     ok, msg = self.apply(latest)
+                    prom.SYNCER_SECONDS.observe(time.perf_counter() - t0)
+                    (prom.SYNCER_APPLIED if ok else prom.SYNCER_FAILED).inc()
                     (self.applied if ok else self.failed).append(latest.policy_version)
                     self._publish(producer, "applied" if ok else "failed", latest, msg)
                 consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in ends.items()})

@@ -47,8 +47,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
-CHECKSUM_FILE = "model.safetensors.sha256"
+from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file, verify_folder  # noqa: F401
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -391,15 +390,6 @@ def hf_state_dict(model, arch: Arch, dtype: torch.dtype | None = None, dst: int 
     return out if me == dst else None
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a file (read in 8 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class Exported:
     """A weights folder written by :func:`export_hf`: its path, the sha256 of its safetensors."""
@@ -513,19 +503,3 @@ def export_hf(model, arch: Arch, src_dir: str | os.PathLike, out_dir: str | os.P
     if tensors is None:
         return None
     return write_hf_folder(tensors, src_dir, out_dir, dtype)
-
-
-def verify_folder(path: str | os.PathLike, sha256: str | None = None) -> str:
-    """Recompute the sha256 of ``path/model.safetensors``; compare to ``sha256`` and the checksum file.
-
-    Returns the hex digest. Raises ``FileNotFoundError`` if the weights are missing and
-    ``ValueError`` on a mismatch (a torn or tampered folder).
-    """
-    path = Path(path)
-    digest = sha256_file(path / WEIGHTS_FILE)
-    if sha256 is not None and digest != sha256:
-        raise ValueError(f"{path}: sha256 {digest} != published {sha256}")
-    side = path / CHECKSUM_FILE
-    if side.exists() and side.read_text().split()[0] != digest:
-        raise ValueError(f"{path}: sha256 {digest} != {CHECKSUM_FILE}")
-    return digest

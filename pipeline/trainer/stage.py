@@ -37,6 +37,7 @@ from pipeline.models import resolve_model
 from pipeline.trainer import checkpoint as C
 from pipeline.trainer import dist
 from pipeline.trainer import model as M
+from pipeline.trainer import prom
 from pipeline.trainer.metrics import MetricsLog, Progress
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class TrainerStage:
             self.source = SampleSource(self.config, offsets, seen, validate=self._validate)
             self.publisher = WeightPublisher(self.config)
         self.version, need_sync = dist.broadcast_object((self.version, need_sync))
+        prom.POLICY_VERSION.set(self.version)
         if need_sync:
             self._export_and_sync({})
 
@@ -202,6 +204,7 @@ class TrainerStage:
                           record.get("forward_backward_s", 0.0) + record.get("optimizer_s", 0.0), 1e-9))
         if self.par.is_main:
             self.log.append(record)
+            prom.observe_step(record)
             progress.update(record)
             log.info("step %d v%d loss %.4f reward %.3f samples %d (%.1f s)", self.step, self.version,
                      record.get("loss", 0.0), record.get("reward_mean", 0.0), len(samples), step_s)
@@ -213,6 +216,10 @@ class TrainerStage:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop.set())
         self._setup()
+        if self.par.is_main:
+            from pipeline.metrics import serve_metrics
+
+            serve_metrics(self.config.metrics_port)
         progress = Progress(self.cfg.progress and self.par.is_main, self.cfg.max_steps, self.step)
         try:
             while self.cfg.max_steps is None or self.step < self.cfg.max_steps:

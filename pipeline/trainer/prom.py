@@ -1,0 +1,47 @@
+"""Prometheus metrics of the trainer and the syncer (served on ``config.metrics_port`` when set).
+
+The JSONL log (:mod:`pipeline.trainer.metrics`) has every per-step number; these are the ones
+dashboards and ``pipeline up`` read.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEPS = Counter("pipeline_trainer_steps_total", "Trainer steps (batches) completed")
+SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps without a trainable token (no optimizer step)")
+POLICY_VERSION = Gauge("pipeline_trainer_policy_version", "Policy version of the trainer's weights (syncs so far)")
+SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcome",
+                  ["outcome"])  # trained, masked, duplicate, stale_dropped, dead_letter
+LOSS = Gauge("pipeline_trainer_loss", "Loss of the last step")
+REWARD = Gauge("pipeline_trainer_reward_mean", "Mean reward of the last batch")
+STALENESS = Gauge("pipeline_trainer_staleness_mean", "Mean staleness (versions) of the last batch")
+LOGPROB_DIFF = Gauge("pipeline_trainer_logprob_abs_diff", "Mean |train - rollout| log-prob of the last batch (nats)")
+PHASE = Histogram("pipeline_trainer_phase_seconds", "Seconds per step phase",
+                  ["phase"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+SYNC_FAILED = Counter("pipeline_trainer_sync_failures_total", "Engines that failed or timed out a weight sync")
+
+SYNCER_APPLIED = Counter("pipeline_syncer_applied_total", "Weight versions applied to the engine")
+SYNCER_FAILED = Counter("pipeline_syncer_failed_total", "Weight versions that could not be applied (after retries)")
+SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
+                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+
+def observe_step(record: dict) -> None:
+    """Update the trainer metrics from one step record of the JSONL log."""
+    STEPS.inc()
+    if record.get("skipped"):
+        SKIPPED.inc()
+    POLICY_VERSION.set(record.get("policy_version", 0))
+    SAMPLES.labels("trained").inc(record.get("train_samples", 0))
+    for key, outcome in (("masked", "masked"), ("duplicates", "duplicate"), ("stale_dropped", "stale_dropped"),
+                         ("dead_letters", "dead_letter")):
+        SAMPLES.labels(outcome).inc(record.get(key, 0))
+    for gauge, key in ((LOSS, "loss"), (REWARD, "reward_mean"), (STALENESS, "staleness_mean"),
+                       (LOGPROB_DIFF, "logprob_abs_diff")):
+        if isinstance(record.get(key), (int, float)):
+            gauge.set(record[key])
+    for phase in ("consume_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "export_s", "sync_s", "step_s"):
+        if isinstance(record.get(phase), (int, float)):
+            PHASE.labels(phase[:-2]).observe(record[phase])
+    SYNC_FAILED.inc(len(record.get("sync_failed") or {}))
