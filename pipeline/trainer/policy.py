@@ -3,7 +3,8 @@
 Optimizer choice: ``get_megatron_optimizer`` (Adam with decoupled weight decay, i.e. AdamW,
 global-norm gradient clipping that knows which parameters are tensor-parallel shards) over
 Megatron's ``DistributedDataParallel`` grad buffers. The same code then gives fp32 master
-weights for bf16 training and the distributed optimizer on GPUs; on the CPU it runs through
+weights for bf16 training on GPUs (the distributed ZeRO-1 optimizer is left off so that
+checkpoints stay plain per-rank state dicts); on the CPU it runs through
 :mod:`pipeline.trainer.cpu_shim` (measured in ENVIRONMENT.md: TP=2 and DP=2 reproduce the
 single-process parameters). A plain ``torch.optim.AdamW`` would need none of the shim's
 optimizer patches but would be wrong for bf16 parameters and for TP gradient norms.
@@ -137,9 +138,10 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         self.model = M.build_model(self.arch, par.tp, self.dtype, par.device)
         M.load_hf_weights(self.model, self.hf_dir, self.arch)
+        # The distributed (ZeRO-1) optimizer stays off: its state needs Megatron's sharded
+        # checkpointing, while plain optimizer state dicts keep checkpoints simple per TP rank.
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=par.device.type == "cuda" and par.dp > 1)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_cfg, module=self.model)
         ocfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
