@@ -7,7 +7,8 @@
    (the guard metrics that expose reward hacking).
 3. Simulated GSM8K users talk to the proxy until the trainer has made ``--steps`` updates and
    the engine has applied at least one new policy version; each newly applied version is
-   evaluated on the same held-out prompts (the simulator is paused meanwhile).
+   evaluated on the same held-out prompts (simulator and trainer are frozen with SIGSTOP
+   meanwhile, so every held-out reply comes from that version).
 4. Clean shutdown, then ``report.json`` and ``report.png`` (metrics against policy version) in
    ``--report-dir``, and a console summary.
 
@@ -74,7 +75,7 @@ def demo_config(config: Config, args, run_dir: Path) -> None:
 
 
 class Simulator:
-    """``pipeline simulate`` as a child process that can be paused (SIGSTOP) during evaluation."""
+    """``pipeline simulate`` as a child process, frozen (SIGSTOP) while a version is evaluated."""
 
     def __init__(self, stack: Stack, run_dir: Path, args) -> None:
         self.log_path = run_dir / "simulate.jsonl"
@@ -259,7 +260,7 @@ def run(args, config: Config) -> int:
             te = time.monotonic()
             res = evaluate(config.engine.url, heldout, args.max_tokens, concurrency=len(heldout))
             versions = res.get("policy_versions") or [expected]
-            res["policy_version"] = str(versions[-1])
+            res["policy_version"] = str(max(versions, key=lambda v: int(v) if str(v).isdigit() else -1))
             res["seconds"] = round(time.monotonic() - te, 1)
             evaluations.append(res)
             print(f"[demo] held-out eval, policy version {res['policy_version']}: success {res['success_rate']:.2f}"
@@ -275,10 +276,14 @@ def run(args, config: Config) -> int:
             steps = len([r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r])
             version = engine_version(config.engine.url)
             if version is not None and version not in evaluated and version != "0":
-                sim.pause()
-                do_eval(version)
+                # freeze users and trainer so the held-out replies all come from this version
+                frozen = [sim.proc] + [s.proc for s in stack.supervisor.stages if s.name == "trainer" and s.alive]
+                _signal_all(frozen, signal.SIGSTOP)
+                try:
+                    do_eval(engine_version(config.engine.url) or version)
+                finally:
+                    _signal_all(frozen, signal.SIGCONT)
                 evaluated.add(version)
-                sim.resume()
             if steps >= args.steps and len(evaluated) > 1 and (args.no_eval or version in evaluated):
                 break
             dead = stack.supervisor.dead()
@@ -350,6 +355,15 @@ def run(args, config: Config) -> int:
         print(f"pipeline demo: processes left running: {leftover}", file=sys.stderr)
         rc = 1
     return rc
+
+
+def _signal_all(procs, sig) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def _alive(pid: int) -> bool:
