@@ -1,6 +1,6 @@
 """Proxy benchmark: what the proxy adds on top of the engine, against a naive forwarder.
 
-    .venv/bin/python bench/proxy.py                 # 1, 16, 64 clients, ~1.5 minutes
+    .venv/bin/python bench/proxy.py                 # 1, 16, 64 clients, ~2 minutes
     .venv/bin/python bench/proxy.py --duration 1 --clients 1 16
 
 One run starts, each in its own process:
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--duration", type=float, default=2.0, help="seconds per measured run (each run twice)")
     ap.add_argument("--stream-clients", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--stream-duration", type=float, default=4.0, help="seconds per measured streaming run")
     ap.add_argument("--token-ms", type=float, default=5.0,
                     help="streaming: ms between two tokens of the stand-in engine (5 = 200 tokens/s per stream)")
     ap.add_argument("--naive-stack", choices=["same", "h11"], default="same",
@@ -254,10 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         for stream in (False, True):
             for c in (args.stream_clients if stream else args.clients):
                 runs: dict = {}
+                dur = args.stream_duration if stream else args.duration
                 for name in order:
-                    r = asyncio.run(load(targets[name], c, args.duration, stream))
+                    r = asyncio.run(load(targets[name], c, dur, stream))
                     runs.setdefault(name, []).append(r)
-                results[(stream, c)] = {n: _merge(*rs, args.duration) for n, rs in runs.items()}
+                results[(stream, c)] = {n: _merge(*rs, dur) for n, rs in runs.items()}
 
         print("non-stream requests (latency in ms; added = target minus direct)")
         print(f"{'clients':>7} {'target':>7} {'req/s':>8} {'p50':>7} {'p99':>7} {'+p50':>7} {'+p99':>7} {'errors':>6}")

@@ -137,6 +137,9 @@ class ProxyConfig(Section):
     max_connections: int = 512  # keep-alive pool to the engine
     kafka_client: Literal["auto", "librdkafka", "kafka-python"] = "auto"  # auto: librdkafka when installed
     publish_linger_ms: int = 10  # events are gathered this long into one produce window
+    # sent (and recorded) when a request has no temperature: set it when the served model's
+    # generation_config has a default temperature other than 1.0 (the log-probs depend on it)
+    default_temperature: float | None = None
 
 
 class JudgeConfig(Section):

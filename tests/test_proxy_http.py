@@ -346,3 +346,14 @@ def test_client_leaving_mid_stream_records_the_partial_turn_and_session_end_rout
     assert turn.response_token_ids == up.answers[0]["token_ids"][:len(turn.response_token_ids)]
     assert end.TYPE == "session_end" and end.reason == "api"
     assert up.disconnects == 1  # the proxy hung up on the engine too (an engine aborts the generation)
+
+
+def test_default_temperature_is_sent_and_recorded(kafka_config):
+    with stack(kafka_config, default_temperature=0.6) as (url, app, up):
+        for body in ({"messages": [{"role": "user", "content": "a"}]},
+                     {"messages": [{"role": "user", "content": "b"}], "temperature": 0.9}):
+            assert httpx.post(url + CHAT, json=body, headers={"X-Session-Id": "t"}).status_code == 200
+        assert [r["temperature"] for r in up.requests] == [0.6, 0.9]
+        app.publisher.wait_idle(10)
+        evs = read_events(kafka_config, want=3)
+    assert [e.sampling.get("temperature") for *_, e in evs if e.TYPE == "turn"] == [0.6, 0.9]

@@ -327,6 +327,8 @@ class ProxyApp:
         keep = (req.get("logprobs") is True, req.get("return_token_ids") is True,
                 req.get("return_token_ids") is True or req.get("return_prompt_token_ids") is True,
                 req.get("return_meta_info") is True)
+        if req.get("temperature") is None and self.pc.default_temperature is not None:
+            req["temperature"] = self.pc.default_temperature  # the log-probs refer to it: make it explicit
         user_view = {"messages": req["messages"], "tools": req.get("tools"), "model": req.get("model"),
                      "sampling": {k: req[k] for k in SAMPLING_KEYS if k in req}}
         if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
