@@ -51,6 +51,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr", type=float, default=5e-5, help="trainer.lr (default 5e-5, as measured)")
     parser.add_argument("--concurrency", type=int, default=16, help="simulated sessions in flight (default 16)")
     parser.add_argument("--max-tokens", type=int, default=72, help="max_tokens per reply (default 72)")
+    parser.add_argument("--repeat", type=int, default=4,
+                        help="simulated users per GSM8K problem, asking at about the same time (default 4)")
+    parser.add_argument("--max-turns", type=int, default=1,
+                        help="graded replies per session before the closing feedback (default 1)")
     parser.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per evaluation (<= 32)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
 
@@ -82,19 +86,10 @@ class Simulator:
         argv = [sys.executable, "-m", "pipeline", "simulate", "--dataset", "gsm8k", "--sessions", "100000",
                 "--proxy-url", stack.proxy_url, "--concurrency", str(args.concurrency), "--max-tokens",
                 str(args.max_tokens), "--log", str(self.log_path), "--no-progress", "--seed", "1",
+                "--repeat", str(args.repeat), "--max-turns", str(args.max_turns),
                 "--config", str(run_dir / "config.yaml")]
         self.out = open(run_dir / "logs" / "simulate.log", "ab")
         self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def pause(self) -> None:
-        """Freeze the simulated users (their requests in flight still finish at the engine)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """Let the simulated users continue."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """Stop the simulator (SIGCONT first so it can handle SIGTERM)."""

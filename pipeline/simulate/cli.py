@@ -41,6 +41,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--feedback", choices=POLICIES, default="brevity",
                         help="GSM8K feedback policy: brevity (default; learnable at 135M) or correctness")
     parser.add_argument("--split", choices=("train", "heldout"), default="train", help="GSM8K problems (default train)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="consecutive sessions that ask the same problem (a group of users; default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the problem choice and messages (default 0)")
     parser.add_argument("--system", dest="system_prompt", help="system prompt of every session (default none)")
     parser.add_argument("--session-prefix", help="session id prefix (default sim-<dataset>-<random>)")
@@ -81,7 +83,8 @@ def run(args, config) -> int:
         api_key = config.proxy.api_keys[0].get_secret_value()
     url = args.proxy_url or f"http://{config.proxy.host}:{config.proxy.port}"
     plan = SimulationPlan(dataset=args.dataset, sessions=args.sessions, seed=args.seed, concurrency=args.concurrency,
-                          split=args.split, session_prefix=args.session_prefix)
+                          split=args.split, session_prefix=args.session_prefix,
+                          repeat=args.repeat)
     settings = UserSettings(feedback=args.feedback, max_turns=args.max_turns, max_tokens=args.max_tokens,
                             closing_max_tokens=args.closing_max_tokens, temperature=args.temperature,
                             max_words=args.max_words, max_reply_tokens=args.max_reply_tokens,

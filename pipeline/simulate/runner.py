@@ -35,6 +35,7 @@ class SimulationPlan:
     concurrency: int = 8
     split: str = "train"
     session_prefix: str | None = None
+    repeat: int = 1  # consecutive sessions asking the same item (a GRPO-like group of users)
 
 
 def _mean(xs: list) -> float | None:
@@ -92,7 +93,8 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
     if plan.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {plan.dataset!r}; choose from {DATASETS}")
     items = load_gsm8k(plan.split) if plan.dataset == "gsm8k" else load_mt_bench()
-    chosen = pick(items, plan.sessions, plan.seed)
+    repeat = max(1, plan.repeat)
+    chosen = [it for it in pick(items, -(-plan.sessions // repeat), plan.seed) for _ in range(repeat)][:plan.sessions]
     prefix = plan.session_prefix or f"sim-{plan.dataset}-{uuid.uuid4().hex[:8]}"
     run_session = gsm8k_session if plan.dataset == "gsm8k" else mt_bench_session
 
