@@ -215,9 +215,13 @@ def plot(report: dict, path: Path) -> None:
         ax2.plot([int(e["policy_version"]) for e in ev], [e["words_per_reply"] for e in ev], "d:", color="grey",
                  label="words per reply (guard)")
         ax2.set_ylabel("words per reply")
-        ax2.legend(loc="upper right")
-    ax.legend(loc="upper left")
-    ax.set_title("Online Binary RL on simulated GSM8K users (SmolLM2-135M, CPU)")
+        ax2.legend(loc="upper right", fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="center left", fontsize=8)
+    mode = {"rl": "Binary RL", "opd": "OPD", "combine": "Binary RL + OPD"}.get(report["judge"]["mode"], "RL")
+    ax.set_title(f"Online {mode} on simulated GSM8K users ({report['model']}, judge {report['judge']['backend']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
