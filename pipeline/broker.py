@@ -90,7 +90,10 @@ class EmbeddedBroker:
                "--storage-engine", "memory://tansu/"]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        from pipeline.procutil import die_with_parent
+
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         try:
             wait_ready(self.bootstrap, timeout_s)
         except BrokerError:

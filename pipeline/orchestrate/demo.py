@@ -89,7 +89,10 @@ class Simulator:
                 "--repeat", str(args.repeat), "--max-turns", str(args.max_turns),
                 "--config", str(run_dir / "config.yaml")]
         self.out = open(run_dir / "logs" / "simulate.log", "ab")
-        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+        from pipeline.procutil import die_with_parent
+
+        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
 
     def stop(self) -> None:
         """Stop the simulator (SIGCONT first so it can handle SIGTERM)."""

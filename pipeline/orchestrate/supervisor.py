@@ -19,6 +19,8 @@ from typing import Callable
 
 import httpx
 
+from pipeline.procutil import die_with_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -80,7 +82,8 @@ class Supervisor:
         log_path = self.log_dir / f"{name}.log"
         out = open(log_path, "ab")
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**self.env, **(env or {})}, start_new_session=True)
+                                env={**self.env, **(env or {})}, start_new_session=True,
+                                preexec_fn=die_with_parent)
         out.close()
         stage = Stage(name, argv, log_path, proc, ready)
         self.stages.append(stage)
