@@ -112,6 +112,19 @@ def test_positive_advantage_raises_logprob_negative_lowers(runtime):
     assert res.metrics["pg_clipfrac"] == 0.0 and abs(res.metrics["ppo_kl"]) < 1e-6
 
 
+def test_imported_samples_use_recomputed_behaviour_log_probs(runtime):
+    # imported turns carry no rollout log-probs (zeros reach the trainer); with them as the PPO
+    # denominator the ratio would be ~0 and the sample silently untrained
+    pt = _trainer(runtime)
+    s = _sample(0, reward=1.0, source="import")
+    s.rollout_log_probs = [0.0] * s.response_length
+    before = pt.log_probs([s])[0]
+    res = pt.train_batch([s, _sample(1, reward=-1.0, source="import")])
+    after = pt.log_probs([s])[0]
+    assert not res.skipped and res.metrics["pg_clipfrac"] == 0.0
+    assert sum(after) > sum(before), "the imported positive sample was not trained"
+
+
 def test_micro_batching_does_not_change_the_update(runtime):
     samples = [_sample(i, n_prompt=3 + i, n_resp=2 + (i % 3), reward=(-1.0) ** i) for i in range(6)]
     results = []

@@ -232,11 +232,17 @@ class PolicyTrainer:
         ref_cache: list[torch.Tensor | None] = []
         with torch.no_grad():
             for mb in micro:
-                if cfg.old_log_probs == "recompute":
+                # imported turns were never sampled (no rollout log-probs): their behaviour
+                # log-probs are recomputed under the current weights, so their ratio starts at 1
+                imported = torch.tensor([samples[i].source == "import" for i in mb.index])
+                rollout = mb.rollout_log_probs.to(par.device)
+                if cfg.old_log_probs == "recompute" or bool(imported.any()):
                     self.ddp.eval()
-                    old_cache.append(self._forward(self.ddp, mb)[0].float())
+                    rec = self._forward(self.ddp, mb)[0].float()
+                    old_cache.append(rec if cfg.old_log_probs == "recompute"
+                                     else torch.where(imported[:, None].to(rec.device), rec, rollout))
                 else:
-                    old_cache.append(mb.rollout_log_probs.to(par.device))
+                    old_cache.append(rollout)
                 ref_cache.append(self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None)
         pre_s = time.perf_counter() - t0
         sums: dict[str, float] = {}
