@@ -56,6 +56,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-turns", type=int, default=1,
                         help="graded replies per session before the closing feedback (default 1)")
     parser.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per evaluation (<= 32)")
+    parser.add_argument("--eval-seed", type=int, default=1234,
+                        help="sampling seed of the held-out replies: the same for every version (default 1234)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
 
 
@@ -260,7 +262,7 @@ def run(args, config: Config) -> int:
             if args.no_eval:
                 return
             te = time.monotonic()
-            res = evaluate(config.engine.url, heldout, args.max_tokens, concurrency=len(heldout))
+            res = evaluate(config.engine.url, heldout, args.max_tokens, concurrency=len(heldout), seed=args.eval_seed)
             versions = res.get("policy_versions") or [expected]
             res["policy_version"] = str(max(versions, key=lambda v: int(v) if str(v).isdigit() else -1))
             res["seconds"] = round(time.monotonic() - te, 1)

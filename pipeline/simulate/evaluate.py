@@ -29,7 +29,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
                          temperature: float = 1.0, max_words: int = 40, max_reply_tokens: int = 64,
                          feedback: str = "brevity", samples_per_prompt: int = 1, concurrency: int = 32,
                          model: str = "default", api_key: str | None = None, system_prompt: str | None = None,
-                         timeout_s: float = 600.0) -> dict:
+                         timeout_s: float = 600.0, seed: int | None = None) -> dict:
     """Evaluate the engine at ``engine_url`` on ``prompts`` (default: the 32 held-out GSM8K problems).
 
     Returns ``{n, success_rate, brief_rate, accuracy, words_per_reply, completion_tokens,
@@ -44,17 +44,21 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
     client = ChatClient(engine_url, model=model, api_key=api_key, timeout_s=timeout_s,
                         max_connections=max(8, concurrency))
 
-    async def one(p: GSM8KProblem):
+    async def one(p: GSM8KProblem, k: int):
         msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": p.question}]
+        # a fixed seed per (prompt, sample): every policy version is scored on the same random
+        # numbers (common random numbers), so differences between versions are less noisy
+        extra = {"seed": seed + k} if seed is not None else None
         async with sem:
             try:
-                return p, await client.chat(msgs, max_tokens=max_tokens, temperature=temperature)
+                return p, await client.chat(msgs, max_tokens=max_tokens, temperature=temperature, extra=extra)
             except ChatError as e:
                 return p, e
 
     try:
-        results = await asyncio.gather(*(one(p) for p in problems for _ in range(samples_per_prompt)))
+        results = await asyncio.gather(*(one(p, i * samples_per_prompt + j) for i, p in enumerate(problems)
+                                         for j in range(samples_per_prompt)))
     finally:
         await client.aclose()
     rng = random.Random(0)
