@@ -1,7 +1,9 @@
 """``pipeline demo``: the main job — the whole loop on real GSM8K conversations, then a report.
 
-1. ``up``: embedded broker, topics, the SmolLM2-135M engine, proxy, judge (Binary RL with the
-   MiniLM embedding PRM by default), Megatron-core trainer and syncer, each its own process.
+1. ``up``: embedded broker, topics, the SmolLM2-135M engine, a second engine holding the frozen
+   initial policy as OPD teacher, proxy, judge (``combine``: Binary RL + OPD, with the MiniLM
+   embedding PRM whose hint is the user's corrective message), Megatron-core trainer and
+   syncer, each its own process.
 2. Held-out evaluation of policy version 0 straight against the engine (32 GSM8K prompts, no
    training data): brevity success (the reward's target), GSM8K accuracy and words per reply
    (the guard metrics that expose reward hacking).
@@ -14,7 +16,10 @@
 
 Defaults are sized for a 2-core CPU machine (~10-15 minutes). ENVIRONMENT.md measured the
 brevity property at 9% for the base model, rising to ~56-97% after 3-5 Binary-RL steps at
-lr 5e-5; the report's verdict compares the last version's held-out success with version 0's.
+lr 5e-5, and OPD with the hint "reply in at most 40 words" to ~53% in one step. Measured here
+with this command: Binary RL alone 9% -> 28% after 4 versions (noisy: no signal when a batch
+holds no success); combine 0% -> 38%, 69%, 56% at versions 1-3. The report's verdict compares
+the last version's held-out success with version 0's.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-minutes", type=float, default=20.0,
                         help="stop simulating after this long even if --steps was not reached (default 20)")
     parser.add_argument("--model", default=None, help="policy model (default: engine.model, smollm2-135m)")
-    parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], default=None, help="default rl")
+    parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], default="combine",
+                        help="combine (default: Binary RL + OPD with the hinted frozen policy as teacher), rl or opd")
     parser.add_argument("--batch-size", type=int, default=16, help="trainer.rollout_batch_size (default 16)")
     parser.add_argument("--lr", type=float, default=5e-5, help="trainer.lr (default 5e-5, as measured)")
     parser.add_argument("--concurrency", type=int, default=16, help="simulated sessions in flight (default 16)")
