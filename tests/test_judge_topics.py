@@ -236,3 +236,24 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka_config, server):
         dead = read_events(c, "turns.dlq", 1, timeout_s=30)
     assert got["ok:0:rl"].reward == 1.0
     assert len(dead) == 1 and dead[0].stage == "judge" and dead[0].raw == b"\x93not an event"
+
+
+def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, server):
+    from pipeline.judge.testing import free_socket
+
+    dead = free_socket()  # bound, never listening: connections are refused
+    c = setup(kafka_config, server, mode="opd")
+    c.engine.teacher_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    h = hint("\\boxed{1} [HINT_START]Use the metric system please.[HINT_END]")
+    publish(c, [make_turn("tf", 0), make_next_state("tf", 0, "in km " + h), events.SessionEnd(session_id="tf")])
+    with JudgeThread(c) as jt:
+        dl = read_events(c, "turns.dlq", 1, timeout_s=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(v or 0 for v in _committed(c, c.judge.group_id).values()) < 3:
+            time.sleep(0.2)
+        committed = sum(v or 0 for v in _committed(c, c.judge.group_id).values())
+        assert jt.app.samples_sent == 0
+    dead.close()
+    assert len(dl) == 1 and dl[0].error.startswith("teacher failed") and dl[0].stage == "judge"
+    assert isinstance(events.decode(dl[0].raw), events.Turn)  # the turn, ready to be re-fed
+    assert committed == 3  # the partition is not stuck behind the failed turn

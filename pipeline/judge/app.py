@@ -195,14 +195,16 @@ class JudgeApp:
             del self._chains[sid]
 
     async def _run_job(self, job: Job, prev: _Link | None, link: _Link) -> None:
-        outputs: list[tuple[str, events.Event]] = []
+        outputs: list[tuple[str, bytes]] = []
         try:
             try:
-                outputs = await self._compute(job)
+                # encode here: a sample that fails validation becomes a dead letter, not a crash
+                outputs = [(topic, events.encode(ev)) for topic, ev in await self._compute(job)]
             except Exception as e:  # a bug or an unexpected answer: never lose the turn silently
                 log.exception("%s: judging %s turn %s failed", self.name, job.session_id,
                               job.turn.turn_index if job.turn else "-")
-                outputs = [self._dead_letter(job, f"judge error: {type(e).__name__}: {e}")]
+                topic, dl = self._dead_letter(job, f"judge error: {type(e).__name__}: {e}")
+                outputs = [(topic, events.encode(dl))]
             if prev is not None and not prev.sent.done():
                 await asyncio.shield(prev.sent)
             if outputs:
@@ -211,36 +213,46 @@ class JudgeApp:
                 if prev is not None and not prev.delivered.done():
                     await asyncio.shield(prev.delivered)
                 self._settle(job, link)
+        except Exception as e:  # the producer refused the record: stop, the input will be re-delivered
+            self._fail(job, e)
         finally:
             if not link.sent.done():
                 link.sent.set_result(None)
 
-    async def _send(self, job: Job, outputs, link: _Link) -> None:
-        remaining = [len(outputs)]
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = exc
+        log.error("%s: output of %s could not be delivered (%s): stopping", self.name, job.session_id, exc)
+        self.consumer.stop()
+        self._job_done()
+
+    async def _send(self, job: Job, outputs: list[tuple[str, bytes]], link: _Link) -> None:
+        remaining = [len(outputs), False]  # left to deliver, failed
         lock = threading.Lock()
 
         def on_delivery(exc) -> None:  # producer I/O thread
-            if exc is not None:
-                self.fatal = exc
-                log.error("%s: sample of %s could not be delivered (%s): stopping", self.name, job.session_id, exc)
-                self.consumer.stop()
-                self._job_done()
-                return
             with lock:
-                remaining[0] -= 1
+                if remaining[1]:
+                    return
+                if exc is not None:
+                    remaining[1] = True
+                else:
+                    remaining[0] -= 1
                 last = remaining[0] == 0
-            if last:
+            if exc is not None:
+                self._fail(job, exc)
+            elif last:
                 self.loop.call_soon_threadsafe(self._settle, job, link)
 
-        for topic, ev in outputs:
+        for topic, value in outputs:
             while True:
                 try:
-                    self.producer.send(topic, ev, key=job.session_id, on_delivery=on_delivery)
+                    self.producer.send(topic, value, key=job.session_id, on_delivery=on_delivery)
                     break
                 except (BufferFull, KafkaTimeoutError) as e:
                     log.warning("%s: producer busy (%s), retrying", self.name, e)
                     await asyncio.sleep(0.2)
-            if isinstance(ev, events.Sample):
+            if topic == self.samples_topic:
                 self.samples_sent += 1
         link.sent.set_result(None)
 
