@@ -97,7 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     if level != "DEBUG":  # kafka-python logs every connection at INFO
         for noisy in ("kafka", "httpx", "httpcore", "matplotlib"):  # chatty at INFO
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    rc = module.run(args, config)
+    try:
+        rc = module.run(args, config)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a broker that never answers is a clear one-line error, not a traceback
+        from kafka.errors import BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError
+
+        if isinstance(e, (BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError)):
+            print(f"pipeline {name}: cannot reach the Kafka broker at {config.kafka.bootstrap_servers} "
+                  f"({type(e).__name__}: {e}); start one with 'pipeline broker' or set --bootstrap",
+                  file=sys.stderr)
+            return 1
+        raise
     return int(rc or 0)
 
 

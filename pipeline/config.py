@@ -47,9 +47,9 @@ class KafkaConfig(Section):
     ssl_check_hostname: bool = True
     # Tansu (the embedded broker) needs short group timeouts (ENVIRONMENT.md); Apache Kafka's
     # group.min.session.timeout.ms is 6000 by default, so production configs raise these.
-    session_timeout_ms: int = 2000
-    heartbeat_interval_ms: int = 300
-    max_poll_records: int = 500
+    session_timeout_ms: int = Field(2000, gt=0)
+    heartbeat_interval_ms: int = Field(300, gt=0)
+    max_poll_records: int = Field(500, ge=1)
     max_poll_interval_ms: int = 300_000
     compression_type: Literal["none", "gzip", "lz4", "zstd", "snappy"] = "lz4"
     linger_ms: int = 2
@@ -97,12 +97,12 @@ class EngineConfig(Section):
 
     url: str = "http://127.0.0.1:30000"
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int = Field(30000, ge=0, le=65535)
     model: str = "smollm2-135m"  # smollm2-135m | tiny-random | <HF folder>
     served_model_name: str | None = None
     cache_dir: str = "~/.cache/openclaw-pipeline"
-    context_length: int = 2048
-    max_batch_size: int = 16
+    context_length: int = Field(2048, ge=16)
+    max_batch_size: int = Field(16, ge=1)
     threads: int | None = None
     seed: int = 0
     request_timeout_s: float = 300.0
@@ -116,7 +116,7 @@ class ProxyConfig(Section):
     """The OpenAI-compatible front door."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=0, le=65535)
     api_keys: list[SecretStr] = Field(default_factory=list)
     max_body_bytes: int = 4 * 1024 * 1024
     default_turn_type: Literal["main", "side"] = "main"
@@ -150,13 +150,13 @@ class JudgeConfig(Section):
     backend: str = "embedding"  # llm | choice | embedding | <module:Class>
     url: str | None = None  # judge endpoint for llm/choice; None: engine.url
     model: str = "default"
-    votes: int = 3
+    votes: int = Field(3, ge=1)
     temperature: float = 0.6
     max_tokens: int = 512
     vote_timeout_s: float = 60.0
     retries: int = 2
     idle_timeout_s: float = 300.0
-    max_in_flight: int = 256
+    max_in_flight: int = Field(256, ge=1)
     teacher_top_k: int = 0
     # added by the judge stage
     api_key: SecretStr | None = None  # bearer token of the judge endpoint (env only)
@@ -175,10 +175,10 @@ class TrainerConfig(Section):
 
     group_id: str = "trainer"
     model: str = "smollm2-135m"
-    rollout_batch_size: int = 16
-    micro_batch_size: int = 4
-    steps_per_batch: int = 1
-    lr: float = 1e-6
+    rollout_batch_size: int = Field(16, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    steps_per_batch: int = Field(1, ge=1)
+    lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     w_rl: float = 1.0
@@ -194,9 +194,9 @@ class TrainerConfig(Section):
     tis_cap: float | None = None
     max_staleness: int | None = 4
     stale_policy: Literal["drop", "downweight"] = "drop"
-    tp: int = 1
+    tp: int = Field(1, ge=1)
     checkpoint_dir: str = "runs/trainer"
-    checkpoint_every: int = 1
+    checkpoint_every: int = Field(1, ge=1)
     export_dir: str = "runs/weights"
     engines: list[str] = Field(default_factory=lambda: ["engine-0"])
     sync_timeout_s: float = 300.0
@@ -243,7 +243,7 @@ class Config(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PIPELINE_", env_nested_delimiter="__", extra="forbid")
 
     log_level: str = "INFO"
-    metrics_port: int | None = None
+    metrics_port: int | None = Field(None, ge=0, le=65535)
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     topics: TopicsConfig = Field(default_factory=TopicsConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -105,3 +105,10 @@ def test_broker_command_and_idempotent_apply():
     down = subprocess.run(PY + ["topics", "apply", "--bootstrap", f"127.0.0.1:{port}"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PIPELINE_KAFKA__REQUEST_TIMEOUT_MS": "3000"})
     assert down.returncode != 0 and "Traceback" not in down.stderr and "cannot reach" in down.stderr
+
+
+@pytest.mark.parametrize("override", ["judge.votes=0", "trainer.rollout_batch_size=0", "trainer.lr=-1",
+                                      "proxy.port=99999", "kafka.session_timeout_ms=-5"])
+def test_out_of_range_values_are_rejected(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, overrides=[override])

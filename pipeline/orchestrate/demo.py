@@ -76,6 +76,7 @@ def demo_config(config: Config, args, run_dir: Path) -> None:
         config.judge.mode = args.judge_mode
     config.trainer.lr = args.lr
     config.trainer.rollout_batch_size = args.batch_size
+    config.trainer.max_steps = args.steps  # exactly --steps updates; the last one is evaluated
     config.trainer.normalize_advantages = True  # reward minus batch mean (GRPO-style baseline)
     config.trainer.checkpoint_dir = str(run_dir / "checkpoints")
     config.trainer.export_dir = str(run_dir / "weights")
@@ -213,11 +214,10 @@ def plot(report: dict, path: Path) -> None:
         xs = [int(e["policy_version"]) for e in ev]
         ax.plot(xs, [e["success_rate"] for e in ev], "o-", label="held-out success (brevity)")
         ax.plot(xs, [e["accuracy"] for e in ev], "s-", label="held-out GSM8K accuracy (guard)")
-    sv = report["topics"]["samples_by_policy_version"]
+    sv = {v: d for v, d in report["topics"]["samples_by_policy_version"].items() if d["reward_mean"] is not None}
     if sv:
-        xs = [int(v) for v in sv]
-        ax.plot(xs, [((d["reward_mean"] or 0) + 1) / 2 for d in sv.values()], "^--",
-                label="sample reward, (mean+1)/2")
+        ax.plot([int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()], "^--",
+                label="reward of samples it generated, (mean+1)/2")
     ax.set_xlabel("policy version")
     ax.set_ylabel("rate")
     ax.set_ylim(-0.02, 1.02)
@@ -283,7 +283,9 @@ def run(args, config: Config) -> int:
         deadline = t0 + args.max_minutes * 60
         last_status = 0.0
         while not stop.is_set():
-            steps = len([r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r])
+            tlog = [r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r]
+            steps = len(tlog)
+            final_version = str(tlog[-1].get("policy_version")) if tlog else None
             version = engine_version(config.engine.url)
             if version is not None and version not in evaluated and version != "0":
                 # freeze users and trainer so the held-out replies all come from this version
@@ -294,9 +296,9 @@ def run(args, config: Config) -> int:
                 finally:
                     _signal_all(frozen, signal.SIGCONT)
                 evaluated.add(version)
-            if steps >= args.steps and len(evaluated) > 1 and (args.no_eval or version in evaluated):
+            if steps >= args.steps and version == final_version and (args.no_eval or version in evaluated):
                 break
-            dead = stack.supervisor.dead()
+            dead = [d for d in stack.supervisor.dead() if not (d.name == "trainer" and d.proc.returncode == 0)]
             if dead:
                 names = ", ".join(f"{s.name} (exit {s.proc.returncode}, log {s.log_path})" for s in dead)
                 notes.append(f"stage(s) exited early: {names}")
@@ -322,9 +324,10 @@ def run(args, config: Config) -> int:
         try:
             turn_events = read_topic(config, "turns")
             sample_events = read_topic(config, "samples")
+            control_events = read_topic(config, "control")
         except Exception as e:  # the report must still be written
             notes.append(f"could not read topics: {e}")
-            turn_events, sample_events = [], []
+            turn_events, sample_events, control_events = [], [], []
         print("[demo] stopping every stage ...", flush=True)
         codes = stack.stop()
     from pipeline.simulate.runner import summarize
@@ -335,14 +338,15 @@ def run(args, config: Config) -> int:
         "duration_s": round(time.monotonic() - t0, 1),
         "model": config.engine.model,
         "judge": {"mode": config.judge.mode, "backend": config.judge.backend},
-        "trainer": {"steps": len(steps_log), "lr": config.trainer.lr,
+        "trainer": {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
+                    "lr": config.trainer.lr,
                     "rollout_batch_size": config.trainer.rollout_batch_size,
                     "last_step": steps_log[-1] if steps_log else None},
-        "versions_applied": sorted({e["policy_version"] for e in evaluations} - {"0"}, key=int),
+        "versions_applied": sorted({c.policy_version for c in control_events if c.action == "applied"}),
         "topics": summarize_topics(turn_events, sample_events),
         "simulator": sim_summary,
         "evaluations": evaluations,
-        "exit_codes": codes,
+        "exit_codes": {k: (0 if v == -15 else v) for k, v in codes.items()},  # -15: SIGTERM handled (uvicorn)
         "notes": notes,
     }
     if len(evaluations) >= 2:
@@ -386,6 +390,10 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _fmt(x, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def print_summary(report: dict, report_dir: Path) -> None:
     """The console summary of a demo run."""
     t = report["topics"]
@@ -394,19 +402,24 @@ def print_summary(report: dict, report_dir: Path) -> None:
     print(f"sessions / turns    {t['sessions']} / {t['turns']}  (next states {t['next_states']}, "
           f"session ends {t['session_ends']})")
     print(f"samples             {t['samples']} by kind {t['samples_by_kind']}, trained {t['samples_trained']}, "
-          f"masked {t['samples_masked']}, reward mean {t['reward_mean']}")
+          f"masked {t['samples_masked']}, reward mean {_fmt(t['reward_mean'])}")
     s = report["simulator"]
-    print(f"simulator           replies {s.get('replies')}, success {s.get('success_rate')}, "
-          f"words/reply {s.get('words_per_reply')}, GSM8K accuracy {s.get('accuracy')}")
-    print(f"trainer             {report['trainer']['steps']} steps; versions applied {report['versions_applied']}")
-    print("held-out (32 GSM8K prompts) by policy version:")
+    print(f"simulator           replies {s.get('replies')}, success {_fmt(s.get('success_rate'))}, "
+          f"words/reply {_fmt(s.get('words_per_reply'), 1)}, GSM8K accuracy {_fmt(s.get('accuracy'))}")
+    tr = report["trainer"]
+    print(f"trainer             {tr['steps']} steps ({tr['steps_with_gradient']} with a non-zero gradient; a batch "
+          f"whose rewards are all equal has zero GRPO advantage); versions applied {report['versions_applied']}")
+    n_eval = report["evaluations"][0]["n"] if report["evaluations"] else 0
+    print(f"held-out ({n_eval} GSM8K prompts, same seeds for every version) by policy version:")
     print(f"  {'version':>7} {'success':>8} {'accuracy':>9} {'words/reply':>12}")
     for e in report["evaluations"]:
         print(f"  {e['policy_version']:>7} {e['success_rate']:>8.2f} {e['accuracy']:>9.2f} {e['words_per_reply']:>12.1f}")
     if "verdict" in report:
         v = report["verdict"]
+        ratio = f"x{v['ratio']}" if v["ratio"] is not None else "base 0"
         print(f"verdict             success {v['base_success']:.2f} -> {v['last_success']:.2f} "
-              f"(x{v['ratio']}), learning signal: {v['learning_signal']}")
+              f"({ratio}), words/reply {v['base_words_per_reply']:.1f} -> {v['last_words_per_reply']:.1f}, "
+              f"accuracy {v['base_accuracy']:.2f} -> {v['last_accuracy']:.2f}; learning signal: {v['learning_signal']}")
     for n in report["notes"]:
         print(f"note                {n}")
     print(f"report              {report_dir / 'report.json'}, {report_dir / 'report.png'}")
