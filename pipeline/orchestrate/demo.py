@@ -190,15 +190,9 @@ def summarize_topics(turn_events: list, sample_events: list) -> dict:
 
 def trainer_log(path: Path) -> list[dict]:
     """The trainer's per-step JSONL metrics (empty if none yet)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+    from pipeline.trainer.metrics import MetricsLog  # torch-free module
+
+    return MetricsLog(path).records()
 
 
 def plot(report: dict, path: Path) -> None:
