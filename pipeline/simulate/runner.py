@@ -124,6 +124,8 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
 
     async def worker() -> None:
         for i, item in todo:  # one shared iterator: each session is taken by exactly one worker
+            if stop is not None and stop.is_set():
+                break  # never start a session after the stop
             started[0] += 1
             res = await run_session(client, f"{prefix}-{i:05d}", item, settings, seed=plan.seed, on_record=on_record)
             results.append(res)
@@ -136,8 +138,11 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
     if stop is not None:
         async def watch() -> None:
             await stop.wait()
-            for w in workers:
-                w.cancel()
+            # a cancellation can be swallowed inside an HTTP client: repeat until every worker ended
+            while any(not w.done() for w in workers):
+                for w in workers:
+                    w.cancel()
+                await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
     try:
