@@ -259,6 +259,9 @@ class Config(BaseSettings):
                 InitSettingsSource(settings_cls, init_kwargs=_YAML_DATA.get()))
 
 
+#: (section, key) pairs that may only come from the environment (or programmatic use)
+SECRETS = (("kafka", "sasl_plain_password"), ("proxy", "api_keys"), ("judge", "api_key"), ("engine", "api_key"))
+
 _YAML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("_YAML_DATA", default={})
 
 
@@ -310,7 +313,13 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), bootstrap: 
             raise ConfigError(f"cannot read config file {path}: {e}") from e
         if not isinstance(yaml_data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    flags = _deep_merge(sections, parse_overrides(list(overrides)))
+    flag_data = parse_overrides(list(overrides))
+    for source, data in (("the config file", yaml_data), ("a --set flag", flag_data)):
+        for section, key in SECRETS:
+            if isinstance(data.get(section), dict) and data[section].get(key) not in (None, [], ""):
+                raise ConfigError(f"{section}.{key} is a secret: set it in the environment "
+                                  f"(PIPELINE_{section.upper()}__{key.upper()}), not in {source}")
+    flags = _deep_merge(sections, flag_data)
     if bootstrap:
         flags = _deep_merge(flags, {"kafka": {"bootstrap_servers": bootstrap}})
     token = _YAML_DATA.set(yaml_data)

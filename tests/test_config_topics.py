@@ -112,3 +112,12 @@ def test_broker_command_and_idempotent_apply():
 def test_out_of_range_values_are_rejected(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         load_config(None, overrides=[override])
+
+
+def test_secrets_only_from_the_environment(tmp_path):
+    with pytest.raises(ConfigError, match="PIPELINE_KAFKA__SASL_PLAIN_PASSWORD"):
+        load_config(None, overrides=["kafka.sasl_plain_password=hunter2"])
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"proxy": {"api_keys": ["k"]}}))
+    with pytest.raises(ConfigError, match="proxy.api_keys is a secret"):
+        load_config(str(f))

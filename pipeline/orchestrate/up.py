@@ -104,8 +104,10 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
 
         def write_config() -> None:
             data = redacted(config)
-            data["kafka"].pop("sasl_plain_password", None)  # secrets stay in the environment
-            data["proxy"].pop("api_keys", None)
+            from pipeline.config import SECRETS
+
+            for section, key in SECRETS:  # secrets stay in the environment, children inherit it
+                data[section].pop(key, None)
             cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
 
         def stage(name: str, args: list[str], ready_path: str | None = None, port: int | None = None,
