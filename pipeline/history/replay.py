@@ -148,24 +148,34 @@ def _start_positions(consumer, tps: list, start: Bound | None) -> dict:
     return pos
 
 
-def topic_records(config, topic: str, start: Bound | None, end: Bound | None, stats: dict,
-                  idle_timeout_s: float = 10.0, on_total=None) -> Iterator[ArchivedRecord]:
-    """Records of ``topic`` in range, read with manual assignment up to the high-water marks seen
-    at the start (records produced meanwhile are not chased). Undecodable records are skipped
-    and counted in ``stats["bad"]``. ``on_total(n)`` gets the number of offsets to scan."""
+def _assigned_consumer(config, topic: str, group: str | None, start: Bound | None):
+    """A consumer manually assigned every partition of ``topic``, with the start position of each
+    (None: nothing at or after ``start``). Raises RuntimeError if the topic does not exist."""
     from kafka import KafkaConsumer
     from kafka.structs import TopicPartition
 
     from pipeline.bus import consumer_kwargs
 
-    consumer = KafkaConsumer(**consumer_kwargs(config, None))
+    consumer = KafkaConsumer(**consumer_kwargs(config, group))
     try:
         parts = consumer.partitions_for_topic(topic)
         if not parts:
             raise RuntimeError(f"topic {topic!r} does not exist on {config.kafka.bootstrap_servers}")
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
-        pos = _start_positions(consumer, tps, start)
+        return consumer, tps, _start_positions(consumer, tps, start)
+    except BaseException:
+        consumer.close(autocommit=False)
+        raise
+
+
+def topic_records(config, topic: str, start: Bound | None, end: Bound | None, stats: dict,
+                  idle_timeout_s: float = 10.0, on_total=None) -> Iterator[ArchivedRecord]:
+    """Records of ``topic`` in range, read with manual assignment up to the high-water marks seen
+    at the start (records produced meanwhile are not chased). Undecodable records are skipped
+    and counted in ``stats["bad"]``. ``on_total(n)`` gets the number of offsets to scan."""
+    consumer, tps, pos = _assigned_consumer(config, topic, None, start)
+    try:
         active = set()
         for tp in tps:
             if pos[tp] is None or (end is not None and end.offset_for(tp.partition) is not None
@@ -270,19 +280,10 @@ def replay(records: Iterable[ArchivedRecord], producer, topic: str, *, mark: boo
 def reset_group(config, group: str, topic: str, start: Bound | None) -> dict[int, int]:
     """Commit the start positions of ``topic`` for ``group`` (no copy). Returns partition -> offset.
     The group should have no running members (their commits would overwrite these)."""
-    from kafka import KafkaConsumer
-    from kafka.structs import OffsetAndMetadata, TopicPartition
+    from kafka.structs import OffsetAndMetadata
 
-    from pipeline.bus import consumer_kwargs
-
-    consumer = KafkaConsumer(**consumer_kwargs(config, group))
+    consumer, tps, pos = _assigned_consumer(config, topic, group, start)
     try:
-        parts = consumer.partitions_for_topic(topic)
-        if not parts:
-            raise RuntimeError(f"topic {topic!r} does not exist on {config.kafka.bootstrap_servers}")
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        pos = _start_positions(consumer, tps, start)
         offsets = {}
         for tp in tps:
             if pos[tp] is None:  # nothing at or after the time: start at the end
