@@ -253,6 +253,16 @@ class ConsumerApp:
         except (CommitFailedError, KafkaError) as e:
             log.warning("%s: commit failed (will retry): %s", self.name, e)
             return
+        except RuntimeError as e:
+            # kafka-python 3 sometimes runs the rebalance listener on its own IO thread, where a
+            # blocking commit is refused: send it without waiting. If it is lost, the records
+            # after the last commit are re-delivered (at-least-once; outputs carry stable ids).
+            log.info("%s: commit from the consumer's IO thread, sent asynchronously (%s)", self.name, e)
+            try:
+                self._consumer.commit_async(offsets=offsets)
+            except Exception as e2:
+                log.warning("%s: asynchronous commit failed: %s", self.name, e2)
+                return
         COMMITS.labels(self.name).inc()
         for tp, om in offsets.items():
             self._trackers[tp].committed = om.offset
@@ -319,8 +329,15 @@ class _Listener(ConsumerRebalanceListener):
     def __init__(self, app: ConsumerApp) -> None:
         self.app = app
 
+    # an exception raised here would abort kafka-python's rebalance and the whole consumer
     def on_partitions_revoked(self, revoked) -> None:
-        self.app._revoked(list(revoked))
+        try:
+            self.app._revoked(list(revoked))
+        except Exception:
+            log.exception("%s: handling revoked partitions failed", self.app.name)
 
     def on_partitions_assigned(self, assigned) -> None:
-        self.app._assigned(list(assigned))
+        try:
+            self.app._assigned(list(assigned))
+        except Exception:
+            log.exception("%s: handling assigned partitions failed", self.app.name)
