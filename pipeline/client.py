@@ -32,8 +32,10 @@ from typing import Any, AsyncIterator
 import httpx
 import orjson
 
+from pipeline.errors import PipelineError
 
-class EngineError(Exception):
+
+class EngineError(PipelineError):
     """The engine answered with an error (``status`` = HTTP status) or could not be used.
 
     Attributes:

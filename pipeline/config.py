@@ -19,10 +19,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
 
+from pipeline.errors import PipelineError
+
 ROOT = Path(__file__).resolve().parent
 
 
-class ConfigError(ValueError):
+class ConfigError(PipelineError, ValueError):
     """A configuration file, variable or flag could not be read or validated."""
 
 

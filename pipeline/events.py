@@ -20,10 +20,12 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from pipeline.errors import PipelineError
+
 SCHEMA_VERSION = 1
 
 
-class EventError(ValueError):
+class EventError(PipelineError, ValueError):
     """A record that is not a valid event of this schema."""
 
 

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.errors import PipelineError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -26,7 +28,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN = ("smollm2-135m", "tiny-random")
 
 
-class ModelNotFound(FileNotFoundError):
+class ModelNotFound(PipelineError, FileNotFoundError):
     """The model name is neither built in nor an HF folder, or its package is not installed."""
 
 

@@ -19,12 +19,13 @@ import yaml
 
 from pipeline.config import Config
 from pipeline.events import EVENT_TYPES
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 HELP = "Apply (create missing, report drift), list or render the topics of topics.yaml."
 
 
-class TopicsError(ValueError):
+class TopicsError(PipelineError, ValueError):
     """topics.yaml is unreadable or invalid, or the broker refused an operation."""
 
 

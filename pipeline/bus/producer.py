@@ -12,11 +12,12 @@ from pipeline import events
 from pipeline.bus.settings import producer_kwargs
 from pipeline.config import Config
 from pipeline.metrics import EVENTS_FAILED, EVENTS_PRODUCED, PRODUCER_BUFFERED
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
 
-class BufferFull(RuntimeError):
+class BufferFull(PipelineError, RuntimeError):
     """More than ``max_pending`` events are unacknowledged and none freed within the wait."""
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.engine.tools import render_tool_calls, tools_system_prompt
+from pipeline.errors import PipelineError
 
 ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(PipelineError, ValueError):
     """The messages cannot be rendered (bad shape, unsupported content, template error)."""
 
 

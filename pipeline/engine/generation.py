@@ -10,9 +10,10 @@ from typing import Any
 
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.worker import GenRequest, Update
+from pipeline.errors import PipelineError
 
 
-class RequestFailed(Exception):
+class RequestFailed(PipelineError):
     """The engine could not finish a request (shutdown, crash); ``status`` is the HTTP code."""
 
     def __init__(self, message: str, status: int = 503) -> None:

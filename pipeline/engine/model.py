@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import PipelineError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(PipelineError, ValueError):
     """The folder has no loadable causal LM, or its shapes do not match the serving tokenizer."""
 
 

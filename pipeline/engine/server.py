@@ -53,6 +53,7 @@ from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, Gener
                                       UpdateWeightsBody)
 from pipeline.engine.tools import ToolStreamParser, parse_tool_calls
 from pipeline.engine.worker import EngineWorker
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -68,7 +69,7 @@ class ORJSONResponse(Response):
         return orjson.dumps(content)
 
 
-class ApiError(Exception):
+class ApiError(PipelineError):
     """An error answered with SGLang's shapes: ``native`` -> ``{"error": {"message"}}``."""
 
     def __init__(self, status: int, message: str, *, native: bool = False, type_: str | None = None) -> None:

@@ -35,6 +35,7 @@ from typing import Iterator
 import orjson
 
 from pipeline import events
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 HELP = "Load OpenAI-format conversation JSONL as turn events (tokenized with the engine's tokenizer; source=import)."
@@ -42,7 +43,7 @@ HELP = "Load OpenAI-format conversation JSONL as turn events (tokenized with the
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 
 
-class ImportError_(ValueError):
+class ImportError_(PipelineError, ValueError):
     """A conversation line that cannot be imported (the message says which field)."""
 
 

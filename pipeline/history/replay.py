@@ -39,6 +39,7 @@ import orjson
 
 from pipeline import events
 from pipeline.history.store import ArchivedRecord, count_lines, read_archive, read_manifest
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 HELP = "Re-feed archived or historical turns (time or offset range) into a topic or consumer group."
@@ -47,7 +48,7 @@ _REL = re.compile(r"^-(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-class BoundError(ValueError):
+class BoundError(PipelineError, ValueError):
     """A ``--from``/``--to`` value that is neither a time nor offsets."""
 
 

@@ -31,6 +31,7 @@ from typing import Iterable, Iterator
 import orjson
 
 from pipeline import events
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _PART = re.compile(r"^partition-(\d+)\.jsonl$")
 
 
-class ArchiveError(RuntimeError):
+class ArchiveError(PipelineError, RuntimeError):
     """The directory is not a usable archive (wrong topic, unreadable manifest, conflicting log)."""
 
 

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from pipeline.judge.backends.choice import load_tokenizer, render_ids
 from pipeline.judge.backends.llm import CallFailed, HttpJudge
 from pipeline.judge.prompts import inject_hint
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
 
-class TeacherError(RuntimeError):
+class TeacherError(PipelineError, RuntimeError):
     """The teacher endpoint did not return log-probs for every response token."""
 
 

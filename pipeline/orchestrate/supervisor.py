@@ -20,11 +20,12 @@ from typing import Callable
 import httpx
 
 from pipeline.procutil import die_with_parent
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
 
-class StageFailed(RuntimeError):
+class StageFailed(PipelineError, RuntimeError):
     """A stage exited or did not become ready in time (the message names its log file)."""
 
 

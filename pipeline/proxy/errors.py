@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import orjson
 
+from pipeline.errors import PipelineError
 
-class ProxyError(Exception):
+
+class ProxyError(PipelineError):
     """An error answered to the client with ``status`` and an OpenAI-style body.
 
     Args:

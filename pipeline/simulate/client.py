@@ -20,11 +20,13 @@ from typing import Any
 import httpx
 import orjson
 
+from pipeline.errors import PipelineError
+
 RETRY_STATUS = (429, 503)
 VERSION_HEADERS = ("x-weight-version", "x-policy-version")
 
 
-class ChatError(RuntimeError):
+class ChatError(PipelineError, RuntimeError):
     """The server answered with an error (``status`` > 0) or could not be reached (``status`` 0)."""
 
     def __init__(self, message: str, status: int = 0) -> None:

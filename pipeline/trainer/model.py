@@ -48,11 +48,12 @@ import torch
 log = logging.getLogger(__name__)
 
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file, verify_folder  # noqa: F401
+from pipeline.errors import PipelineError
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(PipelineError, ValueError):
     """The HF config describes an architecture this mapping does not cover."""
 
 

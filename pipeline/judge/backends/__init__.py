@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
+from pipeline.errors import PipelineError
 
 BUILTIN = {
     "llm": "pipeline.judge.backends.llm:LLMBackend",
@@ -28,7 +29,7 @@ BUILTIN = {
 }
 
 
-class BackendError(ValueError):
+class BackendError(PipelineError, ValueError):
     """``judge.backend`` names no built-in backend and no importable Backend class."""
 
 

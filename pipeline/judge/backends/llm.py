@@ -20,6 +20,7 @@ from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.parse import best_hint, majority_vote, parse_hint, parse_score
 from pipeline.judge.prompts import JudgeInput, hint_messages, prm_messages
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _HEADERS = {"content-type": "application/json"}
 
 
-class CallFailed(RuntimeError):
+class CallFailed(PipelineError, RuntimeError):
     """A judge HTTP call failed after its retries."""
 
 
