@@ -112,6 +112,20 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
 
 
 @dataclass
+class _Prepared:
+    """:meth:`PolicyTrainer._prepare`'s output (``keep``: input index of each kept sample)."""
+
+    keep: list[int]
+    samples: list[events.Sample]
+    weights: list[float]
+    rewards: torch.Tensor
+    rl_adv: torch.Tensor
+    micro: list[B.MicroBatch]
+    old_cache: list[torch.Tensor]
+    ref_cache: list[torch.Tensor | None]
+
+
+@dataclass
 class StepResult:
     """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times)."""
 
@@ -193,41 +207,27 @@ class PolicyTrainer:
         opd = L.opd_advantages(mb.teacher_log_probs.to(old.device), old, mask) * mb.has_teacher.to(old.device)[:, None]
         return L.combine_advantages(grpo, opd, self.cfg.w_rl, self.cfg.w_opd)
 
-    def train_batch(self, samples: list[events.Sample], weights: list[float] | None = None) -> StepResult:
-        """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
-
-        ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
-        that are not :func:`batch.trainable` are ignored. A batch without any trainable token
-        makes no optimizer step (``skipped``): Adam's moments would still move the weights.
-        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
-        steps of the aggregated values), ``logprob_abs_diff`` (mean |train - rollout| log-prob
-        over trained tokens, before the update), ``grad_norm`` (last step), ``reward_mean``,
-        ``train_samples``, ``train_tokens``, ``forward_backward_s``, ``optimizer_s``.
-        """
+    def _prepare(self, samples: list[events.Sample], weights: list[float] | None) -> _Prepared:
+        """The batch as this DP rank trains it: trainable samples, per-sample RL advantages over
+        the whole batch, this rank's micro-batches and their behaviour / reference log-probs."""
         cfg, par = self.cfg, self.par
         weights = list(weights) if weights is not None else [1.0] * len(samples)
         keep = [i for i, s in enumerate(samples) if B.trainable(s) and weights[i] > 0]
         samples = [samples[i] for i in keep]
         weights = [weights[i] for i in keep]
         num_samples = len(samples)
-        num_tokens = sum(s.response_length for s in samples)
-        metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
-        if num_samples == 0:
-            return StepResult(metrics, skipped=True)
         rewards = torch.tensor([float(s.reward) for s in samples])
-        is_rl = torch.tensor(["rl" in s.kind for s in samples])
+        is_rl = torch.tensor(["rl" in s.kind for s in samples], dtype=torch.bool)
         rl_adv = torch.zeros(num_samples)
         if is_rl.any():
             rl_adv[is_rl] = L.grpo_advantages(rewards[is_rl], torch.ones(int(is_rl.sum()), 1),
                                               cfg.normalize_advantages)[:, 0]
-        metrics["reward_mean"] = float(rewards.mean())
         # this DP rank's share of the batch (the loss is normalised by the global counts)
         mine = list(range(par.dp_rank, num_samples, par.dp))
         micro = B.split([samples[i] for i in mine], cfg.micro_batch_size, cfg.micro_batch_tokens,
                         weights=[weights[i] for i in mine])
         for mb in micro:
             mb.index = [mine[i] for i in mb.index]
-        t0 = time.perf_counter()
         old_cache: list[torch.Tensor] = []
         ref_cache: list[torch.Tensor | None] = []
         with torch.no_grad():
@@ -244,6 +244,49 @@ class PolicyTrainer:
                 else:
                     old_cache.append(rollout)
                 ref_cache.append(self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None)
+        return _Prepared(keep, samples, weights, rewards, rl_adv, micro, old_cache, ref_cache)
+
+    @torch.no_grad()
+    def advantages(self, samples: list[events.Sample], weights: list[float] | None = None) -> list[list[float]]:
+        """The per-token advantages :meth:`train_batch` would use on ``samples`` now (no update).
+
+        Returns one list per input sample, in input order: ``response_length`` floats for the
+        samples that would be trained, ``[]`` for the others (not :func:`batch.trainable`, or
+        weight 0). Single-process only (every sample must be on this DP rank).
+        """
+        if self.par.dp != 1:
+            raise ValueError("advantages() needs dp == 1")
+        prep = self._prepare(samples, weights)
+        out: list[list[float]] = [[] for _ in samples]
+        for mb, old in zip(prep.micro, prep.old_cache):
+            adv = self._advantages(mb, old, prep.rl_adv[mb.index]).float().cpu()
+            for row, i in enumerate(mb.index):
+                out[prep.keep[i]] = adv[row][mb.mask[row] > 0].tolist()
+        return out
+
+    def train_batch(self, samples: list[events.Sample], weights: list[float] | None = None,
+                    policy_version: int | None = None) -> StepResult:
+        """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
+
+        ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
+        that are not :func:`batch.trainable` are ignored. A batch without any trainable token
+        makes no optimizer step (``skipped``): Adam's moments would still move the weights.
+        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
+        steps of the aggregated values), ``logprob_abs_diff`` (mean |train - rollout| log-prob
+        over trained tokens, before the update), ``grad_norm`` (last step), ``reward_mean``,
+        ``train_samples``, ``train_tokens``, ``forward_backward_s``, ``optimizer_s``.
+        """
+        cfg, par = self.cfg, self.par
+        t0 = time.perf_counter()
+        prep = self._prepare(samples, weights)
+        samples, micro, old_cache, ref_cache = prep.samples, prep.micro, prep.old_cache, prep.ref_cache
+        rl_adv = prep.rl_adv
+        num_samples = len(samples)
+        num_tokens = sum(s.response_length for s in samples)
+        metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
+        if num_samples == 0:
+            return StepResult(metrics, skipped=True)
+        metrics["reward_mean"] = float(prep.rewards.mean())
         pre_s = time.perf_counter() - t0
         sums: dict[str, float] = {}
         diff_sum = torch.zeros((), dtype=torch.float64)
