@@ -19,7 +19,8 @@ def _cfg(kafka_config, **trainer):
 
 def _s(i, version=5, mask=1, sid=None):
     return events.Sample(sample_id=sid or f"id{i}", session_id="one", turn_index=i, tokens=[1, 2, 3, 4],
-                         response_length=2, rollout_log_probs=[-1.0, -1.0], loss_mask=mask, policy_version=version)
+                         response_length=2, rollout_log_probs=[-1.0, -1.0], reward=1.0, loss_mask=mask,
+                         policy_version=version)
 
 
 def _produce(cfg, values):

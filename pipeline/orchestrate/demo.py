@@ -180,10 +180,10 @@ def summarize_topics(turn_events: list, sample_events: list) -> dict:
         "samples_by_kind": dict(by_kind),
         "samples_trained": len(trained),
         "samples_masked": len(sample_events) - len(trained),
-        "reward_mean": _mean([s.reward for s in trained]),
+        "reward_mean": _mean([s.reward for s in trained]),  # over samples with a reward (None: absent)
         "samples_by_policy_version": {
             str(v): {"samples": len(ss), "reward_mean": _mean([s.reward for s in ss if s.loss_mask]),
-                     "positive": sum(1 for s in ss if s.loss_mask and s.reward > 0)}
+                     "positive": sum(1 for s in ss if s.loss_mask and (s.reward or 0) > 0)}
             for v, ss in sorted(by_version.items())},
     }
 
@@ -335,7 +335,12 @@ def run(args, config: Config) -> int:
         "trainer": {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
                     "lr": config.trainer.lr,
                     "rollout_batch_size": config.trainer.rollout_batch_size,
-                    "last_step": steps_log[-1] if steps_log else None},
+                    "last_step": steps_log[-1] if steps_log else None,
+                    # train-vs-rollout log-prob |diff| (nats) per step: samples of the trainer's own
+                    # version (engine/trainer mismatch) apart from stale ones (policy drift)
+                    "logprob_abs_diff": [{k: r.get(k) for k in (
+                        "step", "policy_version", "logprob_abs_diff_current", "logprob_tokens_current",
+                        "logprob_abs_diff_stale", "logprob_tokens_stale")} for r in steps_log]},
         "versions_applied": sorted({c.policy_version for c in control_events if c.action == "applied"}),
         "topics": summarize_topics(turn_events, sample_events),
         "simulator": sim_summary,
@@ -403,6 +408,11 @@ def print_summary(report: dict, report_dir: Path) -> None:
     tr = report["trainer"]
     print(f"trainer             {tr['steps']} steps ({tr['steps_with_gradient']} with a non-zero gradient; a batch "
           f"whose rewards are all equal has zero GRPO advantage); versions applied {report['versions_applied']}")
+    for r in tr.get("logprob_abs_diff", []):
+        cur = r["logprob_abs_diff_current"]
+        print(f"  step {r['step']}: train-vs-rollout |diff| own version {'n/a' if cur is None else f'{cur:.1e}'} "
+              f"({r['logprob_tokens_current'] or 0:.0f} tokens), stale {_fmt(r['logprob_abs_diff_stale'], 4)} "
+              f"({r['logprob_tokens_stale'] or 0:.0f} tokens) nats")
     n_eval = report["evaluations"][0]["n"] if report["evaluations"] else 0
     print(f"held-out ({n_eval} GSM8K prompts, same seeds for every version) by policy version:")
     print(f"  {'version':>7} {'success':>8} {'accuracy':>9} {'words/reply':>12}")
