@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from legacy_records import sample_v1
 from pipeline import events
 from pipeline.events import (Control, DeadLetter, MalformedEvent, NextState, Sample, SessionEnd, Turn,
                              UnknownEventType, UnsupportedVersion, decode, encode)
@@ -177,21 +178,6 @@ def test_absent_signals_travel_as_nil():
     assert flushed.reward is None and flushed.teacher_log_probs is None and flushed.kind == "rl"
 
 
-def _v1(**over) -> bytes:
-    """A record as the v1 judge wrote it (every field present, absence written as values)."""
-    r = over.get("response_length", 2)
-    base = {"type": "sample", "v": 1, "sample_id": "s:0:combine", "session_id": "s", "turn_index": 0,
-            "policy_version": 3, "kind": "opd+rl", "tokens": np.asarray([5, 6, 7, 8], "<i4").tobytes(),
-            "response_length": r, "rollout_log_probs": np.asarray([-0.5, -1.5], "<f4").tobytes(),
-            "rollout_temperature": 0.7, "reward": 1.0, "loss_mask": 1,
-            "teacher_log_probs": np.asarray([-0.5, -1.5], "<f4").tobytes(), "teacher_top_k": 0,
-            "teacher_topk_ids": b"", "teacher_topk_log_probs": b"", "votes": [[1], [-1]], "hint": None,
-            "judge": "llm", "created_at": 1, "turn_created_at": 1, "source": "proxy"}
-    for k, v in over.items():
-        base[k] = np.asarray(v, "<f4").tobytes() if k.endswith("log_probs") and isinstance(v, list) else v
-    return msgpack.packb(base, use_bin_type=True)
-
-
 @pytest.mark.parametrize("over, want", [
     # combine, vote only: v1 put the rollout log-probs where the teacher goes
     (dict(), dict(kind="rl", reward=1.0, teacher=None, rollout=[-0.5, -1.5])),
@@ -215,7 +201,7 @@ def _v1(**over) -> bytes:
      dict(kind="rl", reward=None, teacher=None, rollout=[-0.5, -1.5])),
 ])
 def test_v1_samples_are_read_with_their_meaning(over, want):
-    s = decode(_v1(**over))
+    s = decode(sample_v1(**over))
     assert s.kind == want["kind"] and s.reward == want["reward"]
     for got, exp in ((s.teacher_log_probs, want["teacher"]), (s.rollout_log_probs, want["rollout"])):
         assert (got is None) == (exp is None) and (exp is None or got == pytest.approx(exp))
@@ -224,9 +210,9 @@ def test_v1_samples_are_read_with_their_meaning(over, want):
 
 
 def test_v1_greedy_sample_is_read_at_temperature_one_and_bad_v1_goes_to_the_dlq():
-    assert decode(_v1(rollout_temperature=0.0)).rollout_temperature == 1.0
+    assert decode(sample_v1(rollout_temperature=0.0)).rollout_temperature == 1.0
     with pytest.raises(MalformedEvent, match="rollout_log_probs has 1 entries"):
-        decode(_v1(rollout_log_probs=[-1.0]))
+        decode(sample_v1(rollout_log_probs=[-1.0]))
     with pytest.raises(UnsupportedVersion, match="reads v1, v2"):
-        decode(_v1(v=3))
+        decode(sample_v1(v=3))
     assert events.readable_versions("sample") == [1, 2] and events.readable_versions("turn") == [1]
