@@ -28,7 +28,7 @@ directory (topics, records, committed consumer-group offsets). Layout of ``DIR``
     the next start kills what is left of them (checked by command line, so a recycled pid is safe).
 
 Stop (SIGTERM/SIGINT): Tansu first (SIGTERM, SIGKILL after 5 s), then the object store (SIGTERM,
-SIGKILL after a grace period: ``weed`` takes ~15 s to honour SIGTERM; its acknowledged writes are
+SIGKILL after a grace period, 2 s by default: ``weed`` takes ~15 s to honour SIGTERM; its acknowledged writes are
 already in the files, so SIGKILL loses nothing). If either child dies, the other is stopped and
 the command exits with status 1: a supervisor restarts it with the same arguments.
 
@@ -310,7 +310,7 @@ class ObjectStore:
         self.started_in_s = time.monotonic() - t0
         return self
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s`` (what it acknowledged is already in its files)."""
         _stop_proc(self.proc, grace_s)
 
@@ -331,7 +331,7 @@ class EmbeddedBroker:
     """
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_file: str | None = None,
-                 data_dir: str | os.PathLike | None = None, stop_grace_s: float = 5.0) -> None:
+                 data_dir: str | os.PathLike | None = None, stop_grace_s: float = 2.0) -> None:
         self.host = host
         self.port = port
         self.log_file = log_file
@@ -476,8 +476,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data-dir", metavar="DIR",
                         help="durable storage in DIR (object store + Tansu's s3 engine); a restart on the same DIR "
                              "carries on with every acknowledged record. Without it: memory storage")
-    parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
-                        help="seconds the object store may take to stop before SIGKILL (default 5)")
+    parser.add_argument("--stop-grace", type=float, default=2.0, metavar="S",
+                        help="seconds the object store may take to stop before SIGKILL (default 2; it acknowledges "
+                             "nothing it has not written, so SIGKILL loses nothing)")
     parser.add_argument("--apply-topics", action="store_true", help="also create the topics of topics.yaml")
     parser.add_argument("--broker-log", help="append the broker's (and object store's) own log to this file")
 
