@@ -135,6 +135,8 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
         if config.judge.mode != "rl" and not config.engine.teacher_url:
             config.engine.teacher_url = "pending"
         config.proxy.port = free_port()
+        if config.proxy.buffer_dir is not None:  # the proxy's durable event buffer lives with the run
+            config.proxy.buffer_dir = str(run_dir / "proxy-buffer")
         cfg_path = run_dir / "config.yaml"
 
         def write_config() -> None:
