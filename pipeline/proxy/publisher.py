@@ -278,17 +278,20 @@ class EventPublisher:
         try:
             try:
                 buf.append(items, delete_through=ack)
+                done = len(items)
             except EventBufferFull:
-                if ack is None or not items:
-                    raise
-                buf.delete_through(ack)  # free what was delivered, then try once more
-                buf.append(items)
+                if ack is not None:
+                    buf.delete_through(ack)  # free what was delivered first
+                done = self._append_what_fits(items)
             if ack is not None:
                 self._deleted_id = ack
         except EventBufferError as e:
-            self._to_memory(items, "buffer_full" if isinstance(e, EventBufferFull) else "disk_error")
+            self._to_memory(items, "disk_error")
             self._log_error(f"event buffer refused {len(items)} event(s), held in memory: {e}")
             return
+        if done < len(items):
+            self._to_memory(items[done:], "buffer_full")
+            self._log_error(f"event buffer {buf.dir} is full: {len(items) - done} event(s) held in memory")
         if items:
             M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
         if ack is not None and buf.count == 0 and buf.file_bytes() > self.compact_bytes:
@@ -296,6 +299,20 @@ class EventPublisher:
                 buf.compact()
             except EventBufferError as e:
                 self._log_error(str(e))
+
+    def _append_what_fits(self, items: list) -> int:
+        """Append the longest prefix of ``items`` that fits (halving on :class:`EventBufferFull`)."""
+        if not items:
+            return 0
+        try:
+            self._buf.append(items)
+            return len(items)
+        except EventBufferFull:
+            if len(items) == 1:
+                return 0
+        half = len(items) // 2
+        n = self._append_what_fits(items[:half])
+        return n if n < half else half + self._append_what_fits(items[half:])
 
     def _to_memory(self, items: list, reason: str | None) -> None:
         if not items:
