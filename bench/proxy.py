@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-duration", type=float, default=4.0, help="seconds per measured streaming run")
     ap.add_argument("--token-ms", type=float, default=5.0,
                     help="streaming: ms between two tokens of the stand-in engine (5 = 200 tokens/s per stream)")
+    ap.add_argument("--buffer", choices=["disk", "fsync", "memory"], default="disk",
+                    help="the proxy's event buffer: disk (default, durable against a crash), fsync (also against "
+                         "power loss) or memory (nothing durable; the cost of the buffer is disk minus memory)")
     ap.add_argument("--naive-stack", choices=["same", "h11"], default="same",
                     help="naive forwarder on the proxy's uvicorn stack (uvloop+httptools) or on h11/asyncio")
     args = ap.parse_args(argv)
@@ -239,15 +242,20 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen([py, __file__, "_upstream", str(up_port), str(args.token_ms)]))
         procs.append(subprocess.Popen([py, __file__, "_naive", str(naive_port), up, args.naive_stack]))
         env = dict(os.environ, PIPELINE_LOG_LEVEL="WARNING")
+        import tempfile
+
+        buf_dir = tempfile.mkdtemp(prefix="bench-proxy-buffer-")
+        buf_args = (["--set", "proxy.buffer_dir=null"] if args.buffer == "memory" else
+                    ["--buffer-dir", buf_dir] + (["--set", "proxy.buffer_fsync=true"] if args.buffer == "fsync" else []))
         procs.append(subprocess.Popen([py, "-m", "pipeline", "proxy", "--port", str(proxy_port), "--engine-url", up,
-                                       "--bootstrap", broker.bootstrap, "--set", "topics.prefix=bench-"],
+                                       "--bootstrap", broker.bootstrap, "--set", "topics.prefix=bench-", *buf_args],
                                       env=env, stdout=subprocess.DEVNULL))
         targets = {"direct": up, "naive": f"http://127.0.0.1:{naive_port}", "proxy": f"http://127.0.0.1:{proxy_port}"}
         _wait_http(up + "/health")
         _wait_http(targets["naive"] + "/healthz")
         _wait_http(targets["proxy"] + "/readyz")
         print(f"broker {broker.bootstrap}; upstream {up}; naive on {'uvloop+httptools' if args.naive_stack == 'same' else 'h11+asyncio'};"
-              f" proxy with event publishing on; {os.cpu_count()} cores; {args.duration:g} s per run, each run twice;"
+              f" proxy with event publishing on, {args.buffer} event buffer; {os.cpu_count()} cores; {args.duration:g} s per run, each run twice;"
               f" streams: 69 chunks, {args.token_ms:g} ms apart\n")
 
         order = ["direct", "naive", "proxy", "proxy", "naive", "direct"]
