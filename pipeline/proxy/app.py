@@ -78,8 +78,8 @@ class ProxyApp:
         self.sessions = SessionTable(pc.max_sessions, pc.session_idle_s)
         self.publisher = publisher or EventPublisher(
             config, max_buffer=pc.buffer_max_events, buffer_dir=pc.buffer_dir, buffer_max_bytes=pc.buffer_max_bytes,
-            buffer_fsync=pc.buffer_fsync, delivery_timeout_ms=pc.publish_delivery_timeout_ms, linger_s=pc.publish_linger_ms / 1000,
-            kafka_client=pc.kafka_client)
+            buffer_fsync=pc.buffer_fsync, delivery_timeout_ms=pc.publish_delivery_timeout_ms,
+            linger_s=pc.publish_linger_ms / 1000, kafka_client=pc.kafka_client)
         self.upstream = Upstream(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
