@@ -11,6 +11,8 @@ PPO as used by slime):
   dropped; the most frequent value wins; a tie for the top count, or no valid vote, gives 0.
 - **Binary RL sample** (``rl`` mode): reward = the vote; trained (loss mask 1) when the vote is
   non-zero; a turn without a next state carries no reward and is never trained.
+- **OPD dispatch** (``opd`` mode): an accepted hint gives a sample with teacher log-probs and no
+  reward; no hint, no sample.
 - **Combine dispatch** (``combine`` mode): a ±1 vote is an RL signal, a vote of 0 is none; an
   accepted hint gives teacher log-probs. Both -> one sample with both signals, one -> one sample
   with that signal only, neither -> no sample.
@@ -81,6 +83,11 @@ def rl_signals(vote: float | None) -> tuple[float | None, int]:
     if vote is None:
         return None, 0
     return float(vote), int(vote != 0)
+
+
+def opd_signals(hint_accepted: bool) -> tuple[None, bool] | None:
+    """``opd`` mode: (no reward, has teacher) of a judged turn, or None: no sample without a hint."""
+    return (None, True) if hint_accepted else None
 
 
 def combine_signals(vote: float, hint_accepted: bool) -> tuple[float | None, bool] | None:

@@ -32,6 +32,7 @@ def test_judge_dispatch():
     assert ref.combine_signals(0, True) == (None, True)
     assert ref.combine_signals(-1, False) == (-1.0, False)
     assert ref.combine_signals(0, False) is None
+    assert ref.opd_signals(True) == (None, True) and ref.opd_signals(False) is None
 
 
 def test_grpo_broadcast_and_normalisation_over_rewarded_samples():
