@@ -68,3 +68,31 @@ def kafka_config(broker_bootstrap, topic_prefix) -> Config:
     config = make_config(broker_bootstrap, topic_prefix)
     apply_topics(config, load_topics(config.topics.file))
     return config
+
+
+def read_all(config: Config, topic: str, want: int = 0, timeout_s: float = 30.0, idle_s: float = 0.5) -> list:
+    """Every record of a physical ``topic`` from the beginning as ``(partition, offset, event)``:
+    waits until ``want`` arrived (then ``idle_s`` more for extras) or ``timeout_s`` passed.
+    Reads strictly (a bad record raises): tests must see what is there."""
+    import time
+
+    from pipeline.bus import TopicMissing, TopicReader
+
+    try:
+        reader = TopicReader(config, topic, name="test-reader", fallback="earliest", accept=None, dlq=False,
+                             metadata_timeout_s=min(timeout_s, 10.0))
+    except TopicMissing:
+        return []
+    out: list = []
+    with reader:
+        deadline = time.monotonic() + timeout_s
+        quiet_until = None
+        while time.monotonic() < deadline:
+            recs = reader.poll(timeout_ms=100)
+            out.extend((r.partition, r.offset, r.event) for r in recs)
+            if len(out) >= want:
+                if recs or quiet_until is None:
+                    quiet_until = time.monotonic() + idle_s
+                elif time.monotonic() >= quiet_until:
+                    break
+    return out
