@@ -96,3 +96,21 @@ def read_all(config: Config, topic: str, want: int = 0, timeout_s: float = 30.0,
                 elif time.monotonic() >= quiet_until:
                     break
     return out
+
+
+def scrape(port: int, **match) -> dict[str, float]:
+    """Prometheus samples served on ``http://127.0.0.1:<port>/metrics`` whose labels include
+    ``match``, summed per sample name (``{}`` while nothing answers there)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if all(s.labels.get(k) == v for k, v in match.items()):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out

@@ -232,13 +232,18 @@ def test_killed_consumer_resumes_exactly_after_last_commit(kafka_config, tmp_pat
     proc = subprocess.Popen(cmd + [str(out1), "0.01"])
     deadline = time.monotonic() + 60
     target = 60 + 70 * trial
-    while (not out1.exists() or len(out1.read_text().splitlines()) < target) and time.monotonic() < deadline:
+    # kill once it has processed `target` records and committed some of them (seen on the broker)
+    while ((not out1.exists() or len(out1.read_text().splitlines()) < target
+            or not sum(v or 0 for v in _committed(kafka_config, group, topic).values()))
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # no chance to commit or close
     proc.wait()
     committed = _committed(kafka_config, group, topic)
     first = _read_out(out1)
-    assert len(first) >= target
+    assert len(first) >= target, "it had consumed and processed records"
+    assert sum(v or 0 for v in committed.values()) > 0, "it had committed part of its work"
+    assert len(first) < n, "it was killed before the end of the work"
     # nothing below a committed offset may be unprocessed (no loss at the crash)
     done1 = {(pp, o) for pp, o, _ in first}
     for part, off in committed.items():

@@ -174,6 +174,12 @@ class TopicReader:
         """:meth:`position` of every partition."""
         return {p: self.position(p) for p in self._tps}
 
+    def committed(self) -> dict[int, int | None]:
+        """The offsets ``group_id`` has committed, per partition (None: none), asked of the broker now."""
+        if self.group_id is None:
+            raise ValueError(f"{self.name}: committed offsets need a group_id")
+        return {p: self.consumer.committed(tp) for p, tp in self._tps.items()}
+
     def beginning_offsets(self) -> dict[int, int]:
         """The first offset still in the log, per partition."""
         got = self.consumer.beginning_offsets(list(self._tps.values()))

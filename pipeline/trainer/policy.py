@@ -30,6 +30,7 @@ from pipeline.config import TrainerConfig
 from pipeline.trainer import batch as B
 from pipeline.trainer import loss as L
 from pipeline.trainer import model as M
+from pipeline.trainer import prom
 from pipeline.trainer.dist import Parallel
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ class PolicyTrainer:
         finalize_model_grads([self.ddp])
         ok, grad_norm, zeros = self.optimizer.step()
         self.optimizer_steps += 1
+        prom.OPTIMIZER_STEPS.inc()
         return ok, grad_norm, zeros
 
     def _all_reduce_dp(self, stats: dict[str, Any]) -> dict[str, float]:
