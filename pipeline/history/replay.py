@@ -191,12 +191,15 @@ def topic_records(config, topic: str, start: Bound | None, end: Bound | None, st
         stop_at: dict[int, int] = {}
         total_reported = False
         last_data = time.monotonic()
-        while active:
+        while active and not stats.get("stopped"):
             if reader.stopping:
                 stats["stopped"] = True
                 break
             for r in reader.poll_raw(timeout_ms=200):
                 p = r.partition
+                if reader.stopping:
+                    stats["stopped"] = True
+                    break
                 if p not in active:
                     continue
                 last_data = time.monotonic()
