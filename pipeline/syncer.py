@@ -142,8 +142,8 @@ class Syncer:
         from pipeline.bus import DeadLetterError, EventProducer, TopicReader
         from pipeline.trainer import prom
 
-        consumer = TopicReader(self.config, self.topic, name=f"syncer-{self.engine_id}", group_id=self.group_id,
-                               stop=self.stop)
+        consumer = TopicReader(self.config, self.topic, "committed", name=f"syncer-{self.engine_id}",
+                               group_id=self.group_id, dlq=True, stop=self.stop)
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
         self.ready.set()
         log.info("syncer %s -> %s (group %s, run %s)", self.engine_id, self.url, self.group_id, self.run_id)

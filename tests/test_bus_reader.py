@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient, KafkaProducer
 from prometheus_client import REGISTRY
 
 from pipeline import events
-from pipeline.bus import DeadLetterError, EventProducer, TopicReader, admin_kwargs
+from pipeline.bus import DeadLetterError, EventProducer, Offset, Time, TopicReader, Undecodable, admin_kwargs
 from conftest import read_all
 
 
@@ -72,7 +72,7 @@ def test_reader_starts_where_told_and_dead_letters_every_kind_of_bad_record(kafk
     offs = _produce_raw(kafka_config, topic, [events.encode(_sample(0))] + [v for v, _ in bad]
                         + [events.encode(_sample(1))])
     stage = f"reader-{kafka_config.topics.prefix}"
-    with TopicReader(kafka_config, topic, name=stage, partitions=[0], start={0: offs[1]}) as reader:
+    with TopicReader(kafka_config, topic, Offset(offs[1]), partitions=[0], name=stage, dlq=True) as reader:
         got = []
         deadline = time.monotonic() + 30
         while not got and time.monotonic() < deadline:
@@ -105,7 +105,7 @@ def test_follower_passes_over_a_bad_record_whose_dead_letter_cannot_be_written(k
     stage = f"follower-{kafka_config.topics.prefix}"
     try:
         with caplog.at_level(logging.ERROR, logger="pipeline.bus.records"), \
-                TopicReader(kafka_config, topic, name=stage, partitions=[0], start={0: 0}, producer=failing,
+                TopicReader(kafka_config, topic, Offset(0), partitions=[0], name=stage, dlq=True, producer=failing,
                             dlq_give_up_s=1.0) as reader:
             got = []
             deadline = time.monotonic() + 30
@@ -125,7 +125,7 @@ def test_an_undeliverable_dead_letter_holds_the_reader_until_stopped(kafka_confi
     topic = kafka_config.topics.name("samples")
     _produce_raw(kafka_config, topic, [b"\x93garbage", events.encode(_sample(1))])
     failing = _failing_producer(kafka_config)
-    reader = TopicReader(kafka_config, topic, name="holding", partitions=[0], start={0: 0}, producer=failing)
+    reader = TopicReader(kafka_config, topic, Offset(0), partitions=[0], name="holding", dlq=True, producer=failing)
     got, raised = [], []
 
     def loop():
@@ -153,17 +153,24 @@ def test_an_undeliverable_dead_letter_holds_the_reader_until_stopped(kafka_confi
     assert got == []
 
 
-@pytest.mark.parametrize("fallback,want", [("committed", ["id2", "id3"]), ("earliest", ["id0", "id1", "id2", "id3"]),
-                                            ("latest", ["id3"])])
-def test_start_offsets_fall_back_to_the_group_commit_the_beginning_or_the_end(kafka_config, fallback, want):
+@pytest.mark.parametrize("start,want", [
+    ("beginning", ["id0", "id1", "id2", "id3"]), ("committed", ["id2", "id3"]), ("end", ["id3"]),
+    (Offset(1), ["id1", "id2", "id3"]), (Offset(per_partition={}, otherwise="committed"), ["id2", "id3"]),
+    ("time", ["id2", "id3"])])
+def test_start_positions(kafka_config, start, want):
     topic = kafka_config.topics.name("samples")
     p = EventProducer(kafka_config, name="test")
-    part = [p.send(topic, _sample(i), key="one").get(10).partition for i in range(3)][0]
+    part = [p.send(topic, _sample(i), key="one").get(10).partition for i in range(2)][0]
+    time.sleep(0.01)  # distinct broker timestamps on each side of `cut` (ms resolution)
+    cut = events.now_ms()
+    time.sleep(0.01)
+    p.send(topic, _sample(2), key="one").get(10)
     group = f"{kafka_config.topics.prefix}g"
-    with TopicReader(kafka_config, topic, name="t", group_id=group, partitions=[part]) as r:
+    with TopicReader(kafka_config, topic, partitions=[part], group_id=group) as r:
         r.commit({part: 2})
-    with TopicReader(kafka_config, topic, name="t", group_id=group, partitions=[part], fallback=fallback) as r:
-        r.positions()  # resolve the start now (latest: the end before id3)
+    start = Time(cut) if start == "time" else start
+    with TopicReader(kafka_config, topic, start, partitions=[part], group_id=group, name="t", dlq=True) as r:
+        r.positions()  # resolve the start now ("end": before id3)
         p.send(topic, _sample(3), key="one").get(10)
         got = []
         deadline = time.monotonic() + 30
@@ -171,3 +178,21 @@ def test_start_offsets_fall_back_to_the_group_commit_the_beginning_or_the_end(ka
             got += [x.event.sample_id for x in r.poll(timeout_ms=200)]
     p.close()
     assert got == want
+
+
+def test_an_observer_writes_nothing_joins_nothing_and_sees_bad_records(kafka_config):
+    """Default mode (observers: tail, dashboard): bad records come back as Undecodable with the
+    error, no dead letter is written, no consumer group is created; read() ends when caught up."""
+    topic = kafka_config.topics.name("samples")
+    offs = _produce_raw(kafka_config, topic, [events.encode(_sample(0))] + [v for v, _ in _bad_values()])
+    admin = KafkaAdminClient(**admin_kwargs(kafka_config))
+    groups_before = set(map(str, admin.list_groups()))
+    with TopicReader(kafka_config, [topic]) as r:
+        got = list(r.read())
+        assert r.caught_up()
+    assert [type(x).__name__ for x in got] == ["Record"] + ["Undecodable"] * len(_bad_values())
+    assert [(x.offset, x.error.split(":")[0]) for x in got[1:]] == [(o, e) for o, (_v, e) in zip(offs[1:], _bad_values())]
+    assert all(isinstance(x, Undecodable) and x.key == "one" for x in got[1:])
+    assert read_all(kafka_config, kafka_config.topics.dlq("samples"), timeout_s=2) == []
+    assert set(map(str, admin.list_groups())) == groups_before, "an observer created a consumer group"
+    admin.close()

@@ -162,8 +162,8 @@ def _assigned_reader(config, topic: str, group: str | None, start: Bound | None,
     of each (None: nothing at or after ``start``). Raises :class:`pipeline.bus.TopicMissing`."""
     from pipeline.bus import TopicReader
 
-    reader = TopicReader(config, topic, name="replay", group_id=group, fallback="earliest", stop=stop,
-                         dlq_give_up_s=DLQ_GIVE_UP_S, metadata_timeout_s=5.0)
+    reader = TopicReader(config, topic, name="replay", group_id=group, dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S,
+                         stop=stop, wait_s=5.0)
     try:
         return reader, _start_positions(reader, start)
     except BaseException:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pipeline import events
-from pipeline.bus import TopicReader
+from pipeline.bus import Offset, TopicReader
 from pipeline.config import Config
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class ControlFollower:
         return before != (s.paused, s.epoch, s.applied_version)
 
     def _consumer(self) -> TopicReader:
-        return TopicReader(self.config, self.topic, name="proxy", partitions=[0], start={0: self._next_offset},
+        return TopicReader(self.config, self.topic, Offset(self._next_offset), partitions=[0], name="proxy", dlq=True,
                            dlq_give_up_s=DLQ_GIVE_UP_S, stop=self._stop, bootstrap_timeout_ms=2000)
 
     def _run(self) -> None:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from pipeline import events
-from pipeline.bus import DeadLetterError, TopicReader
+from pipeline.bus import DeadLetterError, Offset, TopicReader
 from pipeline.config import Config
 from pipeline.trainer import batch as B
 from pipeline.trainer import loss as L
@@ -95,8 +95,8 @@ class SampleSource:
                  validate: Callable[[events.Sample], str | None] | None = None) -> None:
         self.config, self.cfg = config, config.trainer
         self.topic = config.topics.name("samples")
-        self.reader = TopicReader(config, self.topic, name="trainer", start=offsets, fallback="committed",
-                                  group_id=self.cfg.group_id)
+        self.reader = TopicReader(config, self.topic, Offset(per_partition=dict(offsets or {}), otherwise="committed"),
+                                  name="trainer", group_id=self.cfg.group_id, dlq=True, wait_s=30.0)
         self.dedup = DedupWindow(self.cfg.dedup_window, seen)
         self.validate = validate
         self._buffer: deque = deque()

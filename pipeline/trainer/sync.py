@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline import events
-from pipeline.bus import EventProducer, TopicReader
+from pipeline.bus import EventProducer, Offset, TopicReader
 from pipeline.config import Config
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ class WeightPublisher:
 
     def _await(self, version: int, partition: int, offset: int, engines: list[str], report: SyncReport,
                stop: threading.Event | None) -> None:
-        consumer = TopicReader(self.config, self.topic, name="trainer", partitions=[partition],
-                               start={partition: offset}, dlq_give_up_s=DLQ_GIVE_UP_S, stop=stop)
+        consumer = TopicReader(self.config, self.topic, Offset(offset), partitions=[partition], name="trainer",
+                               dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S, stop=stop)
         try:
             deadline = time.monotonic() + self.cfg.sync_timeout_s
             pending = set(engines)
