@@ -116,8 +116,9 @@ class RecordIntake:
         name: the stage name (metrics labels, logs, the dead letters' ``stage``).
         producer: an :class:`~pipeline.bus.EventProducer` for dead letters (default: one is made
             on the first dead letter and closed by :meth:`close`).
-        dlq: False raises the :class:`pipeline.events.EventError` instead of dead-lettering
-            (tools that must see every record, never a production stage).
+        dlq: False raises the :class:`pipeline.events.EventError` instead of dead-lettering (for
+            readers that write nothing: :class:`~pipeline.bus.TopicReader` in observer mode
+            returns it as :class:`~pipeline.bus.Undecodable`; never a production stage).
         accept: the event classes the topics may carry: ``DECLARED`` (``topics.yaml``; a topic
             not declared there takes any event), ``None`` (any), or a tuple of classes.
         dlq_give_up_s: None: retry an undeliverable dead letter until delivered or stopped;
