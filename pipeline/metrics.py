@@ -20,7 +20,8 @@ PRODUCER_BUFFERED = Gauge("pipeline_producer_buffered_events", "Events sent but 
 RECORDS_CONSUMED = Counter("pipeline_records_consumed_total", "Records polled from the broker", ["stage", "topic"])
 DEAD_LETTERS = Counter("pipeline_dead_letters_total", "Records routed to a dead-letter topic", ["stage", "topic"])
 DEAD_LETTER_FAILURES = Counter("pipeline_dead_letters_failed_total",
-                               "Attempts to write a dead letter that the broker did not acknowledge", ["stage", "topic"])
+                               "Attempts to write a dead letter that the broker did not acknowledge",
+                               ["stage", "topic"])
 CONSUMER_LAG = Gauge("pipeline_consumer_lag_records",
                      "High watermark minus the committed offset (groups) or the read position (assigned readers)",
                      ["stage", "topic", "partition"])

@@ -152,7 +152,8 @@ def test_wrong_type_unknown_version_and_tombstone_go_to_a_dlq_created_as_declare
     sample = events.Sample(sample_id="x:0:rl", session_id="x", turn_index=0, tokens=[1, 2], response_length=1,
                            rollout_log_probs=[-1.0])
     payloads = [events.encode(sample), msgpack.packb(v9, use_bin_type=True), None,
-                events.encode(events.Control(action="pause", epoch=1)), events.encode(events.SessionEnd(session_id="ok"))]
+                events.encode(events.Control(action="pause", epoch=1)),
+                events.encode(events.SessionEnd(session_id="ok"))]
     raw = KafkaProducer(bootstrap_servers=kafka_config.kafka.bootstrap_servers)
     metas = [raw.send(topic, value=v, key=b"k", partition=0).get(10) for v in payloads]
     raw.close()

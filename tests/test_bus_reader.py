@@ -191,7 +191,8 @@ def test_an_observer_writes_nothing_joins_nothing_and_sees_bad_records(kafka_con
         got = list(r.read())
         assert r.caught_up()
     assert [type(x).__name__ for x in got] == ["Record"] + ["Undecodable"] * len(_bad_values())
-    assert [(x.offset, x.error.split(":")[0]) for x in got[1:]] == [(o, e) for o, (_v, e) in zip(offs[1:], _bad_values())]
+    want = [(o, e) for o, (_v, e) in zip(offs[1:], _bad_values())]
+    assert [(x.offset, x.error.split(":")[0]) for x in got[1:]] == want
     assert all(isinstance(x, Undecodable) and x.key == "one" for x in got[1:])
     assert read_all(kafka_config, kafka_config.topics.dlq("samples"), timeout_s=2) == []
     assert set(map(str, admin.list_groups())) == groups_before, "an observer created a consumer group"
