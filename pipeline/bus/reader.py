@@ -47,7 +47,7 @@ from kafka import KafkaConsumer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline import events
-from pipeline.bus.records import DECLARED, Record, RecordIntake, stop_on_signals
+from pipeline.bus.records import DECLARED, RecordIntake, stop_on_signals
 from pipeline.bus.settings import consumer_kwargs
 from pipeline.config import Config
 from pipeline.errors import PipelineError
