@@ -55,6 +55,25 @@ def _as_set(v: Any) -> set[int]:
     return {int(x) for x in v}
 
 
+def _generation_config(path: Path) -> dict:
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            gen = json.loads(gen_file.read_text())
+            return gen if isinstance(gen, dict) else {}
+        except (OSError, ValueError):
+            return {}
+    return {}
+
+
+def generation_defaults(path: str | os.PathLike) -> dict[str, float]:
+    """temperature / top_p / top_k / min_p / repetition_penalty from the folder's
+    ``generation_config.json`` (SGLang's chat defaults when a request gives none); ``{}`` if absent."""
+    gen = _generation_config(Path(os.path.expanduser(str(path))))
+    return {k: float(gen[k]) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+
+
 def load_model(path: str | os.PathLike) -> LoadedModel:
     """Load the HF causal LM at ``path`` in fp32 (``~2 s`` for SmolLM2-135M on 2 cores).
 
@@ -77,16 +96,9 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)
     cfg = model.config
-    gen: dict[str, Any] = {}
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        try:
-            gen = json.loads(gen_file.read_text())
-        except (OSError, ValueError):
-            gen = {}
+    gen = _generation_config(path)
     eos = _as_set(getattr(cfg, "eos_token_id", None)) | _as_set(gen.get("eos_token_id"))
-    defaults = {k: float(gen[k]) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+    defaults = generation_defaults(path)
     out_emb = model.get_output_embeddings()
     vocab = int(out_emb.weight.shape[0]) if out_emb is not None else int(cfg.vocab_size)
     return LoadedModel(

@@ -54,6 +54,7 @@ from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, Gener
 from pipeline.engine.tools import ToolStreamParser, parse_tool_calls
 from pipeline.engine.worker import EngineWorker
 from pipeline.errors import PipelineError
+from pipeline.tokenbytes import TokenBytes
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -116,6 +117,7 @@ class EngineState:
         self.update_lock = asyncio.Lock()
         self.vocab_size = self.worker.loaded.vocab_size
         self.token_text = functools.lru_cache(maxsize=65536)(lambda t: self.tokenizer.decode([t]))
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.metrics.set_version(self.worker.version)
         self.worker.on_tokens = lambda n: self.metrics.generated_tokens.inc(n)
 
@@ -390,15 +392,20 @@ def chat_setup(state: EngineState, body: ChatBody) -> tuple[list[int], SamplingP
     if rf and rf.get("type", "text") != "text":
         raise ValueError(f"response_format {rf.get('type')!r} needs constrained decoding, which this engine "
                          "does not implement")
+    for key in ("regex", "ebnf", "stop_regex"):
+        if getattr(body, key):
+            raise ValueError(f"{key} needs constrained decoding or regex matching, which this engine does not "
+                             "implement")
+    if (body.stream_options or {}).get("continuous_usage_stats"):
+        raise ValueError("stream_options.continuous_usage_stats is not supported by this engine")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    if choice != "none" and not tools and choice != "auto":
-        raise ValueError("tool_choice is set but no tools were given")
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        tools = [t for t in tools or [] if t["function"]["name"] == name]
-        if not tools:
-            raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+    if choice not in ("none", "auto"):
+        # "required" and a named function oblige the model to call: that needs constrained
+        # decoding (SGLang builds a JSON-schema constraint); refused rather than served as "auto"
+        shown = choice if isinstance(choice, str) else f"function {choice['function']['name']!r}"
+        raise ValueError(f"tool_choice {shown} needs constrained decoding, which this engine does not implement "
+                         "(use 'auto' or 'none')")
     active_tools = tools if choice != "none" else None
     if body.input_ids is not None:
         state.check_ids(body.input_ids)
@@ -442,6 +449,8 @@ def chat_response(state: EngineState, body: ChatBody, rid: str, gens: list[Gener
     for i, g in enumerate(gens):
         text = g.text()
         content, calls = parse_tool_calls(text, tools) if tools else (text, [])
+        if not body.parallel_tool_calls:
+            calls = calls[:1]  # at most one call per turn
         reason, matched = g.chat_finish_reason(bool(calls))
         choice: dict[str, Any] = {
             "index": i,
@@ -514,6 +523,8 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
                 delta: dict[str, Any] = {}
                 if delta_text:
                     delta["content"] = delta_text
+                if calls and not body.parallel_tool_calls:
+                    calls = calls[:max(0, 1 - n_calls[i])]  # at most one call per turn
                 if calls:
                     delta["tool_calls"] = [c.to_openai(n_calls[i] + k) for k, c in enumerate(calls)]
                     n_calls[i] += len(calls)
@@ -616,6 +627,7 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "context_length": state.context_length, "max_req_input_len": state.context_length - 1,
                 "max_running_requests": state.worker.max_batch_size, "weight_version": state.worker.version,
                 "incremental_streaming_output": False, "chat_stream_token_ids": True,
+                "logprob_token_bytes": True,
                 "tool_call_parser": "pipeline-tool-call", "reasoning_parser": None, "dtype": "float32",
                 "device": "cpu", "startup_time": state.started,
                 "internal_states": [{"running_requests": running, "waiting_requests": waiting,
