@@ -768,7 +768,8 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         async with state.update_lock:
             try:
                 path = await asyncio.to_thread(resolve_model, body.model_path, state.cache_dir)
-                loaded = await asyncio.to_thread(load_model, path)
+                loaded = await asyncio.to_thread(load_model, path, like=state.worker.loaded,
+                                                 tokenizer=state.tokenizer)
             except (ModelNotFound, ModelLoadError, OSError) as e:
                 return fail(f"Failed to update weights: {e}")
             if loaded.vocab_size != state.vocab_size:
