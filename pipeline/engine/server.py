@@ -20,10 +20,16 @@ Errors never surface as 500 for bad input: body validation -> 400 ``{"object": "
 "type": "BadRequestError"}``; a prompt longer than the context -> 400.
 
 Differences from SGLang (deliberate): ``return_token_ids`` is accepted with ``stream: true`` on
-chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); unknown keys inside
-``sampling_params`` are a 400 (SGLang raises a TypeError there); constrained decoding
-(json_schema/regex/ebnf, ``response_format`` json) is not implemented (400); with ``n > 1`` and
-a seed, sample j is drawn with ``seed + j``; there is no prefix cache (``cached_tokens`` is 0).
+chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); chat log-prob
+``bytes`` are each token's raw bytes (SGLang sends the UTF-8 of the token decoded alone, wrong
+for half a character); ``/server_info`` says both (``chat_stream_token_ids``,
+``logprob_token_bytes``). Unknown keys inside ``sampling_params`` are a 400 (SGLang raises a
+TypeError there); what needs constrained decoding (json_schema/regex/ebnf/stop_regex,
+``response_format`` json, ``tool_choice`` required or a named function) is not implemented and
+refused (400) rather than served as if absent; with ``n > 1`` and a seed, sample j is drawn with
+``seed + j``; there is no prefix cache (``cached_tokens`` is 0). ``parallel_tool_calls: false``
+keeps the first tool call of a turn. New weights must fit the served model
+(:func:`pipeline.engine.model.check_fits`), else 400 and nothing changes.
 """
 
 from __future__ import annotations

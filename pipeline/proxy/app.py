@@ -12,7 +12,11 @@ Per request (main turn of a known session):
 2. weight-sync hold (bounded; 503 only with ``proxy.sync_strict``);
 3. turn index + ``next_state`` (published now, before the engine sees the request);
 4. forward with ``logprobs``/``return_token_ids``/``return_prompt_token_ids`` added; the user gets
-   the answer without the extras it did not ask for (streams are forwarded chunk by chunk);
+   the answer without the extras it did not ask for (streams are forwarded chunk by chunk).
+   In front of SGLang (no token ids on streamed chat, log-prob ``bytes`` of decoded text) a
+   recorded stream goes through ``/v1/tokenize`` + ``/generate`` (every chat field carried over
+   as SGLang's chat path would, or refused naming it), and shown log-probs get each token's raw
+   bytes from the served model's tokenizer (``proxy.tokenizer``, default ``engine.model``);
 5. ``turn`` published after the last byte of the answer, then ``session_end`` on
    ``X-Session-Done``. Publishing only appends to :class:`pipeline.proxy.publisher.EventPublisher`.
 """
