@@ -422,8 +422,10 @@ class ProxyApp:
         has neither). Cached once answered; an engine without ``/server_info`` counts as both."""
         if self._caps is None:
             status, data = await self.upstream.call("GET", "/server_info")
-            if status != 200:
-                return True, True  # unknown: try the native way (our engine, vLLM)
+            if status != 200:  # unknown: try the native way (our engine, vLLM); ask again unless there is none
+                if status in (404, 405):
+                    self._caps = (True, True)
+                return True, True
             try:
                 info = orjson.loads(data)
             except orjson.JSONDecodeError:
