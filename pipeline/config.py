@@ -145,6 +145,9 @@ class ProxyConfig(Section):
     # sent (and recorded) when a request has no temperature: set it when the served model's
     # generation_config has a default temperature other than 1.0 (the log-probs depend on it)
     default_temperature: float | None = None
+    # the served model's tokenizer and generation_config (name or HF folder; None: engine.model),
+    # read only in front of an SGLang engine: raw log-prob bytes, chat defaults on the streamed path
+    tokenizer: str | None = None
 
 
 class JudgeConfig(Section):
