@@ -104,6 +104,9 @@ def run(args, config) -> int:
         if not reader.assignment():
             print(f"pipeline tail: topic {topic!r} does not exist on {config.kafka.bootstrap_servers}", file=sys.stderr)
             return 1
+        if args.follow:
+            print(f"pipeline tail: following {topic} ({len(reader.assignment())} partitions); Ctrl-C stops",
+                  file=sys.stderr, flush=True)
         for rec in reader.read(follow=args.follow, stop=stop):
             if not matches(rec, args.session, args.types):
                 continue

@@ -11,8 +11,10 @@
    the engine has applied at least one new policy version; each newly applied version is
    evaluated on the same held-out prompts (simulator and trainer are frozen with SIGSTOP
    meanwhile, so every held-out reply comes from that version).
-4. Clean shutdown, then ``report.json`` and ``report.png`` (metrics against policy version) in
-   ``--report-dir``, and a console summary.
+4. Clean shutdown, then ``report.json`` and ``report.png`` in ``--report-dir`` (held-out success
+   per policy version with n, Wilson 95% intervals, the target line and words per reply; reward,
+   KL and log-prob mismatch per trainer step), and a console summary. Each evaluation is also
+   published on the ``metrics`` topic, where the dashboard shows it while the demo runs.
 
 Defaults are sized for a 2-core CPU machine (~10-15 minutes). ENVIRONMENT.md measured the
 brevity property at 9% for the base model, rising to ~56-97% after 3-5 Binary-RL steps at
