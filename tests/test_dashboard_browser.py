@@ -69,8 +69,11 @@ def test_dashboard_in_headless_chromium(tmp_path):
     run_dir = tmp_path / "run"
     config = load_config(None, engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8},
                          trainer={"model": "tiny-random", "rollout_batch_size": 4, "lr": 1e-3, "threads": 1,
-                                  "progress": False, "max_staleness": None},
-                         judge={"mode": "rl", "backend": "embedding", "idle_timeout_s": 5},
+                                  "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
+                                  "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False,
+                                  "max_staleness": None},
+                         judge={"mode": "rl", "backend": "tests.stand_in_judge:StandInVotesBackend",
+                                "idle_timeout_s": 5},
                          dashboard={"scrape_interval_s": 1.0, "push_interval_s": 0.5})
     stack = start_stack(config, run_dir, ready_timeout_s=300)
     assert stack.dashboard_url and stack.supervisor.stages[-1].name == "dashboard"
@@ -92,6 +95,18 @@ def test_dashboard_in_headless_chromium(tmp_path):
                 break
             time.sleep(0.5)
         assert len({s.sample_id for s in samples}) == len(mains)
+        # the trainer takes one step per rollout_batch_size trainable samples: wait for all of them
+        unique = list({s.sample_id: s for s in samples}.values())
+        want_steps = sum(1 for s in unique if s.loss_mask and s.response_length) // 4
+        assert want_steps >= 1  # the at-least-one rule makes a sample of every session trainable
+        deadline = time.monotonic() + 120
+        while True:
+            steps = [e for e in decoded(topic_records(config, "metrics")) if isinstance(e, events.TrainStep)]
+            if len(steps) >= want_steps or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert len(steps) == want_steps
+        trained_at = {sid: st.step for st in steps for sid in st.trained}
         turn_records = len(topic_records(config, "turns"))
         kinds = Counter(type(e).__name__ for e in turns)
         votes = Counter("failed" if v is None else str(v) for s in {s.sample_id: s for s in samples}.values()
@@ -100,9 +115,10 @@ def test_dashboard_in_headless_chromium(tmp_path):
                     "n-session-ends": kinds["SessionEnd"], "n-sessions": len({e.session_id for e in turns}),
                     "n-samples": len({s.sample_id for s in samples}),
                     "votes-1": votes["1"], "votes-0": votes["0"], "votes-m1": votes["-1"], "votes-failed": votes["failed"],
-                    f"records-{config.topics.name('turns')}": turn_records}
+                    f"records-{config.topics.name('turns')}": turn_records,
+                    "n-steps": len(steps), "n-trained": len(trained_at)}
         assert expected["n-sessions"] == SESSIONS and expected["n-session-ends"] == SESSIONS
-        assert sum(votes.values()) > 0
+        assert sum(votes.values()) > 0 and len(votes) >= 2  # the stand-in judge's votes vary
 
         with Browser() as b:
             b.goto(stack.dashboard_url)
@@ -114,20 +130,26 @@ def test_dashboard_in_headless_chromium(tmp_path):
             # live: the stream says so, and the stages' metrics endpoints are up
             b.wait("document.getElementById('status').textContent.startsWith('live')")
             b.wait("document.querySelectorAll('#stages .pill.ok').length >= 5", timeout_s=15)
+            b.wait("document.querySelector('#chart-loss canvas') !== null")  # the trainer's steps are charted
             b.screenshot(tmp_path / "dashboard.png")
 
             # one session's page: each main turn with its PRM votes, as on the samples topic
             by_session: dict[str, list] = {}
             for s in {s.sample_id: s for s in samples}.values():
                 by_session.setdefault(s.session_id, []).append(s)
-            sid = max(by_session, key=lambda k: (len(by_session[k]), k))
+            sid = max(by_session, key=lambda k: (any(s.sample_id in trained_at for s in by_session[k]),
+                                                 len(by_session[k]), k))
             b.goto(f"{stack.dashboard_url}#/session/{sid}")
             n = len(by_session[sid])
             got = b.wait(f"""(() => {{ const xs = [...document.querySelectorAll('.sample')];
-                return xs.length === {n} && xs.map((x) => [x.dataset.sampleId, x.dataset.votes]); }})()""")
-            want_votes = {s.sample_id: ",".join("failed" if v is None else str(v) for v in s.votes)
-                          for s in by_session[sid]}
-            assert dict(got) == want_votes
+                return xs.length === {n} && xs.map((x) => [x.dataset.sampleId, [x.dataset.votes, x.dataset.majority,
+                                                                             x.dataset.trainedStep]]); }})()""")
+            from pipeline.judge.parse import majority_vote
+
+            want = {s.sample_id: [",".join("failed" if v is None else str(v) for v in s.votes),
+                                  str(majority_vote(s.votes)) if s.votes else "", str(trained_at.get(s.sample_id, ""))]
+                    for s in by_session[sid]}
+            assert dict(got) == want
             assert b.eval("document.querySelectorAll('.turn').length") >= 2  # a multi-turn session
             assert b.eval("document.querySelectorAll('.vote').length") == sum(len(s.votes) for s in by_session[sid])
             b.screenshot(tmp_path / "dashboard-session.png")

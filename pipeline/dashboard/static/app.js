@@ -264,7 +264,7 @@ async function renderSession(id) {
     if (t.turn_type === "main") {
       rows.push(["next state", t.next_states.length ? t.next_states.map((n) => messages(n.messages, showText)) : h("span", { class: "muted" }, data.end ? "none (session ended)" : "waiting")]);
       for (const s of t.samples) {
-        rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "" } },
+        rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "", trainedStep: s.trained_step ?? "" } },
           kv([["PRM votes", s.prm_votes.length ? voteBadges(s.prm_votes) : h("span", { class: "muted" }, "none")],
             ["majority", s.majority === null ? "–" : num(s.majority)],
             ["hint", s.has_hint ? (showText && s.hint !== undefined ? h("div", { class: "text" }, s.hint) : `${s.hint_chars} chars`) : "none"],
