@@ -203,6 +203,7 @@ class Browser:
         """Full-page PNG."""
         import base64
 
+        self.send("Emulation.clearDeviceMetricsOverride")
         metrics = self.send("Page.getLayoutMetrics")
         size = metrics.get("cssContentSize") or metrics["contentSize"]
         self.send("Emulation.setDeviceMetricsOverride", width=int(size["width"]), height=int(min(size["height"], 4000)),

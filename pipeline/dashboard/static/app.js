@@ -26,6 +26,7 @@ function setText(id, v) { const el = $(id); if (el) el.textContent = v; }
 function num(x, d = 2) {
   if (x === null || x === undefined || Number.isNaN(x)) return "–";
   if (Number.isInteger(x)) return String(x);
+  if (x !== 0 && Math.abs(x) < 10 ** -d) return x.toExponential(1);  // e.g. a log-prob mismatch of 2e-6 nats
   return Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(d);
 }
 function pct(a, b) { return b ? `${(100 * a / b).toFixed(0)}%` : "–"; }
@@ -54,6 +55,15 @@ function chart(id, title, labels, opts) {
   return box;
 }
 const COLORS = ["#2f5fd0", "#c62828", "#1a7f37", "#8a6d00", "#7b3fb6"];
+function tick(v) {  // axis labels that stay readable for tiny values (KL, mismatch in nats)
+  if (v === null || v === undefined) return "";
+  const a = Math.abs(v);
+  if (a === 0) return "0";
+  if (a >= 1000) return v.toFixed(0);
+  if (a >= 1) return String(+v.toFixed(2));
+  if (a >= 0.01) return String(+v.toFixed(3));
+  return v.toExponential(0);
+}
 function updateChart(id, data) {
   const c = S.charts[id];
   if (!c) return;
@@ -65,10 +75,15 @@ function updateChart(id, data) {
   }
   if (!c.plot) {
     target.textContent = "";
+    const pad = c.opts.time ? 60 : 1;  // a single point still gets an x range
     c.plot = new uPlot({
-      width, height: c.opts.height || 140, legend: { show: c.labels.length > 1 },
-      scales: { x: { time: !!c.opts.time } },
-      axes: [{ size: 30 }, { size: 46 }],
+      width, height: c.opts.height || 140, legend: { show: c.labels.length > 1, live: false },
+      scales: { x: { time: !!c.opts.time, range: (u) => {
+        const xs = u.data[0].filter((x) => x !== null), lo = Math.min(...xs), hi = Math.max(...xs);
+        return lo === hi ? [lo - pad, hi + pad] : [lo, hi];
+      } } },
+      axes: [c.opts.time ? { size: 30 } : { size: 30, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
+        { size: 52, values: (u, splits) => splits.map(tick) }],
       series: [{ label: c.opts.time ? "time" : (c.opts.x || "step") },
         ...c.labels.map((l, i) => ({ label: l, stroke: COLORS[i % COLORS.length], width: 1.5,
           points: { show: data[0].length < 60 }, spanGaps: true }))],
