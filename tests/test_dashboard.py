@@ -222,3 +222,42 @@ def test_reader_start_positions_and_no_group(kafka_config):
     assert got == ["new"]
     assert set(map(str, admin.list_groups())) == groups_before, "an observer created a consumer group"
     admin.close()
+
+
+def test_state_fold_rules_without_a_broker():
+    """Eviction keeps the counts; a redone step re-attributes its samples; waiting turns follow the topic."""
+    from pipeline.bus import Record
+    from pipeline.config import load_config
+    from pipeline.dashboard.state import DashboardState
+
+    state = DashboardState(load_config(None, dashboard={"max_sessions": 2}))
+    offset = iter(range(10_000))
+
+    def feed(topic, ev):
+        state.apply(Record(topic, 0, next(offset), getattr(ev, "session_id", None), ev, events.now_ms()))
+
+    for sid in ("a", "b", "c"):
+        turns, samples = marked_conversation(sid, turns=1)
+        for ev in turns:
+            feed("turns", ev)
+        for s in samples:
+            feed("samples", s)
+    o = state.overview()
+    assert o["traffic"]["sessions"] == 3 and o["traffic"]["main_turns"] == 3 and o["samples"]["total"] == 3
+    assert [s["session_id"] for s in state.sessions_list()] == ["c", "b"]  # the oldest one left the browser
+    assert state.session("a") is None
+
+    # a main turn without next state, sample or session end is waiting; its sample settles it
+    feed("turns", events.Turn(session_id="d", turn_index=0, response_token_ids=[1], response_logprobs=[-1.0]))
+    assert state.overview()["traffic"]["waiting"] == 1
+    feed("samples", events.Sample(sample_id="d:0:rl", session_id="d", turn_index=0, tokens=[1], response_length=1,
+                                  rollout_log_probs=[-1.0], loss_mask=0))
+    assert state.overview()["traffic"]["waiting"] == 0
+
+    # step 1 trains c:0 ... the trainer restarts and redoes step 1 with d:0 instead: c:0 is no longer trained
+    feed("metrics", events.TrainStep(step=1, trained={"c:0:combine": 0.5}, sample_ids=["c:0:combine"]))
+    assert state.session("c")["turns"][0]["samples"][0]["trained_step"] == 1
+    feed("metrics", events.TrainStep(step=1, trained={"d:0:rl": -0.25}, sample_ids=["d:0:rl"]))
+    assert state.session("c")["turns"][0]["samples"][0]["trained"] is False
+    assert state.session("d")["turns"][0]["samples"][0]["mean_advantage"] == -0.25
+    assert len(state.overview()["trainer"]["steps"]) == 1

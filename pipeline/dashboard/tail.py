@@ -46,16 +46,13 @@ def add_arguments(parser) -> None:
 
 def _start(text: str | None):
     from pipeline.bus import Offset, Time
-    from pipeline.history.replay import BoundError, parse_bound
+    from pipeline.history.replay import parse_bound
 
     if text is None:
         return "beginning"
     if text.strip() == "now":
         return "end"
-    try:
-        b = parse_bound(text)
-    except BoundError as e:
-        raise SystemExit(f"pipeline tail: --from: {e}")
+    b = parse_bound(text)  # BoundError names the accepted forms
     if b.time_ms is not None:
         return Time(b.time_ms)
     if b.offsets is not None:
@@ -93,14 +90,20 @@ def matches(rec, session: str | None, types: list[str] | None) -> bool:
 
 def run(args, config) -> int:
     from pipeline.bus import TopicReader
+    from pipeline.history.replay import BoundError
 
+    try:
+        start = _start(args.start)
+    except BoundError as e:
+        print(f"pipeline tail: --from: {e}", file=sys.stderr)
+        return 2
     topic = config.topics.name(args.topic)
     stop = threading.Event()
     if args.follow:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     printed = 0
-    with TopicReader(config, [topic], start=_start(args.start), partitions=args.partition) as reader:
+    with TopicReader(config, [topic], start=start, partitions=args.partition) as reader:
         if not reader.assignment():
             print(f"pipeline tail: topic {topic!r} does not exist on {config.kafka.bootstrap_servers}", file=sys.stderr)
             return 1
