@@ -261,3 +261,87 @@ def test_state_fold_rules_without_a_broker():
     assert state.session("c")["turns"][0]["samples"][0]["trained"] is False
     assert state.session("d")["turns"][0]["samples"][0]["mean_advantage"] == -0.25
     assert len(state.overview()["trainer"]["steps"]) == 1
+
+
+def test_bad_requests_and_odd_records_get_clear_answers(kafka_config):
+    from pipeline.bus import Record
+    from pipeline.dashboard.state import DashboardState
+
+    # a sample whose votes are not votes (valid msgpack, odd content) is still shown, as failed votes
+    odd = events.Sample(sample_id="o", session_id="o", turn_index=0, votes=["yes", 2, True, 1])
+    assert views.split_votes(odd) == ([None, None, None, 1], [])
+    state = DashboardState(kafka_config)
+    state.apply(Record("x", 0, 0, "o", odd, 0))
+    state.apply(Record("x", 0, 1, "k", events.TrainStep(step=1, metrics={"loss": "n/a"}, trained={"o": "?"}), 0))
+    assert state.overview()["judge"]["prm_votes"] == {"1": 1, "0": 0, "-1": 0, "failed": 3}
+    with DashboardServer(kafka_config) as d:
+        for path in ("/api/sessions?limit=0", "/api/sessions?limit=abc", "/api/sessions?q=" + "x" * 300):
+            r = httpx.get(d.url + path, timeout=5)
+            assert r.status_code == 422 and r.json()["error"]["message"].startswith("bad request"), path
+        r = httpx.get(d.url + "/api/nothing-here", timeout=5)
+        assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+
+
+def test_dashboard_process_serves_and_stops_with_a_live_stream_open(kafka_config, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"kafka": {"bootstrap_servers": kafka_config.kafka.bootstrap_servers},
+                                   "topics": {"prefix": kafka_config.topics.prefix}}))
+    _fill(kafka_config)
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "dashboard", "--metrics", "judge", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "STAGE=http" in bad.stdout + bad.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "dashboard", "--port", "0", "--from", "now",
+                             "--metrics", "ghost=http://127.0.0.1:9/metrics", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("dashboard: http://") and "topics from now" in line, line
+        url = line.split()[1].rstrip("/")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).json()["caught_up"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "dashboard not ready"
+            time.sleep(0.1)
+        o = httpx.get(f"{url}/api/overview", timeout=5).json()
+        assert o["traffic"]["turns"] == 0 and o["samples"]["total"] == 0  # --from now: the history is skipped
+        assert o["stages"]["ghost"]["up"] is False and o["reader"]["start"] == "now"
+        publish(kafka_config, "turns", marked_conversation("s-late", turns=1)[0])
+        got = []
+        opened = threading.Event()
+
+        def listen():
+            try:
+                with httpx.stream("GET", f"{url}/api/stream", timeout=60) as r:
+                    opened.set()
+                    for ln in r.iter_lines():
+                        got.append(ln)
+            except httpx.HTTPError:  # the server closes the stream when it stops
+                pass
+
+        t = threading.Thread(target=listen, daemon=True)
+        t.start()
+        assert opened.wait(10)
+        deadline = time.monotonic() + 20
+        while not any('"main_turns":1' in x for x in got):
+            assert time.monotonic() < deadline, "the new turn never reached the stream"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert time.monotonic() - t0 < 15  # an open stream does not hold the shutdown
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -118,6 +119,11 @@ def create_app(config: Config, state: DashboardState, follower: TopicFollower | 
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> Response:
+        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+        return _error(422, f"bad request: {where}", "invalid_request_error")
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc) -> Response:

@@ -70,7 +70,8 @@ def run(args, config) -> int:
     print(f"dashboard: http://{d.host}:{d.port}/  (conversation text {'shown' if d.show_text else 'hidden'}; "
           f"topics from {d.start})", flush=True)
     try:
-        uvicorn.run(app, host=d.host, port=d.port, log_level="warning", access_log=False)
+        # open live streams never end by themselves: give them a few seconds at SIGTERM, then close them
+        uvicorn.run(app, host=d.host, port=d.port, log_level="warning", access_log=False, timeout_graceful_shutdown=3)
     finally:
         scraper.stop()
         follower.stop()

@@ -65,9 +65,11 @@ class TopicFollower:
                         self.reader.refresh()
                     self.error = None
                 return
-            except Exception as e:  # broker gone: say so on the page and retry
+            except Exception as e:  # broker gone: say so on the page, start over (nothing counted twice)
                 self.error = f"{type(e).__name__}: {e}"
-                log.warning("dashboard topic reader: %s (retrying in 2 s)", self.error)
+                log.warning("dashboard topic reader: %s (reading again from the start in 2 s)", self.error)
+                self.caught_up = False
+                self.state.reset()
                 self.stop_event.wait(2.0)
             finally:
                 if self.reader is not None:

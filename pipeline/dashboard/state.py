@@ -14,6 +14,7 @@ restart replaces the earlier record of that step. Thread-safe: one lock around e
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pipeline.bus import Record, Undecodable
 from pipeline.config import Config
 from pipeline.dashboard import views
 
+log = logging.getLogger(__name__)
 BUCKET_S = 10  # width of the traffic timeline's buckets (seconds)
 MAX_BUCKETS = 8640  # one day of 10-second buckets
 TRAINER_KEYS = ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "pg_clipfrac", "logprob_abs_diff", "reward_mean",
@@ -62,10 +64,13 @@ class DashboardState:
         self.logical = {t.name(n): n for n in ("turns", "samples", "control", "metrics")}
         self.lock = threading.Lock()
         self.version = 0  # bumped on every change (the live stream sends only after a change)
-        self.started_ms = events.now_ms()
+        self._clear()
+
+    def _clear(self) -> None:
         # topics
         self.records: Counter = Counter()  # physical topic -> records read
         self.undecodable: Counter = Counter()
+        self.unprocessable: Counter = Counter()  # decoded records the fold could not use (logged)
         self.positions: dict[tuple[str, int], int] = {}  # next offset per partition read
         # turns
         self.counts: Counter = Counter()
@@ -86,9 +91,16 @@ class DashboardState:
         self.dlq_counts: Counter = Counter()
         self.dlq_latest: dict[str, deque] = {}
 
+    def reset(self) -> None:
+        """Forget everything (the topic reader starts over, e.g. after losing the broker)."""
+        with self.lock:
+            self.version += 1
+            self._clear()
+
     # ---- ingestion ----------------------------------------------------------------------------
     def apply(self, rec: Record | Undecodable) -> None:
-        """Fold one record (in offset order per partition)."""
+        """Fold one record (in offset order per partition). Never raises: a record the fold
+        cannot use is logged and counted in ``unprocessable``."""
         with self.lock:
             self.version += 1
             self.records[rec.topic] += 1
@@ -96,26 +108,33 @@ class DashboardState:
             if isinstance(rec, Undecodable):
                 self.undecodable[rec.topic] += 1
                 return
-            ev = rec.event
-            ts = rec.timestamp_ms
-            if isinstance(ev, events.DeadLetter) or rec.topic.endswith(self.config.topics.dlq_suffix):
-                self._dead_letter(rec.topic, ev)
-            elif isinstance(ev, events.Turn):
-                self._turn(ev, ts)
-            elif isinstance(ev, events.NextState):
-                self._next_state(ev, ts)
-            elif isinstance(ev, events.SessionEnd):
-                self._session_end(ev, ts)
-            elif isinstance(ev, events.Sample):
-                self._sample(ev, ts)
-            elif isinstance(ev, events.Control):
-                self._control(ev, ts)
-            elif isinstance(ev, events.TrainStep):
-                self._train_step(ev, ts)
-            elif isinstance(ev, events.Evaluation):
-                self.evaluations[(ev.run_id, ev.policy_version)] = {
-                    "policy_version": ev.policy_version, "n": ev.n, "name": ev.name, "created_at": ev.created_at or ts,
-                    **{k: v for k, v in ev.metrics.items() if isinstance(v, (int, float))}}
+            try:
+                self._fold(rec)
+            except Exception:  # noqa: BLE001 - one odd record must not stop the view
+                log.exception("dashboard: cannot fold %s[%d]@%d", rec.topic, rec.partition, rec.offset)
+                self.unprocessable[rec.topic] += 1
+
+    def _fold(self, rec: Record) -> None:
+        ev = rec.event
+        ts = rec.timestamp_ms
+        if isinstance(ev, events.DeadLetter) or rec.topic.endswith(self.config.topics.dlq_suffix):
+            self._dead_letter(rec.topic, ev)
+        elif isinstance(ev, events.Turn):
+            self._turn(ev, ts)
+        elif isinstance(ev, events.NextState):
+            self._next_state(ev, ts)
+        elif isinstance(ev, events.SessionEnd):
+            self._session_end(ev, ts)
+        elif isinstance(ev, events.Sample):
+            self._sample(ev, ts)
+        elif isinstance(ev, events.Control):
+            self._control(ev, ts)
+        elif isinstance(ev, events.TrainStep):
+            self._train_step(ev, ts)
+        elif isinstance(ev, events.Evaluation):
+            self.evaluations[(ev.run_id, ev.policy_version)] = {
+                "policy_version": ev.policy_version, "n": ev.n, "name": ev.name, "created_at": ev.created_at or ts,
+                **{k: v for k, v in ev.metrics.items() if isinstance(v, (int, float))}}
 
     def _session(self, sid: str, ms: int) -> SessionView:
         s = self.sessions.get(sid)
@@ -244,6 +263,7 @@ class DashboardState:
                 "now_ms": events.now_ms(),
                 "show_text": self.text,
                 "topics": {"records": dict(self.records), "undecodable": dict(self.undecodable),
+                           "unprocessable": dict(self.unprocessable),
                            "positions": {f"{t}[{p}]": o for (t, p), o in sorted(self.positions.items())}},
                 "traffic": {
                     "turns": self.counts["turns"], "main_turns": self.counts["turns_main"],

@@ -67,6 +67,11 @@ def _array(out: dict, name: str, values, arrays: bool) -> None:
         out[name] = values
 
 
+def _vote(v: Any) -> int | None:
+    """A recorded vote as 1, 0 or -1; anything else (None, a value outside the three) is a failed vote."""
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v in (1, 0, -1) else None
+
+
 def split_votes(sample: events.Sample) -> tuple[list, list]:
     """``(prm_votes, hint_votes)`` of a sample: rl carries PRM votes, opd hint votes, opd+rl both.
 
@@ -75,12 +80,12 @@ def split_votes(sample: events.Sample) -> tuple[list, list]:
     votes = list(getattr(sample, "votes", None) or [])
     kind = getattr(sample, "kind", "")
     if len(votes) == 2 and all(isinstance(v, list) for v in votes):
-        return list(votes[0]), list(votes[1])
-    if any(isinstance(v, list) for v in votes):
+        return [_vote(v) for v in votes[0]], [_vote(v) for v in votes[1]]
+    if any(isinstance(v, (list, dict)) for v in votes):
         return [], []
     if kind == "opd":
-        return [], votes
-    return votes, []
+        return [], [_vote(v) for v in votes]
+    return [_vote(v) for v in votes], []
 
 
 def majority(votes: list) -> int | None:
