@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
+from kafka import KafkaConsumer
+from kafka.structs import TopicPartition
 
 from pipeline import events
-from pipeline.bus import EventProducer
+from pipeline.bus import EventProducer, consumer_kwargs
 
 MARK = "SECRETTEXT"  # every conversation string below contains it; no view may serve it without the flag
 
@@ -113,6 +115,28 @@ def publish(config, topic: str, evs, key=None) -> None:
         p.flush(30)
     finally:
         p.close()
+
+
+def topic_records(config, logical: str) -> list:
+    """Every record of a topic, read with a plain kafka-python consumer (independent of the dashboard)."""
+    name = config.topics.name(logical)
+    c = KafkaConsumer(**consumer_kwargs(config, None))
+    try:
+        tps = [TopicPartition(name, p) for p in sorted(c.partitions_for_topic(name) or ())]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        out, idle = [], time.monotonic()
+        while time.monotonic() - idle < 2.0:
+            got = c.poll(timeout_ms=200)
+            for recs in got.values():
+                out += recs
+            if got:
+                idle = time.monotonic()
+            elif all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in tps):
+                break
+        return out
+    finally:
+        c.close()
 
 
 # ---------------------------------------------------------------- headless Chromium over the DevTools protocol

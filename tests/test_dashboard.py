@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from fastapi.routing import APIRoute
 from pipeline import events
 from pipeline.bus import Offset, Time, TopicReader
 from pipeline.dashboard import views
-from tests.dashboard_helpers import MARK, DashboardServer, marked_conversation, publish
+from tests.dashboard_helpers import MARK, DashboardServer, marked_conversation, publish, topic_records
 
 SESSIONS = ("s-alpha", "s-beta")
 
@@ -126,10 +127,25 @@ def test_counts_and_session_view_match_the_topics(kafka_config):
     assert o["dlq"]["counts"][kafka_config.topics.dlq("turns")] == 1
     assert o["topics"]["undecodable"] == {kafka_config.topics.name("turns"): 1}
 
-    # the session view: each turn's votes and majority, reward, mask, advantage and training step
+    # the session view: each turn's votes and majority, reward, mask, advantage and training step;
+    # the lag of a stage's group: its committed offsets against the topic's end, counted independently
+    from kafka import KafkaConsumer
+    from kafka.structs import OffsetAndMetadata, TopicPartition
+
+    from pipeline.bus import consumer_kwargs
+
+    topic = kafka_config.topics.name("turns")
+    per_partition = Counter(r.partition for r in topic_records(kafka_config, "turns"))
+    group = f"{kafka_config.topics.prefix}judge"
+    c = KafkaConsumer(**consumer_kwargs(kafka_config, group))
+    c.assign([TopicPartition(topic, p) for p in per_partition])
+    c.commit({TopicPartition(topic, p): OffsetAndMetadata(1, "", -1) for p in per_partition})
+    c.close()
+    want_lag = {"group": group, "topic": topic, "lag": sum(n - 1 for n in per_partition.values())}
     d2 = DashboardServer(kafka_config)
     with d2:
         d2.wait(_caught_up(expect))
+        d2.wait(lambda o: want_lag in o["lag"])
         page = httpx.get(f"{d2.url}/api/sessions/{SESSIONS[0]}", timeout=5).json()
         listed = httpx.get(f"{d2.url}/api/sessions", params={"q": "bet"}, timeout=5).json()
         missing = httpx.get(f"{d2.url}/api/sessions/nope", timeout=5)

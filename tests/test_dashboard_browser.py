@@ -17,39 +17,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
 
 from pipeline import events
-from pipeline.bus import consumer_kwargs
 from pipeline.config import load_config
 from pipeline.orchestrate.up import start_stack
-from tests.dashboard_helpers import Browser, chromium_path
+from tests.dashboard_helpers import Browser, chromium_path, topic_records
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSIONS = 4
-
-
-def topic_records(config, logical: str) -> list:
-    """Every record of a topic, read with a plain kafka-python consumer (independent of the dashboard)."""
-    name = config.topics.name(logical)
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    try:
-        tps = [TopicPartition(name, p) for p in sorted(c.partitions_for_topic(name) or ())]
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        out, idle = [], time.monotonic()
-        while time.monotonic() - idle < 2.0:
-            got = c.poll(timeout_ms=200)
-            for recs in got.values():
-                out += recs
-            if got:
-                idle = time.monotonic()
-            elif all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in tps):
-                break
-        return out
-    finally:
-        c.close()
 
 
 def decoded(records) -> list:

@@ -110,6 +110,13 @@ def total(values: dict[str, float], name: str) -> float | None:
     return sum(hits) if hits else None
 
 
+def _group_id(listed: Any) -> str:
+    """The id of one ``KafkaAdminClient.list_groups()`` entry (a dict in kafka-python 3, a tuple before)."""
+    if isinstance(listed, dict):
+        return str(listed.get("group_id"))
+    return str(listed[0] if isinstance(listed, (tuple, list)) else listed)
+
+
 class Scraper:
     """Background scraper (see the module docstring)."""
 
@@ -174,8 +181,7 @@ class Scraper:
                 from pipeline.bus import admin_kwargs
 
                 self._admin = KafkaAdminClient(**admin_kwargs(self.config))
-            groups = [g[0] if isinstance(g, (tuple, list)) else g.get("group_id", g.get("group")) if isinstance(
-                g, dict) else getattr(g, "group_id", g) for g in self._admin.list_groups()]
+            groups = [_group_id(g) for g in self._admin.list_groups()]
             out = []
             topics = {t for t, _ in hws}
             for g in sorted(set(groups)):
