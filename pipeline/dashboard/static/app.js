@@ -251,8 +251,12 @@ function voteBadges(votes) {
 }
 function messages(list, showText) {
   if (!list || !list.length) return h("span", { class: "muted" }, "none");
+  const asText = (x) => (typeof x === "string" ? x
+    : Array.isArray(x) && x.every((p) => p && typeof p.text === "string") ? x.map((p) => p.text).join("\n")
+      : JSON.stringify(x, null, 1));
   return h("div", {}, list.map((m) => showText && m.content !== undefined
-    ? h("div", {}, h("span", { class: "pill" }, m.role), " ", h("div", { class: "text" }, typeof m.content === "string" ? m.content : JSON.stringify(m.content)))
+    ? h("div", {}, h("span", { class: "pill" }, m.role), " ", h("div", { class: "text" }, asText(m.content ?? "")),
+      m.tool_calls_full ? h("div", { class: "text" }, asText(m.tool_calls_full)) : null)
     : h("div", {}, h("span", { class: "pill" }, m.role), ` ${m.chars} chars`, m.tool_calls ? ` · tool calls: ${m.tool_calls.join(", ")}` : "")));
 }
 function kv(pairs) { return h("div", { class: "kv" }, pairs.map(([k, v]) => [h("div", { class: "k" }, k), h("div", {}, v)])); }
@@ -271,7 +275,10 @@ async function renderSession(id) {
     const resp = t.response;
     const rows = [
       ["request", [h("div", {}, `${t.messages.length} messages · ${t.prompt_tokens} prompt tokens · ${t.tools} tools`), messages(t.messages, showText)]],
-      ["response", showText && resp.content !== undefined ? h("div", { class: "text" }, resp.content || "")
+      ["response", showText && resp.content !== undefined
+        ? h("div", {}, resp.reasoning_content ? h("div", { class: "text muted" }, resp.reasoning_content) : null,
+          h("div", { class: "text" }, resp.content || ""),
+          resp.tool_calls_full ? h("div", { class: "text" }, JSON.stringify(resp.tool_calls_full, null, 1)) : null)
         : `${resp.chars} chars · ${t.response_tokens} tokens${resp.tool_calls.length ? ` · tool calls: ${resp.tool_calls.join(", ")}` : ""}`],
       ["finish reason", t.finish_reason || "–"],
       ["policy version", num(t.policy_version)],
