@@ -60,7 +60,7 @@ def test_compose_parses_and_uses_real_commands():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"kafka", "topics", "sglang-policy", "sglang-judge", "proxy", "judge", "trainer", "syncer"} <= set(services)
-    for name in ("proxy", "judge", "trainer", "syncer"):
+    for name in ("proxy", "judge", "trainer", "syncer", "dashboard"):
         assert services[name]["command"][0] in COMMANDS, f"{name} runs an unknown command"
         assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft
