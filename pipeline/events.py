@@ -1,6 +1,7 @@
 """Event contracts: every value on every topic (see DESIGN.md and topics.yaml).
 
-Wire format: a msgpack map with ``type`` (event name) and ``v`` (schema version, currently 1).
+Wire format: a msgpack map with ``type`` (event name) and ``v`` (the schema version of that event
+type: ``Event.V``; 2 for ``sample``, 1 for the others).
 Token ids travel as packed little-endian int32 bytes, log-probs as packed little-endian float32
 bytes (so a 300-token sample is ~2.4 KB, not a list of Python objects). In memory those fields
 are plain ``list[int]`` / ``list[float]``; float values round-trip at float32 precision.
@@ -13,6 +14,7 @@ anything else -> :class:`MalformedEvent`). Stages route such records to the dead
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -22,7 +24,7 @@ import numpy as np
 
 from pipeline.errors import PipelineError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # the version of every event type that never changed (``Event.V`` is per type)
 
 
 class EventError(PipelineError, ValueError):
@@ -149,23 +151,56 @@ class SessionEnd(Event):
     created_at: int = _f("int", 0)
 
 
+SAMPLE_KINDS = ("rl", "opd", "opd+rl")
+
+
+def sample_kind(has_reward: bool, has_teacher: bool) -> str | None:
+    """The ``kind`` of a sample that carries these signals (None: it carries neither)."""
+    return {(True, False): "rl", (False, True): "opd", (True, True): "opd+rl"}.get((has_reward, has_teacher))
+
+
+def _all_finite(values) -> bool:
+    return bool(np.isfinite(np.asarray(values, dtype=np.float64)).all())
+
+
 @dataclass
 class Sample(Event):
-    """One scored training sample (a judged turn). Shapes, with R = ``response_length``:
+    """One judged turn as a training sample (schema v2). Shapes, with R = ``response_length``:
 
     - ``tokens``: prompt + response token ids, length P + R;
-    - ``rollout_log_probs``: R floats (nats), from the engine that sampled the response;
-    - ``teacher_log_probs``: R floats or empty (OPD: the hinted teacher's log-probs of the same ids);
-    - ``teacher_topk_ids`` / ``teacher_topk_log_probs``: R*k values, row-major, or empty;
-    - ``rollout_temperature``: the sampling temperature T; log-probs are of softmax(logits / T);
-    - ``reward``: scalar (Binary RL: the PRM majority vote in {-1, 0, 1});
+    - ``rollout_temperature``: T > 0, the temperature the rollout (and teacher) log-probs were
+      computed at: they are log-probs of softmax(logits / T), and the trainer scores at T. A
+      greedy request (temperature below 1e-6) is sampled as the argmax with log-probs at T = 1;
     - ``loss_mask``: 1 = train on it, 0 = carried for accounting only.
 
-    ``sample_id`` is deterministic (``<session>:<turn_index>:<mode>``) so duplicates after a
-    crash are recognisable. ``kind`` is ``rl``, ``opd`` or ``opd+rl``.
+    Each training signal is present or absent, never a stand-in value:
+
+    - ``reward``: the RL signal (Binary RL: the PRM majority vote), a finite float, or **None**
+      when the sample carries no RL signal (an OPD-only sample, a combine turn whose vote was 0,
+      a turn that never got a next state). A present 0 is a real vote of 0.
+    - ``teacher_log_probs``: R finite floats (nats), the hinted teacher's log-probs of the same
+      response ids at ``rollout_temperature``, or **None** when there is no hint (no OPD
+      signal). ``teacher_top_k`` > 0 with ``teacher_topk_ids`` / ``teacher_topk_log_probs``
+      (R*k values, row-major; -inf for a missing entry) only alongside teacher log-probs.
+    - ``rollout_log_probs``: R finite floats (nats) from the engine that sampled the response,
+      or **None** when no engine recorded them (an imported conversation): the trainer then
+      uses its own log-probs as the behaviour policy, applies no TIS weight and leaves the
+      sample out of the train-vs-rollout figure.
+
+    ``kind`` names the signals carried: ``rl`` (reward only), ``opd`` (teacher only),
+    ``opd+rl`` (both); a sample that carries neither must have ``loss_mask`` 0 (its ``kind`` is
+    then the judge mode's). On the wire the arrays are packed little-endian float32 / int32
+    bytes and an absent one is msgpack nil.
+
+    ``sample_id`` is deterministic, so duplicates after a crash are recognisable.
+
+    Version 1 records (which wrote 0 for a missing reward, the rollout log-probs in place of a
+    missing teacher, zeros for missing rollout log-probs and the requested temperature of greedy
+    turns) are read by :func:`_sample_from_v1`.
     """
 
     TYPE: ClassVar[str] = "sample"
+    V: ClassVar[int] = 2
     sample_id: str = _f("str")
     session_id: str = _f("str")
     turn_index: int = _f("int")
@@ -173,11 +208,11 @@ class Sample(Event):
     kind: str = _f("str", "rl")
     tokens: list = _f("i32", [])
     response_length: int = _f("int", 0)
-    rollout_log_probs: list = _f("f32", [])
+    rollout_log_probs: list | None = _f("f32", None, optional=True)
     rollout_temperature: float = _f("float", 1.0)
-    reward: float = _f("float", 0.0)
+    reward: float | None = _f("float", None, optional=True)
     loss_mask: int = _f("int", 1)
-    teacher_log_probs: list = _f("f32", [])
+    teacher_log_probs: list | None = _f("f32", None, optional=True)
     teacher_top_k: int = _f("int", 0)
     teacher_topk_ids: list = _f("i32", [])
     teacher_topk_log_probs: list = _f("f32", [])
@@ -188,24 +223,84 @@ class Sample(Event):
     turn_created_at: int = _f("int", 0)
     source: str = _f("str", "proxy")
 
+    @property
+    def has_reward(self) -> bool:
+        """The sample carries an RL signal."""
+        return self.reward is not None
+
+    @property
+    def has_teacher(self) -> bool:
+        """The sample carries teacher log-probs (an OPD signal)."""
+        return self.teacher_log_probs is not None
+
+    @property
+    def has_rollout_log_probs(self) -> bool:
+        """The engine that sampled the response recorded its log-probs."""
+        return self.rollout_log_probs is not None
+
     def validate(self) -> None:
-        if self.kind not in ("rl", "opd", "opd+rl"):
+        if self.kind not in SAMPLE_KINDS:
             raise MalformedEvent(f"sample.kind must be rl|opd|opd+rl, got {self.kind!r}")
         r = self.response_length
         if r < 0 or r > len(self.tokens):
             raise MalformedEvent(f"sample.response_length {r} out of range for {len(self.tokens)} tokens")
-        if len(self.rollout_log_probs) != r:
-            raise MalformedEvent(f"sample.rollout_log_probs has {len(self.rollout_log_probs)} entries, want {r}")
-        if self.teacher_log_probs and len(self.teacher_log_probs) != r:
-            raise MalformedEvent(f"sample.teacher_log_probs has {len(self.teacher_log_probs)} entries, want {r}")
-        if self.kind in ("opd", "opd+rl") and not self.teacher_log_probs and self.loss_mask:
-            raise MalformedEvent(f"sample.kind {self.kind} needs teacher_log_probs")
-        k = self.teacher_top_k
-        if len(self.teacher_topk_ids) != len(self.teacher_topk_log_probs) or (
-                k and len(self.teacher_topk_ids) not in (0, k * r)):
-            raise MalformedEvent("sample.teacher_topk_* must both hold response_length * teacher_top_k values")
         if self.loss_mask not in (0, 1):
             raise MalformedEvent(f"sample.loss_mask must be 0 or 1, got {self.loss_mask}")
+        for name in ("rollout_log_probs", "teacher_log_probs"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != r:
+                raise MalformedEvent(f"sample.{name} has {len(values)} entries, want {r} (or null: absent)")
+            if not _all_finite(values):
+                raise MalformedEvent(f"sample.{name} holds a non-finite value")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise MalformedEvent(f"sample.reward must be finite or null (absent), got {self.reward}")
+        if not (math.isfinite(self.rollout_temperature) and self.rollout_temperature > 0):
+            raise MalformedEvent(f"sample.rollout_temperature must be > 0 (the temperature of the log-probs; "
+                                 f"greedy turns have log-probs at 1.0), got {self.rollout_temperature}")
+        carried = sample_kind(self.has_reward, self.has_teacher)
+        if carried is None:
+            if self.loss_mask:
+                raise MalformedEvent("sample has loss_mask 1 but carries no signal (reward and teacher_log_probs "
+                                     "are both null)")
+        elif self.kind != carried:
+            raise MalformedEvent(f"sample.kind {self.kind!r} does not name the signals it carries ({carried!r})")
+        k = self.teacher_top_k
+        if k < 0 or len(self.teacher_topk_ids) != len(self.teacher_topk_log_probs) or (
+                len(self.teacher_topk_ids) not in ((0, k * r) if k else (0,))):
+            raise MalformedEvent("sample.teacher_topk_* must both hold response_length * teacher_top_k values")
+        if self.teacher_topk_ids and not self.has_teacher:
+            raise MalformedEvent("sample.teacher_topk_* given without teacher_log_probs")
+
+
+GREEDY_TEMPERATURE = 1e-6  # a requested temperature below this is greedy: log-probs at T = 1
+
+
+def _sample_from_v1(s: Sample) -> Sample:
+    """Read a schema-v1 sample: recover which signals it carried from the v1 judge's rules.
+
+    v1 had no way to say "absent"; the v1 judge wrote stand-in values, undone here:
+    ``opd`` samples carried reward 0 (no RL signal); ``opd+rl`` (combine) samples without a hint
+    carried the rollout log-probs as teacher (no OPD signal), and with a vote of 0 carried reward
+    0 (no RL signal); ``rl`` samples flushed without a next state (loss_mask 0, no votes)
+    carried reward 0; imported turns carried zeros as rollout log-probs; greedy turns carried
+    their requested temperature (below 1e-6) although the engines report log-probs at T = 1.
+    ``kind`` is then re-derived from what is carried.
+    """
+    s.teacher_log_probs = s.teacher_log_probs or None
+    if s.kind == "rl" or (s.kind == "opd+rl" and s.hint is None):
+        s.teacher_log_probs = None
+        s.teacher_top_k, s.teacher_topk_ids, s.teacher_topk_log_probs = 0, [], []
+    if s.kind == "opd" or (s.kind == "opd+rl" and s.reward == 0) or (
+            s.kind == "rl" and not s.loss_mask and not s.votes):
+        s.reward = None
+    if s.source == "import" and s.rollout_log_probs is not None and not any(s.rollout_log_probs):
+        s.rollout_log_probs = None
+    if not s.rollout_temperature >= GREEDY_TEMPERATURE:
+        s.rollout_temperature = 1.0
+    s.kind = sample_kind(s.has_reward, s.has_teacher) or s.kind
+    return s
 
 
 CONTROL_ACTIONS = ("pause", "weights", "applied", "resume", "failed")
@@ -313,6 +408,17 @@ _FIELDS = {t: [(f.name, f.metadata["kind"], f.metadata["optional"],
                for f in dataclasses.fields(c)] for t, c in EVENT_TYPES.items()}
 
 
+#: older schema versions still read, per event type: ``(type, v) -> function`` that turns the
+#: event decoded with today's fields into today's meaning (then validated as usual)
+_UPGRADES: dict[tuple[str, int], Any] = {("sample", 1): _sample_from_v1}
+
+
+def readable_versions(etype: str) -> list[int]:
+    """Schema versions of event type ``etype`` that :func:`decode` reads (current one last)."""
+    cls = EVENT_TYPES[etype]
+    return sorted(v for (t, v) in _UPGRADES if t == etype) + [cls.V]
+
+
 def encode(event: Event) -> bytes:
     """Serialise an event to msgpack bytes (arrays packed). Raises :class:`MalformedEvent`."""
     event.validate()
@@ -331,10 +437,15 @@ def encode(event: Event) -> bytes:
 def decode(data: bytes | bytearray | memoryview | None) -> Event:
     """Parse and validate msgpack bytes into an :class:`Event` subclass.
 
+    Each event type has its own schema version (``Event.V``); an older version listed in
+    :func:`readable_versions` is read and brought to today's meaning (``sample`` v1: see
+    :func:`_sample_from_v1`), any other version is refused.
+
     Raises:
         MalformedEvent: not msgpack, not a map, a missing/ill-typed field, inconsistent lengths.
         UnknownEventType: ``type`` is not one of :data:`EVENT_TYPES`.
-        UnsupportedVersion: ``v`` is not :data:`SCHEMA_VERSION`.
+        UnsupportedVersion: ``v`` is not a version this code reads (a v2 ``sample`` read by
+            code that only knows v1 is refused the same way: upgrade the trainer first).
     """
     if data is None:
         raise MalformedEvent("record has no value (tombstone)")
@@ -349,8 +460,10 @@ def decode(data: bytes | bytearray | memoryview | None) -> Event:
     if cls is None:
         raise UnknownEventType(f"unknown event type {etype!r}")
     v = obj.get("v")
-    if v != SCHEMA_VERSION or isinstance(v, bool):
-        raise UnsupportedVersion(f"{etype}: schema version {v!r} not supported (this code reads v{SCHEMA_VERSION})")
+    upgrade = _UPGRADES.get((etype, v)) if isinstance(v, int) and not isinstance(v, bool) else None
+    if (v != cls.V or isinstance(v, bool)) and upgrade is None:
+        readable = ", ".join(f"v{x}" for x in readable_versions(etype))
+        raise UnsupportedVersion(f"{etype}: schema version {v!r} not supported (this code reads {readable})")
     kwargs: dict[str, Any] = {}
     for name, kind, optional, required in _FIELDS[etype]:
         if name not in obj:
@@ -371,5 +484,7 @@ def decode(data: bytes | bytearray | memoryview | None) -> Event:
                 raise MalformedEvent(f"{etype}.{name} must be {kind}, got {type(value).__name__}")
         kwargs[name] = value
     event = cls(**kwargs)
+    if upgrade is not None:
+        event = upgrade(event)
     event.validate()
     return event

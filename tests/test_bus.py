@@ -150,7 +150,7 @@ def test_wrong_type_unknown_version_and_tombstone_go_to_a_dlq_created_as_declare
     v9 = msgpack.unpackb(events.encode(events.SessionEnd(session_id="v9")), raw=False)
     v9["v"] = 9
     sample = events.Sample(sample_id="x:0:rl", session_id="x", turn_index=0, tokens=[1, 2], response_length=1,
-                           rollout_log_probs=[-1.0])
+                           rollout_log_probs=[-1.0], reward=1.0)
     payloads = [events.encode(sample), msgpack.packb(v9, use_bin_type=True), None,
                 events.encode(events.Control(action="pause", epoch=1)),
                 events.encode(events.SessionEnd(session_id="ok"))]

@@ -20,16 +20,16 @@ from conftest import read_all
 
 def _sample(i: int) -> events.Sample:
     return events.Sample(sample_id=f"id{i}", session_id="one", turn_index=i, tokens=[1, 2, 3, 4], response_length=2,
-                         rollout_log_probs=[-1.0, -1.0])
+                         rollout_log_probs=[-1.0, -1.0], reward=1.0)
 
 
 def _bad_values() -> list[tuple[bytes | None, str]]:
     """(value, name of the error it must be dead-lettered with) for every kind of bad record."""
-    v2 = msgpack.unpackb(events.encode(_sample(9)), raw=False)
-    v2["v"] = 2
+    v9 = msgpack.unpackb(events.encode(_sample(9)), raw=False)
+    v9["v"] = 9
     return [(b"\x93garbage", "MalformedEvent"),                                         # not msgpack
             (events.encode(events.SessionEnd(session_id="one")), "WrongTopic"),          # valid, wrong topic
-            (msgpack.packb(v2, use_bin_type=True), "UnsupportedVersion"),                # unknown schema version
+            (msgpack.packb(v9, use_bin_type=True), "UnsupportedVersion"),                # unknown schema version
             (events.encode(_sample(8))[:-5], "MalformedEvent"),                          # truncated
             (None, "MalformedEvent")]                                                    # tombstone
 

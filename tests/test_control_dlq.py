@@ -40,7 +40,7 @@ def _bad_control_values() -> list[tuple[bytes | None, str]]:
     v3 = msgpack.unpackb(events.encode(events.Control(action="resume", epoch=1, run_id="r")), raw=False)
     v3["v"] = 3
     sample = events.Sample(sample_id="x:0:rl", session_id="x", turn_index=0, tokens=[1, 2], response_length=1,
-                           rollout_log_probs=[-1.0])
+                           rollout_log_probs=[-1.0], reward=1.0)
     return [(b"\x93\x01corrupt", "MalformedEvent"), (events.encode(sample), "WrongTopic"),
             (msgpack.packb(v3, use_bin_type=True), "UnsupportedVersion"), (None, "MalformedEvent")]
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from legacy_records import sample_v1
 from pipeline import events
 from pipeline.events import (Control, DeadLetter, Evaluation, MalformedEvent, NextState, Sample, SessionEnd,
                              TrainStep, Turn, UnknownEventType, UnsupportedVersion, decode, encode)
@@ -38,17 +39,18 @@ def turns(draw):
 def samples(draw):
     r = draw(st.integers(0, 30))
     p = draw(st.integers(0, 30))
-    kind = draw(st.sampled_from(["rl", "opd", "opd+rl"]))
-    if kind != "rl":
-        r = max(r, 1)  # a distillation sample has teacher log-probs, so at least one response token
+    has_reward, has_teacher, has_rollout = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    kind = events.sample_kind(has_reward, has_teacher) or draw(st.sampled_from(events.SAMPLE_KINDS))
     k = draw(st.integers(0, 3))
-    teacher = draw(st.lists(f32, min_size=r, max_size=r)) if kind != "rl" else []
+    teacher = draw(st.lists(f32, min_size=r, max_size=r)) if has_teacher else None
     return Sample(sample_id=draw(text), session_id=draw(text), turn_index=draw(st.integers(0, 1000)),
                   policy_version=draw(st.integers(0, 100)), kind=kind, tokens=draw(st.lists(i32, min_size=p + r, max_size=p + r)),
-                  response_length=r, rollout_log_probs=draw(st.lists(f32, min_size=r, max_size=r)),
-                  rollout_temperature=draw(f32), reward=draw(st.sampled_from([-1.0, 0.0, 1.0])),
-                  loss_mask=draw(st.sampled_from([0, 1])), teacher_log_probs=teacher,
-                  teacher_top_k=k if teacher else 0,
+                  response_length=r,
+                  rollout_log_probs=draw(st.lists(f32, min_size=r, max_size=r)) if has_rollout else None,
+                  rollout_temperature=draw(st.floats(1e-6, 100.0)),
+                  reward=draw(st.sampled_from([-1.0, 0.0, 1.0, 0.5])) if has_reward else None,
+                  loss_mask=draw(st.sampled_from([0, 1])) if (has_reward or has_teacher) else 0,
+                  teacher_log_probs=teacher, teacher_top_k=k if teacher else 0,
                   teacher_topk_ids=draw(st.lists(i32, min_size=k * r, max_size=k * r)) if teacher else [],
                   teacher_topk_log_probs=draw(st.lists(f32, min_size=k * r, max_size=k * r)) if teacher else [],
                   votes=draw(st.lists(st.sampled_from([1, 0, -1, None]), max_size=5)), hint=draw(st.none() | text))
@@ -122,11 +124,9 @@ def test_cross_field_validation():
         encode(Turn(session_id="s", turn_type="other", turn_index=1))
     # imported turns may come without log-probs (they were not sampled)
     assert decode(encode(Turn(session_id="s", turn_index=0, response_token_ids=[1], source="import"))).source == "import"
-    with pytest.raises(MalformedEvent, match="rollout_log_probs"):
-        encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2], response_length=1))
-    with pytest.raises(MalformedEvent, match="needs teacher_log_probs"):
-        encode(Sample(sample_id="a", session_id="s", turn_index=0, kind="opd", tokens=[1, 2], response_length=1,
-                      rollout_log_probs=[-1.0]))
+    with pytest.raises(MalformedEvent, match="rollout_log_probs has 0 entries"):
+        encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2], response_length=1, reward=1.0,
+                      rollout_log_probs=[]))
     with pytest.raises(MalformedEvent, match="location and sha256"):
         encode(Control(action="weights", epoch=1))
     with pytest.raises(MalformedEvent, match="needs engine_id"):
@@ -153,3 +153,82 @@ def test_observer_events_refuse_bad_values():
         encode(TrainStep(step=1, sample_ids=[1]))
     with pytest.raises(MalformedEvent, match="n must be >= 0"):
         encode(Evaluation(policy_version=0, n=-1))
+
+
+# ------------------------------------------------------------------ sample v2: explicit signals
+
+
+def _s(**kw) -> Sample:
+    base = dict(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2, 3], response_length=2)
+    base.update(kw)
+    return Sample(**base)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(), "carries no signal"),  # loss_mask 1, neither a reward nor a teacher
+    (dict(reward=1.0, kind="opd+rl"), "does not name the signals"),
+    (dict(teacher_log_probs=[-1.0, -2.0], kind="rl"), "does not name the signals"),
+    (dict(reward=1.0, teacher_log_probs=[-1.0, -2.0], kind="opd"), "does not name the signals"),
+    (dict(reward=float("nan")), "reward must be finite"),
+    (dict(reward=1.0, rollout_log_probs=[-1.0, float("-inf")]), "non-finite"),
+    (dict(kind="opd", teacher_log_probs=[-1.0, float("nan")]), "non-finite"),
+    (dict(kind="opd", teacher_log_probs=[-1.0]), "teacher_log_probs has 1 entries"),
+    (dict(reward=1.0, rollout_temperature=0.0), "rollout_temperature must be > 0"),
+    (dict(reward=1.0, teacher_top_k=1, teacher_topk_ids=[1, 2], teacher_topk_log_probs=[-1.0, -2.0]),
+     "without teacher_log_probs"),
+])
+def test_sample_signals_are_explicit_and_consistent(kw, needle):
+    with pytest.raises(MalformedEvent, match=needle):
+        encode(_s(**kw))
+
+
+def test_absent_signals_travel_as_nil():
+    s = _s(reward=None, kind="opd", teacher_log_probs=[-0.5, -0.25], rollout_log_probs=None)
+    obj = msgpack.unpackb(encode(s), raw=False)
+    assert obj["v"] == 2 and obj["reward"] is None and obj["rollout_log_probs"] is None
+    assert obj["teacher_log_probs"] == np.asarray([-0.5, -0.25], "<f4").tobytes()
+    back = decode(encode(s))
+    assert (back.has_reward, back.has_teacher, back.has_rollout_log_probs) == (False, True, False)
+    # a carried-for-accounting sample may hold no signal at all (loss_mask 0)
+    flushed = decode(encode(_s(loss_mask=0, rollout_log_probs=[-1.0, -1.0])))
+    assert flushed.reward is None and flushed.teacher_log_probs is None and flushed.kind == "rl"
+
+
+@pytest.mark.parametrize("over, want", [
+    # combine, vote only: v1 put the rollout log-probs where the teacher goes
+    (dict(), dict(kind="rl", reward=1.0, teacher=None, rollout=[-0.5, -1.5])),
+    # combine, hint and vote
+    (dict(hint="a real hint", teacher_log_probs=[-0.25, -0.75]),
+     dict(kind="opd+rl", reward=1.0, teacher=[-0.25, -0.75], rollout=[-0.5, -1.5])),
+    # combine, hint only: v1 wrote reward 0
+    (dict(hint="a real hint", reward=0.0, teacher_log_probs=[-0.25, -0.75]),
+     dict(kind="opd", reward=None, teacher=[-0.25, -0.75], rollout=[-0.5, -1.5])),
+    # opd mode: reward 0 was a stand-in
+    (dict(kind="opd", reward=0.0, hint="a real hint", teacher_log_probs=[-0.25, -0.75]),
+     dict(kind="opd", reward=None, teacher=[-0.25, -0.75], rollout=[-0.5, -1.5])),
+    # imported turn: zeros stood in for the rollout log-probs (and for the teacher)
+    (dict(source="import", reward=-1.0, rollout_log_probs=[0.0, 0.0], teacher_log_probs=[0.0, 0.0]),
+     dict(kind="rl", reward=-1.0, teacher=None, rollout=None)),
+    # rl mode: the at-least-one candidate keeps its real vote of 0
+    (dict(kind="rl", reward=0.0, votes=[0, 0], teacher_log_probs=b""),
+     dict(kind="rl", reward=0.0, teacher=None, rollout=[-0.5, -1.5])),
+    # rl mode: flushed without a next state (no votes, masked): no reward
+    (dict(kind="rl", reward=0.0, votes=[], loss_mask=0, teacher_log_probs=b""),
+     dict(kind="rl", reward=None, teacher=None, rollout=[-0.5, -1.5])),
+])
+def test_v1_samples_are_read_with_their_meaning(over, want):
+    s = decode(sample_v1(**over))
+    assert s.kind == want["kind"] and s.reward == want["reward"]
+    for got, exp in ((s.teacher_log_probs, want["teacher"]), (s.rollout_log_probs, want["rollout"])):
+        assert (got is None) == (exp is None) and (exp is None or got == pytest.approx(exp))
+    assert s.rollout_temperature == pytest.approx(0.7)
+    assert decode(encode(s)) == s  # and it is written back as a v2 record
+
+
+def test_v1_greedy_sample_is_read_at_temperature_one_and_bad_v1_goes_to_the_dlq():
+    assert decode(sample_v1(rollout_temperature=0.0)).rollout_temperature == 1.0
+    with pytest.raises(MalformedEvent, match="rollout_log_probs has 1 entries"):
+        decode(sample_v1(rollout_log_probs=[-1.0]))
+    with pytest.raises(UnsupportedVersion, match="reads v1, v2"):
+        decode(sample_v1(v=3))
+    assert events.readable_versions("sample") == [1, 2] and events.readable_versions("turn") == [1]

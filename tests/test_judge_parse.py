@@ -93,11 +93,12 @@ def test_rl_sample_rules():
     promoted = rl_sample(t, Verdict(0, [None, None, None]), candidate=True, judge="llm")
     assert (promoted.reward, promoted.loss_mask) == (0.0, 1)
     flushed = rl_flush_sample(t, "llm")
-    assert (flushed.reward, flushed.loss_mask) == (0.0, 0)
+    assert (flushed.reward, flushed.loss_mask) == (None, 0)  # no next state: no reward at all
     assert sample_id("a:b", 7, "combine") == "a:b:7:combine"
     events.decode(events.encode(s))  # valid on the wire
     assert rl_sample(_turn(sampling={}), Verdict(1, [1]), False, "x").rollout_temperature == 1.0
-    assert rl_sample(_turn(sampling={"temperature": 0.0}), Verdict(1, [1]), False, "x").rollout_temperature == 0.0
+    # greedy: the engines report log-probs of softmax(logits), i.e. at temperature 1
+    assert rl_sample(_turn(sampling={"temperature": 0.0}), Verdict(1, [1]), False, "x").rollout_temperature == 1.0
 
 
 def test_combine_sample_cases():
@@ -106,9 +107,9 @@ def test_combine_sample_cases():
     both = combine_sample(t, 1, "hint text here", teacher, [[1], [1]], "llm")
     assert (both.kind, both.reward, both.teacher_log_probs, both.hint) == ("opd+rl", 1.0, [-1.0, -2.0], "hint text here")
     hint_only = combine_sample(t, 0, "hint text here", teacher, [[0], [1]], "llm")
-    assert (hint_only.reward, hint_only.teacher_log_probs) == (0.0, [-1.0, -2.0])
+    assert (hint_only.kind, hint_only.reward, hint_only.teacher_log_probs) == ("opd", None, [-1.0, -2.0])
     score_only = combine_sample(t, -1, None, None, [[-1], [-1]], "llm")
-    assert score_only.reward == -1.0 and score_only.teacher_log_probs == score_only.rollout_log_probs
+    assert (score_only.kind, score_only.reward, score_only.teacher_log_probs) == ("rl", -1.0, None)
     assert combine_sample(t, 0, None, None, [[0], [-1]], "llm") is None
     for s in (both, hint_only, score_only):
         events.decode(events.encode(s))

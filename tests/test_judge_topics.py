@@ -110,7 +110,7 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     j0, j1, j2 = got["join:0:rl"], got["join:1:rl"], got["join:2:rl"]
     assert (j0.reward, j0.loss_mask, j0.votes) == (1.0, 1, [1, 1, 1])
     assert (j1.reward, j1.loss_mask, j1.votes) == (-1.0, 1, [-1, -1, -1])
-    assert (j2.reward, j2.loss_mask, j2.votes) == (0.0, 0, [])  # flushed by session end
+    assert (j2.reward, j2.loss_mask, j2.votes) == (None, 0, [])  # flushed by session end: no reward
     assert j0.tokens == [1, 2, 3, 4, 5, 6, 7] and j0.response_length == 3 and j0.kind == "rl"
     assert j0.rollout_log_probs == pytest.approx([-0.125, -0.25, -0.375]) and j0.judge == "llm"
     for sid, (_, reward, votes) in cases.items():
@@ -122,7 +122,7 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     a = got["alo0:0:rl"], got["alo0:1:rl"]
     assert [(s.reward, s.loss_mask) for s in a] == [(0.0, 1), (0.0, 0)]
     b = got["alo1:0:rl"], got["alo1:1:rl"]
-    assert [(s.reward, s.loss_mask) for s in b] == [(0.0, 0), (0.0, 1)]
+    assert [(s.reward, s.loss_mask) for s in b] == [(None, 0), (0.0, 1)]  # turn 0 was never judged
     assert (got["alo2:0:rl"].loss_mask, got["race:0:rl"].loss_mask) == (0, 1)
     # per-session order on the samples topic
     samples = read_events(c, "samples", want, timeout_s=5)
@@ -175,7 +175,7 @@ def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer):
         got = by_id(read_events(c, "samples", 2, timeout_s=30, settle_s=1.0))
     assert set(got) == {"opd:0:opd", "opd-late:0:opd"}  # 10-char hint, -1 vote, flushed turn: no sample
     s = got["opd:0:opd"]
-    assert (s.kind, s.reward, s.loss_mask, s.hint) == ("opd", 0.0, 1, long_hint)
+    assert (s.kind, s.reward, s.loss_mask, s.hint) == ("opd", None, 1, long_hint)
     body = next(b for b in server.generate_bodies if b["input_ids"][-4:] == [101, 102, 103, 104])
     ids, start = body["input_ids"], body["logprob_start_len"]
     assert start == len(ids) - 4 - 1  # log-probs start exactly at the response
@@ -200,14 +200,15 @@ def test_combine_mode_dispatch_with_topk(kafka_config, server):
         got = by_id(read_events(c, "samples", 3, timeout_s=30, settle_s=1.0))
     assert set(got) == {"both:0:combine", "hintonly:0:combine", "scoreonly:0:combine"}
     both, hint_only, score_only = got["both:0:combine"], got["hintonly:0:combine"], got["scoreonly:0:combine"]
-    assert all(s.kind == "opd+rl" and s.loss_mask == 1 for s in got.values())
+    assert [s.kind for s in (both, hint_only, score_only)] == ["opd+rl", "opd", "rl"]  # what each carries
+    assert all(s.loss_mask == 1 for s in got.values())
     assert (both.reward, both.hint) == (-1.0, "Answer with one word only.")
     assert both.teacher_log_probs != both.rollout_log_probs and len(both.teacher_log_probs) == 3
     assert both.teacher_top_k == 2 and len(both.teacher_topk_ids) == 6 and len(both.teacher_topk_log_probs) == 6
-    assert (hint_only.reward, hint_only.hint) == (0.0, "Answer with one word only.")
+    assert (hint_only.reward, hint_only.hint) == (None, "Answer with one word only.")  # a vote of 0: no RL signal
     assert hint_only.teacher_log_probs != hint_only.rollout_log_probs
-    assert (score_only.reward, score_only.hint) == (1.0, None)
-    assert score_only.teacher_log_probs == pytest.approx(score_only.rollout_log_probs)
+    assert (score_only.reward, score_only.hint, score_only.teacher_log_probs) == (1.0, None, None)  # no stand-in
+    assert score_only.teacher_top_k == 0 and score_only.teacher_topk_ids == []
 
 
 def test_choice_backend_scores_candidates_with_generate(kafka_config, server):

@@ -16,7 +16,7 @@ def _sample(i, reward, kind="rl", mask=1, teacher=None):
     rollout = [-1.0, -0.5, -2.0]
     return events.Sample(sample_id=f"p:{i}", session_id=f"p{i}", turn_index=0, kind=kind, tokens=toks,
                          response_length=3, rollout_log_probs=rollout, reward=reward, loss_mask=mask,
-                         teacher_log_probs=teacher or [])
+                         teacher_log_probs=teacher)
 
 
 def test_trainer_publishes_steps_with_trained_samples_and_their_advantages(kafka_config, tmp_path):
@@ -30,7 +30,7 @@ def test_trainer_publishes_steps_with_trained_samples_and_their_advantages(kafka
         run_id="pub-run", count_masked_samples=True, normalize_advantages=False, w_rl=1.0, w_opd=0.5))
     teacher = [-0.5, -0.5, -1.0]
     samples = [_sample(0, 1.0), _sample(1, -1.0), _sample(2, 1.0, kind="opd+rl", teacher=teacher),
-               _sample(3, 0.0, mask=0)]
+               _sample(3, None, mask=0)]
     p = EventProducer(cfg, name="test")
     for s in samples:
         p.send(cfg.topics.name("samples"), s, key=s.session_id)

@@ -16,8 +16,9 @@ from pipeline.trainer import batch as B
 def _sample(i, n_prompt=6, n_resp=4, reward=1.0, seed=0, **kw):
     rng = random.Random(seed * 1000 + i)
     toks = [rng.randrange(1, 49152) for _ in range(n_prompt + n_resp)]
+    kw.setdefault("rollout_log_probs", [-1.0] * n_resp)
     return events.Sample(sample_id=f"x:{i}", session_id=f"x{i}", turn_index=0, tokens=toks, response_length=n_resp,
-                         rollout_log_probs=[-1.0] * n_resp, reward=reward, **kw)
+                         reward=reward, **kw)
 
 
 def test_collate_places_response_positions():
@@ -34,7 +35,8 @@ def test_collate_places_response_positions():
     assert mb.rollout_log_probs.tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
     assert torch.allclose(mb.teacher_log_probs[0], torch.tensor([0, 0, -0.1, -0.2]))
     assert mb.temperatures.tolist() == pytest.approx([0.7, 1.0])
-    assert mb.is_rl.tolist() == [True, True] and mb.has_teacher.tolist() == [True, False]
+    assert mb.has_reward.tolist() == [True, True] and mb.has_teacher.tolist() == [True, False]
+    assert mb.has_rollout.tolist() == [True, True] and mb.policy_versions.tolist() == [0, 0]
     assert mb.weights.tolist() == [1.0, 0.5] and mb.num_tokens == 2
     scored = B.collate([short], include_masked=True)
     assert scored.mask.tolist() == [[0, 1]]
@@ -113,13 +115,12 @@ def test_positive_advantage_raises_logprob_negative_lowers(runtime):
 
 
 def test_imported_samples_use_recomputed_behaviour_log_probs(runtime):
-    # imported turns carry no rollout log-probs (zeros reach the trainer); with them as the PPO
-    # denominator the ratio would be ~0 and the sample silently untrained
+    # imported turns carry no rollout log-probs; the trainer's own log-probs are the behaviour
+    # policy, so the ratio starts at 1 and the sample is trained
     pt = _trainer(runtime)
-    s = _sample(0, reward=1.0, source="import")
-    s.rollout_log_probs = [0.0] * s.response_length
+    s = _sample(0, reward=1.0, source="import", rollout_log_probs=None)
     before = pt.log_probs([s])[0]
-    res = pt.train_batch([s, _sample(1, reward=-1.0, source="import")])
+    res = pt.train_batch([s, _sample(1, reward=-1.0, source="import", rollout_log_probs=None)])
     after = pt.log_probs([s])[0]
     assert not res.skipped and res.metrics["pg_clipfrac"] == 0.0
     assert sum(after) > sum(before), "the imported positive sample was not trained"
@@ -154,7 +155,7 @@ def test_options_recompute_tis_kl_entropy_opd(runtime):
     pt = _trainer(runtime, old_log_probs="recompute", tis_cap=2.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.01,
                   steps_per_batch=2, eps_clip_c=3.0, normalize_advantages=True)
     assert pt.ref_model is not None
-    opd = _sample(0, kind="opd", teacher_log_probs=[-0.5, -1.0, -2.0, -0.1])
+    opd = _sample(0, kind="opd", reward=None, teacher_log_probs=[-0.5, -1.0, -2.0, -0.1])
     both = _sample(1, kind="opd+rl", teacher_log_probs=[-1.0] * 4, reward=1.0)
     rl = _sample(2, reward=-1.0)
     res = pt.train_batch([opd, both, rl], weights=[1.0, 0.5, 1.0])

@@ -88,8 +88,9 @@ def event_from_dict(d: dict) -> events.Event:
     cls = events.EVENT_TYPES.get(d.get("type"))
     if cls is None:
         raise events.UnknownEventType(f"unknown event type {d.get('type')!r}")
-    if d.get("v") != events.SCHEMA_VERSION:
-        raise events.UnsupportedVersion(f"{cls.TYPE}: schema version {d.get('v')!r} not supported")
+    if d.get("v") != cls.V:
+        raise events.UnsupportedVersion(f"{cls.TYPE}: schema version {d.get('v')!r} not supported in archives "
+                                        f"(this code writes and reads v{cls.V})")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names - {"type", "v"}
     if unknown:

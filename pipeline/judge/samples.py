@@ -1,16 +1,20 @@
 """Building :class:`pipeline.events.Sample` events from judged turns, per mode.
 
+Every sample says which training signals it carries (see :class:`pipeline.events.Sample`): a
+reward (None: no RL signal), teacher log-probs (None: no hint) and rollout log-probs (None: not
+recorded by an engine, e.g. an imported conversation). Nothing absent is written as a value.
+
 Modes (OpenClaw-RL):
 
-- ``rl`` (Binary RL / GRPO): every main turn gives one sample, kind ``rl``. reward = the PRM
-  majority vote in {-1, 0, 1}; loss_mask 0 when the turn has no next state or the vote is 0,
-  except for the at-least-one candidate (see :mod:`pipeline.judge.join`), trained with reward 0.
-- ``opd`` (hindsight On-Policy Distillation): a judged turn with a hint gives one sample, kind
-  ``opd``, reward 0, loss_mask 1, teacher log-probs under the hinted prompt. No hint, or no next
-  state: no sample.
-- ``combine``: one sample per judged turn, kind ``opd+rl``: hint and a ±1 vote -> teacher
-  log-probs + reward; hint only -> teacher log-probs, reward 0; ±1 vote only -> teacher
-  log-probs = rollout log-probs (no distillation signal) + reward; neither -> no sample.
+- ``rl`` (Binary RL / GRPO): every main turn gives one sample. reward = the PRM majority vote in
+  {-1, 0, 1} (a real 0 when the judge voted 0); loss_mask 0 when the vote is 0, except for the
+  at-least-one candidate (see :mod:`pipeline.judge.join`), trained with reward 0. A turn that
+  never got a next state gives a sample with no reward and loss_mask 0 (accounting only).
+- ``opd`` (hindsight On-Policy Distillation): a judged turn with a hint gives one sample with
+  teacher log-probs under the hinted prompt and no reward. No hint, or no next state: no sample.
+- ``combine``: one sample per judged turn. A ±1 vote is the RL signal (a vote of 0 is none), an
+  accepted hint the OPD signal: both -> kind ``opd+rl``; hint only -> ``opd``; vote only ->
+  ``rl``; neither -> no sample.
 
 ``sample_id`` is ``<session>:<turn_index>:<mode>``: a replayed turn reproduces its id.
 ``votes``: rl: the PRM votes (int, None = failed); opd: the hint votes; combine:
@@ -22,7 +26,7 @@ from __future__ import annotations
 from pipeline import events
 
 MODES = ("rl", "opd", "combine")
-KIND = {"rl": "rl", "opd": "opd", "combine": "opd+rl"}
+KIND = {"rl": "rl", "opd": "opd", "combine": "opd+rl"}  # the mode's kind when a sample carries no signal
 
 
 def sample_id(session_id: str, turn_index: int, mode: str) -> str:
@@ -31,28 +35,51 @@ def sample_id(session_id: str, turn_index: int, mode: str) -> str:
 
 
 def rollout_temperature(turn: events.Turn) -> float:
-    """The sampling temperature the turn's log-probs refer to (1.0 when unspecified)."""
-    t = (turn.sampling or {}).get("temperature")
-    try:
-        return 1.0 if t is None else float(t)
-    except (TypeError, ValueError):
-        return 1.0
+    """The temperature (> 0) the turn's log-probs were computed at.
+
+    The turn's recorded effective temperature (``logprob_temperature``) when it has one;
+    otherwise (records that predate it, imports) the engines' rule applied to the requested
+    ``sampling.temperature``: unspecified -> 1.0; below 1e-6 (greedy: SGLang and the CPU engine
+    take the argmax and report log-probs of softmax(logits)) -> 1.0.
+    """
+    for t in (getattr(turn, "logprob_temperature", None), (turn.sampling or {}).get("temperature")):
+        if t is None or isinstance(t, bool):
+            continue
+        try:
+            t = float(t)
+        except (TypeError, ValueError):
+            continue
+        if t != t or t == float("inf") or t < 0:  # not a temperature an engine accepts
+            continue
+        return 1.0 if t < events.GREEDY_TEMPERATURE else t
+    return 1.0
 
 
-def make_sample(turn: events.Turn, mode: str, *, reward: float, loss_mask: int, votes=(),
+def rollout_log_probs(turn: events.Turn) -> list[float] | None:
+    """The turn's rollout log-probs, or None when it has none for its response tokens."""
+    lps = list(turn.response_logprobs)
+    return lps if len(lps) == len(turn.response_token_ids) and (lps or turn.source != "import") else None
+
+
+def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask: int, votes=(),
                 hint: str | None = None, teacher=None, judge: str = "") -> events.Sample:
-    """One sample for ``turn``; ``teacher`` is a :class:`pipeline.judge.teacher.TeacherOutput` or None.
+    """One sample for ``turn``.
 
-    Turns imported without rollout log-probs carry zeros (``source`` tells the trainer).
+    Args:
+        reward: the RL signal, or None (none).
+        teacher: a :class:`pipeline.judge.teacher.TeacherOutput` (the OPD signal), or None.
+        loss_mask: 1 to train; forced to 0 for an empty response.
+    Raises:
+        pipeline.events.MalformedEvent: loss_mask 1 without any signal, or arrays of the wrong length.
     """
     resp = list(turn.response_token_ids)
     r = len(resp)
-    lps = list(turn.response_logprobs) if len(turn.response_logprobs) == r else [0.0] * r
     s = events.Sample(
         sample_id=sample_id(turn.session_id, turn.turn_index, mode), session_id=turn.session_id,
-        turn_index=turn.turn_index, policy_version=turn.policy_version, kind=KIND[mode],
-        tokens=list(turn.prompt_token_ids) + resp, response_length=r, rollout_log_probs=lps,
-        rollout_temperature=rollout_temperature(turn), reward=float(reward),
+        turn_index=turn.turn_index, policy_version=turn.policy_version,
+        kind=events.sample_kind(reward is not None, teacher is not None) or KIND[mode],
+        tokens=list(turn.prompt_token_ids) + resp, response_length=r, rollout_log_probs=rollout_log_probs(turn),
+        rollout_temperature=rollout_temperature(turn), reward=None if reward is None else float(reward),
         loss_mask=int(loss_mask) if r else 0, votes=list(votes), hint=hint, judge=judge,
         created_at=events.now_ms(), turn_created_at=turn.created_at, source=turn.source)
     if teacher is not None:
@@ -61,41 +88,34 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float, loss_mask: int, 
             s.teacher_top_k = len(teacher.topk_ids) // r if r else 0
             s.teacher_topk_ids = list(teacher.topk_ids)
             s.teacher_topk_log_probs = list(teacher.topk_log_probs)
+    s.validate()
     return s
 
 
 def rl_sample(turn, verdict, candidate: bool, judge: str) -> events.Sample:
-    """Binary RL sample of a judged turn (``verdict``: :class:`Verdict`)."""
+    """Binary RL sample of a judged turn (``verdict``: :class:`Verdict`); reward = the vote."""
     mask = 1 if (verdict.score != 0 or candidate) else 0
     return make_sample(turn, "rl", reward=verdict.score, loss_mask=mask, votes=verdict.votes, judge=judge)
 
 
 def rl_flush_sample(turn, judge: str) -> events.Sample:
-    """Binary RL sample of a turn that never got a next state (reward 0, loss_mask 0)."""
-    return make_sample(turn, "rl", reward=0.0, loss_mask=0, judge=judge)
+    """Binary RL sample of a turn that never got a next state: no reward, loss_mask 0."""
+    return make_sample(turn, "rl", reward=None, loss_mask=0, judge=judge)
 
 
 def opd_sample(turn, hint: str, teacher, votes, judge: str) -> events.Sample:
-    """OPD sample: teacher log-probs under the hint, reward 0."""
-    return make_sample(turn, "opd", reward=0.0, loss_mask=1, votes=votes, hint=hint, teacher=teacher, judge=judge)
-
-
-class _SameAsRollout:
-    def __init__(self, turn) -> None:
-        r = len(turn.response_token_ids)
-        self.log_probs = list(turn.response_logprobs) if len(turn.response_logprobs) == r else [0.0] * r
-        self.topk_ids, self.topk_log_probs = [], []
+    """OPD sample: teacher log-probs under the hint, no reward."""
+    return make_sample(turn, "opd", reward=None, loss_mask=1, votes=votes, hint=hint, teacher=teacher, judge=judge)
 
 
 def combine_sample(turn, score: int, hint: str | None, teacher, votes, judge: str) -> events.Sample | None:
     """Combine sample, or None when there is neither a usable hint nor a ±1 vote.
 
-    ``teacher`` is the hinted teacher output (None when there is no hint or it failed).
+    ``teacher`` is the hinted teacher output (None when there is no hint or it failed); a vote
+    of 0 is no RL signal.
     """
-    if teacher is not None:
-        return make_sample(turn, "combine", reward=score, loss_mask=1, votes=votes, hint=hint,
-                           teacher=teacher, judge=judge)
-    if score != 0:
-        return make_sample(turn, "combine", reward=score, loss_mask=1, votes=votes,
-                           teacher=_SameAsRollout(turn), judge=judge)
-    return None
+    reward = float(score) if score in (1, -1) else None
+    if teacher is None and reward is None:
+        return None
+    return make_sample(turn, "combine", reward=reward, loss_mask=1, votes=votes,
+                       hint=hint if teacher is not None else None, teacher=teacher, judge=judge)

@@ -380,11 +380,11 @@ def scripted_stream(n_sessions: int, turns: int, seed: int = 0, window: int = 8,
             evs.append(make_turn(sid, k, request=f"request {k} of {sid}", response_ids=[10 + k, 20 + i % 50, 30]))
             last = k == turns - 1
             if last or (i % 3 == 1 and k == 0):
-                expected[f"{sid}:{k}:rl"] = (0.0, 0)
+                expected[f"{sid}:{k}:rl"] = (None, 0)  # never judged (no next state): no reward
                 continue
             if i % 3 == 2 and k == 1:
                 evs.append(make_next_state(sid, k, None))
-                expected[f"{sid}:{k}:rl"] = (0.0, 0)
+                expected[f"{sid}:{k}:rl"] = (None, 0)  # an empty next state is not judged
                 continue
             v = (i + 2 * k) % 3 - 1
             item = f"\\boxed{{{v}}}" if not vote_delay_s else f"!sleep {vote_delay_s} \\boxed{{{v}}}"

@@ -170,10 +170,10 @@ def summarize_topics(turn_events: list, sample_events: list) -> dict:
         "samples_by_kind": dict(by_kind),
         "samples_trained": len(trained),
         "samples_masked": len(sample_events) - len(trained),
-        "reward_mean": _mean([s.reward for s in trained]),
+        "reward_mean": _mean([s.reward for s in trained]),  # over samples with a reward (None: absent)
         "samples_by_policy_version": {
             str(v): {"samples": len(ss), "reward_mean": _mean([s.reward for s in ss if s.loss_mask]),
-                     "positive": sum(1 for s in ss if s.loss_mask and s.reward > 0)}
+                     "positive": sum(1 for s in ss if s.loss_mask and (s.reward or 0) > 0)}
             for v, ss in sorted(by_version.items())},
     }
 
@@ -225,7 +225,8 @@ def figure(report: dict):
     version, the target line (twice version 0's success, the verdict's learning signal), GSM8K
     accuracy (guard), the reward of the samples each version generated, and words per reply on
     its own axis from zero with the brevity limit. Right: batch reward mean, KL and the mean
-    |train - rollout| log-prob mismatch (nats) per trainer step.
+    |train - rollout| log-prob (nats) per trainer step, stale samples (policy drift) apart from
+    samples of the trainer's own version (engine/trainer mismatch).
     """
     import matplotlib
 
@@ -276,7 +277,7 @@ def figure(report: dict):
     ax.set_title(f"Online {mode} on simulated GSM8K users ({report['model']}, judge {report['judge']['backend']})",
                  fontsize=10)
     health = (("reward_mean", "batch reward mean"), ("kl", "KL (kl; ppo_kl dashed)"),
-              ("logprob_abs_diff", "|train - rollout| log-prob (nats)"))
+              ("logprob_abs_diff_stale", "|train - rollout| log-prob, nats, log scale: stale (drift); own version dashed"))
     for row, (key, title) in enumerate(health):
         hx = fig.add_subplot(grid[row, 1])
         pts = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
@@ -286,6 +287,13 @@ def figure(report: dict):
             kl2 = [(r["step"], r["ppo_kl"]) for r in steps if r.get("ppo_kl") is not None]
             if kl2:
                 hx.plot(*zip(*kl2), "o--", ms=3, color="C7")
+        if key == "logprob_abs_diff_stale":  # the engine/trainer mismatch (~1e-6) beside the drift
+            own = [(r["step"], r["logprob_abs_diff_current"]) for r in steps if r.get("logprob_abs_diff_current")]
+            if own:
+                hx.plot(*zip(*own), "o--", ms=3, color="C7")
+            if pts or own:
+                hx.set_yscale("log")
+            pts = pts or own
         if not pts:
             hx.text(0.5, 0.5, "no trainer step", transform=hx.transAxes, ha="center", va="center", color="grey")
         hx.set_title(title, fontsize=9)
@@ -407,8 +415,12 @@ def run(args, config: Config) -> int:
                     "lr": config.trainer.lr,
                     "rollout_batch_size": config.trainer.rollout_batch_size,
                     "last_step": steps_log[-1] if steps_log else None,
-                    "per_step": [{k: r.get(k) for k in ("step", "policy_version", "reward_mean", "kl", "ppo_kl",
-                                                         "logprob_abs_diff", "loss", "step_s")} for r in steps_log]},
+                    # per step; the train-vs-rollout log-prob |diff| (nats) of samples of the
+                    # trainer's own version (engine/trainer mismatch) apart from stale ones (drift)
+                    "per_step": [{k: r.get(k) for k in (
+                        "step", "policy_version", "reward_mean", "kl", "ppo_kl", "logprob_abs_diff",
+                        "logprob_abs_diff_current", "logprob_tokens_current", "logprob_abs_diff_stale",
+                        "logprob_tokens_stale", "loss", "step_s")} for r in steps_log]},
         "versions_applied": sorted({c.policy_version for c in control_events if c.action == "applied"}),
         "topics": summarize_topics(turn_events, sample_events),
         "simulator": sim_summary,
@@ -493,6 +505,11 @@ def print_summary(report: dict, report_dir: Path) -> None:
     tr = report["trainer"]
     print(f"trainer             {tr['steps']} steps ({tr['steps_with_gradient']} with a non-zero gradient; a batch "
           f"whose rewards are all equal has zero GRPO advantage); versions applied {report['versions_applied']}")
+    for r in tr.get("per_step", []):
+        cur = r["logprob_abs_diff_current"]
+        print(f"  step {r['step']}: train-vs-rollout |diff| own version {'n/a' if cur is None else f'{cur:.1e}'} "
+              f"({r['logprob_tokens_current'] or 0:.0f} tokens), stale {_fmt(r['logprob_abs_diff_stale'], 4)} "
+              f"({r['logprob_tokens_stale'] or 0:.0f} tokens) nats")
     n_eval = report["evaluations"][0]["n"] if report["evaluations"] else 0
     print(f"held-out ({n_eval} GSM8K prompts, same seeds for every version) by policy version:")
     print(f"  {'version':>7} {'success':>8} {'accuracy':>9} {'words/reply':>12}")

@@ -28,8 +28,12 @@ class MicroBatch:
     - ``tokens`` ``[b, S]`` int64 (inputs, right-padded with 0), ``position_ids`` ``[b, S]``;
     - ``targets`` ``[b, S]`` int64: the next token at each position;
     - ``mask`` ``[b, S]`` float32: response positions of trainable samples;
-    - ``rollout_log_probs``, ``teacher_log_probs`` ``[b, S]`` float32 (0 where absent);
-    - ``rewards``, ``temperatures``, ``weights`` ``[b]`` float32; ``is_rl``, ``has_teacher`` ``[b]`` bool;
+    - ``rollout_log_probs``, ``teacher_log_probs`` ``[b, S]`` float32, filled on the response
+      positions of samples that carry them (0 elsewhere: read them only through the flags);
+    - ``rewards``, ``temperatures``, ``weights`` ``[b]`` float32 (``rewards`` 0 where absent);
+    - ``has_reward``, ``has_teacher``, ``has_rollout`` ``[b]`` bool: which signals each sample
+      carries (the event's ``reward`` / ``teacher_log_probs`` / ``rollout_log_probs`` not None);
+    - ``policy_versions`` ``[b]`` int64: the version that generated each sample;
     - ``index``: each row's position in the batch the micro-batch came from.
     """
 
@@ -42,8 +46,10 @@ class MicroBatch:
     rewards: torch.Tensor
     temperatures: torch.Tensor
     weights: torch.Tensor
-    is_rl: torch.Tensor
+    has_reward: torch.Tensor
     has_teacher: torch.Tensor
+    has_rollout: torch.Tensor
+    policy_versions: torch.Tensor
     index: list[int] = field(default_factory=list)
 
     @property
@@ -68,8 +74,8 @@ def collate(samples: list[events.Sample], weights: list[float] | None = None,
 
     ``weights`` are per-sample loss weights (staleness; default 1). ``include_masked`` also marks
     the response positions of ``loss_mask = 0`` samples (for scoring, never for the loss).
-    Raises ``ValueError`` on an empty list or a sample whose per-token arrays disagree with
-    ``response_length``.
+    Raises ``ValueError`` on an empty list, a sample whose per-token arrays disagree with
+    ``response_length``, or a temperature that is not > 0.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -84,7 +90,7 @@ def collate(samples: list[events.Sample], weights: list[float] | None = None,
     for i, s in enumerate(samples):
         ids = torch.as_tensor(s.tokens, dtype=torch.int64)
         n, R = len(ids), s.response_length
-        if len(s.rollout_log_probs) != R or (s.teacher_log_probs and len(s.teacher_log_probs) != R):
+        if any(a is not None and len(a) != R for a in (s.rollout_log_probs, s.teacher_log_probs)):
             raise ValueError(f"sample {s.sample_id}: per-token arrays do not match response_length {R}")
         if n >= 2:
             tokens[i, :n - 1] = ids[:-1]
@@ -92,17 +98,24 @@ def collate(samples: list[events.Sample], weights: list[float] | None = None,
         if trainable(s) or (include_masked and 0 < R < n):
             lo, hi = n - R - 1, n - 1
             mask[i, lo:hi] = 1.0
-            rollout[i, lo:hi] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
-            if s.teacher_log_probs:
+            if s.rollout_log_probs is not None:
+                rollout[i, lo:hi] = torch.as_tensor(s.rollout_log_probs, dtype=torch.float32)
+            if s.teacher_log_probs is not None:
                 teacher[i, lo:hi] = torch.as_tensor(s.teacher_log_probs, dtype=torch.float32)
+    if any(not s.rollout_temperature > 0 for s in samples):
+        raise ValueError("rollout_temperature must be > 0 (the temperature the log-probs were computed at)")
+    if any(not s.rollout_temperature > 0 for s in samples):
+        raise ValueError("rollout_temperature must be > 0 (the temperature the log-probs were computed at)")
     return MicroBatch(
         tokens=tokens, position_ids=torch.arange(S).unsqueeze(0).expand(b, S).contiguous(), targets=targets,
         mask=mask, rollout_log_probs=rollout, teacher_log_probs=teacher,
-        rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-        temperatures=torch.tensor([float(s.rollout_temperature) or 1.0 for s in samples], dtype=torch.float32),
+        rewards=torch.tensor([0.0 if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32),
+        temperatures=torch.tensor([float(s.rollout_temperature) for s in samples], dtype=torch.float32),
         weights=torch.tensor(weights if weights is not None else [1.0] * b, dtype=torch.float32),
-        is_rl=torch.tensor(["rl" in s.kind for s in samples], dtype=torch.bool),
-        has_teacher=torch.tensor([bool(s.teacher_log_probs) and "opd" in s.kind for s in samples], dtype=torch.bool),
+        has_reward=torch.tensor([s.reward is not None for s in samples], dtype=torch.bool),
+        has_teacher=torch.tensor([s.teacher_log_probs is not None for s in samples], dtype=torch.bool),
+        has_rollout=torch.tensor([s.rollout_log_probs is not None for s in samples], dtype=torch.bool),
+        policy_versions=torch.tensor([int(s.policy_version) for s in samples], dtype=torch.int64),
         index=list(index) if index is not None else list(range(b)),
     )
 

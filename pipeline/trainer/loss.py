@@ -21,43 +21,62 @@ LossAgg = Literal["sum_of_sample_mean", "token_mean"]
 # ---------------------------------------------------------------- advantages
 
 
-def grpo_advantages(rewards: Tensor, mask: Tensor, normalize: bool = False, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(rewards: Tensor, mask: Tensor, normalize: bool = False, eps: float = 1e-6,
+                    has_reward: Tensor | None = None) -> Tensor:
     """GRPO / Binary-RL advantage: each sample's scalar reward broadcast over its response tokens.
 
     Args:
-        rewards: ``[n]`` scalar rewards (Binary RL: the PRM majority vote in {-1, 0, 1}).
+        rewards: ``[n]`` scalar rewards (Binary RL: the PRM majority vote in {-1, 0, 1}); the
+            values of samples without a reward are ignored.
         mask: ``[n, L]`` response-token mask.
-        normalize: subtract the mean reward of the ``n`` samples and divide by their population
-            standard deviation plus ``eps`` (slime's GRPO group normalisation, with the batch as
-            the group: online samples of a live agent do not come in groups of the same prompt).
-            A batch of one, or one where every reward is equal, gets zero advantage (no NaN).
+        normalize: subtract the mean reward and divide by the population standard deviation plus
+            ``eps``, both taken over the samples that carry a reward (slime's GRPO group
+            normalisation, with the batch as the group: online samples of a live agent do not
+            come in groups of the same prompt). One rewarded sample, or equal rewards, give zero
+            advantage (no NaN).
+        has_reward: ``[n]`` bool, which samples carry an RL signal (default: all). A sample
+            without one gets advantage exactly 0 and takes no part in the normalisation.
     Returns:
         ``[n, L]`` advantages, 0 outside ``mask``.
     Source: OpenClaw-RL Binary RL (reward = advantage), slime ``--advantage-estimator grpo``.
     """
     r = rewards.to(torch.float32)
-    if normalize and r.numel():
-        r = (r - r.mean()) / (r.std(unbiased=False) + eps)
+    present = torch.ones_like(r, dtype=torch.bool) if has_reward is None else has_reward.to(r.device, torch.bool)
+    r = torch.where(present, r, torch.zeros_like(r))
+    if normalize and bool(present.any()):
+        kept = r[present]
+        r = torch.where(present, (r - kept.mean()) / (kept.std(unbiased=False) + eps), torch.zeros_like(r))
     return r[:, None] * mask.to(r.dtype)
 
 
-def opd_advantages(teacher_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
+def opd_advantages(teacher_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor,
+                   has_teacher: Tensor | None = None) -> Tensor:
     """On-policy distillation advantage: ``teacher log-prob - old log-prob`` per response token.
 
     Args:
-        teacher_log_probs: ``[n, L]`` log p_teacher(token) where the teacher saw the hindsight hint.
+        teacher_log_probs: ``[n, L]`` log p_teacher(token) where the teacher saw the hindsight hint
+            (at the sample's rollout temperature).
         old_log_probs: ``[n, L]`` log-probs of the same tokens under the behaviour policy (the
             rollout log-probs, or the trainer's recomputed ones; see ``TrainerConfig.old_log_probs``).
         mask: ``[n, L]``.
+        has_teacher: ``[n]`` bool, which samples carry teacher log-probs (default: all); the
+            others get advantage exactly 0, whatever their ``teacher_log_probs`` rows hold.
     Returns:
         ``[n, L]``: positive where the hinted teacher likes the token more than the policy did.
     Source: OpenClaw-RL hindsight OPD (token-level advantage = teacher minus student log-prob).
     """
-    return (teacher_log_probs - old_log_probs) * mask.to(teacher_log_probs.dtype)
+    adv = (teacher_log_probs - old_log_probs) * mask.to(teacher_log_probs.dtype)
+    if has_teacher is not None:
+        adv = torch.where(has_teacher.to(adv.device, torch.bool)[:, None], adv, torch.zeros_like(adv))
+    return adv
 
 
 def combine_advantages(grpo: Tensor, opd: Tensor, w_rl: float = 1.0, w_opd: float = 1.0) -> Tensor:
-    """OpenClaw-RL's combination: ``w_rl * grpo + w_opd * (teacher - old)``, all ``[n, L]``."""
+    """OpenClaw-RL's combination: ``w_rl * grpo + w_opd * (teacher - old)``, all ``[n, L]``.
+
+    Each term must already be 0 on samples that lack its signal (see ``has_reward`` /
+    ``has_teacher`` above), so a missing signal contributes exactly nothing.
+    """
     return w_rl * grpo + w_opd * opd
 
 
@@ -124,16 +143,20 @@ def ppo_policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor
 
 
 def truncated_is_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float,
-                         floor: float = 0.0) -> Tensor:
+                         floor: float = 0.0, has_rollout: Tensor | None = None) -> Tensor:
     """Truncated importance-sampling weights for the rollout-vs-training mismatch (no grad).
 
     ``w = clamp(exp(old - rollout), floor, cap)``, element-wise ``[n, L]``: the engine that sampled
     (fp32 CPU server or SGLang in bf16) and the trainer compute slightly different probabilities;
     multiplying the per-token policy loss by ``w`` corrects the off-policyness while the cap keeps
-    the variance bounded. Source: "Your efficient RL framework secretly brings you off-policy RL
-    training" (Yao et al., 2025), slime ``--use-tis``.
+    the variance bounded. ``has_rollout`` ``[n]`` bool (default: all): a sample without rollout
+    log-probs has nothing to correct and gets weight exactly 1. Source: "Your efficient RL
+    framework secretly brings you off-policy RL training" (Yao et al., 2025), slime ``--use-tis``.
     """
-    return torch.exp(old_log_probs.detach() - rollout_log_probs.detach()).clamp(min=floor, max=cap)
+    w = torch.exp(old_log_probs.detach() - rollout_log_probs.detach()).clamp(min=floor, max=cap)
+    if has_rollout is not None:
+        w = torch.where(has_rollout.to(w.device, torch.bool)[:, None], w, torch.ones_like(w))
+    return w
 
 
 # ---------------------------------------------------------------- aggregation
@@ -222,14 +245,15 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
                 entropy: Tensor | None = None, entropy_coef: float = 0.0,
                 ref_log_probs: Tensor | None = None, kl_coef: float = 0.0, kl_type: KLType = "low_var_kl",
                 rollout_log_probs: Tensor | None = None, tis_cap: float | None = None, tis_floor: float = 0.0,
-                sample_weights: Tensor | None = None, agg: LossAgg = "sum_of_sample_mean",
-                num_samples: int | None = None, num_tokens: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                has_rollout: Tensor | None = None, sample_weights: Tensor | None = None,
+                agg: LossAgg = "sum_of_sample_mean", num_samples: int | None = None, num_tokens: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The trainer's objective for one micro-batch: ``pg_loss - entropy_coef * entropy + kl_coef * kl``.
 
     Every term is aggregated with :func:`aggregate` (``agg``, global ``num_samples`` /
     ``num_tokens``, ``sample_weights``), so summing micro-batch losses gives the batch loss.
     ``pg_loss`` is the PPO surrogate of :func:`ppo_policy_loss`, multiplied per token by
-    :func:`truncated_is_weights` when ``tis_cap`` is set (needs ``rollout_log_probs``). The KL
+    :func:`truncated_is_weights` when ``tis_cap`` is set (needs ``rollout_log_probs``; samples
+    marked False in ``has_rollout`` ``[n]`` get weight 1). The KL
     term needs ``ref_log_probs`` (a frozen reference model); the entropy term needs ``entropy``.
 
     Args: ``[n, L]`` tensors as in the module docstring; ``sample_weights`` ``[n]``.
@@ -247,7 +271,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     if tis_cap is not None:
         if rollout_log_probs is None:
             raise ValueError("tis_cap needs rollout_log_probs")
-        tis = truncated_is_weights(old_log_probs, rollout_log_probs, tis_cap, tis_floor)
+        tis = truncated_is_weights(old_log_probs, rollout_log_probs, tis_cap, tis_floor, has_rollout)
         pg = pg * tis
     pg_loss = agg_(pg)
     loss = pg_loss

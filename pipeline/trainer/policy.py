@@ -113,6 +113,21 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
 
 
 @dataclass
+class _Prepared:
+    """:meth:`PolicyTrainer._prepare`'s output (``keep``: input index of each kept sample)."""
+
+    keep: list[int]
+    samples: list[events.Sample]
+    weights: list[float]
+    has_reward: torch.Tensor
+    rewards: torch.Tensor
+    rl_adv: torch.Tensor
+    micro: list[B.MicroBatch]
+    old_cache: list[torch.Tensor]
+    ref_cache: list[torch.Tensor | None]
+
+
+@dataclass
 class StepResult:
     """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times).
 
@@ -193,66 +208,109 @@ class PolicyTrainer:
     # ------------------------------------------------------------ training
 
     def _advantages(self, mb: B.MicroBatch, old: torch.Tensor, rl_adv: torch.Tensor) -> torch.Tensor:
-        """``[b, S]``: ``w_rl * grpo`` on rl samples + ``w_opd * (teacher - old)`` on opd samples."""
+        """``[b, S]``: ``w_rl * grpo + w_opd * (teacher - old)``, each term exactly 0 on the
+        samples that lack its signal (``rl_adv`` ``[b]`` is already 0 where there is no reward)."""
         mask = mb.mask.to(old.device)
-        grpo = L.grpo_advantages(rl_adv.to(old.device), mask) * mb.is_rl.to(old.device)[:, None]
-        opd = L.opd_advantages(mb.teacher_log_probs.to(old.device), old, mask) * mb.has_teacher.to(old.device)[:, None]
+        grpo = L.grpo_advantages(rl_adv.to(old.device), mask, has_reward=mb.has_reward)
+        opd = L.opd_advantages(mb.teacher_log_probs.to(old.device), old, mask, has_teacher=mb.has_teacher)
         return L.combine_advantages(grpo, opd, self.cfg.w_rl, self.cfg.w_opd)
 
-    def train_batch(self, samples: list[events.Sample], weights: list[float] | None = None) -> StepResult:
-        """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
-
-        ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
-        that are not :func:`batch.trainable` are ignored. A batch without any trainable token
-        makes no optimizer step (``skipped``): Adam's moments would still move the weights.
-        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
-        steps of the aggregated values), ``logprob_abs_diff`` (mean |train - rollout| log-prob
-        over trained tokens, before the update), ``grad_norm`` (last step), ``reward_mean``,
-        ``train_samples``, ``train_tokens``, ``forward_backward_s``, ``optimizer_s``.
-        """
+    def _prepare(self, samples: list[events.Sample], weights: list[float] | None) -> _Prepared:
+        """The batch as this DP rank trains it: trainable samples, per-sample RL advantages over
+        the whole batch, this rank's micro-batches and their behaviour / reference log-probs."""
         cfg, par = self.cfg, self.par
         weights = list(weights) if weights is not None else [1.0] * len(samples)
         keep = [i for i, s in enumerate(samples) if B.trainable(s) and weights[i] > 0]
         samples = [samples[i] for i in keep]
         weights = [weights[i] for i in keep]
         num_samples = len(samples)
-        num_tokens = sum(s.response_length for s in samples)
-        metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
-        if num_samples == 0:
-            return StepResult(metrics, skipped=True)
-        rewards = torch.tensor([float(s.reward) for s in samples])
-        is_rl = torch.tensor(["rl" in s.kind for s in samples])
-        rl_adv = torch.zeros(num_samples)
-        if is_rl.any():
-            rl_adv[is_rl] = L.grpo_advantages(rewards[is_rl], torch.ones(int(is_rl.sum()), 1),
-                                              cfg.normalize_advantages)[:, 0]
-        metrics["reward_mean"] = float(rewards.mean())
+        # the RL term per sample, over the whole batch (normalised over the samples with a reward)
+        has_reward = torch.tensor([s.reward is not None for s in samples], dtype=torch.bool)
+        rewards = torch.tensor([0.0 if s.reward is None else float(s.reward) for s in samples])
+        rl_adv = L.grpo_advantages(rewards, torch.ones(num_samples, 1), cfg.normalize_advantages,
+                                   has_reward=has_reward)[:, 0]
         # this DP rank's share of the batch (the loss is normalised by the global counts)
         mine = list(range(par.dp_rank, num_samples, par.dp))
         micro = B.split([samples[i] for i in mine], cfg.micro_batch_size, cfg.micro_batch_tokens,
                         weights=[weights[i] for i in mine])
         for mb in micro:
             mb.index = [mine[i] for i in mb.index]
-        t0 = time.perf_counter()
         old_cache: list[torch.Tensor] = []
         ref_cache: list[torch.Tensor | None] = []
         with torch.no_grad():
             for mb in micro:
-                # imported turns were never sampled (no rollout log-probs): their behaviour
-                # log-probs are recomputed under the current weights, so their ratio starts at 1
-                imported = torch.tensor([samples[i].source == "import" for i in mb.index])
+                # behaviour log-probs: the rollout ones, or recomputed under the current weights
+                # (always for samples without rollout log-probs, e.g. imported turns: their
+                # ratio starts at 1)
                 rollout = mb.rollout_log_probs.to(par.device)
-                if cfg.old_log_probs == "recompute" or bool(imported.any()):
+                if cfg.old_log_probs == "recompute" or not bool(mb.has_rollout.all()):
                     self.ddp.eval()
                     rec = self._forward(self.ddp, mb)[0].float()
                     old_cache.append(rec if cfg.old_log_probs == "recompute"
-                                     else torch.where(imported[:, None].to(rec.device), rec, rollout))
+                                     else torch.where(mb.has_rollout[:, None].to(rec.device), rollout, rec))
                 else:
                     old_cache.append(rollout)
                 ref_cache.append(self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None)
+        return _Prepared(keep, samples, weights, has_reward, rewards, rl_adv, micro, old_cache, ref_cache)
+
+    @torch.no_grad()
+    def advantages(self, samples: list[events.Sample], weights: list[float] | None = None) -> list[list[float]]:
+        """The per-token advantages :meth:`train_batch` would use on ``samples`` now (no update).
+
+        Returns one list per input sample, in input order: ``response_length`` floats for the
+        samples that would be trained, ``[]`` for the others (not :func:`batch.trainable`, or
+        weight 0). Single-process only (every sample must be on this DP rank).
+        """
+        if self.par.dp != 1:
+            raise ValueError("advantages() needs dp == 1")
+        prep = self._prepare(samples, weights)
+        out: list[list[float]] = [[] for _ in samples]
+        for mb, old in zip(prep.micro, prep.old_cache):
+            adv = self._advantages(mb, old, prep.rl_adv[mb.index]).float().cpu()
+            for row, i in enumerate(mb.index):
+                out[prep.keep[i]] = adv[row][mb.mask[row] > 0].tolist()
+        return out
+
+    def train_batch(self, samples: list[events.Sample], weights: list[float] | None = None,
+                    policy_version: int | None = None) -> StepResult:
+        """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
+
+        ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
+        that are not :func:`batch.trainable` are ignored. A batch without any trainable token
+        makes no optimizer step (``skipped``): Adam's moments would still move the weights.
+        ``policy_version`` is the version of the weights being trained (the stage's); it splits
+        the train-vs-rollout figure (below).
+
+        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
+        steps of the aggregated values), ``grad_norm`` (last step), ``train_samples``,
+        ``train_tokens``, ``rl_samples`` / ``opd_samples`` (trained samples with a reward / with
+        teacher log-probs), ``reward_mean`` (over the samples with a reward; absent when none),
+        ``forward_backward_s``, ``optimizer_s``, and the train-vs-rollout figure: mean
+        |trainer - rollout| log-prob (nats) over the response tokens of trained samples that
+        have rollout log-probs (imported samples never count), before the update:
+        ``logprob_abs_diff`` (all of them), ``logprob_abs_diff_current`` (samples generated by
+        ``policy_version`` itself: the engine/trainer numerical mismatch, ~1e-6 on fp32 CPU) and
+        ``logprob_abs_diff_stale`` (samples of other versions: policy drift plus mismatch), with
+        their token counts ``logprob_tokens_current`` / ``logprob_tokens_stale``. A figure
+        without tokens is absent, never 0; the split needs ``policy_version``.
+        """
+        cfg, par = self.cfg, self.par
+        t0 = time.perf_counter()
+        prep = self._prepare(samples, weights)
+        samples, micro, old_cache, ref_cache = prep.samples, prep.micro, prep.old_cache, prep.ref_cache
+        rl_adv = prep.rl_adv
+        num_samples = len(samples)
+        num_tokens = sum(s.response_length for s in samples)
+        metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
+        if num_samples == 0:
+            return StepResult(metrics, skipped=True)
+        metrics["rl_samples"] = float(prep.has_reward.sum())
+        metrics["opd_samples"] = float(sum(s.teacher_log_probs is not None for s in samples))
+        if bool(prep.has_reward.any()):
+            metrics["reward_mean"] = float(prep.rewards[prep.has_reward].mean())
         pre_s = time.perf_counter() - t0
         sums: dict[str, float] = {}
-        diff_sum = torch.zeros((), dtype=torch.float64)
+        diff = {k: torch.zeros((), dtype=torch.float64) for k in ("current", "current_n", "stale", "stale_n")}
         adv_means = torch.zeros(num_samples, dtype=torch.float64)  # per kept sample, this rank's share
         fb_s = opt_s = 0.0
         grad_norm = 0.0
@@ -273,7 +331,7 @@ class PolicyTrainer:
                     eps_clip_c=cfg.eps_clip_c, entropy=ent, entropy_coef=cfg.entropy_coef,
                     ref_log_probs=ref, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type,
                     rollout_log_probs=mb.rollout_log_probs.to(dev), tis_cap=cfg.tis_cap, tis_floor=cfg.tis_floor,
-                    sample_weights=mb.weights.to(dev), agg=cfg.loss_agg,
+                    has_rollout=mb.has_rollout, sample_weights=mb.weights.to(dev), agg=cfg.loss_agg,
                     num_samples=num_samples, num_tokens=num_tokens)
                 # Megatron DDP averages gradients over DP ranks; the loss is already a global mean
                 (loss * par.dp).backward()
@@ -281,7 +339,7 @@ class PolicyTrainer:
                 for k, v in stats.items():
                     step_stats[k] = step_stats.get(k, 0.0) + v.float().cpu()
                 if step == 0:
-                    diff_sum += ((logp.detach().float() - mb.rollout_log_probs.to(dev)).abs() * mask).sum().double().cpu()
+                    self._mismatch(diff, logp, mb, policy_version)
                     adv_means[mb.index] = ((adv.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).double().cpu()
             t2 = time.perf_counter()
             ok, grad_norm, _ = self._optimizer_step()
@@ -294,8 +352,14 @@ class PolicyTrainer:
                 sums[k] = sums.get(k, 0.0) + v
         n = cfg.steps_per_batch
         metrics.update({k: v / n for k, v in sums.items()})
-        diff = self._all_reduce_dp({"d": diff_sum})["d"]
-        metrics["logprob_abs_diff"] = diff / max(num_tokens, 1)
+        d = self._all_reduce_dp(diff)
+        if d["current_n"] + d["stale_n"] > 0:
+            metrics["logprob_abs_diff"] = (d["current"] + d["stale"]) / (d["current_n"] + d["stale_n"])
+        if policy_version is not None:
+            for part in ("current", "stale"):
+                metrics[f"logprob_tokens_{part}"] = d[f"{part}_n"]
+                if d[f"{part}_n"] > 0:
+                    metrics[f"logprob_abs_diff_{part}"] = d[part] / d[f"{part}_n"]
         metrics["grad_norm"] = float(grad_norm or 0.0)
         metrics["forward_backward_s"] = fb_s + pre_s
         metrics["optimizer_s"] = opt_s
@@ -305,8 +369,24 @@ class PolicyTrainer:
 
             adv_means = adv_means.to(par.device)
             dist.all_reduce(adv_means, group=ps.get_data_parallel_group())
-        per_sample = {keep[i]: float(a) for i, a in enumerate(adv_means.cpu().tolist())}
+        per_sample = {prep.keep[i]: float(a) for i, a in enumerate(adv_means.cpu().tolist())}
         return StepResult(metrics, skipped=False, sample_advantages=per_sample)
+
+    @staticmethod
+    def _mismatch(acc: dict[str, torch.Tensor], logp: torch.Tensor, mb: B.MicroBatch,
+                  policy_version: int | None) -> None:
+        """Add ``|logp - rollout|`` sums and token counts of ``mb``'s samples that have rollout
+        log-probs to ``acc``: ``current`` = generated by ``policy_version``, ``stale`` = the rest
+        (everything when ``policy_version`` is None)."""
+        dev = logp.device
+        mask = mb.mask.to(dev) * mb.has_rollout.to(dev)[:, None]
+        per_sample = ((logp.detach().float() - mb.rollout_log_probs.to(dev)).abs() * mask).sum(-1).double().cpu()
+        tokens = mask.sum(-1).double().cpu()
+        current = (mb.policy_versions == policy_version) if policy_version is not None \
+            else torch.zeros(mb.size, dtype=torch.bool)
+        for part, sel in (("current", current), ("stale", ~current)):
+            acc[part] += per_sample[sel].sum()
+            acc[f"{part}_n"] += tokens[sel].sum()
 
     def _optimizer_step(self):
         from megatron.core.distributed import finalize_model_grads

@@ -18,7 +18,16 @@ SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcom
 LOSS = Gauge("pipeline_trainer_loss", "Loss of the last step")
 REWARD = Gauge("pipeline_trainer_reward_mean", "Mean reward of the last batch")
 STALENESS = Gauge("pipeline_trainer_staleness_mean", "Mean staleness (versions) of the last batch")
-LOGPROB_DIFF = Gauge("pipeline_trainer_logprob_abs_diff", "Mean |train - rollout| log-prob of the last batch (nats)")
+LOGPROB_DIFF = Gauge("pipeline_trainer_logprob_abs_diff",
+                     "Mean |train - rollout| log-prob of the last batch's sampled tokens (nats; NaN: none)")
+LOGPROB_DIFF_CURRENT = Gauge(
+    "pipeline_trainer_logprob_abs_diff_current",
+    "Engine/trainer mismatch: mean |train - rollout| log-prob over samples of the trainer's own policy "
+    "version in the last batch (nats; NaN: none)")
+LOGPROB_DIFF_STALE = Gauge(
+    "pipeline_trainer_logprob_abs_diff_stale",
+    "Policy drift: mean |train - rollout| log-prob over samples of older policy versions in the last "
+    "batch (nats; NaN: none)")
 PHASE = Histogram("pipeline_trainer_phase_seconds", "Seconds per step phase",
                   ["phase"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
 SYNC_FAILED = Counter("pipeline_trainer_sync_failures_total", "Engines that failed or timed out a weight sync")
@@ -39,10 +48,15 @@ def observe_step(record: dict) -> None:
     for key, outcome in (("masked", "masked"), ("duplicates", "duplicate"), ("stale_dropped", "stale_dropped"),
                          ("dead_letters", "dead_letter")):
         SAMPLES.labels(outcome).inc(record.get(key, 0))
-    for gauge, key in ((LOSS, "loss"), (REWARD, "reward_mean"), (STALENESS, "staleness_mean"),
-                       (LOGPROB_DIFF, "logprob_abs_diff")):
+    for gauge, key in ((LOSS, "loss"), (STALENESS, "staleness_mean")):
         if isinstance(record.get(key), (int, float)):
             gauge.set(record[key])
+    if not record.get("skipped"):  # a figure the step could not measure reads NaN, not the last value
+        for gauge, key in ((REWARD, "reward_mean"), (LOGPROB_DIFF, "logprob_abs_diff"),
+                           (LOGPROB_DIFF_CURRENT, "logprob_abs_diff_current"),
+                           (LOGPROB_DIFF_STALE, "logprob_abs_diff_stale")):
+            value = record.get(key)
+            gauge.set(value if isinstance(value, (int, float)) else float("nan"))
     for phase in ("consume_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "export_s", "sync_s", "step_s"):
         if isinstance(record.get(phase), (int, float)):
             PHASE.labels(phase[:-2]).observe(record[phase])

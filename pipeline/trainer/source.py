@@ -10,7 +10,9 @@ usual tools, but the checkpoint is the source of truth.
 What counts toward ``rollout_batch_size``: a record that decodes to a :class:`events.Sample`,
 whose ``sample_id`` was not seen within the de-duplication window, that is not dropped as
 stale, and that is trainable (``loss_mask = 1`` with a prompt and a response) — or, with
-``trainer.count_masked_samples``, also a fully masked sample. Fully masked samples never reach
+``trainer.count_masked_samples``, also a fully masked sample. Staleness applies to samples with
+rollout log-probs only: one without (an imported conversation) was never sampled by any policy
+version, is trained against the trainer's own log-probs, and is never stale. Fully masked samples never reach
 the forward pass; they are consumed (their offsets move) and counted in the metrics. Records
 that fail to decode or are not samples go to ``samples.dlq`` (delivered before the offset moves
 past them; while the DLQ cannot be written the source retries, and a stop then returns no
@@ -147,8 +149,9 @@ class SampleSource:
                 stats["duplicates"] += 1
                 continue
             seen_now.add(ev.sample_id)
+            sampled = ev.rollout_log_probs is not None  # else never sampled by a policy: never stale
             w, keep = L.staleness_weights(torch.tensor([ev.policy_version]), trainer_version,
-                                          cfg.max_staleness, cfg.stale_policy, cfg.stale_decay)
+                                          cfg.max_staleness if sampled else None, cfg.stale_policy, cfg.stale_decay)
             if not bool(keep[0]):
                 stats["stale_dropped"] += 1
                 continue
@@ -160,7 +163,8 @@ class SampleSource:
                     continue
             samples.append(ev)
             weights.append(float(w[0]))
-            staleness.append(max(0, trainer_version - ev.policy_version))
+            if sampled:
+                staleness.append(max(0, trainer_version - ev.policy_version))
         for s in seen_now:
             self.dedup.add(s)
         self.positions = positions

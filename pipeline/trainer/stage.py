@@ -130,8 +130,6 @@ class TrainerStage:
             return f"token id out of range for vocabulary {arch.vocab_size}"
         if len(s.tokens) > arch.max_positions:
             return f"{len(s.tokens)} tokens exceed the model's {arch.max_positions} positions"
-        if s.rollout_temperature <= 0:
-            return f"rollout_temperature {s.rollout_temperature} must be > 0"
         return None
 
     # ------------------------------------------------------------ sync
@@ -177,7 +175,7 @@ class TrainerStage:
         if payload is None:
             return False
         samples, weights, stopping = payload
-        result = self.policy.train_batch(samples, weights)
+        result = self.policy.train_batch(samples, weights, policy_version=self.version)
         self.step += 1
         if not result.skipped:
             self.version += 1
