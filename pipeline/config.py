@@ -161,6 +161,8 @@ class JudgeConfig(Section):
     vote_timeout_s: float = 60.0
     retries: int = 2
     idle_timeout_s: float = 300.0
+    # several proxies: a record that overtook an earlier one of its session waits this long in event time
+    reorder_lateness_s: float = Field(60.0, gt=0)
     max_in_flight: int = Field(256, ge=1)
     teacher_top_k: int = 0
     # added by the judge stage
