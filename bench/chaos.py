@@ -107,7 +107,7 @@ def make_config(run_dir: Path, args):
     from pipeline.config import load_config
 
     return load_config(None, engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8},
-                       trainer={"model": "tiny-random", "rollout_batch_size": 4, "micro_batch_size": 4,
+                       trainer={"model": "tiny-random", "rollout_batch_size": 32, "micro_batch_size": 8,
                                 "steps_per_batch": STEPS_PER_BATCH, "lr": 1e-3, "threads": 1,
                                 "checkpoint_dir": str(run_dir / "checkpoints"), "export_dir": str(run_dir / "weights"),
                                 "metrics_file": str(run_dir / "trainer_metrics.jsonl"), "progress": False,
