@@ -71,6 +71,7 @@ class Timeline:
     t0: float = field(default_factory=time.monotonic)
     kills: list = field(default_factory=list)  # {t, stage, pid, proof}
     restarts: list = field(default_factory=list)  # {t, stage, pid}
+    crashes: list = field(default_factory=list)  # {t, stage, exit}: exits that were not our kills
     ready: list = field(default_factory=list)  # {t, stage}
     down: dict = field(default_factory=dict)  # stage -> [(t_down, t_up or None)]
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -130,14 +131,16 @@ def supervise(stack, tl: Timeline, stop: threading.Event, fatal: list) -> None:
             return
         t = tl.now()
         for line in lines:
+            name = line.split()[1]
             if " restarted (pid " in line:
-                name = line.split()[1]
                 tl.restarts.append({"t": round(t, 2), "stage": name, "pid": sup.get(name).pid})
+            elif " exited with " in line:
+                code = line.split(" exited with ")[1].split()[0]
+                if not any(k["stage"] == name and t - k["t"] < 5 for k in tl.kills):  # not ours: a crash
+                    tl.crashes.append({"t": round(t, 2), "stage": name, "exit": code})
+                    tl.mark_down(name, t)
         for s in sup.stages:
             up = s.alive and s.is_ready
-            if was_up.get(s.name) and not s.alive:
-                if not any(k["stage"] == s.name and t - k["t"] < 5 for k in tl.kills):
-                    tl.mark_down(s.name, t)  # an exit that was not ours (a crash)
             if up and not was_up.get(s.name):
                 tl.mark_up(s.name, t)
             was_up[s.name] = up
@@ -441,6 +444,17 @@ def count(config, attempts: list[Attempt], tl: Timeline, control: ControlWatch, 
     per_turn = Counter((s.session_id, s.turn_index) for (_, _, s) in first.values())
     dup_into_samples = sum(n - 1 for n in per_turn.values() if n > 1)
     has_ns = {(n.session_id, n.after_turn_index) for n in nexts if n.messages and n.after_turn_index is not None}
+    # records that reached the topic before a record they follow (several proxies, restarts)
+    seen_idx: dict[str, set] = defaultdict(set)
+    out_of_order = 0
+    for _, _, e in sorted(turns_recs, key=lambda x: (x[0], x[1])):
+        if isinstance(e, events.Turn) and e.turn_type == "main":
+            if any(i > e.turn_index for i in seen_idx[e.session_id]):
+                out_of_order += 1
+            seen_idx[e.session_id].add(e.turn_index)
+        elif isinstance(e, events.NextState) and e.after_turn_index is not None:
+            if e.after_turn_index not in seen_idx[e.session_id]:
+                out_of_order += 1
     judged = {(s.session_id, s.turn_index) for (_, _, s) in first.values() if s.votes}
     decided = {(s.session_id, s.turn_index) for (_, _, s) in first.values()}
     turn_keys = {(t.session_id, t.turn_index) for t in unique_turns.values()}
@@ -506,10 +520,18 @@ def count(config, attempts: list[Attempt], tl: Timeline, control: ControlWatch, 
             lags.append({"restart_of": r["stage"], "engine": name, "t": t0,
                          "seconds": None if hit is None else round(hit - t0, 2)})
     worst_lag = max((x["seconds"] for x in lags if x["seconds"] is not None), default=None)
+    never_in_sync = sum(1 for x in lags if x["seconds"] is None)
+    trainer_kills = [k for k in tl.kills if k["stage"] == "trainer"]
+    mid_step = [k for k in trainer_kills if k["proof"] and
+                k["proof"].get("logged_steps_after_kill") == k["proof"].get("logged_steps")]
+    # a step killed in its sync was synced again by the restarted trainer
+    resynced = all(k["proof"]["weights_published"] in control.resumed for k in mid_step
+                   if k["proof"]["phase"] == "syncing")
     return {
         "requests": len(attempts), "answered_200": len(ok), "sessions": len({a.session for a in attempts}),
         "turn_events": len(unique_turns), "next_states": len(nexts), "samples_unique": len(first),
         "trainer_steps": len(steps), "published_versions": pub[-1] if pub else 0,
+        "records_out_of_protocol_order": out_of_order,
         "answered_200_without_turn": len(answered_no_turn),
         "turn_records_seen_twice": raw_dup_turns,
         "turn_index_reused_after_failure": index_reused,
@@ -522,15 +544,18 @@ def count(config, attempts: list[Attempt], tl: Timeline, control: ControlWatch, 
         "requests_on_base_model_after_v1": base_after_v1,
         "user_failures": len(failed), "user_failures_own_proxy_down": len(failed) - len(unexplained),
         "user_failures_other": len(unexplained),
-        "engine_latest_version_lag_s_max": worst_lag, "sync_interval_s": sync_interval_s,
+        "engine_latest_version_lag_s_max": worst_lag, "engine_never_in_sync": never_in_sync,
+        "sync_interval_s": sync_interval_s,
+        "trainer_kills": len(trainer_kills), "trainer_kills_mid_step": len(mid_step),
+        "mid_step_phases": [k["proof"]["phase"] for k in mid_step], "killed_syncs_completed": resynced,
         "engine_lags": lags, "failures": fail_rows[:50],
         "never_judged": [list(k) for k in never_judged[:20]], "without_sample": [list(k) for k in no_sample[:20]],
         "answered_without_turn_ids": answered_no_turn[:20], "never_trained_ids": never_trained[:20],
-        "kills": tl.kills, "restarts": tl.restarts, "down": {k: v for k, v in tl.down.items()},
+        "kills": tl.kills, "restarts": tl.restarts, "crashes": tl.crashes, "down": {k: v for k, v in tl.down.items()},
     }
 
 
-LOSS_COLUMNS = ("answered_200_without_turn", "duplicate_turns_into_samples", "turns_never_judged",
+LOSS_COLUMNS = ("answered_200_without_turn", "duplicate_turns_into_samples", "turns_never_judged", "engine_never_in_sync",
                 "turns_without_sample", "samples_trained_twice", "samples_never_trained",
                 "versions_backwards_published", "versions_backwards_trainer", "user_failures_other")
 
@@ -542,6 +567,13 @@ def table(res: dict) -> str:
         ("samples (unique) / trainer steps / last version", f"{res['samples_unique']} / {res['trainer_steps']} / "
                                                             f"v{res['published_versions']}"),
         ("kills (restarts by the supervisor)", f"{len(res['kills'])} ({len(res['restarts'])})"),
+        ("kills by stage", ", ".join(f"{k} {v}" for k, v in sorted(Counter(
+            x["stage"].split("-")[0] for x in res["kills"]).items()))),
+        ("stages that exited on their own (restarted)", ", ".join(
+            f"{c['stage']} ({c['exit']})" for c in res["crashes"]) or "none"),
+        ("trainer kills / proven mid-step (phase)", f"{res['trainer_kills']} / {res['trainer_kills_mid_step']} "
+                                                    f"({', '.join(res['mid_step_phases']) or '-'})"),
+        ("records out of protocol order on turns (reordered by the judge)", res["records_out_of_protocol_order"]),
         ("answered 200 with no turn event", res["answered_200_without_turn"]),
         ("turn records seen twice (at-least-once, raw)", res["turn_records_seen_twice"]),
         ("turn index reused by a user's retry", res["turn_index_reused_after_failure"]),
@@ -559,7 +591,8 @@ def table(res: dict) -> str:
         ("user failures (all / own proxy down / other)",
          f"{res['user_failures']} / {res['user_failures_own_proxy_down']} / {res['user_failures_other']}"),
         ("engine: restart -> latest version, worst (s)",
-         f"{res['engine_latest_version_lag_s_max']} (sync interval {res['sync_interval_s']} s)"),
+         f"{res['engine_latest_version_lag_s_max']} over {len(res['engine_lags'])} restarts, "
+         f"{res['engine_never_in_sync']} never (syncer check interval {res['sync_interval_s']} s)"),
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
