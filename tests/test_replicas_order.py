@@ -118,7 +118,7 @@ def test_turn_delayed_behind_later_turns_of_its_session_is_judged():
     assert got["judged"] == [0, 1, 2] and got["next_state"] == {0: "q1", 1: "q2", 2: "q3"}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(turns=st.integers(2, 7), choices=st.lists(st.integers(0, 10), max_size=40), seed=st.integers(0, 1000))
 def test_any_interleaving_of_two_replicas_gives_the_single_replica_outcome(turns, choices, seed):
     rng = random.Random(seed)

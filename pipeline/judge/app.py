@@ -10,6 +10,10 @@ The committed offset of a partition is the lowest unacknowledged offset, so a cr
 ``kill -9``) re-delivers exactly the unsettled tail: no sample is lost, and a re-produced
 sample carries the same ``sample_id``.
 
+Several proxies: records of one session can reach ``turns`` out of protocol order (each proxy
+is its own producer); :class:`pipeline.judge.reorder.Reorderer` holds the early ones (not
+acknowledged) and hands the join each session in protocol order.
+
 Backpressure: at most ``judge.max_in_flight`` jobs are in flight (submitted, not yet
 delivered); the consumer loop waits for room, and the ConsumerApp pauses its partitions when
 more than ``judge.max_uncommitted_records`` records are unacknowledged.
