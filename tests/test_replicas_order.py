@@ -155,3 +155,18 @@ def test_records_of_one_proxy_are_never_held():
     for off, ev in enumerate(stream):
         assert [r.event for r in ro.on_record(Record("turns", 0, off, "s", ev, 0))] == [ev]
     assert ro.reordered == 0
+
+
+def test_holding_is_bounded_per_session_and_forgotten_with_a_revoked_partition():
+    ro = Reorderer(lateness_s=1e6, max_held=3)
+    ns = [events.NextState(session_id="s", messages=[{"role": "user", "content": str(k)}], after_turn_index=k,
+                           created_at=1) for k in (5, 6, 7)]
+    t9 = events.Turn(session_id="s", turn_index=9, created_at=1)
+    recs = [Record("turns", 0, i, "s", e, 0) for i, e in enumerate(ns + [t9])]
+    assert [ro.on_record(r) for r in recs[:3]] == [[], [], []] and ro.held == 3
+    assert [r.event for r in ro.on_record(recs[3])] == ns + [t9], "over max_held: all released in arrival order"
+    assert ro.held == 0 and ro.released_unordered == 4
+    ro.on_record(Record("turns", 1, 0, "u", events.NextState(session_id="u", messages=[], after_turn_index=2,
+                                                             created_at=1), 0))
+    assert ro.held == 1
+    assert ro.drop_partitions({("turns", 1)}) == 1 and ro.held == 0 and "u" not in ro.sessions
