@@ -441,8 +441,11 @@ def count(config, attempts: list[Attempt], tl: Timeline, control: ControlWatch, 
             raw_dup_samples += 1
         else:
             first[s.sample_id] = (p, o, s)
-    per_turn = Counter((s.session_id, s.turn_index) for (_, _, s) in first.values())
-    dup_into_samples = sum(n - 1 for n in per_turn.values() if n > 1)
+    # each answered turn (request id) gives at most one sample: more samples than turns in a
+    # session means a duplicate turn record survived the de-duplication by ids
+    samples_per_session = Counter(s.session_id for (_, _, s) in first.values())
+    turns_per_session = Counter(t.session_id for t in unique_turns.values())
+    dup_into_samples = sum(max(0, n - turns_per_session[sid_]) for sid_, n in samples_per_session.items())
     has_ns = {(n.session_id, n.after_turn_index) for n in nexts if n.messages and n.after_turn_index is not None}
     # records that reached the topic before a record they follow (several proxies, restarts)
     seen_idx: dict[str, set] = defaultdict(set)
