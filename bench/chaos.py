@@ -113,7 +113,7 @@ def make_config(run_dir: Path, args):
                                 "checkpoint_dir": str(run_dir / "checkpoints"), "export_dir": str(run_dir / "weights"),
                                 "metrics_file": str(run_dir / "trainer_metrics.jsonl"), "progress": False,
                                 "poll_timeout_s": 0.2, "sync_timeout_s": 60.0},
-                       judge={"mode": "rl", "backend": "constant", "idle_timeout_s": 30.0,
+                       judge={"mode": "rl", "backend": "constant", "idle_timeout_s": 20.0,
                               "reorder_lateness_s": 60.0},
                        syncer={"retries": 2, "retry_backoff_s": 1.0},
                        log_level="INFO")
@@ -679,16 +679,21 @@ def main() -> int:
 
 
 def settle(config, max_s: float) -> None:
-    """Wait until samples stop arriving for 15 s (the judges and trainer caught up), at most ``max_s``."""
+    """Wait until samples stop arriving (the judges and trainer caught up), at most ``max_s``.
+
+    Quiet means no new sample for longer than the judge's idle time-out: sessions cut by the end
+    of the traffic (no ``X-Session-Done``) get their last turn settled by it.
+    """
     from pipeline import events
 
-    deadline = time.monotonic() + max_s
+    quiet_s = config.judge.idle_timeout_s + 5
+    deadline = time.monotonic() + max(max_s, quiet_s + 10)
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
         n = sum(1 for _, _, e in read_all(config, "samples") if isinstance(e, events.Sample))
         if n != last:
             last, since = n, time.monotonic()
-        elif time.monotonic() - since > 15:
+        elif time.monotonic() - since > quiet_s:
             return
         time.sleep(3)
 
