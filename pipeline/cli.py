@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "archive": ("pipeline.history.archive", "write the turns topic to local JSONL files"),
     "replay": ("pipeline.history.replay", "re-feed archived or historical turns to a topic"),
     "import": ("pipeline.history.importer", "load OpenAI-format conversation JSONL as turns"),
+    "dashboard": ("pipeline.dashboard.cli", "live web dashboard and conversation browser"),
+    "tail": ("pipeline.dashboard.tail", "print a topic's events decoded (no consumer group, no commit)"),
 }
 
 

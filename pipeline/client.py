@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 import orjson
@@ -121,6 +121,12 @@ class EngineClient:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self._headers = headers
         self._server_info: dict | None = None
+        #: token id -> raw bytes, for log-prob ``bytes`` on the ``/generate`` chat path
+        #: (:class:`pipeline.tokenbytes.TokenBytes`); None: a token's text's UTF-8, None for half a character
+        self.token_bytes: Callable[[int], bytes] | None = None
+        #: the served model's generation_config defaults (:data:`CHAT_DEFAULTED` keys) that SGLang's
+        #: chat path applies to a request without them; the ``/generate`` chat path applies them too
+        self.chat_defaults: dict[str, float] = {}
 
     async def aclose(self) -> None:
         if self._own:
@@ -260,9 +266,15 @@ class EngineClient:
         ``/server_info`` lacks ``chat_stream_token_ids`` this method renders the prompt with
         ``POST /v1/tokenize`` (messages + tools) and streams ``POST /generate`` with those
         ``input_ids``, converting its chunks to chat chunks here (tool calls parsed with
-        :mod:`pipeline.engine.tools`; ``n`` must be 1). Caveats of that fallback: SGLang's
-        tokenize endpoint may render the template slightly differently from its chat path,
-        no reasoning parser runs, and a stop string is trimmed only once it is complete.
+        :mod:`pipeline.engine.tools`). Every chat field is either carried over as SGLang's chat
+        path would (:func:`chat_sampling_params`: sampling fields, ``response_format`` as a JSON
+        schema, generation_config defaults from :attr:`chat_defaults`; ``input_ids``; a usage
+        chunk for ``stream_options.include_usage``; ``parallel_tool_calls: false``) or refused
+        with :class:`EngineError` 400 naming it (:func:`generate_path_refusal`) before anything
+        is generated. Log-prob ``bytes`` are the tokens' raw bytes when :attr:`token_bytes` is
+        set. Caveats of that fallback: SGLang's tokenize endpoint may render the template
+        slightly differently from its chat path, no reasoning parser runs, and a stop string is
+        trimmed only once it is complete.
         """
         if not token_ids:
             async for chunk in self._sse("/v1/chat/completions", dict(body, stream=True)):
@@ -277,33 +289,26 @@ class EngineClient:
             yield chunk
 
     async def _chat_stream_via_generate(self, body: dict, info: dict) -> AsyncIterator[dict]:
-        if int(body.get("n") or 1) != 1:
-            raise EngineError("chat_stream(token_ids=True) against SGLang supports n=1 only", 400)
-        tools = body.get("tools") if body.get("tool_choice", "auto") != "none" else None
-        tok_body: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
-        for key in ("chat_template_kwargs", "continue_final_message", "model"):
-            if body.get(key) is not None:
-                tok_body[key] = body[key]
-        if tools:
-            tok_body["tools"] = tools
-        tok = await self._request("POST", "/v1/tokenize", tok_body)
-        prompt = list(tok["tokens"])
-        max_len = tok.get("max_model_len") or info.get("context_length")
-        sp: dict[str, Any] = {}
-        for key in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
-                    "skip_special_tokens", "logit_bias"):
-            if body.get(key) is not None:
-                sp[key] = body[key]
-        if body.get("min_tokens"):
-            sp["min_new_tokens"] = body["min_tokens"]
-        if body.get("seed") is not None:
-            sp["sampling_seed"] = body["seed"]
-        max_new = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_new is None and max_len:
-            max_new = int(max_len) - len(prompt)
-        if max_new is not None:
-            sp["max_new_tokens"] = max_new
+        refused = generate_path_refusal(body)
+        if refused is not None:
+            raise EngineError(refused[1], 400, {"param": refused[0]})
+        use_tools = chat_tools(body)
+        if body.get("input_ids") is not None:  # SGLang chat: given ids are the prompt, no template
+            prompt = list(body["input_ids"])
+            max_len = info.get("context_length")
+        else:
+            tok_body: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
+            for key in ("chat_template_kwargs", "continue_final_message", "model"):
+                if body.get(key) is not None:
+                    tok_body[key] = body[key]
+            if use_tools:
+                tok_body["tools"] = use_tools
+            tok = await self._request("POST", "/v1/tokenize", tok_body)
+            prompt = list(tok["tokens"])
+            max_len = tok.get("max_model_len") or info.get("context_length")
+        sp, origin = chat_sampling_params(body, self.chat_defaults)
+        if sp.get("max_new_tokens") is None and max_len:
+            sp["max_new_tokens"] = int(max_len) - len(prompt)
         want_lp = bool(body.get("logprobs"))
         gen_body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sp, "stream": True}
         if body.get("rid"):
@@ -312,12 +317,14 @@ class EngineClient:
             gen_body.update(return_logprob=True, top_logprobs_num=int(body.get("top_logprobs") or 0),
                             return_text_in_logprobs=True)
         incremental = bool(info.get("incremental_streaming_output"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        one_call = body.get("parallel_tool_calls") is False
         created = int(time.time())
         model = body.get("model", "default")
         parser = None
-        if tools:
+        if use_tools:
             from pipeline.engine.tools import ToolStreamParser
-            parser = ToolStreamParser(tools)
+            parser = ToolStreamParser(use_tools)
         n_ids = n_text = n_calls = 0
         ids: list[int] = []
         lps: list = []
@@ -337,53 +344,70 @@ class EngineClient:
             out.update(extra)
             return out
 
-        async for ev in self._sse("/generate", gen_body):
-            mi = ev.get("meta_info") or {}
-            rid = rid or mi.get("id")
-            if first:
-                first = False
-                yield chunk({"role": "assistant", "content": ""}, prompt_token_ids=prompt,
-                            metadata={"weight_version": mi.get("weight_version")})
-            if incremental:
-                ids += ev.get("output_ids") or []
-                text += ev.get("text") or ""
-                lps += mi.get("output_token_logprobs") or []
-                tops += mi.get("output_top_logprobs") or []
-            else:
-                ids = list(ev.get("output_ids") or [])
-                text = ev.get("text") or ""
-                lps = list(mi.get("output_token_logprobs") or [])
-                tops = list(mi.get("output_top_logprobs") or [])
-            new_ids = ids[n_ids:]
-            finish = mi.get("finish_reason")
-            delta_text = text[n_text:] if len(text) > n_text else ""
-            n_text = max(n_text, len(text))
-            calls = []
-            if parser is not None:
-                delta_text, calls = parser.feed(delta_text)
+        try:
+            async for ev in self._sse("/generate", gen_body):
+                mi = ev.get("meta_info") or {}
+                rid = rid or mi.get("id")
+                if first:
+                    first = False
+                    yield chunk({"role": "assistant", "content": ""}, prompt_token_ids=prompt,
+                                metadata={"weight_version": mi.get("weight_version")})
+                if incremental:
+                    ids += ev.get("output_ids") or []
+                    text += ev.get("text") or ""
+                    lps += mi.get("output_token_logprobs") or []
+                    tops += mi.get("output_top_logprobs") or []
+                else:
+                    ids = list(ev.get("output_ids") or [])
+                    text = ev.get("text") or ""
+                    lps = list(mi.get("output_token_logprobs") or [])
+                    tops = list(mi.get("output_top_logprobs") or [])
+                new_ids = ids[n_ids:]
+                finish = mi.get("finish_reason")
+                delta_text = text[n_text:] if len(text) > n_text else ""
+                n_text = max(n_text, len(text))
+                calls = []
+                if parser is not None:
+                    delta_text, calls = parser.feed(delta_text)
+                    if finish:
+                        rest, more = parser.finish()
+                        delta_text += rest
+                        calls += more
+                    if one_call:
+                        calls = calls[:max(0, 1 - n_calls)]
+                extra: dict[str, Any] = {}
+                if new_ids:
+                    extra["token_ids"] = new_ids
+                    if want_lp:
+                        extra["logprobs"] = {"content": [
+                            _chat_lp(e, tops[n_ids + k] if n_ids + k < len(tops) else None, self.token_bytes)
+                            for k, e in enumerate(lps[n_ids:len(ids)])]}
+                n_ids = len(ids)
+                delta: dict[str, Any] = {}
+                if delta_text:
+                    delta["content"] = delta_text
+                if calls:
+                    delta["tool_calls"] = [c.to_openai(n_calls + k) for k, c in enumerate(calls)]
+                    n_calls += len(calls)
+                if delta or extra:
+                    yield chunk(delta, **extra)
                 if finish:
-                    rest, more = parser.finish()
-                    delta_text += rest
-                    calls += more
-            extra: dict[str, Any] = {}
-            if new_ids:
-                extra["token_ids"] = new_ids
-                if want_lp:
-                    extra["logprobs"] = {"content": [_chat_lp(e, tops[n_ids + k] if n_ids + k < len(tops) else None)
-                                                     for k, e in enumerate(lps[n_ids:len(ids)])]}
-            n_ids = len(ids)
-            delta: dict[str, Any] = {}
-            if delta_text:
-                delta["content"] = delta_text
-            if calls:
-                delta["tool_calls"] = [c.to_openai(n_calls + k) for k, c in enumerate(calls)]
-                n_calls += len(calls)
-            if delta or extra:
-                yield chunk(delta, **extra)
-            if finish:
-                reason, matched = _finish_to_openai(finish, n_calls > 0)
-                yield chunk({}, finish_reason=reason, matched_stop=matched,
-                            metadata={"weight_version": mi.get("weight_version")})
+                    reason, matched = _finish_to_openai(finish, n_calls > 0)
+                    yield chunk({}, finish_reason=reason, matched_stop=matched,
+                                metadata={"weight_version": mi.get("weight_version")})
+                    if include_usage:
+                        n_out = len(ids)
+                        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                                                        "total_tokens": len(prompt) + n_out,
+                                                        "reasoning_tokens": 0}}
+        except EngineError as e:
+            if e.status == 400 and first:  # name the chat field the engine refused as a sampling parameter
+                named = [f"{field} (sent as sampling_params.{key})" for key, field in origin.items()
+                         if key in e.message and key != field]
+                if named:
+                    raise EngineError(f"{e.message} [chat field {', '.join(named)}]", e.status, e.body) from None
+            raise
 
     # ---- native generate / scoring -----------------------------------------------------------
     async def generate(self, input_ids: list[int] | list[list[int]] | None = None, *, text: str | None = None,
@@ -533,9 +557,121 @@ class EngineClient:
         await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, expect_json=False)
 
 
-def _chat_lp(entry: list, top: list | None) -> dict:
+def _lp_bytes(token_id: int, text: str, token_bytes: Callable[[int], bytes] | None) -> list[int] | None:
+    """OpenAI ``bytes`` of one token: its raw bytes when a byte table is given; else the UTF-8 of
+    its text unless that text holds a replacement character (half a character: unknown, None)."""
+    if token_bytes is not None:
+        try:
+            return list(token_bytes(token_id))
+        except KeyError:
+            return None
+    return None if "\ufffd" in text else list(text.encode("utf-8"))
+
+
+def _chat_lp(entry: list, top: list | None, token_bytes: Callable[[int], bytes] | None = None) -> dict:
     """A ``/generate`` log-prob entry ``[lp, id, text]`` -> chat ``logprobs.content`` item."""
     s = entry[2] if len(entry) > 2 and entry[2] is not None else ""
-    return {"token": s, "bytes": list(s.encode("utf-8")), "logprob": entry[0], "token_id": entry[1],
-            "top_logprobs": [{"token": t[2] or "", "bytes": list((t[2] or "").encode("utf-8")), "logprob": t[0]}
-                             for t in (top or [])]}
+    return {"token": s, "bytes": _lp_bytes(entry[1], s, token_bytes), "logprob": entry[0], "token_id": entry[1],
+            "top_logprobs": [{"token": t[2] or "", "bytes": _lp_bytes(t[1], t[2] or "", token_bytes),
+                              "logprob": t[0]} for t in (top or [])]}
+
+
+# ---- chat fields on the /v1/tokenize + /generate path ------------------------------------------
+#: chat field -> ``sampling_params`` key, as SGLang's chat path maps them (``to_sampling_params``)
+SAMPLING_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "stop_regex": "stop_regex", "ignore_eos": "ignore_eos", "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias", "regex": "regex", "ebnf": "ebnf",
+    "min_tokens": "min_new_tokens", "seed": "sampling_seed", "max_completion_tokens": "max_new_tokens",
+    "max_tokens": "max_new_tokens", "response_format": "json_schema",
+}
+#: chat fields that shape the prompt (sent to ``/v1/tokenize``) or the answer (handled here)
+PROMPT_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "continue_final_message", "input_ids")
+ANSWER_FIELDS = ("model", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "rid", "n",
+                 "parallel_tool_calls", "user")
+#: sampling keys chat fills from the model's generation_config.json when the request has none
+CHAT_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def chat_tools(body: dict) -> list | None:
+    """The tools a chat request makes available (None when ``tool_choice`` is ``none``)."""
+    choice = body.get("tool_choice")
+    if not body.get("tools") or choice == "none":
+        return None
+    return body["tools"]
+
+
+def generate_path_refusal(body: dict) -> tuple[str, str] | None:
+    """``(field, message)`` for the first chat field that the ``/v1/tokenize`` + ``/generate``
+    path cannot serve as SGLang's chat path would, or None when it can serve every field.
+
+    Refused: fields it does not know (it cannot tell what they would do), ``tool_choice``
+    ``required`` / a named function (SGLang constrains decoding to the tool-call schema there),
+    ``response_format`` types other than text / json_object / json_schema, ``n`` other than 1,
+    ``stream_options.continuous_usage_stats``, and ``return_prompt_token_ids`` /
+    ``return_meta_info`` (SGLang refuses them with ``stream``).
+    """
+    known = set(SAMPLING_FIELDS) | set(PROMPT_FIELDS) | set(ANSWER_FIELDS)
+    for key in body:
+        if key in known or body[key] is None:
+            continue
+        if key in ("return_prompt_token_ids", "return_meta_info"):
+            if body[key]:
+                return key, f"{key} is not supported with stream=true"
+            continue
+        return key, f"the chat field {key!r} cannot be served on the streamed path with token ids (this engine " \
+                    "has no chat streaming with token ids, so the proxy streams /generate): send it without " \
+                    "stream, or without it"
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto") and body.get("tools"):
+        shown = choice if isinstance(choice, str) else "a named function"
+        return "tool_choice", f"tool_choice {shown} needs the engine's constrained tool-call decoding, which the " \
+                              "streamed path with token ids cannot apply: send it without stream"
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text", "json_object", "json_schema"):
+        return "response_format", f"response_format {rf.get('type')!r} cannot be served on the streamed path " \
+                                  "with token ids: send it without stream"
+    if isinstance(rf, dict) and rf.get("type") == "json_schema" and not isinstance(
+            (rf.get("json_schema") or {}).get("schema", rf.get("schema")), dict):
+        return "response_format", "response_format json_schema needs json_schema.schema (an object)"
+    if int(body.get("n") or 1) != 1:
+        return "n", "n must be 1 on the streamed path with token ids"
+    if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+        return "stream_options", "stream_options.continuous_usage_stats is not supported on the streamed path " \
+                                 "with token ids"
+    return None
+
+
+def chat_sampling_params(body: dict, defaults: dict | None = None) -> tuple[dict, dict]:
+    """``/generate`` ``sampling_params`` for a chat body, as SGLang's chat path builds them.
+
+    ``response_format`` json_object becomes the schema ``{"type": "object"}`` and json_schema its
+    schema (a JSON string); ``max_completion_tokens`` wins over ``max_tokens``; ``defaults``
+    (the model's generation_config values for :data:`CHAT_DEFAULTED`) fill absent keys.
+    Returns ``(sampling_params, {sampling key: chat field it came from})``.
+    """
+    sp: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for field_name, key in SAMPLING_FIELDS.items():
+        v = body.get(field_name)
+        if v is None or key in sp:
+            continue
+        if field_name == "response_format":
+            kind = v.get("type") if isinstance(v, dict) else None
+            if kind == "json_object":
+                v = '{"type": "object"}'
+            elif kind == "json_schema":
+                schema = (v.get("json_schema") or {}).get("schema", v.get("schema"))
+                v = orjson.dumps(schema).decode()
+            else:
+                continue
+        elif field_name == "min_tokens" and not v:
+            continue
+        sp[key] = v
+        origin[key] = field_name
+    for key in CHAT_DEFAULTED:
+        if key not in sp and (defaults or {}).get(key) is not None:
+            sp[key] = int(defaults[key]) if key == "top_k" else defaults[key]
+    return sp, origin

@@ -145,6 +145,9 @@ class ProxyConfig(Section):
     # sent (and recorded) when a request has no temperature: set it when the served model's
     # generation_config has a default temperature other than 1.0 (the log-probs depend on it)
     default_temperature: float | None = None
+    # the served model's tokenizer and generation_config (name or HF folder; None: engine.model),
+    # read only in front of an SGLang engine: raw log-prob bytes, chat defaults on the streamed path
+    tokenizer: str | None = None
 
 
 class JudgeConfig(Section):
@@ -247,6 +250,20 @@ class SyncerConfig(Section):
     apply_timeout_s: float = 300.0  # one /update_weights_from_disk call (waits for in-flight requests)
 
 
+class DashboardConfig(Section):
+    """``pipeline dashboard``: the web view of the topics and the stages' metrics."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    show_text: bool = False  # serve conversation text (requests, replies, next states, hints)
+    start: Literal["beginning", "now"] = "beginning"  # where its topic reader starts
+    metrics_urls: dict[str, str] = Field(default_factory=dict)  # stage -> Prometheus /metrics URL
+    scrape_interval_s: float = Field(2.0, gt=0)
+    push_interval_s: float = Field(1.0, gt=0)  # live-update period of the browser stream
+    max_sessions: int = Field(10_000, ge=1)  # sessions kept for the browser (oldest dropped)
+    max_errors: int = Field(50, ge=1)  # latest dead letters kept per DLQ topic
+
+
 class Config(BaseSettings):
     """The effective configuration of one process (see the module docstring for precedence)."""
 
@@ -261,6 +278,7 @@ class Config(BaseSettings):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     syncer: SyncerConfig = Field(default_factory=SyncerConfig)
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -255,8 +255,58 @@ class DeadLetter(Event):
     created_at: int = _f("int", 0)
 
 
+@dataclass
+class TrainStep(Event):
+    """One trainer step as the trainer's metrics log records it, for observers (``metrics`` topic).
+
+    ``metrics``: the step's numbers by name (``loss``, ``kl``, ``ppo_kl``, ``entropy``,
+    ``pg_clipfrac``, ``logprob_abs_diff`` in nats, ``reward_mean``, ``step_s``/``sync_s`` in
+    seconds, ...: see :class:`pipeline.trainer.stage.TrainerStage`). ``sample_ids``: every
+    sample of the batch; ``trained``: sample_id -> mean advantage over its response tokens, for
+    the samples the step actually trained (a batch sample absent from it was not trained). A
+    step redone after a restart is published again: the later record of a step wins.
+    """
+
+    TYPE: ClassVar[str] = "train_step"
+    step: int = _f("int")
+    policy_version: int = _f("int", 0)
+    run_id: str = _f("str", "default")
+    created_at: int = _f("int", 0)
+    skipped: bool = _f("bool", False)
+    metrics: dict = _f("dict", {})
+    sample_ids: list = _f("list", [])
+    trained: dict = _f("dict", {})
+
+    def validate(self) -> None:
+        if self.step < 1:
+            raise MalformedEvent(f"train_step.step must be >= 1, got {self.step}")
+        if not all(isinstance(i, str) for i in self.sample_ids):
+            raise MalformedEvent("train_step.sample_ids must be strings")
+
+
+@dataclass
+class Evaluation(Event):
+    """A held-out evaluation of one policy version (``metrics`` topic; written by ``pipeline demo``).
+
+    ``metrics``: rates in [0, 1] and means by name (``success_rate``, ``accuracy``,
+    ``words_per_reply``); ``n``: replies evaluated.
+    """
+
+    TYPE: ClassVar[str] = "evaluation"
+    policy_version: int = _f("int")
+    n: int = _f("int")
+    name: str = _f("str", "heldout")
+    run_id: str = _f("str", "default")
+    created_at: int = _f("int", 0)
+    metrics: dict = _f("dict", {})
+
+    def validate(self) -> None:
+        if self.n < 0:
+            raise MalformedEvent(f"evaluation.n must be >= 0, got {self.n}")
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
-    c.TYPE: c for c in (Turn, NextState, SessionEnd, Sample, Control, DeadLetter)
+    c.TYPE: c for c in (Turn, NextState, SessionEnd, Sample, Control, DeadLetter, TrainStep, Evaluation)
 }
 _FIELDS = {t: [(f.name, f.metadata["kind"], f.metadata["optional"],
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)

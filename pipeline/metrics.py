@@ -19,7 +19,11 @@ EVENTS_FAILED = Counter("pipeline_events_failed_total", "Events the broker did n
 PRODUCER_BUFFERED = Gauge("pipeline_producer_buffered_events", "Events sent but not yet acknowledged", ["stage"])
 RECORDS_CONSUMED = Counter("pipeline_records_consumed_total", "Records polled from the broker", ["stage", "topic"])
 DEAD_LETTERS = Counter("pipeline_dead_letters_total", "Records routed to a dead-letter topic", ["stage", "topic"])
-CONSUMER_LAG = Gauge("pipeline_consumer_lag_records", "High watermark minus committed position",
+DEAD_LETTER_FAILURES = Counter("pipeline_dead_letters_failed_total",
+                               "Attempts to write a dead letter that the broker did not acknowledge",
+                               ["stage", "topic"])
+CONSUMER_LAG = Gauge("pipeline_consumer_lag_records",
+                     "High watermark minus the committed offset (groups) or the read position (assigned readers)",
                      ["stage", "topic", "partition"])
 COMMITS = Counter("pipeline_offset_commits_total", "Offset commits sent to the group coordinator", ["stage"])
 IN_FLIGHT = Gauge("pipeline_consumer_in_flight_records", "Records polled but not yet acknowledged", ["stage"])

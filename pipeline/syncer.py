@@ -1,8 +1,8 @@
 """``python -m pipeline syncer --engine URL``: apply published weights to one engine replica.
 
-Runs beside each engine replica (Kubernetes: a sidecar). It reads ``control`` in its own
-consumer group (``syncer.group_id``, default ``syncer-<engine_id>``) and, for each ``weights``
-event of its run:
+Runs beside each engine replica (Kubernetes: a sidecar). It reads ``control`` from the offsets
+committed by its own consumer group (``syncer.group_id``, default ``syncer-<engine_id>``;
+assigned, never joined: one syncer per engine) and, for each ``weights`` event of its run:
 
 1. verifies the sha256 of ``<location>/model.safetensors`` against the event (a torn or
    half-copied folder is never loaded);
@@ -14,7 +14,9 @@ event of its run:
 If the engine already reports that version (``/model_info`` ``weight_version``), nothing is
 reloaded and ``applied`` is published again (idempotent after a syncer restart). When several
 ``weights`` events are waiting (catching up after downtime) only the newest is applied. The
-offset is committed after the answer is published. ``pause``/``resume`` need no action here:
+offset is committed after the answer is published. Records that are not valid ``control``
+events go to ``control.dlq`` (:class:`pipeline.bus.TopicReader`; the offset is committed only
+once the dead letter is delivered). ``pause``/``resume`` need no action here:
 the engine lets in-flight requests finish on the old weights during the swap (SGLANG_API.md
 3.1), and the proxy holds new requests while paused.
 """
@@ -137,41 +139,33 @@ class Syncer:
 
     def run(self) -> None:
         """Consume ``control`` and apply ``weights`` events until :attr:`stop` is set."""
-        from kafka import KafkaConsumer
-        from kafka.structs import OffsetAndMetadata, TopicPartition
-
-        from pipeline.bus import EventProducer, consumer_kwargs
+        from pipeline.bus import DeadLetterError, EventProducer, TopicReader
         from pipeline.trainer import prom
 
-        consumer = KafkaConsumer(**consumer_kwargs(self.config, self.group_id))
+        consumer = TopicReader(self.config, self.topic, "committed", name=f"syncer-{self.engine_id}",
+                               group_id=self.group_id, dlq=True, stop=self.stop)
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
-        consumer.subscribe([self.topic])
+        self.ready.set()
         log.info("syncer %s -> %s (group %s, run %s)", self.engine_id, self.url, self.group_id, self.run_id)
         try:
             while not self.stop.is_set():
-                polled = consumer.poll(timeout_ms=500)
-                if consumer.assignment():
-                    self.ready.set()
+                polled = consumer.poll_raw(timeout_ms=500)
                 if not polled:
                     continue
                 latest: events.Control | None = None
-                ends: dict[TopicPartition, int] = {}
+                ends: dict[int, int] = {}
                 more = polled
                 while more:  # drain what is already there: only the newest weights matter
-                    for tp, recs in more.items():
-                        for rec in recs:
-                            ends[tp] = rec.offset + 1
-                            try:
-                                ev = events.decode(rec.value)
-                            except events.EventError as e:
-                                log.warning("control[%d]@%d undecodable: %s", rec.partition, rec.offset, e)
-                                continue
-                            if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id:
-                                if latest is not None:
-                                    log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
-                                             ev.policy_version)
-                                latest = ev
-                    more = consumer.poll(timeout_ms=0)
+                    for rec in more:
+                        got = consumer.decode(rec)  # a bad record goes to control.dlq first
+                        ends[rec.partition] = rec.offset + 1
+                        ev = got.event if got is not None else None
+                        if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id:
+                            if latest is not None:
+                                log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
+                                         ev.policy_version)
+                            latest = ev
+                    more = consumer.poll_raw(timeout_ms=0)
                 if latest is not None:
                     t0 = time.perf_counter()
                     ok, msg = self.apply(latest)
@@ -179,7 +173,9 @@ class Syncer:
                     (prom.SYNCER_APPLIED if ok else prom.SYNCER_FAILED).inc()
                     (self.applied if ok else self.failed).append(latest.policy_version)
                     self._publish(producer, "applied" if ok else "failed", latest, msg)
-                consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in ends.items()})
+                consumer.commit(ends)
+        except DeadLetterError as e:  # stopped while a dead letter was undeliverable: not committed past it
+            log.warning("%s", e)
         finally:
             try:
                 consumer.close()

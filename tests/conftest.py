@@ -68,3 +68,50 @@ def kafka_config(broker_bootstrap, topic_prefix) -> Config:
     config = make_config(broker_bootstrap, topic_prefix)
     apply_topics(config, load_topics(config.topics.file))
     return config
+
+
+def read_all(config: Config, topic: str, want: int = 0, timeout_s: float = 30.0, idle_s: float = 0.5) -> list:
+    """Every record of a physical ``topic`` from the beginning as ``(partition, offset, event)``:
+    waits until ``want`` arrived (then ``idle_s`` more for extras) or ``timeout_s`` passed.
+    Reads strictly (a bad record fails the test): tests must see what is there."""
+    import time
+
+    from pipeline.bus import TopicMissing, TopicReader, Undecodable
+
+    try:
+        reader = TopicReader(config, topic, name="test-reader", accept=None, wait_s=min(timeout_s, 10.0))
+    except TopicMissing:
+        return []
+    out: list = []
+    with reader:
+        deadline = time.monotonic() + timeout_s
+        quiet_until = None
+        while time.monotonic() < deadline:
+            recs = reader.poll(timeout_ms=100)
+            bad = [r for r in recs if isinstance(r, Undecodable)]
+            assert not bad, f"unreadable records on {topic}: {bad}"
+            out.extend((r.partition, r.offset, r.event) for r in recs)
+            if len(out) >= want:
+                if recs or quiet_until is None:
+                    quiet_until = time.monotonic() + idle_s
+                elif time.monotonic() >= quiet_until:
+                    break
+    return out
+
+
+def scrape(port: int, **match) -> dict[str, float]:
+    """Prometheus samples served on ``http://127.0.0.1:<port>/metrics`` whose labels include
+    ``match``, summed per sample name (``{}`` while nothing answers there)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if all(s.labels.get(k) == v for k, v in match.items()):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out

@@ -1,4 +1,7 @@
-"""deploy/ stays generated from topics.yaml and parses; compose and k8s reference real commands."""
+"""deploy/ stays generated from topics.yaml and is valid by its schemas, offline: the compose file
+against the Compose specification (the copy vendored in check-jsonschema), the Kubernetes manifests
+strictly against the Kubernetes API schemas (kubernetes-validate; unknown fields are errors). Both
+checks are shown to fail on a broken file. Images are pinned to versions, never ``latest``."""
 
 from __future__ import annotations
 
@@ -6,6 +9,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import copy
+import json
+import re
+import tomllib
+
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -50,7 +60,7 @@ def test_compose_parses_and_uses_real_commands():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"kafka", "topics", "sglang-policy", "sglang-judge", "proxy", "judge", "trainer", "syncer"} <= set(services)
-    for name in ("proxy", "judge", "trainer", "syncer"):
+    for name in ("proxy", "judge", "trainer", "syncer", "dashboard"):
         assert services[name]["command"][0] in COMMANDS, f"{name} runs an unknown command"
         assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft
@@ -77,3 +87,96 @@ def test_k8s_manifests_parse(path):
         for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             if c["image"].startswith("openclaw-pipeline"):
                 assert c["args"][0] in COMMANDS
+
+
+K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate==1.37.0 bundles
+#: custom resources (operators' CRDs: no schema in the Kubernetes API) and kustomize's own file
+CUSTOM_KINDS = {("kafka.strimzi.io/v1beta2", "Kafka"), ("kafka.strimzi.io/v1beta2", "KafkaNodePool"),
+                ("kafka.strimzi.io/v1beta2", "KafkaTopic"), ("keda.sh/v1alpha1", "ScaledObject"),
+                ("kustomize.config.k8s.io/v1beta1", "Kustomization")}
+
+
+def _compose_validator():
+    import check_jsonschema
+
+    path = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor" / "compose-spec.json"
+    schema = json.loads(path.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def _compose_errors(doc) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in _compose_validator().iter_errors(doc)]
+
+
+def test_compose_file_is_valid_by_the_compose_specification():
+    doc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    assert _compose_errors(doc) == []
+    broken = copy.deepcopy(doc)
+    broken["services"]["proxy"]["restart_policy"] = "always"  # not a service key
+    broken["services"]["judge"]["depends_on"] = 5  # must be a list or a map
+    errors = _compose_errors(broken)
+    assert any("restart_policy" in e for e in errors) and any("judge/depends_on" in e for e in errors), errors
+
+
+def _manifests():
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for i, doc in enumerate(d for d in yaml.safe_load_all(path.read_text()) if d):
+            yield pytest.param(doc, id=f"{path.name}#{i}-{doc.get('kind')}")
+
+
+@pytest.mark.parametrize("doc", _manifests())
+def test_k8s_manifest_is_valid_by_the_kubernetes_api_schema(doc):
+    if (doc.get("apiVersion"), doc.get("kind")) in CUSTOM_KINDS:
+        assert doc["kind"] == "Kustomization" or doc["metadata"]["name"]
+        return
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises ValidationError
+
+
+def test_k8s_strict_validation_rejects_unknown_and_mistyped_fields():
+    deployment = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "proxy.yaml").read_text())
+                      if d and d["kind"] == "Deployment")
+    typo = copy.deepcopy(deployment)
+    typo["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, K8S_VERSION, strict=True)
+    wrong = copy.deepcopy(deployment)
+    wrong["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong, K8S_VERSION, strict=True)
+
+
+def test_kustomization_lists_existing_files():
+    k = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    for res in k["resources"]:
+        assert (DEPLOY / "k8s" / res).is_file(), res
+    for gen in k.get("configMapGenerator", []):
+        for f in gen["files"]:
+            assert (DEPLOY / "k8s" / f.split("=", 1)[-1]).is_file(), f
+
+
+def _images():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    for name, svc in compose["services"].items():
+        if "image" in svc:
+            yield f"compose:{name}", svc["image"]
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for d in yaml.safe_load_all(path.read_text()):
+            for c in ((d or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])):
+                yield f"{path.name}:{c['name']}", c["image"]
+
+
+def test_sglang_image_is_pinned_to_a_version_the_package_supports():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    floor = next(r for r in pyproject["project"]["optional-dependencies"]["gpu"] if r.startswith("sglang"))
+    need = tuple(int(x) for x in floor.split(">=")[1].split("."))
+    sglang = [(where, img) for where, img in _images() if img.startswith("lmsysorg/sglang")]
+    assert len(sglang) >= 3
+    for where, img in sglang:
+        m = re.fullmatch(r"lmsysorg/sglang:v(\d+)\.(\d+)\.(\d+)(-[a-z0-9]+)?", img)
+        assert m, f"{where}: {img} is not pinned to a release"
+        assert tuple(int(x) for x in m.groups()[:3]) >= need, f"{where}: {img} is older than {floor}"
+    for where, img in _images():
+        if not img.startswith("openclaw-pipeline"):  # our own image is built from deploy/Dockerfile
+            assert ":" in img and not img.endswith(":latest"), f"{where}: {img} is not pinned"

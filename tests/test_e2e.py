@@ -98,10 +98,16 @@ def test_whole_loop_tiny_model(tmp_path):
                     missing.append(f"{s}: {metric}")
         assert not missing, f"dashboard metrics not served: {missing}"
 
-        time.sleep(2)
-        turns = read_topic(config, "turns")
-        samples = read_topic(config, "samples")
-        control = read_topic(config, "control")
+        # wait for what the assertions below read: every turn judged, the v1 sync resumed
+        deadline = time.monotonic() + 120
+        while True:
+            turns = read_topic(config, "turns")
+            samples = read_topic(config, "samples")
+            control = read_topic(config, "control")
+            judged = len({s.sample_id for s in samples}) >= sum(isinstance(e, events.Turn) for e in turns)
+            resumed = any(c.action == "resume" and c.policy_version == 1 for c in control)
+            if (judged and resumed) or time.monotonic() > deadline:
+                break
     finally:
         codes = stack.stop()
     # clean shutdown, nothing left behind

@@ -274,18 +274,31 @@ def test_concurrent_requests_do_not_corrupt_each_other(url):
         assert max(abs(a - b) for a, b in zip(lps, s)) < 1e-4
 
 
+async def _until_engine_reports(url: str, gauge: str, timeout_s: float = 30.0) -> None:
+    """Wait until the engine's /metrics shows ``gauge`` >= 1 (e.g. a request in its decode batch)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=10) as h:
+        while loop.time() < deadline:
+            text = (await h.get("/metrics")).text
+            if any(line.startswith(gauge + " ") and float(line.split()[1]) >= 1 for line in text.splitlines()):
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"engine never reported {gauge} >= 1")
+
+
 def test_abort_request_and_pause(url, http):
     async def main():
         async with EngineClient(url, 60) as c:
             task = asyncio.create_task(c.generate([1, 2, 3], sampling_params={"max_new_tokens": 200,
                                                                               "ignore_eos": True}, rid="victim"))
-            await asyncio.sleep(0.3)
+            await _until_engine_reports(url, "pipeline_engine_running_requests")  # the victim is decoding
             await c.abort_request("victim")
             out = await task
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
             await c.pause_generation("in_place")
             held = asyncio.create_task(c.generate([1, 2], sampling_params={"max_new_tokens": 2}))
-            await asyncio.sleep(0.3)
+            await _until_engine_reports(url, "pipeline_engine_waiting_requests")  # queued behind the pause
             assert not held.done()
             await c.continue_generation()
             assert len((await held)["output_ids"]) == 2

@@ -98,3 +98,116 @@ def test_update_failure_keeps_serving(url, tmp_path):
             assert len(out["output_ids"]) == 2
 
     asyncio.run(main())
+
+
+# ---- weights that do not fit the served model are refused; version and serving unchanged ----------
+def _variant(src, out, *, config=None, tensors=None, tokenizer=None):
+    """A copy of the HF folder ``src`` with config keys overridden, the tensor dict transformed
+    (``tensors(dict) -> dict``) and/or the tokenizer replaced."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(config)
+        (out / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        save_file(tensors(load_file(str(out / "model.safetensors"))), str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+    if tokenizer:
+        tokenizer(out)
+    return out
+
+
+def _three_layers(out):
+    """A complete, self-consistent tiny Llama with one layer more than the served model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_model("tiny-random")
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.num_hidden_layers = 3
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+def _added_token(out):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_tokens(["<new_tool_token>"])
+    tok.save_pretrained(out)
+
+
+def _renamed(t):
+    t["model.layers.1.mlp.up_projection.weight"] = t.pop("model.layers.1.mlp.up_proj.weight")
+    return t
+
+
+MISFITS = {
+    # the issue's case: config.json says 3 layers, the checkpoint has 2 (layer 2 would be random)
+    "config_one_more_layer": (dict(config={"num_hidden_layers": 3}), "num_hidden_layers"),
+    "model_one_more_layer": ("three_layers", "num_hidden_layers"),
+    "missing_tensor": (dict(tensors=lambda t: {k: v for k, v in t.items() if k != "model.layers.0.mlp.down_proj.weight"}),
+                       "model.layers.0.mlp.down_proj.weight"),
+    "extra_tensor": (dict(tensors=lambda t: {**t, "model.layers.0.extra_bias": torch.zeros(64)}),
+                     "model.layers.0.extra_bias"),
+    "renamed_tensor": (dict(tensors=_renamed), "up_proj"),
+    "wrong_shape": (dict(tensors=lambda t: {**t, "model.norm.weight": torch.ones(65)}), "model.norm.weight"),
+    "integer_dtype": (dict(tensors=lambda t: {**t, "model.norm.weight": torch.ones(64, dtype=torch.int32)}),
+                      "I32"),
+    "other_vocabulary": (dict(config={"vocab_size": 49153}, tensors=lambda t: {
+        **t, "model.embed_tokens.weight": torch.cat([t["model.embed_tokens.weight"], torch.zeros(1, 64)])}),
+        "vocab_size"),
+    "other_tokenizer": (dict(tokenizer=_added_token), "tokenizer"),
+    "other_rope": (dict(config={"rope_theta": 500000.0}), "rope"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISFITS))
+def test_update_refuses_weights_that_do_not_fit(url, tmp_path, case):
+    how, named = MISFITS[case]
+    src = resolve_model("tiny-random")
+    folder = _three_layers(tmp_path / case) if how == "three_layers" else _variant(src, tmp_path / case, **how)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1.0, "seed": 4,
+            "logprobs": True, "return_token_ids": True}
+
+    async def main():
+        async with EngineClient(url, 60) as c:
+            version, info = await c.weight_version(), await c.model_info()
+            before, chat_before = await c.score_result(SEQ, 3), await c.chat(chat)
+            with pytest.raises(EngineError) as ei:
+                await c.update_weights_from_disk(str(folder))
+            assert ei.value.status == 400 and ei.value.body["success"] is False
+            assert named in ei.value.message, ei.value.message
+            assert await c.weight_version() == version
+            assert (await c.model_info())["model_path"] == info["model_path"]
+            after, chat_after = await c.score_result(SEQ, 3), await c.chat(chat)
+            assert after.logprobs == before.logprobs  # identical: still the served weights
+            assert after.weight_version == version
+            a, b = chat_before["choices"][0], chat_after["choices"][0]
+            assert a["token_ids"] == b["token_ids"] and a["message"] == b["message"]
+            assert [x["logprob"] for x in a["logprobs"]["content"]] == [x["logprob"] for x in b["logprobs"]["content"]]
+            assert chat_after["metadata"]["weight_version"] == version
+
+    asyncio.run(main())
+
+
+def test_update_accepts_a_fitting_folder_in_another_float_dtype(url, tmp_path):
+    """The trainer may export bf16 for an fp32-served model: floats are interchangeable."""
+    folder = _variant(resolve_model("tiny-random"), tmp_path / "bf16",
+                      config={"dtype": "bfloat16"}, tensors=lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
+
+    async def main():
+        async with EngineClient(url, 60) as c:
+            before = await c.weight_version()
+            res = await c.update_weights_from_disk(str(folder))
+            assert res["success"] is True and await c.weight_version() != before
+            res = await c.update_weights_from_disk(str(resolve_model("tiny-random")))  # back to the original
+            assert res["success"] is True
+
+    asyncio.run(main())

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import events
-from pipeline.events import (Control, DeadLetter, MalformedEvent, NextState, Sample, SessionEnd, Turn,
-                             UnknownEventType, UnsupportedVersion, decode, encode)
+from pipeline.events import (Control, DeadLetter, Evaluation, MalformedEvent, NextState, Sample, SessionEnd,
+                             TrainStep, Turn, UnknownEventType, UnsupportedVersion, decode, encode)
 
 f32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 i32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -63,7 +63,13 @@ any_event = (turns() | samples() | controls
              | st.builds(NextState, session_id=text, messages=msgs, after_turn_index=st.none() | st.integers(0, 99))
              | st.builds(SessionEnd, session_id=text, reason=text)
              | st.builds(DeadLetter, source_topic=text, partition=st.integers(0, 99), offset=st.integers(0, 2**40),
-                         error=text, key=st.none() | st.binary(max_size=8), raw=st.binary(max_size=64)))
+                         error=text, key=st.none() | st.binary(max_size=8), raw=st.binary(max_size=64))
+             | st.builds(TrainStep, step=st.integers(1, 10**6), policy_version=st.integers(0, 10**6), run_id=text,
+                         skipped=st.booleans(), metrics=st.dictionaries(text, st.floats(allow_nan=False), max_size=5),
+                         sample_ids=st.lists(text, max_size=5),
+                         trained=st.dictionaries(text, st.floats(allow_nan=False), max_size=5))
+             | st.builds(Evaluation, policy_version=st.integers(0, 99), n=st.integers(0, 1000), name=text,
+                         metrics=st.dictionaries(text, st.floats(allow_nan=False), max_size=3)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -136,4 +142,14 @@ def test_cross_field_validation():
 
 
 def test_every_type_registered():
-    assert set(events.EVENT_TYPES) == {"turn", "next_state", "session_end", "sample", "control", "dead_letter"}
+    assert set(events.EVENT_TYPES) == {"turn", "next_state", "session_end", "sample", "control", "dead_letter",
+                                       "train_step", "evaluation"}
+
+
+def test_observer_events_refuse_bad_values():
+    with pytest.raises(MalformedEvent, match="step must be >= 1"):
+        encode(TrainStep(step=0))
+    with pytest.raises(MalformedEvent, match="sample_ids must be strings"):
+        encode(TrainStep(step=1, sample_ids=[1]))
+    with pytest.raises(MalformedEvent, match="n must be >= 0"):
+        encode(Evaluation(policy_version=0, n=-1))

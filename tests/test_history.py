@@ -338,3 +338,34 @@ def test_import_examples_as_turn_events(kafka_config, tmp_path, capsys):
     assert rc == 1
     rc, out, err = run_inprocess(capsys, "import", str(tmp_path / "missing.jsonl"), *common)
     assert rc == 2 and "no such file" in err
+
+
+def test_replay_dead_letters_bad_source_records_and_stops_on_request(kafka_config):
+    """A bad record in the source topic is not copied: it goes to the source's DLQ (stage
+    ``replay``, with its offset) and is counted. A stop request (SIGTERM in the CLI) ends the
+    copy cleanly with ``stopped`` in the stats."""
+    import threading
+
+    from kafka import KafkaProducer
+
+    from pipeline.history.replay import topic_records
+
+    src = kafka_config.topics.name("turns")
+    raw = KafkaProducer(bootstrap_servers=kafka_config.kafka.bootstrap_servers)
+    good = [events.SessionEnd(session_id=f"r{i}", created_at=i) for i in range(4)]
+    values = [events.encode(good[0]), b"\x93junk", events.encode(good[1]),
+              events.encode(events.Control(action="pause", epoch=1)), events.encode(good[2]), events.encode(good[3])]
+    offsets = [raw.send(src, value=v, key=b"r", partition=0).get(10).offset for v in values]
+    raw.close()
+    stats: dict = {}
+    got = [r.event for r in topic_records(kafka_config, src, None, None, stats, idle_timeout_s=5)]
+    assert got == good and stats["bad"] == 2
+    letters = [e for *_x, e in read_topic(kafka_config, kafka_config.topics.dlq("turns"), 2)]
+    assert sorted((d.stage, d.offset) for d in letters) == [("replay", offsets[1]), ("replay", offsets[3])]
+    # stop after the first record: the reading ends there
+    stop, stats, out = threading.Event(), {}, []
+    for rec in topic_records(kafka_config, src, None, None, stats, idle_timeout_s=5, stop=stop):
+        out.append(rec.event)
+        stop.set()
+    assert out == good[:1]
+    assert stats.get("stopped") is True

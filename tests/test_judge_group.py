@@ -13,8 +13,10 @@ import sys
 import threading
 import time
 
+from pipeline.broker import free_port
 from pipeline.bus import EventProducer
 from pipeline.judge.testing import ScriptedJudgeServer, check_samples, read_events, scripted_stream
+from conftest import scrape
 
 N_SESSIONS, TURNS = 40, 5
 
@@ -27,7 +29,9 @@ def test_two_judges_one_leaves_no_loss_no_reorder(kafka_config, tmp_path):
                "--group-id", f"{c.topics.prefix}judge", "--bootstrap", c.kafka.bootstrap_servers,
                "--log-level", "INFO", "--set", f"topics.prefix={c.topics.prefix}"]
         logs = [tmp_path / "a.log", tmp_path / "b.log"]
-        procs = [subprocess.Popen(cmd, stdout=open(p, "wb"), stderr=subprocess.STDOUT) for p in logs]
+        ports = [free_port(), free_port()]
+        procs = [subprocess.Popen(cmd + ["--set", f"metrics_port={port}"], stdout=open(p, "wb"), stderr=subprocess.STDOUT)
+                 for p, port in zip(logs, ports)]
         try:
             p = EventProducer(c, name="test-publisher")
             half = len(evs) // 2
@@ -45,6 +49,15 @@ def test_two_judges_one_leaves_no_loss_no_reorder(kafka_config, tmp_path):
                     break
                 time.sleep(0.2)
             publish(evs[:half], 3.0 / half)
+            # A is in the middle of its work: it consumed records, delivered samples and holds
+            # records not yet acknowledged (sessions waiting for their next state)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                a = scrape(ports[0], stage="judge")
+                if (a.get("pipeline_records_consumed_total", 0) > 0 and a.get("pipeline_events_produced_total", 0) > 0
+                        and a.get("pipeline_consumer_in_flight_records", 0) > 0):
+                    break
+                time.sleep(0.05)
             procs[0].send_signal(signal.SIGTERM)  # A leaves the group mid-stream
             t = threading.Thread(target=publish, args=(evs[half:], 3.0 / half))
             t.start()
@@ -61,6 +74,9 @@ def test_two_judges_one_leaves_no_loss_no_reorder(kafka_config, tmp_path):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+    assert a.get("pipeline_records_consumed_total", 0) > 0, "A had consumed records"
+    assert a.get("pipeline_events_produced_total", 0) > 0, "A had delivered samples"
+    assert a.get("pipeline_consumer_in_flight_records", 0) > 0, "A held unacknowledged records when it left"
     a_log, b_log = (lg.read_text() for lg in logs)
     assert re.search(r"assigned \[\(", a_log) and re.search(r"assigned \[\(", b_log), "both members owned partitions"
     res = check_samples(samples, expected)

@@ -87,7 +87,7 @@ def test_stream_through_engine_client_path_used_for_sglang(engine_url, kafka_con
     """Against SGLang (no token ids on streamed chat) the proxy streams via EngineClient.chat_stream;
     forced here on our engine to exercise the proxy's side of that path."""
     with running_proxy(kafka_config, engine_url) as (url, app):
-        app._native_stream = False
+        app._caps = (False, True)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         ids, text = [], ""
         for chunk in client.chat.completions.create(

@@ -97,7 +97,10 @@ def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_
         crash(broker)
         hist_a = converse(url, "A", 3, hist_a)  # mid-conversation: next_state + turn each
         converse(url, "B", 3, done=True)  # a new session during the outage
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # until a delivery attempt during the outage has failed
+        while app.publisher.stats()["broker_connected"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not app.publisher.stats()["broker_connected"], "the publisher never noticed the outage"
         assert app.publisher.buffered == 2 * 3 + (1 + 2 * 2 + 1)  # still waiting, none lost
         assert app.publisher.stats()["dropped_total"] == 0
 
@@ -200,7 +203,9 @@ def test_unreachable_broker_overflow_and_shutdown_are_counted_exactly():
     config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
     pub = EventPublisher(config, max_buffer=10).start()
     accepted = [pub.publish("t", events.SessionEnd(session_id="s", created_at=0), "s") for _ in range(20)]
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # until the writer has refused the overflow
+    while time.monotonic() < deadline and pub.stats()["dropped_total"] < 10:
+        time.sleep(0.01)
     stats = pub.stats()
     pub.close(timeout_s=0.5)
     assert all(accepted)

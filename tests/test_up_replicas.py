@@ -35,6 +35,7 @@ def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tm
     with serve_app(ScriptedUpstream()) as engine_url:
         config.engine.url = engine_url  # what `pipeline up --engine-url` does
         stack = start_stack(config, tmp_path / "run", engine_url=engine_url, trainer=False, durable_broker=False,
+                            dashboard=False,
                             replicas={"proxy": 2, "judge": 1, "engine": 1},
                             restart=RestartPolicy(backoff_s=0.2, stable_s=1.0), ready_timeout_s=180)
         stop = threading.Event()

@@ -1,17 +1,26 @@
-"""The Kafka data plane shared by every stage.
+"""The Kafka data plane shared by every stage: the one way to read and write Kafka.
 
 - :class:`EventProducer`: idempotent producer (acks=all, compression, bounded in-flight buffer,
   delivery callbacks, metrics).
 - :class:`ConsumerApp`: one consumer-group application per process in the spirit of Quix
   Streams' ``Application``: poll, decode, handle, commit only after processing (or after a
-  deferred acknowledgement), dead-letter undecodable records, pause on backpressure, graceful
-  shutdown on SIGTERM/SIGINT.
-- :func:`consumer_kwargs` / :func:`producer_kwargs`: kafka-python settings for direct use.
+  deferred acknowledgement), pause on backpressure, graceful shutdown on SIGTERM/SIGINT.
+- :class:`TopicReader`: assign-mode reader (no group membership) for stages that own their
+  offsets (trainer, followers of ``control``, replay; ``dlq=True``) and for observers that must
+  write nothing (``pipeline tail``, the dashboard; bad records come back as :class:`Undecodable`).
+  Start positions: ``"beginning"``, ``"end"``, ``"committed"``, :class:`Offset`, :class:`Time`.
+- :class:`RecordIntake` (used by both readers): decode, check the event type against
+  ``topics.yaml``, dead-letter bad records to ``<topic>.dlq`` with the error and source offset,
+  count consumed records and dead letters.
+- :func:`consumer_kwargs` / :func:`producer_kwargs`: kafka-python settings.
 """
 
-from pipeline.bus.consumer import ConsumerApp, Record
+from pipeline.bus.consumer import ConsumerApp
 from pipeline.bus.producer import BufferFull, EventProducer
+from pipeline.bus.reader import Offset, Time, TopicMissing, TopicReader, Undecodable
+from pipeline.bus.records import DECLARED, DeadLetterError, Record, RecordIntake, WrongTopic, stop_on_signals
 from pipeline.bus.settings import admin_kwargs, consumer_kwargs, producer_kwargs
 
-__all__ = ["ConsumerApp", "Record", "EventProducer", "BufferFull", "consumer_kwargs",
-           "producer_kwargs", "admin_kwargs"]
+__all__ = ["ConsumerApp", "TopicReader", "Offset", "Time", "Undecodable", "Record", "RecordIntake", "DECLARED",
+           "DeadLetterError", "WrongTopic", "TopicMissing", "stop_on_signals", "EventProducer", "BufferFull",
+           "consumer_kwargs", "producer_kwargs", "admin_kwargs"]

@@ -7,51 +7,35 @@ returning ``False`` and calling :meth:`ConsumerApp.ack` later (from any thread).
 committed before its output exists, and a crash re-delivers exactly the unfinished tail; the
 consumer of the output deduplicates by a deterministic id (e.g. ``sample_id``).
 
-Records that fail to decode, or whose handler raises, go to ``<topic>.dlq`` as a
-:class:`pipeline.events.DeadLetter` (error text, source partition and offset, the raw bytes)
-and are acknowledged only once the broker has the dead letter: never lost, never blocking.
+Records that fail to decode, carry an event type their topic does not (``topics.yaml``), or
+whose handler raises, go to ``<topic>.dlq`` as a :class:`pipeline.events.DeadLetter` (error
+text, source partition and offset, the raw bytes) and are acknowledged only once the broker has
+the dead letter: never lost, never blocking. These rules live in
+:class:`pipeline.bus.records.RecordIntake`, shared with :class:`pipeline.bus.TopicReader`.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from pipeline import events
 from pipeline.bus.producer import EventProducer
+from pipeline.bus.records import DECLARED, DeadLetterError, Record, RecordIntake, stop_on_signals
 from pipeline.bus.settings import consumer_kwargs
 from pipeline.config import Config
-from pipeline.metrics import COMMITS, CONSUMER_LAG, DEAD_LETTERS, IN_FLIGHT, RECORDS_CONSUMED
+from pipeline.metrics import COMMITS, CONSUMER_LAG, IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Record:
-    """A decoded record as handed to a stage (``event`` is the validated event)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: str | None
-    event: events.Event
-    timestamp_ms: int
-    generation: int = 0  # assignment generation; acks from an older one are ignored
-
-    @property
-    def tp(self) -> tuple[str, int]:
-        """``(topic, partition)``."""
-        return (self.topic, self.partition)
+__all__ = ["ConsumerApp", "Record"]
 
 
 class _Tracker:
@@ -90,12 +74,18 @@ class ConsumerApp:
         max_in_flight: pause all partitions while more records than this are unacknowledged,
             resume below half of it (backpressure).
         dlq: route undecodable records to ``<topic><dlq_suffix>``; False re-raises instead.
+        producer: the producer for dead letters (default: one made on the first dead letter).
+        accept: event classes the topics may carry (default ``DECLARED``: ``topics.yaml``; None:
+            any); see :class:`pipeline.bus.records.RecordIntake`.
         consumer_overrides: extra kafka-python consumer settings.
+
+    A dead letter that cannot be delivered is retried with back-off (the record stays
+    unacknowledged, so the commit cannot pass it) until it is delivered or the app is stopped.
     """
 
     def __init__(self, config: Config, group_id: str, topics: Iterable[str], name: str,
                  max_in_flight: int = 10_000, dlq: bool = True, producer: EventProducer | None = None,
-                 **consumer_overrides) -> None:
+                 accept=DECLARED, **consumer_overrides) -> None:
         self.config = config
         self.name = name
         self.group_id = group_id
@@ -103,18 +93,25 @@ class ConsumerApp:
         self.max_in_flight = max_in_flight
         self.dlq = dlq
         self._consumer = KafkaConsumer(**consumer_kwargs(config, group_id, **consumer_overrides))
-        self._own_producer = producer is None
-        self._producer = producer
+        self._stop = threading.Event()
+        self.intake = RecordIntake(config, name, producer=producer, dlq=dlq, accept=accept, stop=self._stop)
         self._trackers: dict[TopicPartition, _Tracker] = {}
         self._rewind: dict[TopicPartition, int] = {}  # safe offsets at the last revocation
         self._acks: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._paused = False
         self._generation = 0
         self._on_assigned: Callable | None = None
         self._on_revoked: Callable | None = None
-        self.consumed = 0
-        self.dead_lettered = 0
+
+    @property
+    def consumed(self) -> int:
+        """Records polled so far."""
+        return self.intake.consumed
+
+    @property
+    def dead_lettered(self) -> int:
+        """Records sent to the DLQ so far (undecodable, wrong type, or their handler raised)."""
+        return self.intake.dead_lettered
 
     # ---- public API -------------------------------------------------------------------------
     def ack(self, record: Record) -> None:
@@ -153,9 +150,8 @@ class ConsumerApp:
         ``drain_timeout_s``, the final offsets committed and the consumer closed.
         """
         self._on_assigned, self._on_revoked = on_assigned, on_revoked
-        if install_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stop())
+        if install_signals:
+            stop_on_signals(self.stop)
         self._consumer.subscribe(self.topics, listener=_Listener(self))
         next_tick = time.monotonic() + tick_interval_s
         try:
@@ -166,7 +162,7 @@ class ConsumerApp:
                     tracker = self._trackers.get(tp)
                     if tracker is None:  # revoked during this poll
                         continue
-                    RECORDS_CONSUMED.labels(self.name, tp.topic).inc(len(recs))
+                    self.intake.polled(tp.topic, len(recs))
                     for r in recs:
                         self._process(tp, tracker, r, handle)
                 self._drain_acks()
@@ -182,37 +178,22 @@ class ConsumerApp:
     # ---- internals ----------------------------------------------------------------------------
     def _process(self, tp: TopicPartition, tracker: _Tracker, r, handle) -> None:
         tracker.add(r.offset)
-        self.consumed += 1
         try:
-            event = events.decode(r.value)
-        except events.EventError as e:
-            self._dead_letter(tp, r, f"{type(e).__name__}: {e}")
-            tracker.ack(r.offset)
+            rec = self.intake.decode(r, tracker.generation)
+            if rec is None:  # dead-lettered: the broker has it
+                tracker.ack(r.offset)
+                return
+            try:
+                done = handle(rec)
+            except Exception as e:  # a stage never crashes on one record
+                log.exception("%s: handler failed on %s[%d]@%d", self.name, tp.topic, tp.partition, r.offset)
+                self.intake.dead_letter(r, f"handler error: {type(e).__name__}: {e}")
+                done = True
+        except DeadLetterError as e:  # stopping: left unacknowledged, re-delivered after a restart
+            log.warning("%s", e)
             return
-        key = r.key.decode("utf-8", "replace") if r.key is not None else None
-        rec = Record(tp.topic, tp.partition, r.offset, key, event, r.timestamp, tracker.generation)
-        try:
-            done = handle(rec)
-        except Exception as e:  # a stage never crashes on one record
-            log.exception("%s: handler failed on %s[%d]@%d", self.name, tp.topic, tp.partition, r.offset)
-            self._dead_letter(tp, r, f"handler error: {type(e).__name__}: {e}")
-            done = True
         if done is not False:
             tracker.ack(r.offset)
-
-    def _dead_letter(self, tp: TopicPartition, r, error: str) -> None:
-        if not self.dlq:
-            raise events.MalformedEvent(error)
-        if self._producer is None:
-            self._producer = EventProducer(self.config, name=self.name)
-        dl = events.DeadLetter(source_topic=tp.topic, partition=tp.partition, offset=r.offset, error=error,
-                               stage=self.name, key=r.key, raw=r.value or b"", created_at=events.now_ms())
-        target = f"{tp.topic}{self.config.topics.dlq_suffix}"
-        # wait for the broker: the source offset may only be committed once the dead letter exists
-        self._producer.send(target, dl, key=r.key.decode("utf-8", "replace") if r.key else None).get(timeout=30)
-        self.dead_lettered += 1
-        DEAD_LETTERS.labels(self.name, tp.topic).inc()
-        log.warning("%s: %s[%d]@%d -> %s: %s", self.name, tp.topic, tp.partition, r.offset, target, error)
 
     def _drain_acks(self) -> None:
         while True:
@@ -319,8 +300,7 @@ class ConsumerApp:
             try:
                 self._consumer.close(autocommit=False)
             finally:
-                if self._own_producer and self._producer is not None:
-                    self._producer.close()
+                self.intake.close()
         log.info("%s: stopped (%d consumed, %d dead-lettered, %d left unacknowledged)",
                  self.name, self.consumed, self.dead_lettered, self.in_flight())
 

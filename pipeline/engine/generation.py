@@ -198,17 +198,21 @@ class Generation:
 
     # ---- OpenAI chat pieces ----------------------------------------------------------------------
     def chat_logprobs(self, start: int, end: int | None = None) -> list[dict]:
-        """``logprobs.content`` items for output tokens ``[start:end]``."""
-        tok_text = self.state.token_text
+        """``logprobs.content`` items for output tokens ``[start:end]``.
+
+        ``token`` is the id decoded alone (SGLang's text; half a character reads ``"\ufffd"``);
+        ``bytes`` are the token's raw bytes (:mod:`pipeline.tokenbytes`), so joining them
+        rebuilds the output even where a character is split over tokens.
+        """
+        tok_text, tok_bytes = self.state.token_text, self.state.token_bytes.as_list
         items = []
         ids = self.output_ids[start:end]
         lps = self.output_lps[start:end]
         tops = self.output_top[start:end] if self.output_top else [None] * len(ids)
         for t, lp, top in zip(ids, lps, tops):
-            s = tok_text(t)
-            items.append({"token": s, "bytes": list(s.encode("utf-8")), "logprob": lp,
-                          "top_logprobs": [{"token": tok_text(i), "bytes": list(tok_text(i).encode("utf-8")),
-                                            "logprob": v} for v, i in (top or [])]})
+            items.append({"token": tok_text(t), "bytes": tok_bytes(t), "logprob": lp,
+                          "top_logprobs": [{"token": tok_text(i), "bytes": tok_bytes(i), "logprob": v}
+                                           for v, i in (top or [])]})
         return items
 
     def chat_finish_reason(self, has_tool_calls: bool) -> tuple[str | None, Any]:

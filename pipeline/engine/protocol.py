@@ -88,6 +88,12 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     rid: str | None = None
     skip_special_tokens: StrictBool = True
+    user: str | None = None
+    # SGLang's constrained decoding and regex stops: known here so that they are refused (400),
+    # never silently dropped (this engine implements neither)
+    regex: str | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
 
     @field_validator("tool_choice")
     @classmethod

@@ -20,10 +20,16 @@ Errors never surface as 500 for bad input: body validation -> 400 ``{"object": "
 "type": "BadRequestError"}``; a prompt longer than the context -> 400.
 
 Differences from SGLang (deliberate): ``return_token_ids`` is accepted with ``stream: true`` on
-chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); unknown keys inside
-``sampling_params`` are a 400 (SGLang raises a TypeError there); constrained decoding
-(json_schema/regex/ebnf, ``response_format`` json) is not implemented (400); with ``n > 1`` and
-a seed, sample j is drawn with ``seed + j``; there is no prefix cache (``cached_tokens`` is 0).
+chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); chat log-prob
+``bytes`` are each token's raw bytes (SGLang sends the UTF-8 of the token decoded alone, wrong
+for half a character); ``/server_info`` says both (``chat_stream_token_ids``,
+``logprob_token_bytes``). Unknown keys inside ``sampling_params`` are a 400 (SGLang raises a
+TypeError there); what needs constrained decoding (json_schema/regex/ebnf/stop_regex,
+``response_format`` json, ``tool_choice`` required or a named function) is not implemented and
+refused (400) rather than served as if absent; with ``n > 1`` and a seed, sample j is drawn with
+``seed + j``; there is no prefix cache (``cached_tokens`` is 0). ``parallel_tool_calls: false``
+keeps the first tool call of a turn. New weights must fit the served model
+(:func:`pipeline.engine.model.check_fits`), else 400 and nothing changes.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, Gener
 from pipeline.engine.tools import ToolStreamParser, parse_tool_calls
 from pipeline.engine.worker import EngineWorker
 from pipeline.errors import PipelineError
+from pipeline.tokenbytes import TokenBytes
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -116,6 +123,7 @@ class EngineState:
         self.update_lock = asyncio.Lock()
         self.vocab_size = self.worker.loaded.vocab_size
         self.token_text = functools.lru_cache(maxsize=65536)(lambda t: self.tokenizer.decode([t]))
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.metrics.set_version(self.worker.version)
         self.worker.on_tokens = lambda n: self.metrics.generated_tokens.inc(n)
 
@@ -390,15 +398,20 @@ def chat_setup(state: EngineState, body: ChatBody) -> tuple[list[int], SamplingP
     if rf and rf.get("type", "text") != "text":
         raise ValueError(f"response_format {rf.get('type')!r} needs constrained decoding, which this engine "
                          "does not implement")
+    for key in ("regex", "ebnf", "stop_regex"):
+        if getattr(body, key):
+            raise ValueError(f"{key} needs constrained decoding or regex matching, which this engine does not "
+                             "implement")
+    if (body.stream_options or {}).get("continuous_usage_stats"):
+        raise ValueError("stream_options.continuous_usage_stats is not supported by this engine")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    if choice != "none" and not tools and choice != "auto":
-        raise ValueError("tool_choice is set but no tools were given")
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        tools = [t for t in tools or [] if t["function"]["name"] == name]
-        if not tools:
-            raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+    if choice not in ("none", "auto"):
+        # "required" and a named function oblige the model to call: that needs constrained
+        # decoding (SGLang builds a JSON-schema constraint); refused rather than served as "auto"
+        shown = choice if isinstance(choice, str) else f"function {choice['function']['name']!r}"
+        raise ValueError(f"tool_choice {shown} needs constrained decoding, which this engine does not implement "
+                         "(use 'auto' or 'none')")
     active_tools = tools if choice != "none" else None
     if body.input_ids is not None:
         state.check_ids(body.input_ids)
@@ -442,6 +455,8 @@ def chat_response(state: EngineState, body: ChatBody, rid: str, gens: list[Gener
     for i, g in enumerate(gens):
         text = g.text()
         content, calls = parse_tool_calls(text, tools) if tools else (text, [])
+        if not body.parallel_tool_calls:
+            calls = calls[:1]  # at most one call per turn
         reason, matched = g.chat_finish_reason(bool(calls))
         choice: dict[str, Any] = {
             "index": i,
@@ -514,6 +529,8 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
                 delta: dict[str, Any] = {}
                 if delta_text:
                     delta["content"] = delta_text
+                if calls and not body.parallel_tool_calls:
+                    calls = calls[:max(0, 1 - n_calls[i])]  # at most one call per turn
                 if calls:
                     delta["tool_calls"] = [c.to_openai(n_calls[i] + k) for k, c in enumerate(calls)]
                     n_calls[i] += len(calls)
@@ -616,6 +633,7 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "context_length": state.context_length, "max_req_input_len": state.context_length - 1,
                 "max_running_requests": state.worker.max_batch_size, "weight_version": state.worker.version,
                 "incremental_streaming_output": False, "chat_stream_token_ids": True,
+                "logprob_token_bytes": True,
                 "tool_call_parser": "pipeline-tool-call", "reasoning_parser": None, "dtype": "float32",
                 "device": "cpu", "startup_time": state.started,
                 "internal_states": [{"running_requests": running, "waiting_requests": waiting,
@@ -756,7 +774,8 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         async with state.update_lock:
             try:
                 path = await asyncio.to_thread(resolve_model, body.model_path, state.cache_dir)
-                loaded = await asyncio.to_thread(load_model, path)
+                loaded = await asyncio.to_thread(load_model, path, like=state.worker.loaded,
+                                                 tokenizer=state.tokenizer)
             except (ModelNotFound, ModelLoadError, OSError) as e:
                 return fail(f"Failed to update weights: {e}")
             if loaded.vocab_size != state.vocab_size:

@@ -3,7 +3,9 @@
 Sources:
 - ``--archive DIR``: files written by ``pipeline archive`` (works after the broker is gone);
 - otherwise the ``turns`` topic itself (``--source-topic``/``--source-bootstrap``), read by a
-  fresh consumer with manual assignment (no group, nothing committed).
+  :class:`pipeline.bus.TopicReader` (manual assignment, no group, nothing committed). Records of
+  it that are not valid events of the topic go to its dead-letter topic (``<source>.dlq``) and
+  are counted in ``bad``; they are not copied.
 
 Range: ``--from`` (inclusive) and ``--to`` (exclusive), each a time or offsets:
 ``2024-05-01``, ``2024-05-01T10:00:00`` (UTC unless an offset such as ``+02:00`` is given),
@@ -17,7 +19,8 @@ configured broker. Keys (session ids) are kept, so each session lands in one par
 original order (one source partition is read in offset order; the idempotent producer keeps
 per-partition order). Turns sampled live are marked ``source="replay"`` (imported ones stay
 ``import``); other events are re-sent unchanged. Then start the judge on that topic (or with a
-new group id) to retrain with other settings.
+new group id) to retrain with other settings. SIGTERM/SIGINT stop the copy cleanly: what was
+sent is flushed, the summary says ``"stopped": true`` and the exit status is 1.
 
 ``--reset-group G`` (topic source only) copies nothing: it commits the ``--from`` positions of
 the source topic for consumer group ``G``, so a stage started with that group re-reads history
@@ -30,6 +33,7 @@ import dataclasses
 import logging
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -127,109 +131,108 @@ def archive_records(directory: str, start: Bound | None, end: Bound | None, stat
             stats["out_of_range"] = stats.get("out_of_range", 0) + 1
 
 
-def _start_positions(consumer, tps: list, start: Bound | None) -> dict:
+DLQ_GIVE_UP_S = 30.0  # replay passes over a bad record whose dead letter cannot be written
+
+
+def _start_positions(reader, start: Bound | None) -> dict[int, int | None]:
     """Where to begin reading each partition (see the Tansu note in the module docstring)."""
-    begin = consumer.beginning_offsets(tps)
-    pos = dict(begin)
+    begin = reader.beginning_offsets()
+    pos: dict[int, int | None] = dict(begin)
     if start is None:
         return pos
     if start.time_ms is not None:
-        found = consumer.offsets_for_times({tp: start.time_ms for tp in tps})
-        for tp in tps:
-            oat = found.get(tp)
+        found = reader.offsets_for_times(start.time_ms)
+        for p in reader.partitions:
+            oat = found.get(p)
             if oat is None:  # Apache Kafka: no record at or after the time
-                pos[tp] = None
+                pos[p] = None
             elif oat.timestamp >= 0:
-                pos[tp] = max(begin[tp], oat.offset)
+                pos[p] = max(begin[p], oat.offset)
             # timestamp -1 (Tansu past the end / unknown): scan from the beginning, filter by time
-    for tp in tps:
-        o = start.offset_for(tp.partition)
-        if o is not None and pos[tp] is not None:
-            pos[tp] = max(pos[tp], o)
+    for p in reader.partitions:
+        o = start.offset_for(p)
+        if o is not None and pos[p] is not None:
+            pos[p] = max(pos[p], o)
     return pos
 
 
-def _assigned_consumer(config, topic: str, group: str | None, start: Bound | None):
-    """A consumer manually assigned every partition of ``topic``, with the start position of each
-    (None: nothing at or after ``start``). Raises RuntimeError if the topic does not exist."""
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
+def _assigned_reader(config, topic: str, group: str | None, start: Bound | None,
+                     stop: threading.Event | None = None):
+    """A :class:`pipeline.bus.TopicReader` on every partition of ``topic``, with the start position
+    of each (None: nothing at or after ``start``). Raises :class:`pipeline.bus.TopicMissing`."""
+    from pipeline.bus import TopicReader
 
-    from pipeline.bus import consumer_kwargs
-
-    consumer = KafkaConsumer(**consumer_kwargs(config, group))
+    reader = TopicReader(config, topic, name="replay", group_id=group, dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S,
+                         stop=stop, wait_s=5.0)
     try:
-        parts = consumer.partitions_for_topic(topic)
-        if not parts:
-            raise RuntimeError(f"topic {topic!r} does not exist on {config.kafka.bootstrap_servers}")
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        return consumer, tps, _start_positions(consumer, tps, start)
+        return reader, _start_positions(reader, start)
     except BaseException:
-        consumer.close(autocommit=False)
+        reader.close()
         raise
 
 
 def topic_records(config, topic: str, start: Bound | None, end: Bound | None, stats: dict,
-                  idle_timeout_s: float = 10.0, on_total=None) -> Iterator[ArchivedRecord]:
+                  idle_timeout_s: float = 10.0, on_total=None,
+                  stop: threading.Event | None = None) -> Iterator[ArchivedRecord]:
     """Records of ``topic`` in range, read with manual assignment up to the high-water marks seen
-    at the start (records produced meanwhile are not chased). Undecodable records are skipped
-    and counted in ``stats["bad"]``. ``on_total(n)`` gets the number of offsets to scan."""
-    consumer, tps, pos = _assigned_consumer(config, topic, None, start)
+    at the start (records produced meanwhile are not chased). Records that are not valid events
+    of the topic go to its DLQ and are counted in ``stats["bad"]``. ``on_total(n)`` gets the
+    number of offsets to scan. Setting ``stop`` ends the reading (``stats["stopped"]``)."""
+    reader, pos = _assigned_reader(config, topic, None, start, stop)
     try:
         active = set()
-        for tp in tps:
-            if pos[tp] is None or (end is not None and end.offset_for(tp.partition) is not None
-                                   and pos[tp] >= end.offset_for(tp.partition)):
+        for p in reader.partitions:
+            if pos[p] is None or (end is not None and end.offset_for(p) is not None and pos[p] >= end.offset_for(p)):
                 continue
-            consumer.seek(tp, pos[tp])
-            active.add(tp)
-        if set(tps) - active:
-            consumer.pause(*(set(tps) - active))
-        stop_at: dict = {}
+            reader.seek(p, pos[p])
+            active.add(p)
+        if set(reader.partitions) - active:
+            reader.pause(*(set(reader.partitions) - active))
+        stop_at: dict[int, int] = {}
         total_reported = False
         last_data = time.monotonic()
-        while active:
-            batch = consumer.poll(timeout_ms=200)
-            for tp, recs in batch.items():
-                if tp not in active:
+        while active and not stats.get("stopped"):
+            if reader.stopping:
+                stats["stopped"] = True
+                break
+            for r in reader.poll_raw(timeout_ms=200):
+                p = r.partition
+                if reader.stopping:
+                    stats["stopped"] = True
+                    break
+                if p not in active:
                     continue
                 last_data = time.monotonic()
-                for r in recs:
-                    if tp in stop_at and r.offset >= stop_at[tp]:
-                        break
-                    try:
-                        ev = events.decode(r.value)
-                    except events.EventError as e:
-                        stats["bad"] = stats.get("bad", 0) + 1
-                        log.warning("replay: %s[%d]@%d skipped: %s", tp.topic, tp.partition, r.offset, e)
-                        continue
-                    rec = ArchivedRecord(tp.topic, tp.partition, r.offset, r.timestamp,
-                                         r.key.decode("utf-8", "replace") if r.key is not None else None, ev)
-                    if in_range(rec, start, end):
-                        yield rec
-                    else:
-                        stats["out_of_range"] = stats.get("out_of_range", 0) + 1
-            for tp in list(active):
-                if tp not in stop_at:
-                    hw = consumer.highwater(tp)
+                if p in stop_at and r.offset >= stop_at[p]:
+                    continue
+                got = reader.decode(r)
+                if got is None:  # dead-lettered
+                    stats["bad"] = stats.get("bad", 0) + 1
+                    continue
+                rec = ArchivedRecord(r.topic, p, r.offset, r.timestamp, got.key, got.event)
+                if in_range(rec, start, end):
+                    yield rec
+                else:
+                    stats["out_of_range"] = stats.get("out_of_range", 0) + 1
+            for p in list(active):
+                if p not in stop_at:
+                    hw = reader.highwater(p)
                     if hw is None:
                         continue
-                    o = end.offset_for(tp.partition) if end is not None else None
-                    stop_at[tp] = hw if o is None else min(hw, o)
-                if consumer.position(tp) >= stop_at[tp]:
-                    active.discard(tp)
-                    consumer.pause(tp)
-            if not total_reported and on_total and all(tp in stop_at for tp in active):
+                    o = end.offset_for(p) if end is not None else None
+                    stop_at[p] = hw if o is None else min(hw, o)
+                if reader.position(p) >= stop_at[p]:
+                    active.discard(p)
+                    reader.pause(p)
+            if not total_reported and on_total and all(p in stop_at for p in active):
                 total_reported = True
-                on_total(sum(max(0, stop_at[tp] - (pos[tp] or 0)) for tp in stop_at))
+                on_total(sum(max(0, stop_at[p] - (pos[p] or 0)) for p in stop_at))
             if active and time.monotonic() - last_data > idle_timeout_s:
-                log.warning("replay: no data for %.0f s from %s; stopping early", idle_timeout_s,
-                            sorted(tp.partition for tp in active))
+                log.warning("replay: no data for %.0f s from %s; stopping early", idle_timeout_s, sorted(active))
                 stats["stopped_idle"] = True
                 break
     finally:
-        consumer.close(autocommit=False)
+        reader.close()
 
 
 # ---- sink -------------------------------------------------------------------------------------
@@ -281,20 +284,18 @@ def replay(records: Iterable[ArchivedRecord], producer, topic: str, *, mark: boo
 def reset_group(config, group: str, topic: str, start: Bound | None) -> dict[int, int]:
     """Commit the start positions of ``topic`` for ``group`` (no copy). Returns partition -> offset.
     The group should have no running members (their commits would overwrite these)."""
-    from kafka.structs import OffsetAndMetadata
-
-    consumer, tps, pos = _assigned_consumer(config, topic, group, start)
+    reader, pos = _assigned_reader(config, topic, group, start)
     try:
         offsets = {}
-        for tp in tps:
-            if pos[tp] is None:  # nothing at or after the time: start at the end
-                consumer.seek_to_end(tp)
-                pos[tp] = consumer.position(tp)
-            offsets[tp] = OffsetAndMetadata(pos[tp], "", -1)
-        consumer.commit(offsets=offsets)
-        return {tp.partition: om.offset for tp, om in offsets.items()}
+        for p in reader.partitions:
+            if pos[p] is None:  # nothing at or after the time: start at the end
+                reader.seek_to_end(p)
+                pos[p] = reader.position(p)
+            offsets[p] = pos[p]
+        reader.commit(offsets)
+        return offsets
     finally:
-        consumer.close(autocommit=False)
+        reader.close()
 
 
 # ---- command ----------------------------------------------------------------------------------
@@ -327,7 +328,13 @@ def run(args, config) -> int:
         if args.archive:
             print("pipeline replay: --reset-group works on the source topic, not on --archive", file=sys.stderr)
             return 2
-        got = reset_group(source_config, args.reset_group, source_topic, start)
+        from pipeline.bus import TopicMissing
+
+        try:
+            got = reset_group(source_config, args.reset_group, source_topic, start)
+        except TopicMissing as e:
+            print(f"pipeline replay: {e}", file=sys.stderr)
+            return 2
         print(orjson.dumps({"group": args.reset_group, "topic": source_topic,
                             "committed": {str(k): v for k, v in got.items()}}).decode(), flush=True)
         return 0
@@ -347,8 +354,10 @@ def run(args, config) -> int:
             print(f"pipeline replay: {args.archive} is not an archive (no ARCHIVE.json)", file=sys.stderr)
             return 2
 
-    from pipeline.bus import EventProducer
+    from pipeline.bus import EventProducer, TopicMissing, stop_on_signals
 
+    stop = threading.Event()
+    stop_on_signals(stop.set)
     if not args.no_create and ensure_topic(config, target):
         log.info("replay: created topic %s", target)
     stats: dict = {"bad": 0}
@@ -360,21 +369,33 @@ def run(args, config) -> int:
     if args.archive:
         if bar is not None:
             bar.total = count_lines(args.archive)
-        records = archive_records(args.archive, start, end, stats)
+        records = _until(archive_records(args.archive, start, end, stats), stop, stats)
     else:
         def on_total(n: int) -> None:
             if bar is not None:
                 bar.total = n
                 bar.refresh()
 
-        records = topic_records(source_config, source_topic, start, end, stats, args.idle_timeout_s, on_total)
+        records = topic_records(source_config, source_topic, start, end, stats, args.idle_timeout_s, on_total, stop)
     producer = EventProducer(config, name="replay")
     try:
         out = replay(records, producer, target, mark=not args.keep_source, bar=bar)
+    except TopicMissing as e:
+        print(f"pipeline replay: {e}", file=sys.stderr)
+        return 2
     finally:
         producer.close()
         if bar is not None:
             bar.close()
     out.update(target=target, source=args.archive or source_topic, failed=producer.failed, **stats)
     print(orjson.dumps(out).decode(), flush=True)
-    return 1 if producer.failed else 0
+    return 1 if producer.failed or stats.get("stopped") else 0
+
+
+def _until(records: Iterable[ArchivedRecord], stop: threading.Event, stats: dict) -> Iterator[ArchivedRecord]:
+    """``records`` until ``stop`` is set (then ``stats["stopped"]``)."""
+    for rec in records:
+        if stop.is_set():
+            stats["stopped"] = True
+            return
+        yield rec

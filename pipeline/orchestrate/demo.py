@@ -11,8 +11,10 @@
    the engine has applied at least one new policy version; each newly applied version is
    evaluated on the same held-out prompts (simulator and trainer are frozen with SIGSTOP
    meanwhile, so every held-out reply comes from that version).
-4. Clean shutdown, then ``report.json`` and ``report.png`` (metrics against policy version) in
-   ``--report-dir``, and a console summary.
+4. Clean shutdown, then ``report.json`` and ``report.png`` in ``--report-dir`` (held-out success
+   per policy version with n, Wilson 95% intervals, the target line and words per reply; reward,
+   KL and log-prob mismatch per trainer step), and a console summary. Each evaluation is also
+   published on the ``metrics`` topic, where the dashboard shows it while the demo runs.
 
 Defaults are sized for a 2-core CPU machine (~10-15 minutes). ENVIRONMENT.md measured the
 brevity property at 9% for the base model, rising to ~56-97% after 3-5 Binary-RL steps at
@@ -138,23 +140,11 @@ def engine_version(url: str) -> str | None:
 
 
 def read_topic(config: Config, logical: str) -> list:
-    """Every decodable event currently on a topic (fresh consumer, no group)."""
-    from kafka import KafkaConsumer
+    """Every decodable event currently on a topic (assign-mode reader: no group, nothing committed)."""
+    from pipeline.bus import Record, TopicReader
 
-    from pipeline import events
-    from pipeline.bus import consumer_kwargs
-
-    c = KafkaConsumer(config.topics.name(logical), **consumer_kwargs(config, None, consumer_timeout_ms=3000))
-    out = []
-    try:
-        for m in c:
-            try:
-                out.append(events.decode(m.value))
-            except events.EventError:
-                pass
-    finally:
-        c.close()
-    return out
+    with TopicReader(config, [config.topics.name(logical)]) as reader:
+        return [r.event for r in reader.read() if isinstance(r, Record)]
 
 
 def _mean(xs):
@@ -195,41 +185,115 @@ def trainer_log(path: Path) -> list[dict]:
     return MetricsLog(path).records()
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% for ``z`` = 1.96), as ``(low, high)``.
+
+    The interval holds every p with ``|successes/n - p| <= z * sqrt(p (1 - p) / n)`` (E. B.
+    Wilson, 1927): unlike the normal approximation it stays inside [0, 1] and is not empty at
+    0 or n successes. ``n`` = 0 gives ``(0, 1)``. Raises ValueError if ``successes`` is not in [0, n].
+    """
+    if n == 0:
+        return 0.0, 1.0
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes {successes} not in [0, {n}]")
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def success_target(report: dict) -> float | None:
+    """The held-out success the verdict calls a learning signal: twice version 0's (at most 1)."""
+    ev = report.get("evaluations") or []
+    return min(1.0, 2 * ev[0]["success_rate"]) if ev and ev[0]["success_rate"] > 0 else None
+
+
 def plot(report: dict, path: Path) -> None:
-    """PNG of held-out success, accuracy, sample reward and words per reply against policy version."""
+    """Write :func:`figure` of ``report`` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def figure(report: dict):
+    """The report's figure: held-out success per policy version (left), training health per step (right).
+
+    Left: success with its Wilson 95% interval per point and the value written on it, n per
+    version, the target line (twice version 0's success, the verdict's learning signal), GSM8K
+    accuracy (guard), the reward of the samples each version generated, and words per reply on
+    its own axis from zero with the brevity limit. Right: batch reward mean, KL and the mean
+    |train - rollout| log-prob mismatch (nats) per trainer step.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ev = report.get("evaluations", [])
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = report.get("trainer", {}).get("per_step") or []
+    fig = plt.figure(figsize=(13, 6))
+    grid = fig.add_gridspec(3, 2, width_ratios=(1.6, 1), hspace=0.45, wspace=0.32)
+    ax = fig.add_subplot(grid[:, 0])
     if ev:
         xs = [int(e["policy_version"]) for e in ev]
-        ax.plot(xs, [e["success_rate"] for e in ev], "o-", label="held-out success (brevity)")
-        ax.plot(xs, [e["accuracy"] for e in ev], "s-", label="held-out GSM8K accuracy (guard)")
+        rates = [e["success_rate"] for e in ev]
+        ns = [int(e.get("n", 0)) for e in ev]
+        lo, hi = zip(*(wilson_interval(round(r * n), n) for r, n in zip(rates, ns)))
+        ax.errorbar(xs, rates, yerr=[[r - a for r, a in zip(rates, lo)], [b - r for r, b in zip(rates, hi)]],
+                    fmt="o-", capsize=4, color="C0", label="held-out success (brevity), Wilson 95% interval")
+        for x, r, n in zip(xs, rates, ns):
+            ax.annotate(f"{r:.0%}\nn={n}", (x, r), textcoords="offset points", xytext=(7, 4), fontsize=8, color="C0")
+        ax.plot(xs, [e["accuracy"] for e in ev], "s-", color="C1", label="held-out GSM8K accuracy (guard)")
+        target = success_target(report)
+        if target is not None:
+            ax.axhline(target, color="C2", ls="--", lw=1)
+            ax.text(xs[0], target, f" target {target:.0%} (2x version 0)", color="C2", fontsize=8, va="bottom")
     sv = {v: d for v, d in report["topics"]["samples_by_policy_version"].items() if d["reward_mean"] is not None}
     if sv:
-        ax.plot([int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()], "^--",
+        ax.plot([int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()], "^--", color="C3",
                 label="reward of samples it generated, (mean+1)/2")
     ax.set_xlabel("policy version")
     ax.set_ylabel("rate")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.05)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ev:
         ax2 = ax.twinx()
-        ax2.plot([int(e["policy_version"]) for e in ev], [e["words_per_reply"] for e in ev], "d:", color="grey",
-                 label="words per reply (guard)")
+        words = [e["words_per_reply"] for e in ev]
+        ax2.plot([int(e["policy_version"]) for e in ev], words, "d:", color="grey", label="words per reply (guard)")
+        limit = report.get("brevity_max_words")
+        if limit:
+            ax2.axhline(limit, color="grey", ls="-.", lw=0.8)
+            ax2.text(ax.get_xlim()[1], limit, f"{limit} words ", color="grey", fontsize=8, ha="right", va="bottom")
+        ax2.set_ylim(0, max(words + [limit or 0]) * 1.15 + 1)
         ax2.set_ylabel("words per reply")
         ax2.legend(loc="upper right", fontsize=8)
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(loc="center left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     mode = {"rl": "Binary RL", "opd": "OPD", "combine": "Binary RL + OPD"}.get(report["judge"]["mode"], "RL")
-    ax.set_title(f"Online {mode} on simulated GSM8K users ({report['model']}, judge {report['judge']['backend']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.set_title(f"Online {mode} on simulated GSM8K users ({report['model']}, judge {report['judge']['backend']})",
+                 fontsize=10)
+    health = (("reward_mean", "batch reward mean"), ("kl", "KL (kl; ppo_kl dashed)"),
+              ("logprob_abs_diff", "|train - rollout| log-prob (nats)"))
+    for row, (key, title) in enumerate(health):
+        hx = fig.add_subplot(grid[row, 1])
+        pts = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+        if pts:
+            hx.plot(*zip(*pts), "o-", ms=3, color=f"C{row + 4}")
+        if key == "kl":
+            kl2 = [(r["step"], r["ppo_kl"]) for r in steps if r.get("ppo_kl") is not None]
+            if kl2:
+                hx.plot(*zip(*kl2), "o--", ms=3, color="C7")
+        if not pts:
+            hx.text(0.5, 0.5, "no trainer step", transform=hx.transAxes, ha="center", va="center", color="grey")
+        hx.set_title(title, fontsize=9)
+        hx.xaxis.set_major_locator(MaxNLocator(integer=True))
+        hx.tick_params(labelsize=8)
+        if row == len(health) - 1:
+            hx.set_xlabel("trainer step")
+    return fig
 
 
 def run(args, config: Config) -> int:
@@ -247,7 +311,11 @@ def run(args, config: Config) -> int:
     except StageFailed as e:
         print(f"pipeline demo: {e}", file=sys.stderr)
         return 1
-    print(f"[demo] ready after {time.monotonic() - t0:.0f} s: proxy {stack.proxy_url}", flush=True)
+    print(f"[demo] ready after {time.monotonic() - t0:.0f} s: proxy {stack.proxy_url}"
+          + (f"  dashboard {stack.dashboard_url}" if stack.dashboard_url else ""), flush=True)
+    from pipeline.bus import EventProducer
+
+    metrics_out = EventProducer(config, name="demo")  # held-out evaluations, for the dashboard
     sim: Simulator | None = None
     evaluations: list[dict] = []
     notes: list[str] = []
@@ -267,6 +335,7 @@ def run(args, config: Config) -> int:
             res["policy_version"] = str(max(versions, key=lambda v: int(v) if str(v).isdigit() else -1))
             res["seconds"] = round(time.monotonic() - te, 1)
             evaluations.append(res)
+            publish_evaluation(metrics_out, config, res)
             print(f"[demo] held-out eval, policy version {res['policy_version']}: success {res['success_rate']:.2f}"
                   f"  accuracy {res['accuracy']:.2f}  words/reply {res['words_per_reply']:.1f}"
                   f"  ({res['n']} replies, {res['seconds']} s)", flush=True)
@@ -315,6 +384,7 @@ def run(args, config: Config) -> int:
     finally:
         if sim is not None:
             sim.stop()
+        metrics_out.close()
         try:
             turn_events = read_topic(config, "turns")
             sample_events = read_topic(config, "samples")
@@ -325,6 +395,7 @@ def run(args, config: Config) -> int:
         print("[demo] stopping every stage ...", flush=True)
         codes = stack.stop()
     from pipeline.simulate.runner import summarize
+    from pipeline.simulate.users import UserSettings
 
     steps_log = [r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r]
     sim_summary = summarize(sim.records() if sim else [])
@@ -335,11 +406,14 @@ def run(args, config: Config) -> int:
         "trainer": {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
                     "lr": config.trainer.lr,
                     "rollout_batch_size": config.trainer.rollout_batch_size,
-                    "last_step": steps_log[-1] if steps_log else None},
+                    "last_step": steps_log[-1] if steps_log else None,
+                    "per_step": [{k: r.get(k) for k in ("step", "policy_version", "reward_mean", "kl", "ppo_kl",
+                                                         "logprob_abs_diff", "loss", "step_s")} for r in steps_log]},
         "versions_applied": sorted({c.policy_version for c in control_events if c.action == "applied"}),
         "topics": summarize_topics(turn_events, sample_events),
         "simulator": sim_summary,
         "evaluations": evaluations,
+        "brevity_max_words": UserSettings().max_words,  # the users' and the evaluation's reply limit (default)
         "exit_codes": {k: (0 if v == -15 else v) for k, v in codes.items()},  # -15: SIGTERM handled (uvicorn)
         "notes": notes,
     }
@@ -363,6 +437,22 @@ def run(args, config: Config) -> int:
         print(f"pipeline demo: processes left running: {leftover}", file=sys.stderr)
         rc = 1
     return rc
+
+
+def publish_evaluation(producer, config: Config, res: dict) -> None:
+    """Send one held-out evaluation to the ``metrics`` topic (best effort: a failure is printed)."""
+    from pipeline import events
+
+    try:
+        version = str(res.get("policy_version"))
+        ev = events.Evaluation(
+            policy_version=int(version) if version.isdigit() else -1, n=int(res.get("n", 0)), name="heldout-gsm8k",
+            run_id=config.trainer.run_id, created_at=events.now_ms(),
+            metrics={k: float(res[k]) for k in ("success_rate", "accuracy", "brief_rate", "words_per_reply")
+                     if isinstance(res.get(k), (int, float))})
+        producer.send(config.topics.name("metrics"), ev, key=config.trainer.run_id)
+    except Exception as e:  # noqa: BLE001 - the report does not depend on it
+        print(f"[demo] evaluation not published to the metrics topic: {e}", file=sys.stderr)
 
 
 def _signal_all(procs, sig) -> None:

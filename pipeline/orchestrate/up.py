@@ -2,11 +2,11 @@
 
 Order: embedded broker (unless ``--external-broker``) -> ``topics apply`` -> policy engine
 (unless ``--engine-url``) -> OPD teacher engine (frozen initial policy; only for judge modes
-opd/combine) -> proxy -> judge -> trainer -> syncer. Each stage gets the same generated config
-file (``<run-dir>/config.yaml``), its own log (``<run-dir>/logs/<stage>.log``) and a metrics
-port; readiness is an HTTP probe (``/health`` of engines, ``/healthz`` of the proxy,
-``/metrics`` of the consumer stages). Ctrl-C (SIGINT) or SIGTERM stops everything in reverse
-order; nothing is left running.
+opd/combine) -> proxy -> judge -> trainer -> syncer -> dashboard (unless ``--no-dashboard``).
+Each stage gets the same generated config file (``<run-dir>/config.yaml``), its own log
+(``<run-dir>/logs/<stage>.log``) and a metrics port; readiness is an HTTP probe (``/health`` of
+engines, ``/healthz`` of the proxy and the dashboard, ``/metrics`` of the consumer stages).
+Ctrl-C (SIGINT) or SIGTERM stops everything in reverse order; nothing is left running.
 
 The embedded broker is a stage like the others (``pipeline broker``, log ``logs/broker.log``, its
 servers' own log ``logs/broker-servers.log``) with durable storage in ``<run-dir>/broker`` (see
@@ -63,6 +63,7 @@ class Stack:
     metrics: dict[str, str] = field(default_factory=dict)  # stage -> metrics URL
     replicas: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_REPLICAS))
     front_url: str | None = None  # the round-robin front of several proxies (None: one proxy)
+    dashboard_url: str | None = None  # the web dashboard, when started
     proxy_urls: dict[str, str] = field(default_factory=dict)  # proxy stage -> its own URL
     engine_urls: dict[str, str] = field(default_factory=dict)  # engine stage -> its own URL
 
@@ -87,6 +88,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", help="policy model: smollm2-135m (default), tiny-random or an HF folder")
     parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], help="judge.mode")
     parser.add_argument("--no-trainer", action="store_true", help="serve and judge only (collect data)")
+    parser.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
+    parser.add_argument("--dashboard-port", type=int, help="port of the web dashboard (default: a free one)")
     parser.add_argument("--replicas", metavar="STAGE=N,...", type=parse_replicas, default=None,
                         help="scale out the stateless stages, e.g. proxy=2,judge=2,engine=2: N proxies behind a "
                              "round-robin front, N judges in one consumer group, N engines (each with its syncer) "
@@ -167,7 +170,8 @@ def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], i
 
 def start_stack(config: Config, run_dir: Path, external_broker: bool = False, engine_url: str | None = None,
                 trainer: bool = True, ready_timeout_s: float = 600.0, durable_broker: bool = True,
-                replicas: dict[str, int] | None = None, restart: RestartPolicy | None = None) -> Stack:
+                replicas: dict[str, int] | None = None, restart: RestartPolicy | None = None,
+                dashboard: bool = True, dashboard_port: int | None = None) -> Stack:
     """Start every stage for ``config`` (mutated: ports, URLs, paths) and wait until ready.
 
     ``durable_broker``: the embedded broker keeps its log in ``run_dir/broker`` (a later call on
@@ -274,6 +278,13 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
                     stage(f"syncer-{i}", args)
             else:
                 stage("syncer", ["syncer", "--engine", config.engine.url])
+        if dashboard:  # reads the topics and every stage's metrics; serves no /metrics of its own
+            config.dashboard.port = dashboard_port or free_port()
+            config.dashboard.metrics_urls = dict(stack.metrics)
+            write_config()
+            stack.dashboard_url = f"http://{config.dashboard.host}:{config.dashboard.port}/"
+            sup.start("dashboard", ["dashboard", "--config", str(cfg_path)],
+                      ready=http_ok(f"{stack.dashboard_url}healthz"), timeout_s=ready_timeout_s)
     except BaseException:
         stack.stop()
         raise
@@ -325,7 +336,8 @@ def run(args, config: Config) -> int:
     policy = RestartPolicy(max_fast_failures=max(1, args.max_fast_failures))
     try:
         stack = start_stack(config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
-                            durable_broker=not args.memory_broker, replicas=replicas, restart=policy)
+                            durable_broker=not args.memory_broker, replicas=replicas, restart=policy,
+                            dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port)
     except StageFailed as e:
         print(f"pipeline up: {e}", file=sys.stderr)
         return 1
@@ -338,6 +350,10 @@ def run(args, config: Config) -> int:
               flush=True)
     if len(stack.engine_urls) > 1:
         print(f"  engines {', '.join(stack.engine_urls.values())} behind {config.engine.url}", flush=True)
+    if stack.dashboard_url:
+        print(f"dashboard: {stack.dashboard_url}  (conversation text "
+              f"{'shown' if config.dashboard.show_text else 'hidden; --set dashboard.show_text=true shows it'})",
+              flush=True)
     print("point an OpenAI client at the proxy (headers X-Session-Id, X-Turn-Type, X-Session-Done); Ctrl-C stops",
           flush=True)
     fatal: list[StageFailed] = []

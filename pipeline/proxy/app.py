@@ -12,7 +12,11 @@ Per request (main turn of a known session):
 2. weight-sync hold (bounded; 503 only with ``proxy.sync_strict``);
 3. turn index + ``next_state`` (published now, before the engine sees the request);
 4. forward with ``logprobs``/``return_token_ids``/``return_prompt_token_ids`` added; the user gets
-   the answer without the extras it did not ask for (streams are forwarded chunk by chunk);
+   the answer without the extras it did not ask for (streams are forwarded chunk by chunk).
+   In front of SGLang (no token ids on streamed chat, log-prob ``bytes`` of decoded text) a
+   recorded stream goes through ``/v1/tokenize`` + ``/generate`` (every chat field carried over
+   as SGLang's chat path would, or refused naming it), and shown log-probs get each token's raw
+   bytes from the served model's tokenizer (``proxy.tokenizer``, default ``engine.model``);
 5. ``turn`` published once the engine's answer is complete, then ``session_end`` on
    ``X-Session-Done``; the response's last body message waits until these events are committed
    to the proxy's disk buffer (:class:`pipeline.proxy.publisher.DurableSend`, a group commit of
@@ -41,7 +45,8 @@ from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ProxyError, bad_request, error_body, upstream_error
 from pipeline.proxy.publisher import DurableSend, EventPublisher
-from pipeline.proxy.record import Recorded, StreamRecorder, from_response, policy_version, strip_response
+from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, policy_version, repair_logprob_bytes,
+                                   strip_response)
 from pipeline.proxy.sessions import SessionTable
 from pipeline.proxy.upstream import Upstream, sse_batches
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
@@ -87,7 +92,9 @@ class ProxyApp:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)
-        self._native_stream: bool | None = None
+        self._caps: tuple[bool, bool] | None = None  # engine streams chat token ids, sends raw log-prob bytes
+        self._model_files: tuple[Any, dict] | None = None  # (TokenBytes or None, chat defaults) of the served model
+        self._model_files_lock = asyncio.Lock()
         self._rid_prefix = os.urandom(4).hex() + "-"  # request ids: <process prefix>-<counter> (no syscall per request)
         self._seq = 0
         self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
@@ -345,10 +352,15 @@ class ProxyApp:
             if stream:
                 on_done = (lambda rec: self._record(rec, meta, sid, turn_index, rid, created, user_view)) \
                     if record else None
-                status = await self._stream(req, keep if record else None, extra, t0, receive, send, on_done)
+                status = await self._stream(req, keep, extra, t0, receive, send, on_done)
             else:
+                repair = keep[0] and not (await self._engine_caps())[1]
+                if repair:  # SGLang's log-prob bytes: the ids let the proxy give each token's raw bytes
+                    req["return_token_ids"] = True
+                    if req.get("top_logprobs"):
+                        req["return_meta_info"] = True
                 status = await self._unary(orjson.dumps(req), keep, extra, send, record, meta, sid, turn_index, rid,
-                                           created, user_view)
+                                           created, user_view, repair)
         except BaseException:
             if record and meta.done and meta.session_id is not None:  # the client said the session is over
                 send.run_before_final()
@@ -384,11 +396,11 @@ class ProxyApp:
         M.TURNS.labels(meta.turn_type).inc()
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, record: bool, meta: SessionMeta, sid: str,
-                     turn_index: int | None, rid: str, created: int, user_view: dict) -> int:
+                     turn_index: int | None, rid: str, created: int, user_view: dict, repair: bool = False) -> int:
         status, data = await self.upstream.call("POST", _CHAT, body)
         if status >= 400:
             raise self._engine_error(status, data)
-        if record:
+        if record or repair:
             try:
                 resp = orjson.loads(data)
             except orjson.JSONDecodeError:
@@ -397,33 +409,76 @@ class ProxyApp:
                 raise upstream_error("the engine returned no 'choices'")
             if record:
                 self._record(from_response(resp), meta, sid, turn_index, rid, created, user_view)
+            if repair:
+                repair_logprob_bytes(resp, (await self._served_model())[0])
             strip_response(resp, *keep)
             data = orjson.dumps(resp)
         await self._send_json(send, status, data, extra)
         return status
 
-    async def _native_stream_ok(self) -> bool:
-        """Does the engine stream token ids on chat (``/server_info`` ``chat_stream_token_ids``)?"""
-        if self._native_stream is None:
+    async def _engine_caps(self) -> tuple[bool, bool]:
+        """``(streams token ids on chat, sends raw log-prob bytes)`` of the engine, from its
+        ``/server_info`` (``chat_stream_token_ids``, ``logprob_token_bytes``: our engine's; SGLang
+        has neither). Cached once answered; an engine without ``/server_info`` counts as both."""
+        if self._caps is None:
             status, data = await self.upstream.call("GET", "/server_info")
-            if status == 200:
-                try:
-                    info = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    info = {}
-                self._native_stream = bool(isinstance(info, dict) and info.get("chat_stream_token_ids"))
-                if not self._native_stream:
-                    log.warning("the engine does not stream token ids on chat (SGLang): streamed turns use "
-                                "EngineClient's /v1/tokenize + /generate path")
-            else:
-                return True  # unknown: try the native way (our engine, vLLM)
-        return self._native_stream
+            if status != 200:  # unknown: try the native way (our engine, vLLM); ask again unless there is none
+                if status in (404, 405):
+                    self._caps = (True, True)
+                return True, True
+            try:
+                info = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                info = {}
+            info = info if isinstance(info, dict) else {}
+            self._caps = (bool(info.get("chat_stream_token_ids")), bool(info.get("logprob_token_bytes")))
+            if not self._caps[0]:
+                log.warning("the engine does not stream token ids on chat (SGLang): streamed turns use "
+                            "EngineClient's /v1/tokenize + /generate path")
+            if not self._caps[1]:
+                log.info("the engine's log-prob bytes are those of decoded text (SGLang): the proxy sets each "
+                         "token's raw bytes from the tokenizer of %s", self.pc.tokenizer or self.config.engine.model)
+        return self._caps
 
-    async def _stream(self, req: dict, keep: tuple | None, extra: list, t0: float, receive, send, on_done) -> int:
-        """Forward a stream chunk by chunk; ``on_done(record)`` runs before ``[DONE]`` is forwarded (so the
-        turn is queued and the session updated before the client can send its next request)."""
-        if keep is not None and not await self._native_stream_ok():
-            return await self._stream_via_client(req, keep, extra, t0, send, on_done)
+    async def _served_model(self) -> tuple[Any, dict]:
+        """``(TokenBytes or None, generation_config chat defaults)`` of the served model, read once
+        from ``proxy.tokenizer`` (default ``engine.model``) in a thread; None when unreadable."""
+        if self._model_files is None:
+            async with self._model_files_lock:
+                if self._model_files is None:
+                    self._model_files = await asyncio.to_thread(self._read_model_files)
+        return self._model_files
+
+    def _read_model_files(self) -> tuple[Any, dict]:
+        from pipeline.engine.model import generation_defaults
+        from pipeline.models import ModelNotFound, resolve_model
+        from pipeline.tokenbytes import TokenBytesError, load_token_bytes
+
+        name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
+        try:
+            tb = load_token_bytes(name, cache)
+        except TokenBytesError as e:
+            log.error("no tokenizer for %s (%s): log-prob bytes of partial characters are sent as null", name, e)
+            tb = None
+        try:
+            defaults = generation_defaults(resolve_model(name, cache))
+        except (ModelNotFound, OSError) as e:
+            log.error("no generation_config for %s (%s): streamed chat without token-id streaming uses no "
+                      "model defaults", name, e)
+            defaults = {}
+        return tb, defaults
+
+    async def _stream(self, req: dict, keep: tuple, extra: list, t0: float, receive, send, on_done) -> int:
+        """Forward a stream chunk by chunk; ``on_done(record)`` (None: not recorded) runs before ``[DONE]``
+        is forwarded (so the turn is queued and the session updated before the client can send its next
+        request). Against an engine that cannot stream token ids on chat, a recorded turn or one whose
+        log-probs are shown goes through :meth:`_stream_via_client` (ids, raw log-prob bytes)."""
+        if on_done is not None or keep[0]:
+            native, raw = await self._engine_caps()
+            if not native and (on_done is not None or not raw):
+                return await self._stream_via_client(req, keep, extra, t0, send, on_done)
+        if on_done is None:
+            keep = None
         resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
         watcher = None
         try:
@@ -490,12 +545,17 @@ class ProxyApp:
 
     async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, send, on_done) -> int:
         """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
-        ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``."""
-        from pipeline.client import EngineClient, EngineError, EngineTimeout
+        ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``. A chat field
+        that path cannot serve as the engine's own chat path would is refused (400 naming it)."""
+        from pipeline.client import EngineClient, EngineError, EngineTimeout, generate_path_refusal
 
+        body = {k: v for k, v in req.items() if k not in ("return_token_ids", "stream")}
+        refused = generate_path_refusal(body)
+        if refused is not None:
+            raise bad_request(refused[1], param=refused[0], code="unsupported_on_stream")
         if self._client is None:
             self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s)
-        body = {k: v for k, v in req.items() if k not in ("return_token_ids", "stream")}
+        self._client.token_bytes, self._client.chat_defaults = await self._served_model()
         recorder = StreamRecorder(*keep[:3])
         it = self._client.chat_stream(body, token_ids=True).__aiter__()
         started = False
@@ -523,7 +583,8 @@ class ProxyApp:
             return 502
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
-        on_done(recorder.finish())
+        if on_done is not None:
+            on_done(recorder.finish())
         await send({"type": "http.response.body", "body": _DONE})
         return 200
 

@@ -11,7 +11,10 @@ sync learns that it is paused. State:
 
 A pause older than ``max_pause_s`` (by its ``created_at``) is treated as over, so a trainer
 that died mid-sync cannot hold traffic for ever. Broker trouble only delays these updates; the
-thread reconnects with back-off and never affects serving.
+thread reconnects with back-off and never affects serving. Records that are not valid
+``control`` events go to ``control.dlq`` (:class:`pipeline.bus.TopicReader` rules; if the
+dead letter cannot be written within ``DLQ_GIVE_UP_S`` the record is logged as an error and
+passed over: this reader commits nothing) and following goes on.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kafka import KafkaConsumer, TopicPartition
-
 from pipeline import events
-from pipeline.bus.settings import consumer_kwargs
+from pipeline.bus import Offset, TopicReader
 from pipeline.config import Config
 
 log = logging.getLogger(__name__)
+
+DLQ_GIVE_UP_S = 10.0  # a follower passes over a bad record whose dead letter cannot be written
 
 
 @dataclass
@@ -91,14 +94,9 @@ class ControlFollower:
             s.applied_version = max(s.applied_version, ev.policy_version)
         return before != (s.paused, s.epoch, s.applied_version)
 
-    def _consumer(self) -> KafkaConsumer:
-        kw = consumer_kwargs(self.config, None, enable_auto_commit=False, auto_offset_reset="earliest",
-                             bootstrap_timeout_ms=2000)
-        c = KafkaConsumer(**kw)
-        tp = TopicPartition(self.topic, 0)
-        c.assign([tp])
-        c.seek(tp, self._next_offset)
-        return c
+    def _consumer(self) -> TopicReader:
+        return TopicReader(self.config, self.topic, Offset(self._next_offset), partitions=[0], name="proxy", dlq=True,
+                           dlq_give_up_s=DLQ_GIVE_UP_S, stop=self._stop, bootstrap_timeout_ms=2000)
 
     def _run(self) -> None:
         backoff = 0.5
@@ -107,19 +105,15 @@ class ControlFollower:
             try:
                 if consumer is None:
                     consumer = self._consumer()
-                batch = consumer.poll(timeout_ms=300)
+                batch = consumer.poll_raw(timeout_ms=300)
                 backoff = 0.5
                 changed = False
-                for recs in batch.values():
-                    for r in recs:
-                        self._next_offset = r.offset + 1
-                        self.records += 1
-                        try:
-                            ev = events.decode(r.value)
-                        except events.EventError as e:
-                            log.warning("control[%d]: undecodable record skipped: %s", r.offset, e)
-                            continue
-                        changed |= self.apply(ev)
+                for r in batch:
+                    rec = consumer.decode(r)  # a bad record goes to control.dlq
+                    self._next_offset = r.offset + 1
+                    self.records += 1
+                    if rec is not None:
+                        changed |= self.apply(rec.event)
                 if changed:
                     s = self.state
                     log.info("control: paused=%s epoch=%d applied_version=%d", s.paused, s.epoch, s.applied_version)
@@ -128,7 +122,7 @@ class ControlFollower:
                 log.debug("control follower: %s", e)
                 if consumer is not None:
                     try:
-                        consumer.close(autocommit=False)
+                        consumer.close()
                     except Exception:
                         pass
                     consumer = None
@@ -136,7 +130,7 @@ class ControlFollower:
                 backoff = min(backoff * 2, 5.0)
         if consumer is not None:
             try:
-                consumer.close(autocommit=False)
+                consumer.close()
             except Exception:
                 pass
 

@@ -15,7 +15,7 @@ from each chunk before it is forwarded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -91,6 +91,54 @@ def from_response(resp: dict) -> Recorded:
     if r.weight_version is None:
         r.weight_version = meta.get("weight_version")
     return r
+
+
+def repair_logprob_bytes(resp: dict, token_bytes: Callable[[int], bytes] | None) -> int:
+    """Set each log-prob item's ``bytes`` to its token's raw bytes (in place); returns how many changed.
+
+    SGLang fills ``bytes`` with the UTF-8 of the token decoded alone, so half of a character
+    split over two tokens reads ``[239, 191, 189]`` and joining the bytes no longer rebuilds the
+    text. The chosen tokens' ids come from ``choices[i].token_ids`` (or ``meta_info``'s
+    ``output_token_logprobs``), the alternatives' from ``meta_info.output_top_logprobs``
+    (matched by log-prob and text). An item whose id is unknown keeps the engine's bytes unless
+    they encode a replacement character, in which case it gets ``null`` (OpenAI: no bytes
+    representation) rather than wrong bytes; so does every such item when ``token_bytes`` is None.
+    """
+    changed = 0
+
+    def fix(item: dict, tid: Any) -> None:
+        nonlocal changed
+        new = None
+        if token_bytes is not None and isinstance(tid, int):
+            try:
+                new = list(token_bytes(tid))
+            except KeyError:
+                new = None
+        if new is None:
+            if "\ufffd" not in str(item.get("token", "")):
+                return
+        if item.get("bytes") != new:
+            item["bytes"] = new
+            changed += 1
+
+    for c in resp.get("choices") or ():
+        content = ((c.get("logprobs") or {}) if isinstance(c, dict) else {}).get("content")
+        if not isinstance(content, list):
+            continue
+        meta = c.get("meta_info") if isinstance(c.get("meta_info"), dict) else {}
+        otl = meta.get("output_token_logprobs")
+        ids = [e[1] for e in otl] if isinstance(otl, list) and len(otl) == len(content) else c.get("token_ids")
+        rows = meta.get("output_top_logprobs") if isinstance(meta.get("output_top_logprobs"), list) else []
+        for k, item in enumerate(content):
+            if not isinstance(item, dict):
+                continue
+            fix(item, ids[k] if isinstance(ids, list) and k < len(ids) else None)
+            row = rows[k] if k < len(rows) and isinstance(rows[k], list) else []
+            for alt in item.get("top_logprobs") or ():
+                tid = next((e[1] for e in row if e[0] == alt.get("logprob") and e[2] in (None, alt.get("token"))),
+                           None)
+                fix(alt, tid)
+    return changed
 
 
 def strip_response(resp: dict, keep_logprobs: bool, keep_ids: bool, keep_prompt_ids: bool,

@@ -1,8 +1,7 @@
 """Validation of ``POST /v1/chat/completions`` bodies and of the session metadata.
 
-Only what the proxy relies on, or what an engine would answer with an unclear error, is checked;
-unknown fields (SGLang / vLLM extensions such as ``top_k`` or ``chat_template_kwargs``) are
-forwarded untouched. Every failure raises :class:`pipeline.proxy.errors.ProxyError` (400) naming
+:data:`CHAT_FIELDS` lists every chat field the proxy knows, each with its type/range check;
+unknown fields are forwarded untouched. Every failure raises :class:`pipeline.proxy.errors.ProxyError` (400) naming
 the field, e.g. ``messages[2].role: unknown role 'robot'``.
 
 Session metadata comes from the headers ``X-Session-Id``, ``X-Turn-Type`` (``main``/``side``)
@@ -17,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.proxy.errors import ProxyError, bad_request
 
@@ -208,56 +207,133 @@ def _bool(body: dict, key: str) -> None:
         raise bad_request(f"'{key}' must be a boolean, got {type(v).__name__}", param=key)
 
 
-def check_request(body: Any) -> None:
-    """Validate a parsed chat-completion request in place (nothing is changed).
+def _ranged(lo: float, hi: float, integer: bool = False, lo_open: bool = False) -> Callable[[dict, str], None]:
+    return lambda body, key: _range(body, key, lo, hi, integer, lo_open)
 
-    Raises:
-        ProxyError: 400 with the offending field in ``param``.
-    """
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string", param="model")
-    _check_messages(body.get("messages"))
-    for key in ("stream", "logprobs", "parallel_tool_calls", "return_token_ids", "return_prompt_token_ids",
-                "return_meta_info", "ignore_eos"):
-        _bool(body, key)
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise bad_request("'stream_options' must be an object", param="stream_options")
-        if so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
-            raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
-    _range(body, "temperature", 0.0, 2.0)
-    _range(body, "top_p", 0.0, 1.0, lo_open=True)
-    _range(body, "presence_penalty", -2.0, 2.0)
-    _range(body, "frequency_penalty", -2.0, 2.0)
-    _range(body, "max_tokens", 1, 1 << 30, integer=True)
-    _range(body, "max_completion_tokens", 1, 1 << 30, integer=True)
-    _range(body, "top_logprobs", 0, 20, integer=True)
-    _range(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
-    n = body.get("n")
+
+def _string(body: dict, key: str) -> None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise bad_request(f"'{key}' must be a string, got {type(v).__name__}", param=key)
+
+
+def _strings(body: dict, key: str) -> None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str) and not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise bad_request(f"'{key}' must be a string or a list of strings", param=key)
+
+
+def _ints(body: dict, key: str) -> None:
+    v = body.get(key)
+    if v is not None and not (isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)):
+        raise bad_request(f"'{key}' must be a list of token ids (integers >= 0)", param=key)
+
+
+def _object(body: dict, key: str) -> None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise bad_request(f"'{key}' must be an object, got {type(v).__name__}", param=key)
+
+
+def _check_n(body: dict, key: str) -> None:
+    n = body.get(key)
     if n is not None:
         if not _is_int(n):
             raise bad_request(f"'n' must be an integer, got {type(n).__name__}", param="n")
         if n != 1:
             raise bad_request("'n' must be 1 through the proxy (each recorded turn is one sample)", param="n",
                               code="unsupported_value")
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise bad_request("'stop' must be a string or a list of strings", param="stop")
-    if body.get("tools") is not None:
-        _check_tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        _check_tool_choice(body["tool_choice"])
-    rf = body.get("response_format")
+
+
+def _check_stream_options(body: dict, key: str) -> None:
+    so = body.get(key)
+    if so is None:
+        return
+    if not isinstance(so, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    for k in ("include_usage", "continuous_usage_stats"):
+        if so.get(k) is not None and not isinstance(so[k], bool):
+            raise bad_request(f"'stream_options.{k}' must be a boolean", param=f"stream_options.{k}")
+
+
+def _check_logit_bias(body: dict, key: str) -> None:
+    lb = body.get(key)
+    if lb is None:
+        return
+    if not isinstance(lb, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() and _is_num(v)
+                                           for k, v in lb.items()):
+        raise bad_request("'logit_bias' must map token ids (as strings) to numbers", param="logit_bias")
+
+
+def _check_response_format(body: dict, key: str) -> None:
+    rf = body.get(key)
     if rf is not None and not (isinstance(rf, dict) and isinstance(rf.get("type"), str)):
         raise bad_request("'response_format' must be an object with a string 'type'", param="response_format")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request("'user' must be a string", param="user")
+
+
+def _optional(check: Callable[[Any], None]) -> Callable[[dict, str], None]:
+    return lambda body, key: None if body.get(key) is None else check(body[key])
+
+
+#: Every chat-completion field the proxy knows (OpenAI's and the SGLang extensions the engines
+#: share), each with its check. A known field is forwarded to the engine (the streamed path to an
+#: engine without chat token-id streaming serves each as the engine's chat path would, or refuses
+#: it naming it: :func:`pipeline.client.generate_path_refusal`). An unknown field is forwarded
+#: untouched. The session fields (:data:`SESSION_FIELDS`) are the proxy's own and never forwarded.
+CHAT_FIELDS: dict[str, Callable[[dict, str], None]] = {
+    "model": _string,
+    "messages": lambda body, key: _check_messages(body.get(key)),
+    "stream": _bool,
+    "stream_options": _check_stream_options,
+    "logprobs": _bool,
+    "top_logprobs": _ranged(0, 20, integer=True),
+    "temperature": _ranged(0.0, 2.0),
+    "top_p": _ranged(0.0, 1.0, lo_open=True),
+    "top_k": _ranged(-1, 1 << 30, integer=True),
+    "min_p": _ranged(0.0, 1.0),
+    "presence_penalty": _ranged(-2.0, 2.0),
+    "frequency_penalty": _ranged(-2.0, 2.0),
+    "repetition_penalty": _ranged(0.0, 2.0, lo_open=True),
+    "max_tokens": _ranged(1, 1 << 30, integer=True),
+    "max_completion_tokens": _ranged(1, 1 << 30, integer=True),
+    "min_tokens": _ranged(0, 1 << 30, integer=True),
+    "seed": _ranged(-(1 << 63), (1 << 64) - 1, integer=True),
+    "n": _check_n,
+    "stop": _strings,
+    "stop_token_ids": _ints,
+    "stop_regex": _strings,
+    "ignore_eos": _bool,
+    "no_stop_trim": _bool,
+    "skip_special_tokens": _bool,
+    "logit_bias": _check_logit_bias,
+    "tools": _optional(_check_tools),
+    "tool_choice": _optional(_check_tool_choice),
+    "parallel_tool_calls": _bool,
+    "response_format": _check_response_format,
+    "regex": _string,
+    "ebnf": _string,
+    "user": _string,
+    "continue_final_message": _bool,
+    "chat_template_kwargs": _object,
+    "input_ids": _ints,
+    "rid": _string,
+    "return_token_ids": _bool,
+    "return_prompt_token_ids": _bool,
+    "return_meta_info": _bool,
+}
+
+
+def check_request(body: Any) -> None:
+    """Validate a parsed chat-completion request in place (nothing is changed): every field of
+    :data:`CHAT_FIELDS` that is present.
+
+    Raises:
+        ProxyError: 400 with the offending field in ``param``.
+    """
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    for key, check in CHAT_FIELDS.items():
+        check(body, key)
 
 
 def content_type_ok(value: bytes | None) -> bool:
@@ -268,5 +344,5 @@ def content_type_ok(value: bytes | None) -> bool:
     return v in (b"application/json", b"") or v.endswith(b"+json")
 
 
-__all__ = ["SessionMeta", "session_meta", "check_request", "content_type_ok", "ProxyError", "SAMPLING_KEYS",
+__all__ = ["SessionMeta", "session_meta", "check_request", "content_type_ok", "ProxyError", "SAMPLING_KEYS", "CHAT_FIELDS",
            "SESSION_FIELDS", "ROLES"]

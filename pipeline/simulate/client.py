@@ -12,7 +12,6 @@ Retries only what cannot have reached the model: connection failures and 429/503
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import httpx
 import orjson
 
 from pipeline.errors import PipelineError
+from pipeline.retry import Transient, retrying
 
 RETRY_STATUS = (429, 503)
 VERSION_HEADERS = ("x-weight-version", "x-policy-version")
@@ -99,7 +99,8 @@ class ChatClient:
         model: the ``model`` field of every request.
         api_key: sent as ``Authorization: Bearer``; None sends nothing.
         timeout_s: per-request timeout in seconds.
-        retries: extra attempts on connection failure or HTTP 429/503 (exponential backoff).
+        retries: extra attempts on connection failure or HTTP 429/503 (exponential back-off from
+            0.5 s with jitter, :mod:`pipeline.retry`).
         max_connections: connection-pool bound (concurrency is bounded by the caller too).
     """
 
@@ -130,27 +131,32 @@ class ChatClient:
         if session_done:
             headers["X-Session-Done"] = "true"
         payload = orjson.dumps(body)
-        delay = 0.5
-        for attempt in range(self.retries + 1):
-            t0 = time.monotonic()
-            try:
-                r = await self._http.post(self.url, content=payload, headers=headers)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                if attempt == self.retries:
-                    raise ChatError(f"cannot reach {self.url}: {e}") from e
-            except httpx.HTTPError as e:  # read timeout, dropped connection: it may have been served
-                raise ChatError(f"request to {self.url} failed: {type(e).__name__}: {e}") from e
-            else:
-                if r.status_code == 200:
+        last: httpx.Response | None = None
+        try:
+            async for attempt in retrying(self.retries + 1, 0.5):
+                with attempt:
+                    t0 = time.monotonic()
                     try:
-                        data = orjson.loads(r.content)
-                    except orjson.JSONDecodeError as e:
-                        raise ChatError(f"{self.url} returned invalid JSON: {e}", 200) from e
-                    return parse_reply(data, r.headers, time.monotonic() - t0)
-                if r.status_code not in RETRY_STATUS or attempt == self.retries:
+                        r = await self._http.post(self.url, content=payload, headers=headers)
+                    except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
+                        last = None
+                        raise Transient(f"cannot reach {self.url}: {e}") from e
+                    except httpx.HTTPError as e:  # read timeout, dropped connection: it may have been served
+                        raise ChatError(f"request to {self.url} failed: {type(e).__name__}: {e}") from e
+                    if r.status_code == 200:
+                        try:
+                            data = orjson.loads(r.content)
+                        except orjson.JSONDecodeError as e:
+                            raise ChatError(f"{self.url} returned invalid JSON: {e}", 200) from e
+                        return parse_reply(data, r.headers, time.monotonic() - t0)
+                    if r.status_code in RETRY_STATUS:
+                        last = r
+                        raise Transient(f"{self.url} answered {r.status_code}")
                     raise ChatError(f"{self.url} answered {r.status_code}: {r.text[:300]}", r.status_code)
-            await asyncio.sleep(delay)
-            delay *= 2
+        except Transient as e:
+            if last is not None:
+                raise ChatError(f"{self.url} answered {last.status_code}: {last.text[:300]}", last.status_code) from None
+            raise ChatError(str(e)) from e.__cause__
         raise AssertionError("unreachable")
 
     async def aclose(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from pipeline.config import TrainerConfig
 from pipeline.trainer import batch as B
 from pipeline.trainer import loss as L
 from pipeline.trainer import model as M
+from pipeline.trainer import prom
 from pipeline.trainer.dist import Parallel
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,15 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
 
 @dataclass
 class StepResult:
-    """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times)."""
+    """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times).
+
+    ``sample_advantages``: input index -> mean advantage over that sample's response tokens
+    (first optimizer step), for each sample that was trained; samples left out are absent.
+    """
 
     metrics: dict[str, float]
     skipped: bool
+    sample_advantages: dict[int, float] = field(default_factory=dict)
 
 
 class PolicyTrainer:
@@ -247,6 +253,7 @@ class PolicyTrainer:
         pre_s = time.perf_counter() - t0
         sums: dict[str, float] = {}
         diff_sum = torch.zeros((), dtype=torch.float64)
+        adv_means = torch.zeros(num_samples, dtype=torch.float64)  # per kept sample, this rank's share
         fb_s = opt_s = 0.0
         grad_norm = 0.0
         entropy_mode = "grad" if cfg.entropy_coef else "metric"
@@ -275,6 +282,7 @@ class PolicyTrainer:
                     step_stats[k] = step_stats.get(k, 0.0) + v.float().cpu()
                 if step == 0:
                     diff_sum += ((logp.detach().float() - mb.rollout_log_probs.to(dev)).abs() * mask).sum().double().cpu()
+                    adv_means[mb.index] = ((adv.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).double().cpu()
             t2 = time.perf_counter()
             ok, grad_norm, _ = self._optimizer_step()
             t3 = time.perf_counter()
@@ -291,7 +299,14 @@ class PolicyTrainer:
         metrics["grad_norm"] = float(grad_norm or 0.0)
         metrics["forward_backward_s"] = fb_s + pre_s
         metrics["optimizer_s"] = opt_s
-        return StepResult(metrics, skipped=False)
+        if par.dp > 1:  # each sample was on exactly one DP rank: a sum gathers them
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            adv_means = adv_means.to(par.device)
+            dist.all_reduce(adv_means, group=ps.get_data_parallel_group())
+        per_sample = {keep[i]: float(a) for i, a in enumerate(adv_means.cpu().tolist())}
+        return StepResult(metrics, skipped=False, sample_advantages=per_sample)
 
     def _optimizer_step(self):
         from megatron.core.distributed import finalize_model_grads
@@ -299,6 +314,7 @@ class PolicyTrainer:
         finalize_model_grads([self.ddp])
         ok, grad_norm, zeros = self.optimizer.step()
         self.optimizer_steps += 1
+        prom.OPTIMIZER_STEPS.inc()
         return ok, grad_norm, zeros
 
     def _all_reduce_dp(self, stats: dict[str, Any]) -> dict[str, float]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 STEPS = Counter("pipeline_trainer_steps_total", "Trainer steps (batches) completed")
+OPTIMIZER_STEPS = Counter("pipeline_trainer_optimizer_steps_total",
+                          "Optimizer steps taken by this process (steps_per_batch per trainer step), as they happen")
 SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps without a trainable token (no optimizer step)")
 POLICY_VERSION = Gauge("pipeline_trainer_policy_version", "Policy version of the trainer's weights (syncs so far)")
 SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcome",

@@ -1,8 +1,9 @@
 """Fixed-size batches of ``samples`` records, with exact per-partition offsets.
 
-The trainer assigns itself every partition of ``samples`` (no group rebalancing: one trainer
-job reads everything) and seeks each to the offset stored in its checkpoint; without a
-checkpoint it starts at the consumer group's committed offset, else at the beginning. It still
+The trainer assigns itself every partition of ``samples`` (a :class:`pipeline.bus.TopicReader`:
+no group rebalancing, one trainer job reads everything) and seeks each to the offset stored in
+its checkpoint; without a checkpoint it starts at the consumer group's committed offset, else at
+the beginning. It still
 commits to its consumer group (``trainer.group_id``) after each checkpoint, so lag shows in the
 usual tools, but the checkpoint is the source of truth.
 
@@ -11,8 +12,10 @@ whose ``sample_id`` was not seen within the de-duplication window, that is not d
 stale, and that is trainable (``loss_mask = 1`` with a prompt and a response) — or, with
 ``trainer.count_masked_samples``, also a fully masked sample. Fully masked samples never reach
 the forward pass; they are consumed (their offsets move) and counted in the metrics. Records
-that fail to decode or are not samples go to ``samples.dlq``; duplicates and stale drops are
-skipped and counted. Offsets cover every record consumed into a batch, counted or not.
+that fail to decode or are not samples go to ``samples.dlq`` (delivered before the offset moves
+past them; while the DLQ cannot be written the source retries, and a stop then returns no
+batch); duplicates and stale drops are skipped and counted. Offsets cover every record consumed
+into a batch, counted or not.
 """
 
 from __future__ import annotations
@@ -25,11 +28,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from kafka import KafkaConsumer
-from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline import events
-from pipeline.bus import EventProducer, consumer_kwargs
+from pipeline.bus import DeadLetterError, Offset, TopicReader
 from pipeline.config import Config
 from pipeline.trainer import batch as B
 from pipeline.trainer import loss as L
@@ -85,52 +86,22 @@ class SampleSource:
             the group's committed offset, else at the beginning.
         seen: sample_ids of the de-duplication window from the checkpoint.
         validate: returns why a sample cannot be trained (it then goes to the DLQ), or None.
+
+    Raises:
+        pipeline.bus.TopicMissing: ``samples`` does not exist.
     """
 
     def __init__(self, config: Config, offsets: dict[int, int] | None = None, seen: list[str] | None = None,
-                 validate: Callable[[events.Sample], str | None] | None = None,
-                 consumer: KafkaConsumer | None = None) -> None:
+                 validate: Callable[[events.Sample], str | None] | None = None) -> None:
         self.config, self.cfg = config, config.trainer
         self.topic = config.topics.name("samples")
-        self.consumer = consumer or KafkaConsumer(**consumer_kwargs(config, self.cfg.group_id))
+        self.reader = TopicReader(config, self.topic, Offset(per_partition=dict(offsets or {}), otherwise="committed"),
+                                  name="trainer", group_id=self.cfg.group_id, dlq=True, wait_s=30.0)
         self.dedup = DedupWindow(self.cfg.dedup_window, seen)
         self.validate = validate
-        self._producer: EventProducer | None = None
         self._buffer: deque = deque()
-        parts = self._partitions()
-        tps = [TopicPartition(self.topic, p) for p in parts]
-        self.consumer.assign(tps)
-        self.positions: dict[int, int] = {}
-        offsets = offsets or {}
-        for tp in tps:
-            if tp.partition in offsets:
-                start = int(offsets[tp.partition])
-            else:
-                committed = self.consumer.committed(tp)
-                start = int(committed) if committed is not None else 0
-            self.consumer.seek(tp, start)
-            self.positions[tp.partition] = start
+        self.positions: dict[int, int] = self.reader.positions()
         log.info("trainer reads %s from %s", self.topic, self.positions)
-
-    def _partitions(self, timeout_s: float = 30.0) -> list[int]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            parts = self.consumer.partitions_for_topic(self.topic)
-            if parts:
-                return sorted(parts)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"topic {self.topic} has no partitions (does it exist?)")
-            self.consumer.topics()  # refresh metadata
-            time.sleep(0.2)
-
-    def _dead_letter(self, rec, error: str) -> None:
-        if self._producer is None:
-            self._producer = EventProducer(self.config, name="trainer")
-        dl = events.DeadLetter(source_topic=rec.topic, partition=rec.partition, offset=rec.offset, error=error,
-                               stage="trainer", key=rec.key, raw=rec.value or b"", created_at=events.now_ms())
-        key = rec.key.decode("utf-8", "replace") if rec.key else None
-        self._producer.send(self.config.topics.dlq("samples"), dl, key=key).get(timeout=30)
-        log.warning("samples[%d]@%d -> DLQ: %s", rec.partition, rec.offset, error)
 
     def next_batch(self, trainer_version: int, stop: threading.Event | None = None) -> Batch | None:
         """Block until ``rollout_batch_size`` samples count (see the module docstring).
@@ -153,27 +124,23 @@ class SampleSource:
                 if stop is not None and stop.is_set():
                     self._buffer.extendleft(reversed(taken))  # nothing consumed: keep for next time
                     return None
-                polled = self.consumer.poll(timeout_ms=int(cfg.poll_timeout_s * 1000))
-                for recs in polled.values():
-                    self._buffer.extend(recs)
+                self._buffer.extend(self.reader.poll_raw(timeout_ms=int(cfg.poll_timeout_s * 1000)))
                 continue
             rec = self._buffer.popleft()
             taken.append(rec)
+            try:
+                got = self.reader.decode(rec, stop=stop)  # not a valid sample: to samples.dlq
+                ev = got.event if got is not None else None
+                problem = self.validate(ev) if self.validate is not None and ev is not None else None
+                if problem:
+                    self.reader.dead_letter(rec, problem, stop=stop)
+            except DeadLetterError as e:  # stopped while the DLQ was unwritable: nothing consumed
+                log.warning("%s", e)
+                self._buffer.extendleft(reversed(taken))
+                return None
             positions[rec.partition] = rec.offset + 1
             stats["records"] += 1
-            try:
-                ev = events.decode(rec.value)
-            except events.EventError as e:
-                self._dead_letter(rec, f"{type(e).__name__}: {e}")
-                stats["dead_letters"] += 1
-                continue
-            if not isinstance(ev, events.Sample):
-                self._dead_letter(rec, f"unexpected event type {ev.TYPE!r} on samples")
-                stats["dead_letters"] += 1
-                continue
-            problem = self.validate(ev) if self.validate is not None else None
-            if problem:
-                self._dead_letter(rec, problem)
+            if ev is None or problem:
                 stats["dead_letters"] += 1
                 continue
             if ev.sample_id in self.dedup or ev.sample_id in seen_now:
@@ -205,15 +172,10 @@ class SampleSource:
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit ``offsets`` to the consumer group (lag visibility; failures are only logged)."""
         try:
-            self.consumer.commit({TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1)
-                                  for p, o in offsets.items()})
+            self.reader.commit(offsets)
         except Exception as e:  # noqa: BLE001 - the checkpoint, not the group, is authoritative
             log.warning("group commit of %s failed: %s", offsets, e)
 
     def close(self) -> None:
-        """Close the consumer and the DLQ producer."""
-        try:
-            self.consumer.close()
-        finally:
-            if self._producer is not None:
-                self._producer.close()
+        """Close the reader (its consumer and DLQ producer)."""
+        self.reader.close()

@@ -68,7 +68,7 @@ class TrainerStage:
         self.stop = stop or threading.Event()
         self.step = 0
         self.version = 0
-        self.source = self.publisher = None
+        self.source = self.publisher = self.steps_out = None
         self.log = MetricsLog(None)
 
     # ------------------------------------------------------------ setup
@@ -115,6 +115,9 @@ class TrainerStage:
 
             self.source = SampleSource(self.config, offsets, seen, validate=self._validate)
             self.publisher = WeightPublisher(self.config)
+            from pipeline.trainer.publish import StepPublisher
+
+            self.steps_out = StepPublisher(self.config, self.publisher.producer)
         self.version, need_sync = dist.broadcast_object((self.version, need_sync))
         prom.POLICY_VERSION.set(self.version)
         if need_sync:
@@ -206,6 +209,7 @@ class TrainerStage:
                           record.get("forward_backward_s", 0.0) + record.get("optimizer_s", 0.0), 1e-9))
         if self.par.is_main:
             self.log.append(record)
+            self.steps_out.publish(record, {samples[i].sample_id: a for i, a in result.sample_advantages.items()})
             prom.observe_step(record)
             progress.update(record)
             log.info("step %d v%d loss %.4f reward %.3f samples %d (%.1f s)", self.step, self.version,

@@ -12,7 +12,10 @@ Protocol for policy version ``V`` (epoch = ``V``):
    never left paused: ``resume`` is always sent, also when the wait is interrupted.
 
 Answers are read from the offset of the trainer's own ``weights`` record onward (known from the
-produce acknowledgement), so no end-offset lookup is needed (Tansu's is unreliable).
+produce acknowledgement), so no end-offset lookup is needed (Tansu's is unreliable). They are
+read with :class:`pipeline.bus.TopicReader`: a record that is not a valid ``control`` event goes
+to ``control.dlq`` and the wait goes on (if the dead letter cannot be written within
+``DLQ_GIVE_UP_S`` the record is logged as an error and passed over: the wait commits nothing).
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
-
 from pipeline import events
-from pipeline.bus import EventProducer, consumer_kwargs
+from pipeline.bus import EventProducer, Offset, TopicReader
 from pipeline.config import Config
 
 log = logging.getLogger(__name__)
+
+DLQ_GIVE_UP_S = 5.0  # the sync wait passes over a bad record whose dead letter cannot be written
 
 
 @dataclass
@@ -88,29 +90,22 @@ class WeightPublisher:
 
     def _await(self, version: int, partition: int, offset: int, engines: list[str], report: SyncReport,
                stop: threading.Event | None) -> None:
-        consumer = KafkaConsumer(**consumer_kwargs(self.config, None))
+        consumer = TopicReader(self.config, self.topic, Offset(offset), partitions=[partition], name="trainer",
+                               dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S, stop=stop)
         try:
-            tp = TopicPartition(self.topic, partition)
-            consumer.assign([tp])
-            consumer.seek(tp, offset)
             deadline = time.monotonic() + self.cfg.sync_timeout_s
             pending = set(engines)
             while pending and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
-                for recs in consumer.poll(timeout_ms=200).values():
-                    for rec in recs:
-                        try:
-                            ev = events.decode(rec.value)
-                        except events.EventError:
-                            continue
-                        if not isinstance(ev, events.Control) or ev.run_id != self.cfg.run_id \
-                                or ev.policy_version != version or ev.engine_id not in pending:
-                            continue
-                        if ev.action == "applied":
-                            report.applied.append(ev.engine_id)
-                            pending.discard(ev.engine_id)
-                        elif ev.action == "failed":
-                            report.failed[ev.engine_id] = ev.message or "failed"
-                            pending.discard(ev.engine_id)
+                for rec in consumer.poll(timeout_ms=200):
+                    ev = rec.event
+                    if ev.run_id != self.cfg.run_id or ev.policy_version != version or ev.engine_id not in pending:
+                        continue
+                    if ev.action == "applied":
+                        report.applied.append(ev.engine_id)
+                        pending.discard(ev.engine_id)
+                    elif ev.action == "failed":
+                        report.failed[ev.engine_id] = ev.message or "failed"
+                        pending.discard(ev.engine_id)
         finally:
             consumer.close()
 

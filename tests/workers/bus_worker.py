@@ -24,5 +24,7 @@ def handle(rec):
     os.fsync(out.fileno())
 
 
-app = ConsumerApp(config, group, [config.topics.name("turns")], name="bus-worker")
+# small polls: the commit (after each poll's records) moves every 20 records, so a kill lands
+# after some commits and before others
+app = ConsumerApp(config, group, [config.topics.name("turns")], name="bus-worker", max_poll_records=20)
 app.run(handle)

@@ -3,8 +3,8 @@
 Each vote is one ``POST {judge.url}/v1/chat/completions`` with our PRM prompt (or the OPD hint
 prompt) at ``judge.temperature``; the m votes run concurrently. A vote whose request fails
 (connection error, time-out after ``judge.vote_timeout_s``, HTTP 429 or 5xx) is retried
-``judge.retries`` times with exponential back-off from ``judge.retry_backoff_s``, then counts
-as failed. A 200 answer without a valid last ``\\boxed{}`` is a failed vote at once (a parse
+``judge.retries`` times with exponential back-off from ``judge.retry_backoff_s`` plus jitter
+(:mod:`pipeline.retry`), then counts as failed; another 4xx is not retried. A 200 answer without a valid last ``\\boxed{}`` is a failed vote at once (a parse
 failure, counted in ``pipeline_judge_parse_failures_total``). The score is the majority of the
 valid votes; a tie, or no valid vote, gives 0 (OpenClaw-RL's PRM rule).
 """
@@ -21,6 +21,7 @@ from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.parse import best_hint, majority_vote, parse_hint, parse_score
 from pipeline.judge.prompts import JudgeInput, hint_messages, prm_messages
 from pipeline.errors import PipelineError
+from pipeline.retry import Transient, retrying
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class HttpJudge:
         base_url: the endpoint's base URL.
         timeout_s: per-attempt time-out (whole request), seconds.
         retries: extra attempts after the first for retryable failures.
-        backoff_s: first back-off; doubles each retry.
+        backoff_s: first back-off; doubles each retry, plus up to ``backoff_s`` of jitter.
         api_key: optional bearer token.
         max_connections: connection pool size.
     """
@@ -77,25 +78,26 @@ class HttpJudge:
         """
         data = body if isinstance(body, bytes) else orjson.dumps(body)
         url = self.base_url + path
-        err: str = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
-            try:
-                async with self.session.post(url, data=data) as r:
-                    status, content = r.status, await r.read()
-            except self._errors as e:  # connect errors, time-outs, broken connections
-                err = f"{type(e).__name__}: {e}"
-                continue
-            if status == 200:
-                try:
-                    return orjson.loads(content)
-                except orjson.JSONDecodeError as e:
-                    raise CallFailed(f"{path}: answer is not JSON: {e}") from None
-            err = f"HTTP {status}: {content[:200].decode('utf-8', 'replace')}"
-            if status not in _RETRY_STATUS:
-                break
-        raise CallFailed(f"{path}: {err}")
+        try:
+            async for attempt in retrying(self.retries + 1, self.backoff_s):
+                with attempt:
+                    try:
+                        async with self.session.post(url, data=data) as r:
+                            status, content = r.status, await r.read()
+                    except self._errors as e:  # connect errors, time-outs, broken connections
+                        raise Transient(f"{type(e).__name__}: {e}") from None
+                    if status == 200:
+                        try:
+                            return orjson.loads(content)
+                        except orjson.JSONDecodeError as e:
+                            raise CallFailed(f"{path}: answer is not JSON: {e}") from None
+                    err = f"HTTP {status}: {content[:200].decode('utf-8', 'replace')}"
+                    if status in _RETRY_STATUS:
+                        raise Transient(err)
+                    raise CallFailed(f"{path}: {err}")
+        except Transient as e:
+            raise CallFailed(f"{path}: {e}") from None
+        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         await self.session.close()

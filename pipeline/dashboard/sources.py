@@ -1,0 +1,246 @@
+"""The dashboard's inputs: a topic reader thread and a scraper of the stages' Prometheus endpoints.
+
+:class:`TopicFollower` runs one :class:`pipeline.bus.TopicReader` (assign mode: no consumer
+group, nothing committed) over ``turns``, ``samples``, ``control``, ``metrics`` and every
+dead-letter topic, from the beginning or from now, feeding :class:`DashboardState`.
+
+:class:`Scraper` polls each stage's ``/metrics`` every ``dashboard.scrape_interval_s`` and keeps
+the ``pipeline_*`` samples (histogram buckets left out), a requests/s rate of the proxy, and the
+lag of every consumer group on our topics (committed offset vs the reader's high watermarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.bus import TopicReader
+from pipeline.config import Config
+from pipeline.dashboard.state import DashboardState
+
+log = logging.getLogger(__name__)
+
+LOGICAL_TOPICS = ("turns", "samples", "control", "metrics")
+
+
+def topic_names(config: Config) -> list[str]:
+    """Physical names of the topics the dashboard reads (the four above and their DLQs)."""
+    t = config.topics
+    return [t.name(n) for n in LOGICAL_TOPICS] + [t.dlq(n) for n in LOGICAL_TOPICS]
+
+
+class TopicFollower:
+    """A daemon thread folding every record of :func:`topic_names` into ``state``."""
+
+    def __init__(self, config: Config, state: DashboardState) -> None:
+        self.config = config
+        self.state = state
+        self.stop_event = threading.Event()
+        self.reader: TopicReader | None = None
+        self.caught_up = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="dashboard-reader", daemon=True)
+
+    def start(self) -> TopicFollower:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        start = "end" if self.config.dashboard.start == "now" else "beginning"
+        while not self.stop_event.is_set():
+            try:
+                self.reader = TopicReader(self.config, topic_names(self.config), start=start)
+                refreshed = time.monotonic()
+                while not self.stop_event.is_set():
+                    for rec in self.reader.poll(200):
+                        self.state.apply(rec)
+                    self.caught_up = self.caught_up or self.reader.caught_up()
+                    if time.monotonic() - refreshed > 5.0:
+                        refreshed = time.monotonic()
+                        self.reader.refresh()
+                    self.error = None
+                return
+            except Exception as e:  # broker gone: say so on the page, start over (nothing counted twice)
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("dashboard topic reader: %s (reading again from the start in 2 s)", self.error)
+                self.caught_up = False
+                self.state.reset()
+                self.stop_event.wait(2.0)
+            finally:
+                if self.reader is not None:
+                    try:
+                        self.reader.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    self.reader = None
+
+    def high_watermarks(self) -> dict[tuple[str, int], int]:
+        """Known high watermarks of the partitions read."""
+        r = self.reader
+        try:
+            return r.high_watermarks() if r is not None else {}
+        except Exception:  # noqa: BLE001 - the reader thread may be closing it
+            return {}
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._thread.join(timeout=5)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``name{label="v",...}`` -> value for every ``pipeline_*`` sample (no histogram buckets)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.startswith("pipeline_") or s.name.endswith(("_bucket", "_created")):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def total(values: dict[str, float], name: str) -> float | None:
+    """Sum of every sample of ``name`` (any labels); None when absent."""
+    hits = [v for k, v in values.items() if k == name or k.startswith(name + "{")]
+    return sum(hits) if hits else None
+
+
+def _group_id(listed: Any) -> str:
+    """The id of one ``KafkaAdminClient.list_groups()`` entry (a dict in kafka-python 3, a tuple before)."""
+    if isinstance(listed, dict):
+        return str(listed.get("group_id"))
+    return str(listed[0] if isinstance(listed, (tuple, list)) else listed)
+
+
+class Scraper:
+    """Background scraper (see the module docstring)."""
+
+    def __init__(self, config: Config, follower: TopicFollower | None = None) -> None:
+        self.config = config
+        self.urls = dict(config.dashboard.metrics_urls)
+        self.follower = follower
+        self.interval = config.dashboard.scrape_interval_s
+        self.lock = threading.Lock()
+        self.stages: dict[str, dict[str, Any]] = {}
+        self.lag: list[dict] = []
+        self._prev: dict[str, tuple[float, float]] = {}
+        self._admin = None
+        self.stop_event = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dashboard-scraper", daemon=True)
+
+    def start(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self.stop_event.is_set():
+                self.scrape_once(client)
+                self.stop_event.wait(self.interval)
+        if self._admin is not None:
+            self._admin.close()
+
+    def scrape_once(self, client: httpx.Client) -> None:
+        """One round: every stage's metrics, then consumer-group lag."""
+        stages: dict[str, dict[str, Any]] = {}
+        now = time.monotonic()
+        for name, url in self.urls.items():
+            try:
+                r = client.get(url)
+                r.raise_for_status()
+                values = parse_metrics(r.text)
+                stages[name] = {"url": url, "up": True, "values": values}
+            except (httpx.HTTPError, ValueError) as e:
+                stages[name] = {"url": url, "up": False, "error": f"{type(e).__name__}: {e}"[:200], "values": {}}
+        proxy = stages.get("proxy", {}).get("values", {})
+        req = total(proxy, "pipeline_proxy_requests_total")
+        if req is not None:
+            prev = self._prev.get("requests")
+            if prev is not None and now > prev[0]:
+                stages["proxy"]["requests_per_s"] = max(0.0, (req - prev[1]) / (now - prev[0]))
+            self._prev["requests"] = (now, req)
+        lag = self._group_lag()
+        with self.lock:
+            self.stages, self.lag = stages, lag
+
+    def _group_lag(self) -> list[dict]:
+        if self.follower is None:
+            return []
+        hws = self.follower.high_watermarks()
+        if not hws:
+            return []
+        try:
+            if self._admin is None:
+                from kafka import KafkaAdminClient
+
+                from pipeline.bus import admin_kwargs
+
+                self._admin = KafkaAdminClient(**admin_kwargs(self.config))
+            groups = [_group_id(g) for g in self._admin.list_groups()]
+            out = []
+            topics = {t for t, _ in hws}
+            for g in sorted(set(groups)):
+                offsets = self._admin.list_group_offsets({g: None}).get(g, {})
+                per_topic: dict[str, int] = {}
+                for tp, om in offsets.items():
+                    if tp.topic in topics and (tp.topic, tp.partition) in hws and om.offset >= 0:
+                        per_topic[tp.topic] = per_topic.get(tp.topic, 0) + max(0, hws[(tp.topic, tp.partition)] - om.offset)
+                for topic, n in sorted(per_topic.items()):
+                    out.append({"group": g, "topic": topic, "lag": n})
+            return out
+        except Exception as e:  # noqa: BLE001 - a broker without these admin calls: stages' gauges remain
+            log.debug("consumer-group lag unavailable: %s", e)
+            return []
+
+    def snapshot(self) -> dict:
+        """``{"stages": {name: {url, up, error}}, "live": {...}, "lag": [...]}`` as of the last round.
+
+        ``live`` holds the numbers the overview shows from Prometheus (None when a stage does
+        not serve them); ``lag`` the consumer groups' lag per topic from the broker, or, when
+        the broker cannot tell, the stages' own ``pipeline_consumer_lag_records`` gauges.
+        """
+        with self.lock:
+            stages, lag = self.stages, list(self.lag)
+        v = {name: st.get("values", {}) for name, st in stages.items()}
+        p, j, t, e = v.get("proxy", {}), v.get("judge", {}), v.get("trainer", {}), v.get("engine", {})
+
+        def by_label(values: dict, name: str, label: str) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for k, val in values.items():
+                if k.startswith(name + "{") and f'{label}="' in k:
+                    lv = k.split(f'{label}="', 1)[1].split('"', 1)[0]
+                    out[lv] = out.get(lv, 0.0) + val
+            return out
+
+        live = {
+            "requests_per_s": stages.get("proxy", {}).get("requests_per_s"),
+            "requests_total": total(p, "pipeline_proxy_requests_total"),
+            "proxy_policy_version": total(p, "pipeline_proxy_policy_version"),
+            "sync_paused": total(p, "pipeline_proxy_sync_paused"),
+            "sync_hold_count": total(p, "pipeline_proxy_sync_hold_seconds_count"),
+            "sync_hold_sum_s": total(p, "pipeline_proxy_sync_hold_seconds_sum"),
+            "events_buffered": total(p, "pipeline_proxy_events_buffered"),
+            "events_dropped": total(p, "pipeline_proxy_events_dropped_total"),
+            "judge_sessions_waiting": total(j, "pipeline_judge_sessions_waiting"),
+            "judge_jobs_in_flight": total(j, "pipeline_judge_jobs_in_flight"),
+            "judge_votes": by_label(j, "pipeline_judge_votes_total", "value"),
+            "judge_dropped": by_label(j, "pipeline_judge_dropped_total", "reason"),
+            "trainer_policy_version": total(t, "pipeline_trainer_policy_version"),
+            "trainer_steps": total(t, "pipeline_trainer_steps_total"),
+            "engine_weight_version": total(e, "pipeline_engine_weight_version"),
+        }
+        if not lag:  # the stages' own view (committed position vs high watermark)
+            for name, values in v.items():
+                for topic, n in by_label(values, "pipeline_consumer_lag_records", "topic").items():
+                    lag.append({"group": name, "topic": topic, "lag": n, "source": "prometheus"})
+        return {"stages": {n: {k: st.get(k) for k in ("url", "up", "error")} for n, st in stages.items()},
+                "live": live, "lag": lag}
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,379 @@
+// openclaw-pipeline dashboard: overview (live over server-sent events) and conversation browser.
+// Every value from the server is put into the page with textContent, never parsed as HTML.
+"use strict";
+
+const S = { key: sessionStorage.getItem("pipelineDashboardKey") || "", cfg: null, overview: null,
+  charts: {}, built: false, lastRefresh: 0, refreshTimer: null };
+
+// ---------------------------------------------------------------- helpers
+function h(tag, attrs, ...kids) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k === "dataset") Object.assign(el.dataset, v);
+    else if (k === "onclick" || k === "oninput" || k === "onsubmit") el[k] = v;
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const kid of kids.flat(Infinity)) {
+    if (kid === null || kid === undefined || kid === false) continue;
+    el.appendChild(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+  }
+  return el;
+}
+const $ = (id) => document.getElementById(id);
+function setText(id, v) { const el = $(id); if (el) el.textContent = v; }
+function num(x, d = 2) {
+  if (x === null || x === undefined || Number.isNaN(x)) return "–";
+  if (Number.isInteger(x)) return String(x);
+  if (x !== 0 && Math.abs(x) < 10 ** -d) return x.toExponential(1);  // e.g. a log-prob mismatch of 2e-6 nats
+  return Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(d);
+}
+function pct(a, b) { return b ? `${(100 * a / b).toFixed(0)}%` : "–"; }
+function when(ms) { return ms ? new Date(ms).toLocaleTimeString() : "–"; }
+function sleep(ms) { return new Promise((r) => setTimeout(r, ms)); }
+function headers() { return S.key ? { Authorization: `Bearer ${S.key}` } : {}; }
+function status(text) { setText("status", text); }
+
+async function api(path) {
+  const r = await fetch(path, { headers: headers() });
+  if (r.status === 401) { showAuth("the key was refused"); throw new Error("unauthorized"); }
+  if (!r.ok) { const b = await r.json().catch(() => ({})); throw new Error((b.error && b.error.message) || r.statusText); }
+  return r.json();
+}
+
+function showAuth(message) {
+  $("auth").hidden = false;
+  setText("auth-error", message || "");
+}
+
+// ---------------------------------------------------------------- charts (uPlot)
+function chart(id, title, labels, opts) {
+  opts = opts || {};
+  const box = h("div", { class: "chart", id: `chart-${id}` }, h("h3", {}, title), h("div", { class: "plot" }));
+  S.charts[id] = { box, labels, opts, plot: null };
+  return box;
+}
+const COLORS = ["#2f5fd0", "#c62828", "#1a7f37", "#8a6d00", "#7b3fb6"];
+function tick(v) {  // axis labels that stay readable for tiny values (KL, mismatch in nats)
+  if (v === null || v === undefined) return "";
+  const a = Math.abs(v);
+  if (a === 0) return "0";
+  if (a >= 1000) return v.toFixed(0);
+  if (a >= 1) return String(+v.toFixed(2));
+  if (a >= 0.01) return String(+v.toFixed(3));
+  return v.toExponential(0);
+}
+function updateChart(id, data) {
+  const c = S.charts[id];
+  if (!c) return;
+  const target = c.box.querySelector(".plot");
+  const width = Math.max(260, (c.box.clientWidth || 300) - 4);
+  if (!data[0].length) {
+    if (!c.plot) target.textContent = "no data yet";
+    return;
+  }
+  if (!c.plot) {
+    target.textContent = "";
+    const pad = c.opts.time ? 60 : 1;  // a single point still gets an x range
+    c.plot = new uPlot({
+      width, height: c.opts.height || 140, legend: { show: c.labels.length > 1, live: false },
+      scales: { x: { time: !!c.opts.time, range: (u) => {
+        const xs = u.data[0].filter((x) => x !== null), lo = Math.min(...xs), hi = Math.max(...xs);
+        return lo === hi ? [lo - pad, hi + pad] : [lo, hi];
+      } } },
+      axes: [c.opts.time ? { size: 30 } : { size: 30, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
+        { size: 52, values: (u, splits) => splits.map(tick) }],
+      series: [{ label: c.opts.time ? "time" : (c.opts.x || "step") },
+        ...c.labels.map((l, i) => ({ label: l, stroke: COLORS[i % COLORS.length], width: 1.5,
+          points: { show: data[0].length < 60 }, spanGaps: true }))],
+    }, data, target);
+  } else {
+    if (Math.abs(c.plot.width - width) > 8) c.plot.setSize({ width, height: c.opts.height || 140 });
+    c.plot.setData(data);
+  }
+}
+
+// ---------------------------------------------------------------- overview
+function card(title, what, body, wide) {
+  return h("section", { class: `card${wide ? " wide" : ""}` }, h("h2", {}, title), h("p", { class: "what" }, what), body);
+}
+function tile(id, label) { return h("div", { class: "tile" }, h("div", { class: "v", id }, "–"), h("div", { class: "l" }, label)); }
+
+function buildOverview() {
+  const view = $("view");
+  view.textContent = "";
+  S.charts = {};
+  const grid = h("div", { class: "grid" },
+    card("Traffic", "Turns the proxy recorded on the turns topic, sessions, and main turns still waiting for their next state (the user's reply or tool result the judge needs).",
+      [h("div", { class: "tiles" }, tile("n-rps", "requests/s (proxy, live)"), tile("n-sessions", "sessions"),
+        tile("n-sessions-open", "open"), tile("n-main-turns", "main turns"), tile("n-side-turns", "side turns"),
+        tile("n-next-states", "next states"), tile("n-session-ends", "session ends"),
+        tile("n-waiting", "waiting for next state"), tile("n-judge-waiting", "judge: sessions waiting")),
+       chart("traffic", "turns and samples per second", ["turns/s", "samples/s"], { time: true })], true),
+    card("Judge votes", "PRM votes on the samples (+1 good, 0 unsure, −1 bad, failed = no valid answer); the majority is the Binary-RL reward. Hint acceptance: OPD hint votes that produced a usable hint.",
+      [h("div", { id: "votes" }), h("div", { class: "tiles" }, tile("n-hint-votes", "hint votes accepted"),
+        tile("n-hint-samples", "distillation samples with a hint"), tile("n-judge-dropped", "turns dropped by the judge"))]),
+    card("Samples", "Scored training samples on the samples topic, by kind; masked samples (loss mask 0) are kept for accounting but not trained.",
+      h("div", { class: "tiles" }, tile("n-samples", "samples"), tile("n-kind-rl", "rl"), tile("n-kind-opd", "opd"),
+        tile("n-kind-opdrl", "opd+rl"), tile("n-masked-share", "masked share"), tile("n-trained", "trained"),
+        tile("n-reward-mean", "reward mean (unmasked)"), tile("n-duplicates", "duplicate deliveries"))),
+    card("Trainer health", "Per trainer step, from the metrics topic: loss; KL to the reference (kl) and between old and new policy (ppo_kl); entropy; PPO clip fraction; mean |train − rollout| log-prob of the sampled tokens (nats: mismatch between trainer and inference engine); step and sync time.",
+      [h("div", { class: "tiles" }, tile("n-steps", "steps"), tile("n-version", "policy version"),
+        tile("n-last-loss", "last loss"), tile("n-last-mismatch", "last mismatch (nats)")),
+       h("div", { class: "charts" }, chart("loss", "loss", ["loss"]), chart("kl", "KL", ["kl", "ppo_kl"]),
+         chart("entropy", "entropy (nats/token)", ["entropy"]), chart("clip", "clip fraction", ["pg_clipfrac"]),
+         chart("mismatch", "train − rollout |Δ log-prob| (nats)", ["logprob_abs_diff"]),
+         chart("reward", "batch reward mean", ["reward_mean"]), chart("steptime", "seconds per step", ["step_s", "sync_s"]))], true),
+    card("Policy versions and weight syncs", "Each sync on the control topic: pause → weights → applied by every engine → resume. Paused = resume − pause; the proxy holds requests meanwhile (hold count and mean from its metrics).",
+      [chart("versions", "policy version over time", ["version"], { time: true, height: 110 }),
+        h("div", { class: "tiles" }, tile("n-hold-count", "requests held"), tile("n-hold-mean", "mean hold (s)"),
+          tile("n-engine-version", "engine serves")),
+        h("div", { id: "syncs" })]),
+    card("Consumer lag", "Records each consumer group has not committed yet, per topic (the broker's committed offsets against the high watermark).", h("div", { id: "lag" })),
+    card("Dead letters", "Records a stage could not decode or process, per dead-letter topic, with the latest errors.", h("div", { id: "dlq" })),
+    card("Held-out evaluation", "Success on fixed held-out prompts per policy version (written by pipeline demo), with n.",
+      [h("div", { id: "evals" }), chart("evals", "held-out success by policy version", ["success", "accuracy"], { x: "version", height: 120 })]),
+    card("Stages and topics", "Prometheus endpoints scraped, and records read from each topic by this dashboard (assign mode: no consumer group, nothing committed).", h("div", { id: "stages" })),
+  );
+  view.appendChild(grid);
+  S.built = true;
+}
+
+function table(headersRow, rows) {
+  return h("table", {}, h("tr", {}, headersRow.map((x) => h("th", {}, x))), rows.map((r) => h("tr", {}, r.map((x) => h("td", {}, x)))));
+}
+function replace(id, node) { const el = $(id); if (el) { el.textContent = ""; el.appendChild(node); } }
+
+function renderOverview(o) {
+  if (!S.built || !$("n-sessions")) buildOverview();
+  const t = o.traffic, live = o.live || {}, j = o.judge, s = o.samples;
+  setText("n-rps", num(live.requests_per_s, 2));
+  setText("n-sessions", num(t.sessions)); setText("n-sessions-open", num(t.sessions_open));
+  setText("n-main-turns", num(t.main_turns)); setText("n-side-turns", num(t.side_turns));
+  setText("n-next-states", num(t.next_states)); setText("n-session-ends", num(t.session_ends));
+  setText("n-waiting", num(t.waiting)); setText("n-judge-waiting", num(live.judge_sessions_waiting));
+  const bs = t.bucket_s || 10;
+  const tl = new Map(t.turns_timeline.map(([k, v]) => [k, v])), sl = new Map(t.samples_timeline.map(([k, v]) => [k, v]));
+  const xs = [...new Set([...tl.keys(), ...sl.keys()])].sort((a, b) => a - b);
+  updateChart("traffic", [xs, xs.map((x) => (tl.get(x) || 0) / bs), xs.map((x) => (sl.get(x) || 0) / bs)]);
+
+  const votes = j.prm_votes, vmax = Math.max(1, ...Object.values(votes));
+  replace("votes", h("div", {}, [["1", "+1"], ["0", "0"], ["-1", "−1"], ["failed", "failed"]].map(([k, label]) =>
+    h("div", { class: "bar" }, h("span", { class: "name" }, label),
+      h("span", { class: "fill", style: `width:${Math.round(180 * votes[k] / vmax)}px;background:${k === "1" ? "#1a7f37" : k === "-1" ? "#c62828" : k === "0" ? "#8a6d00" : "#6b7385"}` }),
+      h("span", { id: `votes-${k === "-1" ? "m1" : k}` }, num(votes[k]))))));
+  const hv = j.hint_votes, hvTotal = hv.accepted + hv.rejected + hv.failed;
+  setText("n-hint-votes", hvTotal ? `${hv.accepted}/${hvTotal} (${pct(hv.accepted, hvTotal)})` : "–");
+  setText("n-hint-samples", j.hint_samples ? `${j.hint_samples_with_hint}/${j.hint_samples}` : "–");
+  const dropped = live.judge_dropped || {};
+  setText("n-judge-dropped", Object.keys(dropped).length ? Object.entries(dropped).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
+
+  setText("n-samples", num(s.total)); setText("n-kind-rl", num(s.by_kind.rl || 0));
+  setText("n-kind-opd", num(s.by_kind.opd || 0)); setText("n-kind-opdrl", num(s.by_kind["opd+rl"] || 0));
+  setText("n-masked-share", s.masked_share === null ? "–" : `${(100 * s.masked_share).toFixed(0)}% (${s.masked})`);
+  setText("n-trained", num(s.trained)); setText("n-reward-mean", num(s.reward_mean, 3));
+  setText("n-duplicates", num(s.duplicates));
+
+  const steps = o.trainer.steps, sx = steps.map((r) => r.step), col = (k) => steps.map((r) => (r[k] === undefined ? null : r[k]));
+  setText("n-steps", num(steps.length));
+  const last = steps[steps.length - 1];
+  setText("n-version", num(last ? last.policy_version : live.trainer_policy_version));
+  setText("n-last-loss", num(last && last.loss, 4)); setText("n-last-mismatch", num(last && last.logprob_abs_diff, 4));
+  updateChart("loss", [sx, col("loss")]); updateChart("kl", [sx, col("kl"), col("ppo_kl")]);
+  updateChart("entropy", [sx, col("entropy")]); updateChart("clip", [sx, col("pg_clipfrac")]);
+  updateChart("mismatch", [sx, col("logprob_abs_diff")]); updateChart("reward", [sx, col("reward_mean")]);
+  updateChart("steptime", [sx, col("step_s"), col("sync_s")]);
+
+  const syncs = o.syncs.filter((x) => x.resume_ms || x.pause_ms);
+  const vx = [], vy = [];
+  for (const x of syncs) if (x.resume_ms) { vx.push(x.resume_ms / 1000); vy.push(x.policy_version); }
+  updateChart("versions", [vx, vy]);
+  setText("n-hold-count", num(live.sync_hold_count));
+  setText("n-hold-mean", live.sync_hold_count ? num(live.sync_hold_sum_s / live.sync_hold_count, 3) : "–");
+  setText("n-engine-version", num(live.engine_weight_version));
+  replace("syncs", syncs.length ? table(["version", "paused at", "paused (s)", "applied by", "failed"],
+    syncs.slice(-12).reverse().map((x) => [num(x.policy_version), when(x.pause_ms), num(x.pause_s, 2),
+      Object.keys(x.applied).join(", ") || "–", Object.entries(x.failed).map(([k, v]) => `${k}: ${v}`).join("; ") || "–"]))
+    : h("p", { class: "muted" }, "no weight sync yet"));
+
+  replace("lag", o.lag && o.lag.length ? table(["group", "topic", "lag"], o.lag.map((x) => [x.group, x.topic, num(x.lag)]))
+    : h("p", { class: "muted" }, "no consumer group has committed offsets on these topics yet"));
+
+  const dq = o.dlq;
+  replace("dlq", h("div", {}, table(["topic", "dead letters"], Object.entries(dq.counts).map(([k, v]) => [k, h("span", { id: `dlq-${k}` }, num(v))])),
+    dq.latest.length ? table(["at", "stage", "source", "error"], dq.latest.slice(0, 8).map((e) =>
+      [when(e.created_at), e.stage || "–", `${e.source_topic || "?"}[${e.partition}]@${e.offset}`, e.error]))
+      : h("p", { class: "muted" }, "no dead letters")));
+
+  const ev = o.evaluations;
+  replace("evals", ev.length ? table(["version", "n", "success", "accuracy", "words/reply"], ev.map((e) =>
+    [num(e.policy_version), num(e.n), num(e.success_rate, 2), num(e.accuracy, 2), num(e.words_per_reply, 1)]))
+    : h("p", { class: "muted" }, "no held-out evaluation on the metrics topic (pipeline demo writes them)"));
+  updateChart("evals", [ev.map((e) => e.policy_version), ev.map((e) => e.success_rate ?? null), ev.map((e) => e.accuracy ?? null)]);
+
+  const stages = Object.entries(o.stages || {});
+  replace("stages", h("div", {},
+    stages.length ? table(["stage", "metrics", "endpoint"], stages.map(([k, v]) =>
+      [k, h("span", { class: `pill ${v.up ? "ok" : "no"}` }, v.up ? "up" : "down"), v.url])) : h("p", { class: "muted" }, "no Prometheus endpoint configured (--metrics STAGE=URL)"),
+    table(["topic", "records read", "undecodable"], Object.entries(o.topics.records).sort().map(([k, v]) =>
+      [k, h("span", { id: `records-${k}` }, num(v)), num(o.topics.undecodable[k] || 0)]))));
+}
+
+// ---------------------------------------------------------------- sessions
+async function renderSessions(query) {
+  S.charts = {}; S.built = false;
+  const view = $("view");
+  let input = $("session-search");
+  if (!input) {
+    view.textContent = "";
+    input = h("input", { type: "search", id: "session-search", placeholder: "search by session id", value: query || "" });
+    input.oninput = () => { history.replaceState(null, "", `#/sessions?q=${encodeURIComponent(input.value)}`); refreshSessions(); };
+    view.appendChild(card("Sessions", "Most recently active first; open one to see each turn, what the judge said about it and what the trainer did with it.",
+      [input, h("div", { id: "session-list" })], true));
+  }
+  await refreshSessions();
+}
+async function refreshSessions() {
+  const input = $("session-search");
+  if (!input) return;
+  const data = await api(`/api/sessions?limit=200&q=${encodeURIComponent(input.value)}`);
+  replace("session-list", data.sessions.length ? table(["session", "main turns", "side turns", "samples", "trained", "rewards", "last activity", "state"],
+    data.sessions.map((x) => [h("a", { href: `#/session/${encodeURIComponent(x.session_id)}`, class: "session-link" }, x.session_id),
+      num(x.turns), num(x.side_turns), num(x.samples), num(x.trained), x.rewards.map((r) => num(r, 0)).join(" ") || "–",
+      when(x.last_ms), x.ended ? "ended" : "open"]))
+    : h("p", { class: "muted" }, `no session${input.value ? " matches" : " yet"} (${data.total} read)`));
+}
+
+function voteBadges(votes) {
+  return votes.map((v) => h("span", { class: "vote", dataset: { vote: v === null ? "failed" : String(v) } },
+    v === null ? "✗" : v > 0 ? "+1" : String(v)));
+}
+function messages(list, showText) {
+  if (!list || !list.length) return h("span", { class: "muted" }, "none");
+  const asText = (x) => (typeof x === "string" ? x
+    : Array.isArray(x) && x.every((p) => p && typeof p.text === "string") ? x.map((p) => p.text).join("\n")
+      : JSON.stringify(x, null, 1));
+  return h("div", {}, list.map((m) => showText && m.content !== undefined
+    ? h("div", {}, h("span", { class: "pill" }, m.role), " ", h("div", { class: "text" }, asText(m.content ?? "")),
+      m.tool_calls_full ? h("div", { class: "text" }, asText(m.tool_calls_full)) : null)
+    : h("div", {}, h("span", { class: "pill" }, m.role), ` ${m.chars} chars`, m.tool_calls ? ` · tool calls: ${m.tool_calls.join(", ")}` : "")));
+}
+function kv(pairs) { return h("div", { class: "kv" }, pairs.map(([k, v]) => [h("div", { class: "k" }, k), h("div", {}, v)])); }
+
+async function renderSession(id) {
+  S.charts = {}; S.built = false;
+  const data = await api(`/api/sessions/${encodeURIComponent(id)}`).catch((e) => ({ error: e.message }));
+  const view = $("view");
+  view.textContent = "";
+  if (data.error) { view.appendChild(card(`Session ${id}`, data.error, h("a", { href: "#/sessions" }, "back to sessions"), true)); return; }
+  const showText = data.show_text;
+  const head = card(`Session ${data.session_id}`, `first ${when(data.first_ms)} · last ${when(data.last_ms)} · ${data.end ? `ended (${data.end.reason})` : "open"} · conversation text ${showText ? "shown" : "hidden (start the dashboard with --show-text to see it)"}`,
+    h("a", { href: "#/sessions" }, "← all sessions"), true);
+  view.appendChild(head);
+  for (const t of data.turns) {
+    const resp = t.response;
+    const rows = [
+      ["request", [h("div", {}, `${t.messages.length} messages · ${t.prompt_tokens} prompt tokens · ${t.tools} tools`), messages(t.messages, showText)]],
+      ["response", showText && resp.content !== undefined
+        ? h("div", {}, resp.reasoning_content ? h("div", { class: "text muted" }, resp.reasoning_content) : null,
+          h("div", { class: "text" }, resp.content || ""),
+          resp.tool_calls_full ? h("div", { class: "text" }, JSON.stringify(resp.tool_calls_full, null, 1)) : null)
+        : `${resp.chars} chars · ${t.response_tokens} tokens${resp.tool_calls.length ? ` · tool calls: ${resp.tool_calls.join(", ")}` : ""}`],
+      ["finish reason", t.finish_reason || "–"],
+      ["policy version", num(t.policy_version)],
+    ];
+    if (t.turn_type === "main") {
+      rows.push(["next state", t.next_states.length ? t.next_states.map((n) => messages(n.messages, showText)) : h("span", { class: "muted" }, data.end ? "none (session ended)" : "waiting")]);
+      for (const s of t.samples) {
+        rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "", trainedStep: s.trained_step ?? "" } },
+          kv([["PRM votes", s.prm_votes.length ? voteBadges(s.prm_votes) : h("span", { class: "muted" }, "none")],
+            ["majority", s.majority === null ? "–" : num(s.majority)],
+            ["hint", s.has_hint ? (showText && s.hint !== undefined ? h("div", { class: "text" }, s.hint) : `${s.hint_chars} chars`) : "none"],
+            ["hint votes", s.hint_votes.length ? voteBadges(s.hint_votes) : "–"],
+            ["reward", num(s.reward, 2)], ["loss mask", num(s.loss_mask)],
+            ["mean advantage", s.mean_advantage === null ? "–" : num(s.mean_advantage, 4)],
+            ["trained", s.trained ? h("span", { class: "pill ok" }, `step ${s.trained_step} → policy version ${s.trained_into_version}`)
+              : h("span", { class: "pill no" }, s.loss_mask ? "not yet" : "no (masked)")],
+            ["sample id", s.sample_id]]))]);
+      }
+      if (!t.samples.length) rows.push(["sample", h("span", { class: "muted" }, "none yet")]);
+    }
+    view.appendChild(h("section", { class: "card turn", dataset: { turnIndex: t.turn_index ?? "" } },
+      h("div", { class: "head" }, h("b", {}, t.turn_type === "main" ? `Turn ${t.turn_index}` : "Side turn"),
+        h("span", { class: "muted" }, `${when(t.created_at)} · request ${t.request_id || "–"} · ${t.model || ""}`)),
+      kv(rows)));
+  }
+}
+
+// ---------------------------------------------------------------- routing and live updates
+function route() {
+  const hash = location.hash || "#/";
+  $("nav-overview").classList.toggle("active", hash === "#/" || hash === "");
+  $("nav-sessions").classList.toggle("active", hash.startsWith("#/session"));
+  if (hash.startsWith("#/session/")) return renderSession(decodeURIComponent(hash.slice("#/session/".length)));
+  if (hash.startsWith("#/sessions")) {
+    const q = new URLSearchParams(hash.split("?")[1] || "").get("q") || "";
+    return renderSessions(q);
+  }
+  S.built = false;
+  buildOverview();
+  if (S.overview) renderOverview(S.overview);
+}
+
+function onOverview(o) {
+  S.overview = o;
+  const hash = location.hash || "#/";
+  const r = o.reader || {};
+  status(`live · ${r.error ? `reader: ${r.error}` : r.caught_up ? "topics caught up" : "reading topics…"} · text ${o.show_text ? "shown" : "hidden"} · ${new Date().toLocaleTimeString()}`);
+  if (hash === "#/" || hash === "") renderOverview(o);
+  else if (Date.now() - S.lastRefresh > 2000) {  // browser pages refresh on change, at most every 2 s
+    S.lastRefresh = Date.now();
+    if (hash.startsWith("#/session/")) renderSession(decodeURIComponent(hash.slice("#/session/".length)));
+    else refreshSessions().catch(() => {});
+  }
+}
+
+async function stream() {
+  for (;;) {
+    try {
+      const r = await fetch("/api/stream", { headers: headers() });
+      if (r.status === 401) { showAuth("the key was refused"); return; }
+      const reader = r.body.getReader(), dec = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += dec.decode(value, { stream: true });
+        let i;
+        while ((i = buf.indexOf("\n\n")) >= 0) {
+          const chunk = buf.slice(0, i); buf = buf.slice(i + 2);
+          let ev = "message", data = "";
+          for (const line of chunk.split("\n")) {
+            if (line.startsWith("event:")) ev = line.slice(6).trim();
+            else if (line.startsWith("data:")) data += line.slice(5).trim();
+          }
+          if (ev === "overview" && data) onOverview(JSON.parse(data));
+        }
+      }
+    } catch (e) { /* reconnect below */ }
+    status("reconnecting…");
+    await sleep(2000);
+  }
+}
+
+async function main() {
+  S.cfg = await (await fetch("/api/config")).json();
+  $("auth-form").onsubmit = (e) => {
+    e.preventDefault();
+    S.key = $("auth-key").value.trim();
+    sessionStorage.setItem("pipelineDashboardKey", S.key);
+    $("auth").hidden = true;
+    route(); stream();
+  };
+  window.addEventListener("hashchange", route);
+  if (S.cfg.auth && !S.key) { showAuth(""); return; }
+  route();
+  stream();
+}
+main();
