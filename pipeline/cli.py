@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("pipeline.trainer.cli", "Megatron-core policy updates from sample batches"),
     "syncer": ("pipeline.syncer", "apply published weights to one engine replica"),
     "up": ("pipeline.orchestrate.up", "start broker, engine, proxy, judge, trainer and syncer"),
+    "front": ("pipeline.orchestrate.front", "round-robin HTTP load balancer in front of replicas"),
     "simulate": ("pipeline.simulate.cli", "simulated users (GSM8K, MT-Bench) talking to the proxy"),
     "demo": ("pipeline.orchestrate.demo", "the main job: up + simulate until K steps, then report"),
     "archive": ("pipeline.history.archive", "write the turns topic to local JSONL files"),

@@ -164,6 +164,8 @@ class JudgeConfig(Section):
     vote_timeout_s: float = 60.0
     retries: int = 2
     idle_timeout_s: float = 300.0
+    # several proxies: a record that overtook an earlier one of its session waits this long in event time
+    reorder_lateness_s: float = Field(60.0, gt=0)
     max_in_flight: int = Field(256, ge=1)
     teacher_top_k: int = 0
     # added by the judge stage
@@ -175,7 +177,10 @@ class JudgeConfig(Section):
     teacher_timeout_s: float = 300.0  # one teacher /generate scoring call
     max_uncommitted_records: int = 200_000  # consumer pauses its partitions above this
     drain_timeout_s: float = 30.0  # at shutdown, wait this long for judge jobs in flight
-    fetch_max_wait_ms: int = 10  # consumer fetch wait (Tansu holds fetches this long: latency)
+    # consumer fetch wait: Tansu holds an empty fetch this long (latency), and answers a fetch that
+    # reads its durable (s3) storage only within it: at 10 ms a judge after a broker restart read
+    # ~1 record/s (bench/chaos.py), at 100 ms all of them
+    fetch_max_wait_ms: int = Field(100, ge=1)
 
 
 class TrainerConfig(Section):

@@ -10,6 +10,10 @@ The committed offset of a partition is the lowest unacknowledged offset, so a cr
 ``kill -9``) re-delivers exactly the unsettled tail: no sample is lost, and a re-produced
 sample carries the same ``sample_id``.
 
+Several proxies: records of one session can reach ``turns`` out of protocol order (each proxy
+is its own producer); :class:`pipeline.judge.reorder.Reorderer` holds the early ones (not
+acknowledged) and hands the join each session in protocol order.
+
 Backpressure: at most ``judge.max_in_flight`` jobs are in flight (submitted, not yet
 delivered); the consumer loop waits for room, and the ConsumerApp pauses its partitions when
 more than ``judge.max_uncommitted_records`` records are unacknowledged.
@@ -31,6 +35,7 @@ from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
 from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
 from pipeline.judge.prompts import JudgeInput
+from pipeline.judge.reorder import Reorderer
 from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample
 from pipeline.judge.teacher import Teacher, TeacherError
 
@@ -78,6 +83,9 @@ class JudgeApp:
                                     name=name, max_in_flight=jc.max_uncommitted_records, producer=self.producer,
                                     fetch_max_wait_ms=jc.fetch_max_wait_ms)
         self.joiner = Joiner(jc.idle_timeout_s, at_least_one=(self.mode == "rl"))
+        # records of one session from several proxies: restore the protocol order before the join
+        self.reorder = Reorderer(lateness_s=jc.reorder_lateness_s, max_wait_s=max(jc.reorder_lateness_s,
+                                                                                   jc.idle_timeout_s))
         self.max_jobs = max(1, jc.max_in_flight)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-worker", daemon=True)
@@ -132,18 +140,34 @@ class JudgeApp:
         ev = rec.event
         if isinstance(ev, events.Turn) and ev.turn_type == "main":
             metrics.TURNS.inc()
+        ack = False  # a held record is not acknowledged now: later, when the join is done with it
+        for r in self.reorder.on_record(rec):
+            done = self._join(r)
+            if r is rec:
+                ack = done
+            elif done:
+                self.consumer.ack(r)
+        return ack
+
+    def _join(self, rec) -> bool:
+        """Run the join on one record (in protocol order); returns whether it can be acknowledged now."""
         ack, jobs = self.joiner.on_record(rec)
         if jobs:
             self._submit(jobs)
         return ack
 
     def _tick(self) -> None:
+        for r in self.reorder.expire():
+            if self._join(r):
+                self.consumer.ack(r)
         jobs = self.joiner.expire()
         if jobs:
             self._submit(jobs)
         metrics.SESSIONS_WAITING.set(self.joiner.waiting)
+        metrics.RECORDS_HELD.set(self.reorder.held)
 
     def _revoked(self, tps: set) -> None:
+        self.reorder.drop_partitions(tps)
         n = self.joiner.drop_partitions(tps)
         metrics.SESSIONS_WAITING.set(self.joiner.waiting)
         log.info("%s: dropped %d sessions of revoked partitions %s", self.name, n, sorted(tps))

@@ -15,6 +15,8 @@ TEACHER_FAILURES = Counter("pipeline_judge_teacher_failures_total", "Turns whose
 LATENCY = Histogram("pipeline_judge_latency_seconds", "Join (next state seen) to sample delivered",
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 SESSIONS_WAITING = Gauge("pipeline_judge_sessions_waiting", "Sessions whose latest main turn waits for a next state")
+RECORDS_HELD = Gauge("pipeline_judge_records_held",
+                     "Records held back because they overtook an earlier record of their session (several proxies)")
 JOBS_IN_FLIGHT = Gauge("pipeline_judge_jobs_in_flight", "Judge jobs submitted and not yet produced")
 
 

@@ -1,8 +1,19 @@
-"""Start stages as child processes with per-stage logs, readiness checks and clean shutdown.
+"""Start stages as child processes with per-stage logs, readiness checks, restarts and clean shutdown.
 
 Each child runs in its own process group, so a stage's own children (e.g. torchrun workers)
 are stopped with it. :meth:`Supervisor.stop_all` sends SIGTERM in reverse start order, waits,
 then SIGKILLs what is left: no orphan processes.
+
+Restarts (what systemd's ``Restart=always`` with ``RestartSec`` growing, or a Kubernetes pod's
+CrashLoopBackOff, do): :meth:`Supervisor.check`, called periodically (or :meth:`Supervisor.watch`
+in a thread), restarts a stage whose process exited with the same command line, after a back-off
+that doubles with every consecutive *fast* failure (the stage ran less than
+:attr:`RestartPolicy.stable_s`) from :attr:`RestartPolicy.backoff_s` up to
+:attr:`RestartPolicy.max_backoff_s`; a run that lasted ``stable_s`` resets it. Restarts are
+counted per stage (:attr:`Stage.restarts`). Only :attr:`RestartPolicy.max_fast_failures` fast
+failures in a row give up: :meth:`check` raises :class:`StageFailed` with the stage's log tail.
+A restarted stage is not waited for: its readiness probe is polled by :meth:`check` and shown
+by :attr:`Stage.state` (``up``, ``starting``, ``restarting in N s``).
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +51,30 @@ def http_ok(url: str) -> Callable[[], bool]:
     return probe
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When and how fast :class:`Supervisor` restarts a stage whose process exited.
+
+    Attributes:
+        restart: restart exited stages at all (False: :meth:`Supervisor.check` raises at the first exit).
+        backoff_s: delay before the first restart after a fast failure (seconds); doubles per
+            consecutive fast failure.
+        max_backoff_s: upper bound of that delay.
+        stable_s: a run at least this long (seconds) is not a fast failure: it resets the back-off
+            and its stage is restarted at once.
+        max_fast_failures: this many fast failures in a row stop the stack.
+    """
+
+    restart: bool = True
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 30.0
+    max_fast_failures: int = 5
+
+
 @dataclass
 class Stage:
-    """A running child process."""
+    """A supervised child process (the current one of its restarts)."""
 
     name: str
     argv: list[str]
@@ -49,11 +82,31 @@ class Stage:
     proc: subprocess.Popen | None = None
     ready: Callable[[], bool] | None = None
     started_at: float = field(default_factory=time.monotonic)
+    env: dict[str, str] | None = None
+    restarts: int = 0  # times this stage was restarted after its process exited
+    fast_failures: int = 0  # consecutive exits after less than RestartPolicy.stable_s
+    restart_at: float | None = None  # monotonic time of the scheduled restart (process exited)
+    is_ready: bool = False  # the readiness probe answered since the last (re)start
+    exits: list[int | None] = field(default_factory=list)  # exit codes of the processes that ended
 
     @property
     def alive(self) -> bool:
         """True while the process runs."""
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the current process (None before the first start)."""
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def state(self) -> str:
+        """``up``, ``starting`` (running, not ready yet), ``restarting in N s`` or ``DOWN``."""
+        if self.alive:
+            return "up" if self.is_ready or self.ready is None else "starting"
+        if self.restart_at is not None:
+            return f"restarting in {max(0.0, self.restart_at - time.monotonic()):.0f} s"
+        return "DOWN"
 
     def tail(self, n: int = 15) -> str:
         """The last ``n`` lines of the stage's log."""
@@ -64,13 +117,35 @@ class Stage:
 
 
 class Supervisor:
-    """Owns the stage processes of one run; logs go to ``log_dir/<stage>.log``."""
+    """Owns the stage processes of one run; logs go to ``log_dir/<stage>.log``.
 
-    def __init__(self, log_dir: str | Path, env: dict[str, str] | None = None) -> None:
+    Args:
+        log_dir: folder of the per-stage logs (appended to across restarts).
+        env: extra environment of every child.
+        policy: the :class:`RestartPolicy` of :meth:`check`.
+    """
+
+    def __init__(self, log_dir: str | Path, env: dict[str, str] | None = None,
+                 policy: RestartPolicy | None = None) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.policy = policy or RestartPolicy()
         self.stages: list[Stage] = []
+        self.stopping = False
+        self._lock = threading.RLock()  # check() (a watch thread) against stop()/start()
+
+    def _spawn(self, stage: Stage) -> None:
+        out = open(stage.log_path, "ab")
+        try:
+            stage.proc = subprocess.Popen(stage.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**self.env, **(stage.env or {})}, start_new_session=True,
+                                          preexec_fn=die_with_parent)
+        finally:
+            out.close()
+        stage.started_at = time.monotonic()
+        stage.is_ready = False
+        stage.restart_at = None
 
     def start(self, name: str, args: list[str], ready: Callable[[], bool] | None = None,
               timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Stage:
@@ -80,32 +155,111 @@ class Supervisor:
             StageFailed: the process exited, or was not ready within ``timeout_s``.
         """
         argv = [sys.executable, "-m", "pipeline", *args]
-        log_path = self.log_dir / f"{name}.log"
-        out = open(log_path, "ab")
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**self.env, **(env or {})}, start_new_session=True,
-                                preexec_fn=die_with_parent)
-        out.close()
-        stage = Stage(name, argv, log_path, proc, ready)
-        self.stages.append(stage)
-        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        stage = Stage(name, argv, self.log_dir / f"{name}.log", ready=ready, env=env)
+        with self._lock:
+            self._spawn(stage)
+            self.stages.append(stage)
+        log.info("started %s (pid %d), log %s", name, stage.pid, stage.log_path)
         deadline = time.monotonic() + timeout_s
         while ready is not None and not ready():
             if not stage.alive:
-                raise StageFailed(f"{name} exited with {proc.returncode} during start-up; see {log_path}:\n{stage.tail()}")
+                raise StageFailed(f"{name} exited with {stage.proc.returncode} during start-up; "
+                                  f"see {stage.log_path}:\n{stage.tail()}")
             if time.monotonic() > deadline:
-                raise StageFailed(f"{name} not ready after {timeout_s:.0f} s; see {log_path}:\n{stage.tail()}")
+                raise StageFailed(f"{name} not ready after {timeout_s:.0f} s; see {stage.log_path}:\n{stage.tail()}")
             time.sleep(0.5)
+        stage.is_ready = True
         return stage
 
+    def get(self, name: str) -> Stage:
+        """The stage called ``name``. Raises KeyError."""
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
     def dead(self) -> list[Stage]:
-        """Stages whose process has exited."""
+        """Stages whose process has exited (and is not restarted yet)."""
         return [s for s in self.stages if not s.alive]
+
+    def check(self, now: float | None = None) -> list[str]:
+        """One supervision pass: schedule and perform restarts, poll readiness of (re)starting stages.
+
+        Returns human-readable lines of what happened (exits seen, restarts made).
+
+        Raises:
+            StageFailed: a stage failed fast :attr:`RestartPolicy.max_fast_failures` times in a row
+                (or exited at all when restarts are off); the message has its log tail.
+        """
+        pol = self.policy
+        events_: list[str] = []
+        with self._lock:
+            if self.stopping:
+                return events_
+            for st in self.stages:
+                now_ = time.monotonic() if now is None else now
+                if st.alive:
+                    if not st.is_ready and st.ready is not None:
+                        try:
+                            st.is_ready = bool(st.ready())
+                        except Exception:  # noqa: BLE001 - a probe that fails means not ready
+                            st.is_ready = False
+                    continue
+                if st.restart_at is None:  # a new exit
+                    code = st.proc.returncode if st.proc is not None else None
+                    st.exits.append(code)
+                    ran = now_ - st.started_at
+                    if not pol.restart:
+                        raise StageFailed(f"stage {st.name} exited with {code}; log {st.log_path}:\n{st.tail()}")
+                    st.fast_failures = st.fast_failures + 1 if ran < pol.stable_s else 0
+                    if st.fast_failures >= pol.max_fast_failures:
+                        raise StageFailed(
+                            f"stage {st.name} failed {st.fast_failures} times in a row, each within "
+                            f"{pol.stable_s:.0f} s of its start (last exit {code}); giving up. "
+                            f"Log {st.log_path}:\n{st.tail(30)}")
+                    delay = 0.0 if st.fast_failures == 0 else min(
+                        pol.max_backoff_s, pol.backoff_s * 2 ** (st.fast_failures - 1))
+                    st.restart_at = now_ + delay
+                    msg = (f"stage {st.name} (pid {st.pid}) exited with {code} after {ran:.1f} s; "
+                           f"restart #{st.restarts + 1} in {delay:.1f} s")
+                    log.warning(msg)
+                    events_.append(msg)
+                if now_ >= st.restart_at:
+                    self._spawn(st)
+                    st.restarts += 1
+                    msg = f"stage {st.name} restarted (pid {st.pid}, restart #{st.restarts})"
+                    log.warning(msg)
+                    events_.append(msg)
+        return events_
+
+    def watch(self, stop: threading.Event, interval_s: float = 0.5,
+              on_event: Callable[[str], None] | None = None,
+              on_fatal: Callable[[StageFailed], None] | None = None) -> None:
+        """Run :meth:`check` every ``interval_s`` until ``stop`` is set (use it as a thread target).
+
+        ``on_event`` gets each line :meth:`check` returns; ``on_fatal`` gets the
+        :class:`StageFailed` that ends the watch (then ``stop`` is set too).
+        """
+        while not stop.wait(interval_s):
+            try:
+                for line in self.check():
+                    if on_event is not None:
+                        on_event(line)
+            except StageFailed as e:
+                if on_fatal is not None:
+                    on_fatal(e)
+                stop.set()
+                return
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts per stage name."""
+        return {s.name: s.restarts for s in self.stages}
 
     def stop(self, stage: Stage, timeout_s: float = 30.0) -> int | None:
         """SIGTERM the stage's process group, wait, then SIGKILL. Returns the exit code."""
         if stage.proc is None:
             return None
+        stage.restart_at = None
         if stage.alive:
             _signal_group(stage.proc, signal.SIGTERM)
             try:
@@ -120,7 +274,9 @@ class Supervisor:
         return stage.proc.returncode
 
     def stop_all(self, timeout_s: float = 30.0) -> dict[str, int | None]:
-        """Stop every stage in reverse start order; returns exit codes by stage name."""
+        """Stop every stage in reverse start order (no restarts from then on); exit codes by name."""
+        with self._lock:
+            self.stopping = True
         codes = {}
         for stage in reversed(self.stages):
             codes[stage.name] = self.stop(stage, timeout_s)

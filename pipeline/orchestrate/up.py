@@ -13,6 +13,20 @@ servers' own log ``logs/broker-servers.log``) with durable storage in ``<run-dir
 :mod:`pipeline.broker`): a second ``up`` on the same run directory carries on from the same log —
 every recorded turn, the consumer groups' committed offsets, the trainer's checkpoints — on the
 same broker port when it is free. ``--memory-broker`` keeps the log in memory instead (gone at stop).
+
+Scaled out (``--replicas proxy=2,judge=2,engine=2`` or ``--scale``): N engines (``engine-<i>``),
+each with its own syncer (``syncer-<i>``, engine id ``engine-<i>``; the trainer waits for all of
+them at a sync) behind ``engine-front`` (round robin; a request that failed before its answer
+started is tried on the next engine: generation has no side effect; an engine is in rotation
+while its syncer's ``/readyz`` says it serves the published weights, when the syncer has one);
+N proxies (``proxy-<i>``, each its own durable buffer ``<run-dir>/proxy-buffer-<i>``) behind
+``front`` (round robin, the URL users get; moves on only from a refused connection, so a turn
+is never recorded twice); N judges in one consumer group. Turns of one session may then arrive
+through different proxies (see :mod:`pipeline.proxy.sessions` and :mod:`pipeline.judge.reorder`).
+
+Supervision: a stage that exits is restarted with the same arguments after a back-off
+(:class:`pipeline.orchestrate.supervisor.RestartPolicy`); restarts are counted in the status
+line; only repeated fast failures stop the stack, with the stage's log tail.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker import free_port, kafka_answers, port_free
 from pipeline.config import Config, redacted
-from pipeline.orchestrate.supervisor import StageFailed, Supervisor, http_ok
+from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
 
 log = logging.getLogger(__name__)
 HELP = "Start broker, engine(s), proxy, judge, trainer and syncer as processes; Ctrl-C stops all."
@@ -47,12 +61,16 @@ class Stack:
     supervisor: Supervisor
     broker_data_dir: Path | None = None  # durable embedded broker's storage; None: external or memory
     metrics: dict[str, str] = field(default_factory=dict)  # stage -> metrics URL
+    replicas: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_REPLICAS))
+    front_url: str | None = None  # the round-robin front of several proxies (None: one proxy)
     dashboard_url: str | None = None  # the web dashboard, when started
+    proxy_urls: dict[str, str] = field(default_factory=dict)  # proxy stage -> its own URL
+    engine_urls: dict[str, str] = field(default_factory=dict)  # engine stage -> its own URL
 
     @property
     def proxy_url(self) -> str:
-        """Base URL of the OpenAI-compatible proxy."""
-        return f"http://{self.config.proxy.host}:{self.config.proxy.port}"
+        """Base URL users talk to: the front of the proxies, or the one proxy."""
+        return self.front_url or f"http://{self.config.proxy.host}:{self.config.proxy.port}"
 
     def stop(self) -> dict[str, int | None]:
         """Stop every stage in reverse start order (the embedded broker last)."""
@@ -72,6 +90,47 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-trainer", action="store_true", help="serve and judge only (collect data)")
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
     parser.add_argument("--dashboard-port", type=int, help="port of the web dashboard (default: a free one)")
+    parser.add_argument("--replicas", metavar="STAGE=N,...", type=parse_replicas, default=None,
+                        help="scale out the stateless stages, e.g. proxy=2,judge=2,engine=2: N proxies behind a "
+                             "round-robin front, N judges in one consumer group, N engines (each with its syncer) "
+                             "behind a round-robin engine front")
+    parser.add_argument("--scale", action="store_true", help="shorthand for --replicas proxy=2,judge=2,engine=2")
+    parser.add_argument("--max-fast-failures", type=int, default=RestartPolicy.max_fast_failures,
+                        help="stop the stack when a stage exits this many times in a row, each within "
+                             f"{RestartPolicy.stable_s:.0f} s of its start (otherwise it is restarted with back-off)")
+
+
+DEFAULT_REPLICAS = {"proxy": 1, "judge": 1, "engine": 1}
+
+
+def parse_replicas(text: str) -> dict[str, int]:
+    """``proxy=2,judge=2,engine=2`` -> ``{"proxy": 2, "judge": 2, "engine": 2}`` (missing stages: 1).
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown stage, or a count that is not an integer >= 1.
+    """
+    import argparse
+
+    out = dict(DEFAULT_REPLICAS)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, n = part.partition("=")
+        name = name.strip()
+        if name not in DEFAULT_REPLICAS:
+            raise argparse.ArgumentTypeError(f"cannot scale {name!r}: choose from {', '.join(DEFAULT_REPLICAS)} "
+                                             "(the broker, trainer and teacher are single)")
+        try:
+            count = int(n)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"{name}={n!r}: the count must be an integer >= 1")
+        out[name] = count
+    return out
+
+
+def replica_names(stage: str, n: int) -> list[str]:
+    """Stage names of ``n`` replicas: ``[stage]`` for one, ``stage-0 .. stage-<n-1>`` for more."""
+    return [stage] if n == 1 else [f"{stage}-{i}" for i in range(n)]
 
 
 def _apply_defaults(config: Config, run_dir: Path, args) -> None:
@@ -111,18 +170,23 @@ def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], i
 
 def start_stack(config: Config, run_dir: Path, external_broker: bool = False, engine_url: str | None = None,
                 trainer: bool = True, ready_timeout_s: float = 600.0, durable_broker: bool = True,
+                replicas: dict[str, int] | None = None, restart: RestartPolicy | None = None,
                 dashboard: bool = True, dashboard_port: int | None = None) -> Stack:
     """Start every stage for ``config`` (mutated: ports, URLs, paths) and wait until ready.
 
     ``durable_broker``: the embedded broker keeps its log in ``run_dir/broker`` (a later call on
-    the same ``run_dir`` carries on from it); False: memory storage.
+    the same ``run_dir`` carries on from it); False: memory storage. ``replicas``: counts of
+    ``proxy``, ``judge`` and ``engine`` (see the module docstring; default 1 each). ``restart``:
+    the supervisor's :class:`RestartPolicy` (restarts happen in :meth:`Supervisor.check` /
+    :meth:`Supervisor.watch`, which the caller runs).
 
     Raises:
         StageFailed: a stage exited or did not become ready (its log tail is in the message).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(run_dir / "logs")
-    stack = Stack(config, run_dir, sup)
+    reps = {**DEFAULT_REPLICAS, **(replicas or {})}
+    sup = Supervisor(run_dir / "logs", policy=restart)
+    stack = Stack(config, run_dir, sup, replicas=reps)
     try:
         if not external_broker:
             bargs, bport = broker_stage_args(run_dir, durable_broker)
@@ -133,13 +197,25 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
         from pipeline.topics import apply_topics, load_topics
 
         apply_topics(config, load_topics(config.topics.file))
-        if engine_url is None:
-            config.engine.port = free_port()
-            config.engine.url = f"http://127.0.0.1:{config.engine.port}"
+        engines = replica_names("engine", reps["engine"]) if engine_url is None else []
+        if len(engines) > 1:
+            config.trainer.engines = [f"engine-{i}" for i in range(len(engines))]
+        for name in engines:
+            stack.engine_urls[name] = f"http://127.0.0.1:{free_port()}"
+        if engines:
+            config.engine.port = int(stack.engine_urls[engines[0]].rsplit(":", 1)[1])
+            config.engine.url = stack.engine_urls[engines[0]]
+        engine_front_port = free_port() if len(engines) > 1 else None
+        if engine_front_port:  # proxies, judge backends and the teacher's default see the engine front
+            config.engine.url = f"http://127.0.0.1:{engine_front_port}"
         if config.judge.mode != "rl" and not config.engine.teacher_url:
             config.engine.teacher_url = "pending"
-        config.proxy.port = free_port()
-        if config.proxy.buffer_dir is not None:  # the proxy's durable event buffer lives with the run
+        proxies = replica_names("proxy", reps["proxy"])
+        for name in proxies:
+            stack.proxy_urls[name] = f"http://127.0.0.1:{free_port()}"
+        config.proxy.port = int(stack.proxy_urls[proxies[0]].rsplit(":", 1)[1])
+        buffered = config.proxy.buffer_dir is not None
+        if buffered:  # the proxy's durable event buffer lives with the run
             config.proxy.buffer_dir = str(run_dir / "proxy-buffer")
         cfg_path = run_dir / "config.yaml"
 
@@ -152,28 +228,56 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
             cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
 
         def stage(name: str, args: list[str], ready_path: str | None = None, port: int | None = None,
-                  timeout_s: float = ready_timeout_s):
+                  timeout_s: float = ready_timeout_s, ready_url: str | None = None):
             mport = free_port()
             stack.metrics[name] = f"http://127.0.0.1:{port or mport}/metrics"
-            ready = http_ok(f"http://127.0.0.1:{port}{ready_path}") if ready_path else http_ok(stack.metrics[name])
+            url = ready_url or (f"http://127.0.0.1:{port}{ready_path}" if ready_path else stack.metrics[name])
             return sup.start(name, [*args, "--config", str(cfg_path), "--set", f"metrics_port={mport}"],
-                             ready=ready, timeout_s=timeout_s)
+                             ready=http_ok(url), timeout_s=timeout_s)
 
-        if engine_url is None:
-            write_config()
-            stage("engine", ["engine", "--model", config.engine.model, "--port", str(config.engine.port)],
-                  "/health", config.engine.port)
+        write_config()
+        for name in engines:
+            port = int(stack.engine_urls[name].rsplit(":", 1)[1])
+            stage(name, ["engine", "--model", config.engine.model, "--port", str(port)], "/health", port)
         if config.engine.teacher_url == "pending":
             tport = free_port()
             config.engine.teacher_url = f"http://127.0.0.1:{tport}"
             write_config()
             stage("teacher", ["engine", "--model", config.engine.model, "--port", str(tport)], "/health", tport)
+        syncer_ready: dict[str, str] = {}  # engine stage -> its syncer's /readyz (when the syncer serves one)
+        if len(engines) > 1:
+            readyz = "ready_port" in type(config.syncer).model_fields
+            for i, name in enumerate(engines):
+                if readyz:
+                    syncer_ready[name] = f"http://127.0.0.1:{free_port()}/readyz"
+            backends = [f"{stack.engine_urls[n]}={syncer_ready.get(n, stack.engine_urls[n] + '/health')}"
+                        for n in engines]
+            stage("engine-front", ["front", "--port", str(engine_front_port), "--retry", "any",
+                                   *[a for b in backends for a in ("--backend", b)]],
+                  ready_url=f"http://127.0.0.1:{engine_front_port}/_front/status")
         write_config()
-        stage("proxy", ["proxy"], "/healthz", config.proxy.port)
-        stage("judge", ["judge", "--mode", config.judge.mode])
+        for i, name in enumerate(proxies):
+            port = int(stack.proxy_urls[name].rsplit(":", 1)[1])
+            extra = ["--buffer-dir", str(run_dir / f"proxy-buffer-{i}")] if buffered and len(proxies) > 1 else []
+            stage(name, ["proxy", "--port", str(port), *extra], "/healthz", port)
+        if len(proxies) > 1:
+            fport = free_port()
+            stack.front_url = f"http://127.0.0.1:{fport}"
+            stage("front", ["front", "--port", str(fport), "--health-path", "/healthz",
+                            *[a for n in proxies for a in ("--backend", stack.proxy_urls[n])]],
+                  ready_url=f"{stack.front_url}/_front/status")
+        for name in replica_names("judge", reps["judge"]):
+            stage(name, ["judge", "--mode", config.judge.mode])
         if trainer:
             stage("trainer", ["trainer"])
-            stage("syncer", ["syncer", "--engine", config.engine.url])
+            if len(engines) > 1:
+                for i, name in enumerate(engines):
+                    args = ["syncer", "--engine", stack.engine_urls[name], "--engine-id", f"engine-{i}"]
+                    if name in syncer_ready:
+                        args += ["--ready-port", syncer_ready[name].rsplit(":", 1)[1].split("/")[0]]
+                    stage(f"syncer-{i}", args)
+            else:
+                stage("syncer", ["syncer", "--engine", config.engine.url])
         if dashboard:  # reads the topics and every stage's metrics; serves no /metrics of its own
             config.dashboard.port = dashboard_port or free_port()
             config.dashboard.metrics_urls = dict(stack.metrics)
@@ -201,28 +305,39 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def status_line(stack: Stack) -> str:
-    """One console line: stage liveness and the main counters."""
-    alive = " ".join(f"{s.name}:{'up' if s.alive else 'DOWN'}" for s in stack.supervisor.stages)
-    p = scrape(stack.metrics.get("proxy", ""))
-    j = scrape(stack.metrics.get("judge", ""))
+    """One console line: each stage's state and restart count, and the main counters (summed over replicas)."""
+    parts = []
+    for s in stack.supervisor.stages:
+        state = s.state
+        parts.append(f"{s.name}:{state if state in ('up', 'starting') else state.replace(' ', '-')}"
+                     + (f"(restarts {s.restarts})" if s.restarts else ""))
+
+    def total(prefix: str, key: str) -> float:
+        return sum(scrape(url).get(key, 0.0) for name, url in stack.metrics.items()
+                   if name == prefix or name.startswith(prefix + "-") and name[len(prefix) + 1:].isdigit())
+
     t = scrape(stack.metrics.get("trainer", ""))
-    return (f"[{time.strftime('%H:%M:%S')}] {alive} | requests {p.get('pipeline_proxy_requests_total', 0):.0f}"
-            f" | samples {j.get('pipeline_judge_samples_total', 0):.0f}"
+    return (f"[{time.strftime('%H:%M:%S')}] {' '.join(parts)}"
+            f" | requests {total('proxy', 'pipeline_proxy_requests_total'):.0f}"
+            f" | samples {total('judge', 'pipeline_judge_samples_total'):.0f}"
             f" | trainer steps {t.get('pipeline_trainer_steps_total', 0):.0f}"
-            f" | policy version {t.get('pipeline_trainer_policy_version', 0):.0f}")
+            f" | policy version {t.get('pipeline_trainer_policy_version', 0):.0f}"
+            f" | restarts {sum(stack.supervisor.restarts().values())}")
 
 
 def run(args, config: Config) -> int:
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     _apply_defaults(config, run_dir, args)
+    replicas = args.replicas or (parse_replicas("proxy=2,judge=2,engine=2") if args.scale else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the stack in {run_dir} (logs in {run_dir / 'logs'}) ...", flush=True)
+    policy = RestartPolicy(max_fast_failures=max(1, args.max_fast_failures))
     try:
         stack = start_stack(config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
-                            durable_broker=not args.memory_broker, dashboard=not args.no_dashboard,
-                            dashboard_port=args.dashboard_port)
+                            durable_broker=not args.memory_broker, replicas=replicas, restart=policy,
+                            dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port)
     except StageFailed as e:
         print(f"pipeline up: {e}", file=sys.stderr)
         return 1
@@ -230,21 +345,32 @@ def run(args, config: Config) -> int:
                f"durable log in {stack.broker_data_dir}" if stack.broker_data_dir else "memory storage")
     print(f"ready: proxy {stack.proxy_url}/v1  engine {config.engine.url}  broker {config.kafka.bootstrap_servers}"
           f" ({storage})", flush=True)
+    if stack.front_url:
+        print(f"  proxies {', '.join(stack.proxy_urls.values())} behind the round-robin front {stack.front_url}",
+              flush=True)
+    if len(stack.engine_urls) > 1:
+        print(f"  engines {', '.join(stack.engine_urls.values())} behind {config.engine.url}", flush=True)
     if stack.dashboard_url:
         print(f"dashboard: {stack.dashboard_url}  (conversation text "
               f"{'shown' if config.dashboard.show_text else 'hidden; --set dashboard.show_text=true shows it'})",
               flush=True)
     print("point an OpenAI client at the proxy (headers X-Session-Id, X-Turn-Type, X-Session-Done); Ctrl-C stops",
           flush=True)
+    fatal: list[StageFailed] = []
+    watcher = threading.Thread(target=stack.supervisor.watch, name="supervisor", daemon=True,
+                               kwargs=dict(stop=stop, on_event=lambda line: print(line, file=sys.stderr, flush=True),
+                                           on_fatal=fatal.append))
+    watcher.start()
+    next_status = time.monotonic() + 10
+    while not stop.wait(0.5):
+        if time.monotonic() >= next_status:
+            print(status_line(stack), flush=True)
+            next_status = time.monotonic() + 10
+    watcher.join(timeout=5)
     rc = 0
-    while not stop.wait(10):
-        print(status_line(stack), flush=True)
-        dead = stack.supervisor.dead()
-        if dead:
-            for s in dead:
-                print(f"stage {s.name} exited with {s.proc.returncode}; log {s.log_path}:\n{s.tail()}", file=sys.stderr)
-            rc = 1
-            break
+    if fatal:
+        print(f"pipeline up: {fatal[0]}", file=sys.stderr, flush=True)
+        rc = 1
     print("stopping ...", flush=True)
     codes = stack.stop()
     print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)

@@ -14,8 +14,13 @@ Rules (documented defaults, see :mod:`pipeline.proxy`):
 - Its next state is every message after the last assistant message of the request (user
   replies, all tool results), published only when that assistant message belongs to a known
   turn: the turn whose response has the same fingerprint (content + tool calls), else the
-  latest completed main turn, else ``assistant count - 1`` (state lost). A next state is
-  published once per previous turn (a retry or a "regenerate" does not publish a second one).
+  later of the latest main turn completed here and ``assistant count - 1``. The second term
+  matters with several proxies behind a round-robin front: turn k-1 may have been answered by
+  another replica, and this one's latest completed turn is then an older one (answering with
+  it would attach turn k-1's next state to turn k-2, and turn k-1 would never be judged). A
+  next state is published once per previous turn by a given proxy (a retry or a "regenerate"
+  through the same proxy does not publish a second one; through another proxy it may, and the
+  judge ignores the copy).
 - Side turns (``X-Turn-Type: side``) touch no state.
 
 State is bounded: at most ``max_sessions`` (least recently used dropped first) and sessions idle
@@ -130,8 +135,8 @@ class SessionTable:
             new = messages[last + 1:]
             a = messages[last]
             after = st.prints.get(fingerprint(a.get("content"), a.get("tool_calls")))
-            if after is None:
-                after = st.last_done if st.last_done is not None else n_asst - 1
+            if after is None:  # answered elsewhere (another replica, a lost state) or edited by the client
+                after = max(st.last_done, n_asst - 1) if st.last_done is not None else n_asst - 1
         else:
             new = [m for m in messages if m.get("role") not in _NOT_NEW]
             after = st.last_done

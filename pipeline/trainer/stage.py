@@ -186,6 +186,8 @@ class TrainerStage:
             record.update(batch.stats)
             if cfg.log_sample_ids:
                 record["sample_ids"] = [s.sample_id for s in samples]
+                # where consumption ended: with the previous step's, which records this step consumed
+                record["offsets"] = {str(p): o for p, o in batch.offsets.items()}
         t1 = time.perf_counter()
         last = cfg.max_steps is not None and self.step >= cfg.max_steps
         if self.step % cfg.checkpoint_every == 0 or last or stopping:
