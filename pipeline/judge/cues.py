@@ -55,7 +55,12 @@ _POSITIVE_EN = _words(
     r"looks great", r"sounds great", r"good", r"fine", r"ok(?:ay)? (?:great|perfect|cool|thanks)", r"lifesaver",
     r"life saver", r"the best", r"genius", r"clever", r"smart", r"impressive", r"agreed", r"matches",
     r"checks out", r"confirmed", r"ta", r"merci", r"danke", r"gracias", r"grazie", r"obrigad[oa]",
-    r"much better", r"way better", r"haha+", r"lol", r"yay", r"woo+", r"finally",
+    r"much better", r"way better", r"haha+", r"yay", r"woo+", r"finally", r"incredible", r"wow", r"huge",
+    r"massive", r"game ?changer", r"true", r"got it (?:working|running|to work)", r"(?:it'?s |is )?(?:working|running) now",
+    r"^done\b", r"[\w-]+ it is[!.]*$", r"^next\b", r"next(?: one| question| step| task| up)?:", r"^clean[.!]",
+    r"(?:very|so|nice and|super) clean",
+    r"(?:much|way|so much|a lot|far) (?:better|clearer|nicer|cleaner|faster|more (?:readable|diplomatic|natural|"
+    r"professional|polished|concise))", r"sent it", r"(?:it'?s |been )?sent(?=[.!]*$)",
     r"i (?:really |especially |do |quite |just |absolutely )?(?:like|liked|love|loved|enjoy(?:ed)?|adore)",
     r"you'?re (?:a |the )?(?:star|legend|hero|genius|gem|champ|best)", r"(?:good|great|nice) (?:call|catch|idea|pick|point)",
     r"going with (?:it|this|that)", r"(?:i'?ll|we'?ll|gonna) (?:use|take|go with) (?:it|this|that)",
@@ -99,9 +104,17 @@ _NEGATIVE_EN = _words(
     r"too (?:long|short|wordy|verbose|formal|casual|informal|technical|simple|complex|complicated|vague|generic|"
     r"much|many|few|little|slow|big|small|basic|advanced|dense|stiff|cheesy|bland|boring|repetitive)",
     r"way too", r"shorter", r"longer", r"simpler", r"more (?:concise|formal|casual|detailed|specific)",
-    r"less (?:formal|wordy|technical)", r"i (?:said|asked|meant|told you|wanted|specified|mentioned|needed)",
+    r"less (?:formal|wordy|technical)", r"(?<!what )(?<!how )i (?:said|asked|meant|told you|wanted|specified|mentioned|needed)",
     r"i already", r"not what i", r"that'?s not", r"that is not", r"this is not", r"this isn'?t", r"that isn'?t",
-    r"it'?s not", r"isn'?t (?:right|correct|it|what)", r"try again", r"redo", r"re-?do",
+    r"isn'?t (?:right|correct|it|what)", r"absolutely not", r"definitely not", r"of course not", r"hell no",
+    r"never (?:received|got|arrived|came|showed up|worked|loaded|answered)",
+    r"(?:hasn'?t|haven'?t|didn'?t|has not|have not|did not) (?:arrived|received|come|got|gotten|shown up|changed)",
+    r"(?:nobody|no one|nothing) (?:can|could|works?|worked|loads?|happens|happened|changed|shows?|showed)",
+    r"(?:is|are|was|were|looks|seems) (?:off|wrong|incorrect|broken|missing|empty)",
+    r"you (?:left|put) (?:out|in|half|the|a|it)", r"you still", r"i (?:don'?t|do not|can'?t|cannot) (?:see|find)",
+    r"^(?:it'?s|it is|that'?s|should be|actually) [\w.,'-]+[.!]?$", r"^[\w.,'-]+\*$",
+    r"(?<=[,;]) ?(?:pas|nicht|no|non|não|не|nie)\s+[\w'-]+",
+    r"ich wollte", r"je voulais", r"quería", r"eu queria", r"volevo", r"ik wilde", r"я хотел[аи]?", r"try again", r"redo", r"re-?do",
     r"(?:do|write|say|check|read|explain|answer|run|look|fix) (?:it |that |this |them )?again", r"not again",
     r"(?:wrong|broken|failing|failed|crash\w*|errors?|stuck|empty) again", r"again\?", r"once again",
     r"something'?s (?:off|wrong|not right|missing|broken)", r"(?:exits?|quits?|dies|closes) (?:right away|immediately)",
@@ -109,8 +122,8 @@ _NEGATIVE_EN = _words(
     r"(?:a |an |me )?(?:[45]\d\d|errors?|exceptions?|null|none|nan|undefined|nothing|garbage|zeros?|empty|blank)",
     r"(?<=[,;]) ?not (?:a |an |the )?[\w'-]+", r"(?:should|needs? to|has to|must) be", r"that was the first thing",
     r"already (?:tried|did|done|said|told|checked|asked|mentioned)", r"(?:even|still) (?:worse|slower|more)",
-    r"one more time", r"rewrite", r"re-?write", r"fix (?:it|this|that|the)", r"please fix", r"instead",
-    r"rather than", r"should (?:be|have|say|read)", r"supposed to", r"actually,? it'?s", r"backwards",
+    r"one more time", r"rewrite", r"re-?write", r"fix (?:it|this|that|the)", r"please fix",
+    r"should (?:be|have|say|read)", r"supposed to", r"actually,? it'?s", r"backwards",
     r"the opposite",
     r"still (?:not|doesn'?t|does not|broken|crash\w*|fail\w*|wrong|the same|getting|get|gives|can'?t|won'?t|no|red|"
     r"there|missing|hasn'?t|isn'?t|shows?|happen\w*|see|too|has|have|seeing|empty|slow|off)", r"same (?:error|problem|issue|thing|mistake|result|output|answer)",
@@ -138,25 +151,29 @@ _NEGATIVE_OTHER = _words(
     r"troppo", r"non è", r"intendevo", r"errado", r"incorreto", r"não funciona", r"erro", r"ainda",
     r"não é", r"muito longo",
     # nl / sv / pl / tr
-    r"nee", r"fout", r"verkeerd", r"werkt niet", r"opnieuw", r"te lang", r"klopt niet", r"fel", r"fungerar inte",
+    r"não", r"nao", r"nee", r"fout", r"verkeerd", r"werkt niet", r"opnieuw", r"te lang", r"klopt niet", r"fel", r"fungerar inte",
     r"źle", r"błąd", r"nie działa", r"yanlış", r"hata", r"çalışmıyor",
     # ru
     r"нет", r"неправильно", r"неверно", r"не работает", r"ошибка", r"снова", r"опять", r"слишком", r"не то")
 _NEGATIVE_CJK = _chars(
     r"不对", r"错了", r"错误", r"不行", r"不是", r"还是", r"重新", r"太长", r"报错", r"没用", r"不能",
-    r"違います", r"間違", r"動かない", r"動きません", r"エラー", r"もう一度", r"長すぎ", r"だめ", r"ダメ",
+    r"いいえ", r"違います", r"間違", r"動かない", r"動きません", r"エラー", r"もう一度", r"長すぎ", r"だめ", r"ダメ",
     r"틀렸", r"아니", r"안 돼", r"오류", r"다시", r"너무 길", r"👎", r"🙄", r"😡", r"😤")
 
 _IGNORE = _words(r"no way", r"no idea", r"no clue", r"no rush", r"no hurry", r"yes or no", r"if not")
 _SARCASM = _words(  # irony markers: praise next to them is not trusted
     r"oh (?:great|perfect|wonderful|brilliant|fantastic|joy|lovely|sure|awesome)",
-    r"(?:great|perfect|wonderful|brilliant|fantastic|lovely|awesome),? (?:just |now |another |so |exactly )",
+    r"(?:great|perfect|wonderful|brilliant|fantastic|lovely|awesome|amazing|excellent|super),? (?:just|now|another|so)",
+    r"ah yes,? the", r"oh yes,? the", r"the famous", r"groundbreaking", r"revolutionary", r"genius move",
+    r"sure it (?:is|does|will|works)", r"yeah,? sure", r"because that'?s", r"as if",
     r"just what i (?:needed|wanted|asked for)", r"thanks for nothing", r"yeah,? right",
     r"sure,? (?:fine|thing|because)", r"totally", r"very (?:helpful|useful|clever|funny)[.!]", r"so helpful",
     r"real(?:ly)? helpful", r"bravo,", r"slow clap", r"wow,? (?:thanks|great|just)", r"thanks a lot[.!]*$",
     r"another (?:wall|essay|error|lecture|history lesson|novel)", r"love how you",
     r"i love (?:how|that) you (?:ignored|keep|broke|deleted)", r"good job breaking", r"nice try",
-    r"(?:great|perfect|wonderful), now", r"very (?:centred|centered|short|brief|concise|helpful)[.!]")
+    r"very (?:centred|centered|short|brief|concise|helpful|descriptive|original|useful|clear)[.!]",
+    r"i'?ll just (?:go )?\w+", r"classic[.!]*$", r"just go", r"what a surprise", r"who knew", r"how original",
+    r"(?:^|[.!] )(?:brilliant|genius|great|perfect|wonderful|fantastic|amazing|lovely)\.(?= \w)")
 _NEGATOR = re.compile(r"(?<![\w])(?:not|never|no longer|hardly|n't|nicht|pas|nunca|non|не|没|不)(?![\w])|n't", re.I)
 _HOLD = _words(
     r"wait", r"hold on", r"one sec(?:ond)?", r"a sec", r"a moment", r"a minute", r"brb", r"afk", r"later",
@@ -171,8 +188,11 @@ _CONTRAST = re.compile(
     re.I)
 _CORRECTION_FORM = _words(  # the shape of a correction or a change request, without a verdict word
     r"i think", r"i believe", r"should", r"could you", r"can you", r"would you", r"please", r"needs? to",
-    r"has to", r"have to", r"actually", r"usually", r"instead", r"only", r"just", r"it'?s (?:a|an|the)",
+    r"has to", r"have to", r"actually", r"usually", r"instead", r"rather than", r"only", r"just", r"it'?s (?:a|an|the)",
     r"bitte", r"sollte", r"s'il (?:te|vous) pla[iî]t", r"devrait", r"por favor", r"debería", r"per favore")
+_CONTINUATION = re.compile(r"(?:otherwise|overall|all in all|anyway|in general|apart from that|other than that|"
+                           r"still (?:great|good|perfect|helpful|useful)|sonst|ansonsten|sinon|por lo demás|"
+                           r"per il resto)\b", re.I)
 _QUESTION_START = _words(
     r"why", r"how", r"what", r"which", r"where", r"when", r"who", r"is there", r"are there", r"can i", r"could i",
     r"should i", r"would (?:it|that|you)", r"does (?:it|this|that)", r"do you", r"is (?:it|this|that)",
@@ -243,15 +263,19 @@ def tail_clause(text: str) -> str:
 
 def read_cues(text: str) -> Cues:
     """The :class:`Cues` of a user's reply."""
-    t = " ".join((text or "").split())
+    t = " ".join((text or "").replace("…", " ").replace("...", " ").split())
     t = _IGNORE.sub(" ", t)
     praise_phrases = len(_PRAISE_PHRASES.findall(t))
     t_wo = _PRAISE_PHRASES.sub(" ", t)
     pos, neg_pos = _count_positive(t_wo)
     neg = _count(_NEG, t_wo)
     tail = tail_clause(t_wo)
-    contrast_negative = bool(tail) and (
-        _count(_NEG, tail) > 0 or (not sum(_count_positive(tail)) and bool(_CORRECTION_FORM.search(tail))))
+    if _CONTINUATION.match(tail):  # "but otherwise ...", "but overall ...": the praise stands
+        tail = ""
+    head = t_wo[: len(t_wo) - len(tail)] if tail else ""
+    contrast_negative = bool(tail) and sum(_count_positive(head)) > 0 and (_count(_NEG, tail) > 0 or (
+        not sum(_count_positive(tail)) and not _count((_HOLD, _HOLD_CJK), tail) and not tail.endswith(("?", "？"))
+        and (bool(_CORRECTION_FORM.search(tail)) or len(tail.split()) >= 3)))
     stripped = t.strip()
     question = stripped.endswith(("?", "？")) or bool(_QUESTION_START.match(stripped))
     return Cues(positive=pos + praise_phrases, negative=neg, negated_positive=neg_pos,

@@ -49,7 +49,8 @@ _ZERO_COUNTS = re.compile(
     re.I)
 
 # -- test runners ---------------------------------------------------------------------------
-_FAILED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:failed|failing|failures?|errors?|errored|broken)\b", re.I)
+_FAILED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:failed|failing|failures?|errors?|errored|broken)\b"
+                       r"|\b(?:failures|failed|errors)\s*[:=]\s*(\d+)", re.I)
 _PASSED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:passed|passing|succeeded|successful|ok)\b", re.I)
 _JUNIT = re.compile(r"Tests run:\s*(\d+),\s*Failures:\s*(\d+)(?:,\s*Errors:\s*(\d+))?", re.I)
 _UNITTEST_FAILED = re.compile(r"^FAILED \((?:failures|errors)=\d+", re.M)
@@ -88,7 +89,8 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"\bOOMKilled\b", r"\bConnection (?:refused|reset by peer)\b", r"\bCould not resolve host\b",
     r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
     r"\bcompilation (?:failed|terminated)\b", r"\bundefined reference to\b", r"^CONFLICT \(",
-    r"! \[rejected\]", r"\bFAILED\b",
+    r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!", r"\bmax retries exceeded\b", r"\bNewConnectionError\b",
+    r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b|warning\b)", r"^\s*\d+:\d+\s+(?:error|warning)\s", r"^[\w.-]+: \*\*\* ", r"\bNo rule to make target\b",
 ]), _I)
 _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like output
     r"\bAccess (?:is )?denied\b", r"\bKilled\b", r"\bout of memory\b", r"\btimed out\b", r"\btime-?out\b",
@@ -103,7 +105,7 @@ _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like outpu
     r"\balready (?:booked|taken|exists?|in use|reserved|registered|used|running|claimed|closed)\b",
     r"\bnot available\b", r"\bconflicts? with\b", r"\bfully booked\b", r"\bsold out\b", r"\bout of stock\b",
     r"\bunknown\b", r"\bunsupported\b", r"\bnot supported\b", r"\bdisallowed\b", r"\bblocked\b",
-    r"\bwarning: .*(?:failed|error)",
+    r"\bwarning: .*(?:failed|error)", r"\bno availability\b", r"^sorry\b", r"\bunfortunately\b",
 ]), _I)
 SHORT_CHARS = 400  # a tool result up to this long (and up to SHORT_LINES lines) reads as a status message
 SHORT_LINES = 6
@@ -116,19 +118,29 @@ _SUCCESS = re.compile("|".join([
     r"\bapplied\b", r"\bscheduled\b", r"\bconfirmed\b", r"\bapproved\b", r"\bup[ -]to[ -]date\b",
     r"\bworking tree clean\b", r"\ball checks passed\b", r"^\s*(?:ok|OK)\b", r"[✓✔✅]", r"\bPASS(?:ED)?\b",
     r"\bno (?:issues|problems) found\b", r"^\[[\w/.-]+ [0-9a-f]{7,}\]",
+    r"^\s*(?:inflating|extracting|creating|adding|copying|writing|compressing|deflating|installing|linking):",
+    r"^\s*(?:active|running|enabled|healthy|ready|up|online|connected|listening|available)\s*$",
+    r"\(running\)", r"\blistening on\b", r"\brunning on\b",
 ]), _I)
 _PENDING = re.compile("|".join([
     r"\bqueued\b", r"\bpending\b", r"\bin progress\b", r"\bin_progress\b", r"\bstill running\b",
     r"^\s*running\b", r"\bstarted\b", r"\bstarting\b", r"\bwaiting\b", r"\bprocessing\b", r"\baccepted\b",
     r"\bnot (?:yet )?(?:finished|complete|ready)\b", r"^\s*\[\d+\]\s+\d+\s*$", r"\bpid\s*[:=]?\s*\d+",
     r"\bjob (?:id\s*)?[:#]?\s*\w+ (?:submitted|created)", r"\bsubmitted\b", r"\bpoll(?:ing)? again\b",
-    r"\bcheck back\b", r"\bretry after\b",
+    r"\bcheck back\b", r"\bretry after\b", r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
+    r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.", r"\bdeselected\b", r"\bskipped\b.*\bin [\d.]+s\b",
 ]), _I)
 _NO_RESULTS = re.compile(
     r"\bno (?:results?|matches|matching|hits|records?|rows?|entries|items|documents?|files?)\b(?: (?:were )?found)?"
     r"|\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bnothing (?:found|matched)\b"
-    r"|\bfound 0\b|\breturned 0\b|\bempty (?:result|response|list|set)\b|^\s*(?:\(?empty\)?|none|null|nil)\s*$",
+    r"|\bfound 0\b|\breturned 0\b|\bempty (?:result|response|list|set)\b|^\s*(?:\(?empty\)?|none|null|nil)\s*$"
+    r"|\b(?:couldn'?t|could not|didn'?t|did not|unable to|can'?t|cannot) find (?:anything|any|a match|results?)\b"
+    r"|\bnothing (?:was |has been )?found\b|\bno \w+ (?:results|matches|hits) (?:were )?found\b|\bmatch(?:ed)? nothing\b"
+    r"|\b0 \w+ match\b|\bdid not match any\b|\bno (?:matching|relevant) \w+",
     _I)
+_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
+_DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
+                         r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
 _EMPTY = {"", "[]", "{}", "()", "null", "none", "nil", '""', "''", "(no output)", "<no output>", "no output",
           "(empty)", "<empty>", "empty", "n/a", "-"}
 _URL = re.compile(r"https?://\S+")
@@ -153,9 +165,10 @@ def _json_reading(obj) -> ToolReading | None:
     if not isinstance(obj, dict):
         return None
     low = {str(k).lower(): v for k, v in obj.items()}
-    err = low.get("error", low.get("errors", low.get("error_message", low.get("exception"))))
-    if err not in (None, False, "", [], {}, 0, "none", "null"):
-        return ToolReading(-1, "JSON error field")
+    for key, err in low.items():
+        if ("error" in key or key in ("exception", "fault", "failure")) and "count" not in key \
+                and err not in (None, False, "", [], {}, 0, "none", "null"):
+            return ToolReading(-1, f"JSON {key} field")
     for key in ("ok", "success", "succeeded"):
         if isinstance(low.get(key), bool):
             return ToolReading(1 if low[key] else -1, f"JSON {key}={str(low[key]).lower()}")
@@ -179,6 +192,10 @@ def _json_reading(obj) -> ToolReading | None:
     for key in _LIST_KEYS:
         if key in low and isinstance(low[key], list):
             return ToolReading(0, f"JSON {key} empty") if not low[key] else ToolReading(1, f"JSON {key} returned")
+    for key in ("message", "msg", "detail", "details", "description", "reason", "error_description", "title"):
+        v = low.get(key)
+        if isinstance(v, str) and len(v) <= SHORT_CHARS and (_ERROR.search(v) or _WEAK_ERROR.search(v)):
+            return ToolReading(-1, f"JSON {key} reports an error")
     for key in ("total", "count", "total_count", "num_results", "totalresults"):
         v = low.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v == 0 and len(low) <= 3:
@@ -209,7 +226,7 @@ def _test_reading(text: str) -> ToolReading | None:
     if _UNITTEST_FAILED.search(text) or _GO_FAIL.search(text):
         return ToolReading(-1, "test run failed")
     cleaned = _ZERO_COUNTS.sub(" ", text)
-    failed = sum(int(n) for n in _FAILED_N.findall(cleaned))
+    failed = sum(int(a or b) for a, b in _FAILED_N.findall(cleaned))
     passed = sum(int(n) for n in _PASSED_N.findall(cleaned))
     if failed:
         return ToolReading(-1, f"tests: {failed} failed")
@@ -224,6 +241,7 @@ def _test_reading(text: str) -> ToolReading | None:
 
 _FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*([1-9]\d*)\s+(?:results?|matches|"
                       r"files?|rows?|items|records|hits|documents?|entries|pages?|issues|messages|emails)\b"
+                      r"|^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b"
                       r"|^\s*(?:top|search) results\b|^\s*(?:results?|matches) (?:for|found)\b", re.I | re.M)
 
 
@@ -266,7 +284,9 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
     cleaned = _ZERO_COUNTS.sub(" ", s)
     listing = _is_listing(s)
     short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES
-    error = None if listing else (_ERROR.search(cleaned) or (_WEAK_ERROR.search(cleaned) if short else None))
+    no_results = bool(_NO_RESULTS.search(s))
+    error = None if listing else (_ERROR.search(cleaned) or (
+        _WEAK_ERROR.search(cleaned) if short and not no_results else None))
     codes = [int(m) for m in _EXIT.findall(s)]
     if codes:
         code = codes[-1]
@@ -286,9 +306,9 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
         return ToolReading(-1, f"error signature: {error.group(0).strip()[:40]}")
     if listing:
         return ToolReading(1, "result listing")
-    if _NO_RESULTS.search(s):
+    if no_results:
         return ToolReading(0, "no results")
-    if _PENDING.search(s) and not re.search(r"\b(?:done|finished|completed|succeeded)\b", s, re.I):
+    if _PENDING.search(s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", s)):
         return ToolReading(0, "pending")
     if _SUCCESS.search(s):
         return ToolReading(1, "success signature")

@@ -60,6 +60,7 @@ MAX_OPPOSITE = 0.2
 L2 = 1e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 HINT_MAX_CHARS = 1000
+REQUIRE_CUE = 1
 MAX_TEXT_CHARS = 2000
 
 
@@ -215,15 +216,17 @@ def _user_features(torch, emb, texts: list[str]):
 
 
 _EMAIL = re.compile(r"\b([\w.+-]+)@[\w-]+(?:\.[\w-]+)+\b")
-_NAME = re.compile(r"(?<=\s)[A-Z][a-z]{2,}\b")
+_NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
+_SENT = re.compile(r"\b(?:sent|delivered|forwarded|shared|invited|e-?mailed|notified|messaged|cc'?d|added|assigned|"
+                   r"transferred|paid|granted)\b", re.I)
 
 
 def _unrequested_recipient(result: str, request: str) -> bool:
-    """True when the result names an e-mail recipient none of whose name parts the request
-    mentions, while the request names someone (a capitalised word or an address): the action
-    may have reached the wrong person."""
+    """True when the result reports something sent or shared to an e-mail address none of whose
+    name parts the request mentions, while the request names someone (a capitalised word inside
+    a sentence, or an address): the action may have reached the wrong person."""
     emails = _EMAIL.findall(result)
-    if not emails or not (_NAME.search(" " + request) or _EMAIL.search(request)):
+    if not emails or not _SENT.search(result) or not (_NAME.search(request) or _EMAIL.search(request)):
         return False
     req = request.lower()
     for local in emails:
@@ -305,6 +308,12 @@ class NextStateClassifier:
             label, why = 0, "praise next to irony markers"
         elif label != 0 and cues.polarity == -label:
             label, why = 0, "cues contradict the models"
+        elif label == 1 and cues.negative_total:
+            label, why = 0, "praise mixed with complaint words"
+        elif label == 1 and REQUIRE_CUE and not cues.positive:
+            label, why = 0, "no praise or progress word"
+        elif label == -1 and REQUIRE_CUE > 1 and not (cues.negative_total or cues.correction or cues.sarcasm):
+            label, why = 0, "no complaint or correction word"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
