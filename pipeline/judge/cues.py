@@ -57,7 +57,8 @@ _POSITIVE_EN = _words(
     r"checks out", r"confirmed", r"ta", r"merci", r"danke", r"gracias", r"grazie", r"obrigad[oa]",
     r"much better", r"way better", r"haha+", r"yay", r"woo+", r"finally", r"incredible", r"wow", r"huge",
     r"massive", r"game ?changer", r"true", r"got it (?:working|running|to work)", r"(?:it'?s |is )?(?:working|running) now",
-    r"^done\b", r"[\w-]+ it is[!.]*$", r"^next\b", r"next(?: one| question| step| task| up)?:", r"^clean[.!]",
+    r"^done\b", r"[\w-]+ it is[!.]*$", r"went through", r"worked out", r"came through", r"(?:has |have )?arrived",
+    r"got (?:a|an|the|my) (?:[\w-]+ )?(?:invite|invitation|offer|confirmation|refund|job|approval|reply)", r"^next\b", r"next(?: one| question| step| task| up)?:", r"^clean[.!]",
     r"(?:very|so|nice and|super) clean",
     r"(?:much|way|so much|a lot|far) (?:better|clearer|nicer|cleaner|faster|more (?:readable|diplomatic|natural|"
     r"professional|polished|concise))", r"sent it", r"(?:it'?s |been )?sent(?=[.!]*$)",
@@ -67,13 +68,14 @@ _POSITIVE_EN = _words(
     r"(?:printing|sending|shipping|merging|posting|using) (?:it|this|that)", r"(?:back|up) and running",
     r"good to go", r"all set", r"all good", r"that'?s (?:great|perfect|awesome|lovely|helpful|brilliant)")
 _POSITIVE_OTHER = _words(
+    r"ja", r"jawohl", r"oui", r"sí", r"sim", r"да", r"tak", r"evet", r"ja(?:, )?precies",
     # de
-    r"danke(?: schön| sehr| dir)?", r"vielen dank", r"perfekt", r"super", r"klasse", r"genau", r"stimmt",
+    r"danke(?: schön| sehr| dir)?", r"viel besser", r"sehr gut", r"vielen dank", r"perfekt", r"super", r"klasse", r"genau", r"stimmt",
     r"richtig", r"funktioniert", r"klappt", r"toll", r"prima", r"passt", r"wunderbar", r"geil", r"spitze",
     # fr
     r"merci(?: beaucoup)?", r"parfait", r"génial", r"exactement", r"ça marche", r"ca marche", r"ça fonctionne",
     r"fonctionne", r"nickel", r"impeccable", r"top", r"bravo", r"excellent", r"c'?est (?:ça|bon|juste|correct)",
-    r"mignon", r"adore", r"adorer",
+    r"mignon", r"adore", r"adorer", r"bien vu", r"bien joué", r"beaucoup mieux", r"c'?est mieux",
     # es / pt / it
     r"gracias", r"muchas gracias", r"perfecto", r"genial", r"exacto", r"correcto", r"funciona", r"funcionó",
     r"excelente", r"muy bien", r"vale", r"buenísimo", r"grazie(?: mille)?", r"perfetto", r"esatto", r"corretto",
@@ -90,7 +92,7 @@ _POSITIVE_CJK = _chars(
     r"谢谢", r"多谢", r"感谢", r"完美", r"对了", r"正确", r"可以了", r"好的", r"没问题", r"太好了", r"成功",
     r"解决了", r"运行正常", r"就是这个", r"厉害", r"ありがとう", r"完璧", r"正しい", r"できました", r"動きました",
     r"助かり", r"いいね", r"素晴らしい", r"감사", r"고마워", r"완벽", r"맞아", r"정확", r"잘 돼", r"좋아요",
-    r"👍", r"🙏", r"🎉", r"✅", r"👌", r"❤", r"😍", r"🙌", r"💯", r"🔥", r"😊", r"😀", r"😄")
+    r"是的", r"はい", r"네", r"👍", r"🙏", r"✔", r"☑", r"🎉", r"✅", r"👌", r"❤", r"😍", r"🙌", r"💯", r"🔥", r"😊", r"😀", r"😄")
 
 _NEGATIVE_EN = _words(
     r"no", r"nope", r"nah", r"wrong(?:ly)?", r"incorrect", r"inaccurate", r"false", r"mistakes?", r"typos?",
@@ -111,8 +113,9 @@ _NEGATIVE_EN = _words(
     r"(?:hasn'?t|haven'?t|didn'?t|has not|have not|did not) (?:arrived|received|come|got|gotten|shown up|changed)",
     r"(?:nobody|no one|nothing) (?:can|could|works?|worked|loads?|happens|happened|changed|shows?|showed)",
     r"(?:is|are|was|were|looks|seems) (?:off|wrong|incorrect|broken|missing|empty)",
-    r"you (?:left|put) (?:out|in|half|the|a|it)", r"you still", r"i (?:don'?t|do not|can'?t|cannot) (?:see|find)",
-    r"^(?:it'?s|it is|that'?s|should be|actually) [\w.,'-]+[.!]?$", r"^[\w.,'-]+\*$",
+    r"you (?:left|put) (?:out|in|half|the|a|it)", r"you still", r"^(?:almost|nearly|close)\b[.!,]", r"i (?:don'?t|do not|can'?t|cannot) (?:see|find)",
+    r"^(?:it'?s|it is|should be|actually) (?!right|correct|true|fine|great|perfect|good|ok|okay|it|done)[\w.,'-]+[.!]?$",
+    r"^[\w.,'-]+\*$",
     r"(?<=[,;]) ?(?:pas|nicht|no|non|não|не|nie)\s+[\w'-]+",
     r"ich wollte", r"je voulais", r"quería", r"eu queria", r"volevo", r"ik wilde", r"я хотел[аи]?", r"try again", r"redo", r"re-?do",
     r"(?:do|write|say|check|read|explain|answer|run|look|fix) (?:it |that |this |them )?again", r"not again",
@@ -160,6 +163,7 @@ _NEGATIVE_CJK = _chars(
     r"いいえ", r"違います", r"間違", r"動かない", r"動きません", r"エラー", r"もう一度", r"長すぎ", r"だめ", r"ダメ",
     r"틀렸", r"아니", r"안 돼", r"오류", r"다시", r"너무 길", r"👎", r"🙄", r"😡", r"😤")
 
+_RELATIVE = re.compile(r"\b(?:what|which|whatever|if|whether) (?:was|is|were|gets?|got|has been|it) $", re.I)
 _IGNORE = _words(r"no way", r"no idea", r"no clue", r"no rush", r"no hurry", r"yes or no", r"if not")
 _SARCASM = _words(  # irony markers: praise next to them is not trusted
     r"oh (?:great|perfect|wonderful|brilliant|fantastic|joy|lovely|sure|awesome)",
@@ -193,11 +197,48 @@ _CORRECTION_FORM = _words(  # the shape of a correction or a change request, wit
 _CONTINUATION = re.compile(r"(?:otherwise|overall|all in all|anyway|in general|apart from that|other than that|"
                            r"still (?:great|good|perfect|helpful|useful)|sonst|ansonsten|sinon|por lo demás|"
                            r"per il resto)\b", re.I)
+_MOVING_ON = _words(r"next", r"now (?:can|could|would|do|let'?s|write|make|try|show|help)", r"another", r"also",
+                    r"moving on", r"let'?s (?:move on|do|try)", r"new (?:question|task)")
 _QUESTION_START = _words(
     r"why", r"how", r"what", r"which", r"where", r"when", r"who", r"is there", r"are there", r"can i", r"could i",
     r"should i", r"would (?:it|that|you)", r"does (?:it|this|that)", r"do you", r"is (?:it|this|that)",
     r"warum", r"wie", r"was", r"pourquoi", r"comment", r"quel", r"por qué", r"cómo", r"qué", r"perché", r"come",
     r"почему", r"как", r"что")
+
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:[.,]\d+)*")
+
+
+def _numbers(text: str) -> set[str]:
+    return {n.replace(",", "") for n in _NUMBER.findall(text or "")}
+
+
+def conflicting_number(reply: str, response: str) -> bool:
+    """A short reply that states a number the assistant's response did not give, while the
+    response gave numbers ("it's 210" after "350"): the user is correcting a value."""
+    if not response or len((reply or "").split()) > 8 or (reply or "").rstrip().endswith(("?", "？")):
+        return False
+    said, told = _numbers(reply), _numbers(response)
+    return bool(said and told and said - told)
+
+
+# one or two words trailing off ("shakespeare...") or starred ("ankara*"): a terse correction
+_TERSE_CORRECTION = re.compile(r"^(?!(?:hmm+|ok|okay|well|so|uh+|um+|sure|right|wait|yes|yeah|and|but|oh|ah|ha+|lol)\b)"
+                               r"[^\W\d_][\w'-]*(?: [\w'-]+)?(?:\.\.\.|…|\*)$", re.I)
+_CONTENT_WORD = re.compile(r"[^\W\d_]{4,}")
+_STOP = {"that", "this", "with", "have", "from", "what", "your", "will", "just", "please", "about", "would", "could",
+         "should", "there", "their", "them", "then", "than", "they", "were", "been", "being", "into", "also", "only",
+         "some", "more", "less", "very", "much", "does", "want", "need", "make", "like", "here", "when", "where"}
+
+
+def restates_request(reply: str, request: str) -> bool:
+    """A short reply made mostly of the request's own content words ("vegan. VEGAN." after
+    "recommend a vegan restaurant"): the user repeats what was asked, the reply missed it."""
+    if not request or len((reply or "").split()) > 12 or (reply or "").rstrip().endswith(("?", "？")):
+        return False
+    words = {w.lower() for w in _CONTENT_WORD.findall(reply)} - _STOP
+    asked = {w.lower() for w in _CONTENT_WORD.findall(request)} - _STOP
+    return bool(words) and len(words & asked) / len(words) >= 0.6
 
 
 @dataclass(frozen=True)
@@ -213,10 +254,13 @@ class Cues:
     sarcasm: int  # irony markers ("oh great, ...", "just what I needed")
     correction: int  # correction or change-request shapes ("should", "could you", "please", "instead")
     chars: int
+    number_conflict: bool = False  # a short reply stating a value the response did not give (needs the response)
+    restatement: bool = False  # a short reply repeating the request's words (needs the request)
 
     @property
     def negative_total(self) -> int:
-        return self.negative + self.negated_positive + (2 if self.contrast_negative else 0)
+        return (self.negative + self.negated_positive + (2 if self.contrast_negative else 0)
+                + (1 if (self.number_conflict or self.restatement) and not self.positive else 0))
 
     @property
     def polarity(self) -> int:
@@ -239,6 +283,8 @@ def _count_positive(text: str) -> tuple[int, int]:
         for m in pat.finditer(text):
             before = text[max(0, m.start() - 24): m.start()]
             window = " ".join(before.split()[-3:])
+            if _RELATIVE.search(before):
+                continue
             if _NEGATOR.search(window) or before.rstrip().lower().endswith("n't"):
                 negated += 1
             else:
@@ -254,25 +300,36 @@ _NEG = (_NEGATIVE_EN, _NEGATIVE_OTHER, _NEGATIVE_CJK)
 
 
 def tail_clause(text: str) -> str:
-    """The text after the last contrast word ("thanks, but X" -> "X"), or "" without one."""
+    """The text after the last contrast word ("thanks, but X" -> "X"), or "" without one. A
+    contrast word closing the text ("nice! X is wrong though") marks the sentence it closes."""
     last = None
     for last in _CONTRAST.finditer(text):
         pass
-    return text[last.end():].strip() if last else ""
+    if not last:
+        return ""
+    after = text[last.end():].strip(" .!?,;")
+    if after:
+        return text[last.end():].strip()
+    before = re.split(r"(?<=[.!?])\s+|[,;]\s*", text[: last.start()].strip())
+    return before[-1].strip() if len(before) > 1 else ""
 
 
-def read_cues(text: str) -> Cues:
-    """The :class:`Cues` of a user's reply."""
+def read_cues(text: str, response: str = "", request: str = "") -> Cues:
+    """The :class:`Cues` of a user's reply (``response``: the assistant's reply it answers, for
+    :func:`conflicting_number`; ``request``: the user's request, for :func:`restates_request`)."""
+    terse = 1 if _TERSE_CORRECTION.match((text or "").strip()) else 0
     t = " ".join((text or "").replace("…", " ").replace("...", " ").split())
     t = _IGNORE.sub(" ", t)
     praise_phrases = len(_PRAISE_PHRASES.findall(t))
     t_wo = _PRAISE_PHRASES.sub(" ", t)
     pos, neg_pos = _count_positive(t_wo)
-    neg = _count(_NEG, t_wo)
+    neg = _count(_NEG, t_wo) + terse
     tail = tail_clause(t_wo)
     if _CONTINUATION.match(tail):  # "but otherwise ...", "but overall ...": the praise stands
         tail = ""
     head = t_wo[: len(t_wo) - len(tail)] if tail else ""
+    if _MOVING_ON.search(head):  # "great. next: X but Y": the contrast belongs to the new request
+        tail = ""
     contrast_negative = bool(tail) and sum(_count_positive(head)) > 0 and (_count(_NEG, tail) > 0 or (
         not sum(_count_positive(tail)) and not _count((_HOLD, _HOLD_CJK), tail) and not tail.endswith(("?", "？"))
         and (bool(_CORRECTION_FORM.search(tail)) or len(tail.split()) >= 3)))
@@ -281,7 +338,8 @@ def read_cues(text: str) -> Cues:
     return Cues(positive=pos + praise_phrases, negative=neg, negated_positive=neg_pos,
                 hold=_count((_HOLD, _HOLD_CJK), t_wo), question=question, contrast_negative=contrast_negative,
                 sarcasm=len(_SARCASM.findall(t)), correction=len(_CORRECTION_FORM.findall(t_wo)),
-                chars=len(stripped))
+                chars=len(stripped), number_conflict=conflicting_number(stripped, response),
+                restatement=restates_request(stripped, request))
 
 
 CUE_DIM = 12

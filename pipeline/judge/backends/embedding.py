@@ -54,13 +54,16 @@ log = logging.getLogger(__name__)
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples.jsonl"
 LABELS = (1, 0, -1)  # class index order of the heads' outputs
 KNN_K = 7
-KNN_WEIGHT = 0.5  # share of the kNN vote in the averaged probabilities (the head has the rest)
-MIN_CONFIDENCE = 0.55
-MAX_OPPOSITE = 0.2
-L2 = 1e-2  # weight penalty of the embedding inputs
+KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
+MIN_CONFIDENCE = 0.5  # a sign from the models alone needs this probability ...
+MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
+AGREE_CONFIDENCE = 0.4  # a sign the lexical cues also point to needs only this (and to be the most likely)
+L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 HINT_MAX_CHARS = 1000
 REQUIRE_CUE = 1
+CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
+MODEL_ALONE = 0.8  # a +1 without any praise or progress word needs this probability
 MAX_TEXT_CHARS = 2000
 
 
@@ -287,19 +290,26 @@ class NextStateClassifier:
             return 0
         return best
 
-    def judge_user(self, text: str) -> Judgement:
-        """A user's reply: the models' confident sign, unless the cues contradict it.
+    def judge_user(self, text: str, response: str = "", request: str = "") -> Judgement:
+        """A user's reply: the models' confident sign, or their leaning when the lexical cues
+        point the same way, unless the cues contradict it.
 
-        Guards (each can only move a score toward 0, never flip it): the lexical cues point the
-        other way only; praise next to irony markers; praise followed by a complaining contrast
-        ("thanks, but ..."), which gives -1 when that clause alone reads as -1.
+        Guards (each can only move a score toward 0, never flip it): the cues point the other
+        way only; praise next to irony markers; praise mixed with complaint words; +1 without
+        any praise or progress word; praise followed by a complaining contrast ("thanks, but
+        ..."), which gives -1 when that clause alone reads as -1.
         """
         if not text.strip():
             return Judgement(0, {}, "empty reply")
         p = self.proba(text, "user")
-        label = self.decide(p)
-        cues = read_cues(text)
-        why = "user reply"
+        cues = read_cues(text, response, request)
+        label, why = self.decide(p), "models"
+        if cues.polarity and p[-cues.polarity] < CUE_VETO and not (cues.polarity == 1 and cues.sarcasm):
+            label, why = cues.polarity, "cues, not vetoed by the models"
+        if label == 0:
+            best = max(LABELS, key=lambda lab: p[lab])
+            if best != 0 and best == cues.polarity and p[best] >= AGREE_CONFIDENCE and not (best == 1 and cues.sarcasm):
+                label, why = best, "models lean where the cues point"
         if label == 1 and cues.contrast_negative:
             tail = tail_clause(text)
             label = -1 if tail and self.decide(self.proba(tail, "user")) == -1 else 0
@@ -310,7 +320,7 @@ class NextStateClassifier:
             label, why = 0, "cues contradict the models"
         elif label == 1 and cues.negative_total:
             label, why = 0, "praise mixed with complaint words"
-        elif label == 1 and REQUIRE_CUE and not cues.positive:
+        elif label == 1 and REQUIRE_CUE and not cues.positive and p[1] < MODEL_ALONE:
             label, why = 0, "no praise or progress word"
         elif label == -1 and REQUIRE_CUE > 1 and not (cues.negative_total or cues.correction or cues.sarcasm):
             label, why = 0, "no complaint or correction word"
@@ -336,7 +346,7 @@ class NextStateClassifier:
         users = [content_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
         users = [u for u in users if u.strip()]
         if users:
-            return self.judge_user("\n".join(users))
+            return self.judge_user("\n".join(users), response, request)
         tools = [m for m in messages if isinstance(m, dict) and m.get("role") != "user"]
         if not tools:
             return Judgement(0, {}, "empty next state")
