@@ -127,7 +127,8 @@ _PENDING = re.compile("|".join([
     r"^\s*running\b", r"\bstarted\b", r"\bstarting\b", r"\bwaiting\b", r"\bprocessing\b", r"\baccepted\b",
     r"\bnot (?:yet )?(?:finished|complete|ready)\b", r"^\s*\[\d+\]\s+\d+\s*$", r"\bpid\s*[:=]?\s*\d+",
     r"\bjob (?:id\s*)?[:#]?\s*\w+ (?:submitted|created)", r"\bsubmitted\b", r"\bpoll(?:ing)? again\b",
-    r"\bcheck back\b", r"\bretry after\b", r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
+    r"\bcheck back\b", r"\bretry after\b", r"\brequested\b", r"\bwill be (?:sent|processed|ready|available|notified)\b",
+    r"\byou'?ll (?:get|receive|be notified)\b", r"\b(?:when|once) (?:it is|it's|they are) (?:ready|done|finished)\b", r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
     r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.", r"\bdeselected\b", r"\bskipped\b.*\bin [\d.]+s\b",
 ]), _I)
 _NO_RESULTS = re.compile(
@@ -284,7 +285,7 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
     cleaned = _ZERO_COUNTS.sub(" ", s)
     listing = _is_listing(s)
     short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES
-    no_results = bool(_NO_RESULTS.search(s))
+    no_results = bool(_NO_RESULTS.search(cleaned))
     error = None if listing else (_ERROR.search(cleaned) or (
         _WEAK_ERROR.search(cleaned) if short and not no_results else None))
     codes = [int(m) for m in _EXIT.findall(s)]
@@ -312,6 +313,8 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
         return ToolReading(0, "pending")
     if _SUCCESS.search(s):
         return ToolReading(1, "success signature")
+    if _ZERO_COUNTS.search(s):
+        return ToolReading(1, "reports zero errors")
     if _WARNING.search(s):
         return ToolReading(None, "warnings only")
     return ToolReading(None, "no convention")
