@@ -208,3 +208,13 @@ def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     assert _metric(names[2], {}) - before[names[2]] == len(hint)
     assert _metric("pipeline_judge_hints_rejected_total", {"reason": "judged_no_hint"}) - rej["judged_no_hint"] == 1
     assert _metric("pipeline_judge_hints_rejected_total", {"reason": "backend_error"}) - rej["backend_error"] == 1
+
+
+def test_overlap_helper_finds_shingles_equal_and_near_duplicates():
+    from judge_overlap import overlaps
+
+    learned = ["one two three four five six seven eight nine", "Thanks, that works!", "the cat sat on the mat today"]
+    measured = ["zero one two three four five six seven eight", "thanks that works", "the cat sat on the mat today!",
+                "the cat sat on a mat today", "[]", "something else entirely"]
+    kinds = {(i, j): k for i, j, k in overlaps(learned, measured)}
+    assert kinds == {(0, 0): "shingle", (1, 1): "equal", (2, 2): "equal", (2, 3): "near"}

