@@ -29,6 +29,8 @@ def add_arguments(parser) -> None:
                              "the same per next-state role and category, and the OPD hint path; then exit")
     parser.add_argument("--misses", action="store_true", help="with --eval: list the ids of the rows scored wrong")
     parser.add_argument("--no-hints", action="store_true", help="with --eval: skip the OPD hint path")
+    parser.add_argument("--by", action="append", default=[], metavar="FIELD",
+                        help="with --eval: also break the figures down by this row field (repeatable, e.g. style)")
     parser.add_argument("--min-agreement", type=float, metavar="SHARE",
                         help="with --eval: exit 1 when agreement is below SHARE (e.g. 0.8)")
     parser.add_argument("--max-sign-errors", type=float, metavar="SHARE",
@@ -64,7 +66,7 @@ def _eval(args, config) -> int:
         await backend.start()
         try:
             return await evaluate(backend, rows, concurrency=max(1, min(8, config.judge.max_in_flight)),
-                                  hints=not args.no_hints)
+                                  hints=not args.no_hints, by=tuple(args.by))
         finally:
             await backend.aclose()
 

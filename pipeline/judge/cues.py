@@ -93,7 +93,8 @@ _POSITIVE_CJK = _chars(
     r"谢谢", r"多谢", r"感谢", r"完美", r"对了", r"正确", r"可以了", r"好的", r"没问题", r"太好了", r"成功",
     r"解决了", r"运行正常", r"就是这个", r"厉害", r"ありがとう", r"完璧", r"正しい", r"できました", r"動きました",
     r"助かり", r"いいね", r"素晴らしい", r"감사", r"고마워", r"완벽", r"맞아", r"정확", r"잘 돼", r"좋아요",
-    r"是的", r"はい", r"네", r"👍", r"🙏", r"✔", r"☑", r"🎉", r"✅", r"👌", r"❤", r"😍", r"🙌", r"💯", r"🔥", r"😊", r"😀", r"😄")
+    r"是的", r"はい", r"네", r"👍", r"🙏", r"✔", r"☑", r"🚀", r"✨", r"🥳", r"😁", r"😃", r"🤩", r"💪", r"⭐", r"🌟",
+    r"👏", r"🤗", r"😻", r"🎊", r"💖", r"💚", r"💙", r"🤝", r"✌", r"😎", r"🥰", r"☺", r"🙂", r"😆", r"😂", r"🎉", r"✅", r"👌", r"❤", r"😍", r"🙌", r"💯", r"🔥", r"😊", r"😀", r"😄")
 
 _NEGATIVE_EN = _words(
     r"no", r"nope", r"nah", r"wrong(?:ly)?", r"incorrect", r"inaccurate", r"false", r"mistakes?", r"typos?",
@@ -162,7 +163,8 @@ _NEGATIVE_OTHER = _words(
 _NEGATIVE_CJK = _chars(
     r"不对", r"错了", r"错误", r"不行", r"不是", r"还是", r"重新", r"太长", r"报错", r"没用", r"不能",
     r"いいえ", r"違います", r"間違", r"動かない", r"動きません", r"エラー", r"もう一度", r"長すぎ", r"だめ", r"ダメ",
-    r"틀렸", r"아니", r"안 돼", r"오류", r"다시", r"너무 길", r"👎", r"🙄", r"😡", r"😤")
+    r"틀렸", r"아니", r"안 돼", r"오류", r"다시", r"너무 길", r"👎", r"🙄", r"😡", r"😤", r"😠", r"😞", r"😢", r"😭", r"🤦",
+    r"🙁", r"☹", r"😒", r"😑", r"🤬", r"😩", r"😫", r"💩", r"❌", r"🤷")
 
 _RELATIVE = re.compile(r"\b(?:what|which|whatever|if|whether) (?:was|is|were|gets?|got|has been|it) $", re.I)
 _IGNORE = _words(r"no way", r"no idea", r"no clue", r"no rush", r"no hurry", r"yes or no", r"if not")
@@ -179,6 +181,18 @@ _SARCASM = _words(  # irony markers: praise next to them is not trusted
     r"very (?:centred|centered|short|brief|concise|helpful|descriptive|original|useful|clear)[.!]",
     r"i'?ll just (?:go )?\w+", r"classic[.!]*$", r"just go", r"what a surprise", r"who knew", r"how original",
     r"(?:^|[.!] )(?:brilliant|genius|great|perfect|wonderful|fantastic|amazing|lovely)\.(?= \w)")
+_TROUBLE = _words(  # words of things going wrong: praise next to them may be ironic ("great, it deleted everything")
+    r"deleted", r"lost", r"broke", r"broken", r"worse", r"slower", r"crash\w*", r"nothing", r"nobody",
+    r"no one", r"never", r"wasted?", r"hours", r"twice", r"another", r"anymore", r"any more",
+    r"ruined", r"destroyed", r"wiped", r"overw\w+", r"disappeared", r"vanished", r"stuck", r"hung", r"frozen",
+    r"freez\w*", r"useless", r"mess", r"chaos", r"disaster", r"empty", r"blank", r"missing", r"wrong", r"error\w*",
+    r"fail\w*", r"bug\w*", r"3 ?am", r"weekend", r"all night", r"every time", r"each time", r"of course",
+    r"obviously", r"clearly", r"apparently", r"somehow", r"literally", r"exactly what i (?:didn'?t|did not)")
+_DEFERRED = _words(  # the user has not checked the result yet
+    r"(?:i'?ll|i will|will|gonna|going to|let me|need to|have to|want to) (?:try|test|check|verify|look|see|run|"
+    r"get back|report|let you know|think|confirm|review|read)", r"(?:haven'?t|have not|not) (?:tried|tested|checked|"
+    r"run|read) (?:it |this |that )?yet", r"not (?:sure|tested) yet", r"we'?ll see", r"(?:ich|je|yo|vou|vado) "
+    r"(?:teste|testerai|probaré|testar|provo)", r"später", r"plus tard", r"más tarde", r"mais tarde", r"più tardi")
 _NEGATOR = re.compile(r"(?<![\w])(?:not|never|no longer|hardly|n't|nicht|pas|nunca|non|не|没|不)(?![\w])|n't", re.I)
 _HOLD = _words(
     r"wait", r"hold on", r"one sec(?:ond)?", r"a sec", r"a moment", r"a minute", r"brb", r"afk", r"later",
@@ -255,6 +269,8 @@ class Cues:
     sarcasm: int  # irony markers ("oh great, ...", "just what I needed")
     correction: int  # correction or change-request shapes ("should", "could you", "please", "instead")
     chars: int
+    trouble: int = 0  # words of things going wrong, outside praise phrases ("deleted", "hours", "nothing")
+    deferred: bool = False  # the user will check later ("I'll try it tomorrow")
     number_conflict: bool = False  # a short reply stating a value the response did not give (needs the response)
     restatement: bool = False  # a short reply repeating the request's words (needs the request)
 
@@ -339,7 +355,8 @@ def read_cues(text: str, response: str = "", request: str = "") -> Cues:
     return Cues(positive=pos + praise_phrases, negative=neg, negated_positive=neg_pos,
                 hold=_count((_HOLD, _HOLD_CJK), t_wo), question=question, contrast_negative=contrast_negative,
                 sarcasm=len(_SARCASM.findall(t)), correction=len(_CORRECTION_FORM.findall(t_wo)),
-                chars=len(stripped), number_conflict=conflicting_number(stripped, response),
+                chars=len(stripped), trouble=len(_TROUBLE.findall(t_wo)), deferred=bool(_DEFERRED.search(t_wo)),
+                number_conflict=conflicting_number(stripped, response),
                 restatement=restates_request(stripped, request))
 
 

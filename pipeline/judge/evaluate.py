@@ -210,6 +210,8 @@ class Agreement:
     total: Tally = field(default_factory=Tally)
     roles: dict = field(default_factory=dict)
     categories: dict = field(default_factory=dict)
+    by: tuple = ()  # further row fields to tally by (e.g. "style", "lang")
+    groups: dict = field(default_factory=dict)  # {field: {value: Tally}}
     failed: int = 0
     seconds: float = 0.0
     misses: list = field(default_factory=list)
@@ -230,6 +232,10 @@ class Agreement:
         self.roles.setdefault(row_role(row), Tally()).add(label, predicted)
         if row.get("category"):
             self.categories.setdefault(str(row["category"]), Tally()).add(label, predicted)
+        for name in self.by:  # a list-valued field (tags) counts the row under each of its values
+            values = row.get(name)
+            for value in (values if isinstance(values, list) else [] if values is None else [values]):
+                self.groups.setdefault(name, {}).setdefault(str(value), Tally()).add(label, predicted)
         self.failed += failed
         if predicted != label:
             self.misses.append((row["id"], label, predicted))
@@ -240,7 +246,8 @@ class Agreement:
                 f" {self.seconds:.1f} s{rate})")
 
 
-async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool = False) -> tuple[Agreement, dict]:
+async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool = False,
+                   by: tuple = ()) -> tuple[Agreement, dict]:
     """Score every row with ``backend`` (already started).
 
     Args:
@@ -248,10 +255,11 @@ async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool 
         rows: labelled rows (:func:`load_rows`).
         concurrency: rows judged at once.
         hints: also run the OPD hint path and tally it (``Agreement.hints``).
+        by: row fields to break the figures down by, besides role and ``category``.
     Returns:
         ``(Agreement, {row id: predicted score})``.
     """
-    res = Agreement(getattr(backend, "name", type(backend).__name__))
+    res = Agreement(getattr(backend, "name", type(backend).__name__), by=tuple(by))
     if hints:
         res.hints = HintTally()
     sem = asyncio.Semaphore(concurrency)
@@ -285,6 +293,9 @@ def report(res: Agreement, rows: list[dict] | None = None, preds: dict | None = 
         lines.append(f"  {role + ' next states:':<22} {t.summary()}")
     for cat, t in sorted(res.categories.items()):
         lines.append(f"  {'category ' + cat + ':':<22} {t.summary()}")
+    for name, values in res.groups.items():
+        for value, t in sorted(values.items()):
+            lines.append(f"  {name + ' ' + value + ':':<22} {t.summary()}")
     lines.append("  confusion matrix:")
     lines.extend(res.total.matrix(indent="    "))
     if res.hints is not None:

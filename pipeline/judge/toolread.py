@@ -90,7 +90,7 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
     r"\bcompilation (?:failed|terminated)\b", r"\bundefined reference to\b", r"^CONFLICT \(",
     r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!", r"\bmax retries exceeded\b", r"\bNewConnectionError\b",
-    r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b|warning\b)", r"^\s*\d+:\d+\s+(?:error|warning)\s", r"^[\w.-]+: \*\*\* ", r"\bNo rule to make target\b",
+    r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^\s*\d+:\d+\s+error\s", r"^[\w.-]+: \*\*\* ", r"\bNo rule to make target\b",
 ]), _I)
 _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like output
     r"\bAccess (?:is )?denied\b", r"\bKilled\b", r"\bout of memory\b", r"\btimed out\b", r"\btime-?out\b",

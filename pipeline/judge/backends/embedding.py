@@ -27,8 +27,10 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
 
 The user's message, when there is one, decides (it is the user's verdict on the turn); tool
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
-models may say +1 or abstain, never -1: errors are read from structure. A success naming an
-e-mail recipient the user's request does not mention abstains. One vote, no parse failures.
+models may say +1 or abstain, never -1: errors are read from structure. A tool success abstains
+when the call acted on something other than the user's request names (another file, person,
+ticket, number: :mod:`pipeline.judge.context`) or when a search's results are unrelated to its
+query. One vote, no parse failures.
 Measured figures are in the README (``pipeline judge --eval``).
 
 For OPD the hint is the corrective next state itself: when the next state is scored -1 and its
@@ -43,13 +45,13 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
+from pipeline.judge.context import call_query, target_mismatch
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
@@ -68,6 +70,7 @@ HINT_MAX_CHARS = 1000
 CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
 MAX_TEXT_CHARS = 2000
 RECENT = 256
+SEARCH_MIN_SIMILARITY = 0.2  # a search-like call whose results are less similar to its query abstains
 
 
 def minilm_dir() -> Path:
@@ -221,27 +224,6 @@ def _user_features(torch, emb, texts: list[str]):
     return torch.cat([emb, cues], dim=1)
 
 
-_EMAIL = re.compile(r"\b([\w.+-]+)@[\w-]+(?:\.[\w-]+)+\b")
-_NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
-_SENT = re.compile(r"\b(?:sent|delivered|forwarded|shared|invited|e-?mailed|notified|messaged|cc'?d|added|assigned|"
-                   r"transferred|paid|granted)\b", re.I)
-
-
-def _unrequested_recipient(result: str, request: str) -> bool:
-    """True when the result reports something sent or shared to an e-mail address none of whose
-    name parts the request mentions, while the request names someone (a capitalised word inside
-    a sentence, or an address): the action may have reached the wrong person."""
-    emails = _EMAIL.findall(result)
-    if not emails or not _SENT.search(result) or not (_NAME.search(request) or _EMAIL.search(request)):
-        return False
-    req = request.lower()
-    for local in emails:
-        parts = [p for p in re.split(r"[._+-]", local.lower()) if len(p) >= 2]
-        if parts and not any(p in req for p in parts):
-            return True
-    return False
-
-
 class NextStateClassifier:
     """Judges next-state messages (module docstring, layers 1-3).
 
@@ -321,20 +303,38 @@ class NextStateClassifier:
             label, why = 0, "praise mixed with complaint words"
         elif label == 1 and not cues.positive:
             label, why = 0, "no praise or progress word"
+        elif label == 1 and cues.trouble:
+            label, why = 0, "praise next to words of things going wrong"
+        elif label == 1 and cues.deferred:
+            label, why = 0, "praise, but the result is not checked yet"
+        elif label == -1 and cues.positive > cues.negative_total and not (cues.contrast_negative or cues.sarcasm):
+            label, why = 0, "complaint mixed with praise"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
         """One tool result: structure first; else the models, which may only say +1 or abstain
-        (an error without any error structure is too rare to trust a model's -1 on data); a
-        success that names a recipient the user's request does not mention abstains."""
+        (an error without any error structure is too rare to trust a model's -1 on data).
+
+        A success abstains when the call acted on something other than the request names
+        (:func:`pipeline.judge.context.target_mismatch`), or when a search-like call's results
+        are unrelated to its query (cosine similarity below ``SEARCH_MIN_SIMILARITY``).
+        """
         reading = read_tool_result(text, call)
         if reading.label is not None:
             label, p, why = reading.label, {}, reading.reason
         else:
             p = self.proba(text, "tool")
             label, why = max(0, self.decide(p)), f"tool result ({reading.reason})"
-        if label == 1 and request.strip() and _unrequested_recipient(text, request):
-            label, why = 0, "success for a recipient the request does not name"
+        if label == 1:
+            mismatch = target_mismatch(request, call)
+            if mismatch:
+                return Judgement(0, p, f"call targets something else ({mismatch})")
+            query = call_query(call)
+            if query and text.strip():
+                e = self.embedder.encode([clip(query, 500), clip(text, MAX_TEXT_CHARS)])
+                sim = float(e[0] @ e[1])
+                if sim < SEARCH_MIN_SIMILARITY:
+                    return Judgement(0, p, f"results unrelated to the query (similarity {sim:.2f})")
         return Judgement(label, p, why)
 
     def judge(self, messages: list, response: str = "", request: str = "") -> Judgement:

@@ -1,0 +1,130 @@
+"""Context checks of a tool result: did the call act on what the user asked for?
+
+A tool can succeed at the wrong thing: the right command on the wrong file, a message to the
+wrong person, the tests of another module. The result alone then reads as a success; only the
+user's request next to the assistant's tool call shows the mismatch. :func:`target_mismatch`
+compares the specific things each names (file names and paths, e-mail addresses and the names
+in them, @handles and #channels, quoted strings, ticket-style ids, numbers, names of people or
+places) kind by kind: when both sides name things of one kind and none of them match, the call
+targeted something else. :func:`call_query` gives the query of a search-like call, for a
+relevance check of its results.
+
+Both are heuristics that can only make the judge abstain (score 0); they never produce a sign.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_FILE = re.compile(r"(?<![\w@/.-])(?:[\w-]+/)*[\w-]+\.(?:[a-z][a-z0-9]{0,4})\b", re.I)
+_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+_HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
+_QUOTED = re.compile(r"[\"'`“‘]([^\"'`”’\n]{2,60})[\"'`”’]")
+_TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
+_NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
+_WORDS = re.compile(r"[^\W_]+")
+_QUERY_KEYS = ("q", "query", "search", "search_query", "term", "terms", "keywords")
+_SEARCH_TOOL = re.compile(r"search|find|lookup|look_up|browse|google|bing|retriev|news|wiki", re.I)
+_NOT_TARGETS = {"json", "yaml", "true", "false", "null", "none"}
+
+
+def call_text(response: str) -> str:
+    """The rendered tool calls (``name(arguments)`` lines) of an assistant output, or ""."""
+    _, sep, calls = (response or "").partition("[tool calls]")
+    return calls.strip() if sep else ""
+
+
+def _call_args(calls: str) -> list[str]:
+    """String values of the tool calls' JSON arguments (the whole argument text if not JSON)."""
+    out = []
+    for line in calls.splitlines():
+        _, sep, rest = line.partition("(")
+        if not sep:
+            continue
+        raw = rest[:-1] if rest.endswith(")") else rest
+        try:
+            args = json.loads(raw)
+        except ValueError:
+            out.append(raw)
+            continue
+        stack = [args]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+            elif v is not None and not isinstance(v, bool):
+                out.append(str(v))
+    return out
+
+
+def _things(text: str) -> dict[str, set[str]]:
+    """The specific things a text names, by kind, normalised to lower case."""
+    found: dict[str, set[str]] = {}
+
+    def add(kind: str, values) -> None:
+        vals = {v.lower().strip() for v in values if v and v.lower().strip() not in _NOT_TARGETS}
+        if vals:
+            found.setdefault(kind, set()).update(vals)
+
+    emails = _EMAIL.findall(text)
+    add("email", emails)
+    without_emails = _EMAIL.sub(" ", text)
+    add("file", [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)])
+    add("handle", _HANDLE.findall(without_emails))
+    add("ticket", _TICKET.findall(text))
+    add("number", [n.lstrip("0") or "0" for n in _NUMBER.findall(_FILE.sub(" ", without_emails))])
+    add("name", _NAME.findall(" " + without_emails) + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
+                                                        if len(p) >= 3])
+    return found
+
+
+def target_mismatch(request: str, response: str) -> str | None:
+    """Why the tool call seems to act on something other than the request names, or None.
+
+    Args:
+        request: the user's request the turn answered.
+        response: the assistant's output with its rendered tool calls (``[tool calls]`` block).
+    Returns:
+        e.g. ``"file: request names report.pdf, the call summary.pdf"``; None when no kind of
+        thing is named on both sides, or when a named thing matches.
+    """
+    calls = call_text(response)
+    if not calls or not (request or "").strip():
+        return None
+    asked = _things(request)
+    called = _things(" \n".join(_call_args(calls)))
+    called_text = " ".join(_call_args(calls)).lower()
+    for kind in ("email", "file", "handle", "ticket", "name", "number"):
+        want, got = asked.get(kind), called.get(kind)
+        if not want or not got:
+            continue
+        if kind == "name":  # a name matches when it appears anywhere in the call
+            if any(w in called_text for w in want):
+                continue
+        elif want & got or any(w in called_text for w in want):
+            continue
+        return f"{kind}: request names {', '.join(sorted(want))[:60]}, the call {', '.join(sorted(got))[:60]}"
+    return None
+
+
+def call_query(response: str) -> str | None:
+    """The query string of a search tool call: a tool whose name says search (``web_search``,
+    ``find_docs``, ``kb_lookup`` ...) with an argument ``q``, ``query``, ``search``, ``keywords``."""
+    for line in call_text(response).splitlines():
+        name, sep, rest = line.partition("(")
+        if not sep or not _SEARCH_TOOL.search(name):
+            continue
+        try:
+            args = json.loads(rest[:-1] if rest.endswith(")") else rest)
+        except ValueError:
+            continue
+        if isinstance(args, dict):
+            for key in _QUERY_KEYS:
+                v = args.get(key)
+                if isinstance(v, str) and len(_WORDS.findall(v)) >= 1:
+                    return v
+    return None
