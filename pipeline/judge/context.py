@@ -4,8 +4,9 @@ A tool can succeed at the wrong thing: the right command on the wrong file, a me
 wrong person, the tests of another module. The result alone then reads as a success; only the
 user's request next to the assistant's tool call shows the mismatch. :func:`target_mismatch`
 compares the specific things each names (file names and paths, e-mail addresses and the names
-in them, @handles and #channels, quoted strings, ticket-style ids, numbers, names of people or
-places) kind by kind: when both sides name things of one kind and none of them match, the call
+in them, @handles and #channels, ticket-style ids, identifiers such as ``web-2`` or
+``feature/login``, environments and branches, dates and times, numbers, names of people or
+places, also read from the argument they are passed as) kind by kind: when both sides name things of one kind and none of them match, the call
 targeted something else. :func:`call_query` gives the query of a search-like call, for a
 relevance check of its results.
 
@@ -24,8 +25,21 @@ _QUOTED = re.compile(r"[\"'`“‘]([^\"'`”’\n]{2,60})[\"'`”’]")
 _TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
+_IDENT = re.compile(r"(?<![\w@#/.-])(?=[\w-]*[a-z])[a-z0-9]+(?:[-_/:.][a-z0-9]+)+(?![\w-])", re.I)
+_ENV = re.compile(r"\b(?:prod|production|staging|stage|dev|development|qa|sandbox|preview|live|main|master|develop|"
+                  r"release|canary|beta|test|testing)\b", re.I)
+_WEEKDAY = re.compile(r"\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b", re.I)
+_MONTH = re.compile(r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b",
+                    re.I)
+_ISODATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+_CLOCK = re.compile(r"\b\d{1,2}:\d{2}\b")
+_AMPM = re.compile(r"\b\d{1,2}\s?(?:am|pm)\b", re.I)
+_PERSON_KEYS = {"to", "recipient", "recipients", "user", "username", "assignee", "owner", "name", "contact", "cc",
+                "reviewer", "reviewers", "member", "person", "attendee", "attendees", "invitee", "for"}
+_ENV_KEYS = {"env", "environment", "stage", "target", "cluster", "namespace", "branch", "region", "workspace"}
 _WORDS = re.compile(r"[^\W_]+")
 _QUERY_KEYS = ("q", "query", "search", "search_query", "term", "terms", "keywords")
+_CODE_QUERY = re.compile(r"\s*(?:select|insert|update|delete|with|match|create|drop)\b|\s*[{\[]", re.I)
 _SEARCH_TOOL = re.compile(r"search|find|lookup|look_up|browse|google|bing|retriev|news|wiki", re.I)
 _NOT_TARGETS = {"json", "yaml", "true", "false", "null", "none"}
 
@@ -36,8 +50,9 @@ def call_text(response: str) -> str:
     return calls.strip() if sep else ""
 
 
-def _call_args(calls: str) -> list[str]:
-    """String values of the tool calls' JSON arguments (the whole argument text if not JSON)."""
+def _call_items(calls: str) -> list[tuple[str, str]]:
+    """``(argument name, value)`` of the tool calls' JSON arguments, nested values flattened
+    (name "" for the whole argument text when it is not JSON)."""
     out = []
     for line in calls.splitlines():
         _, sep, rest = line.partition("(")
@@ -47,18 +62,23 @@ def _call_args(calls: str) -> list[str]:
         try:
             args = json.loads(raw)
         except ValueError:
-            out.append(raw)
+            out.append(("", raw))
             continue
-        stack = [args]
+        stack = [("", args)]
         while stack:
-            v = stack.pop()
+            key, v = stack.pop()
             if isinstance(v, dict):
-                stack.extend(v.values())
+                stack.extend((str(k).lower(), x) for k, x in v.items())
             elif isinstance(v, list):
-                stack.extend(v)
+                stack.extend((key, x) for x in v)
             elif v is not None and not isinstance(v, bool):
-                out.append(str(v))
+                out.append((key, str(v)))
     return out
+
+
+def _call_args(calls: str) -> list[str]:
+    """String values of the tool calls' arguments."""
+    return [v for _, v in _call_items(calls)]
 
 
 def _things(text: str) -> dict[str, set[str]]:
@@ -77,9 +97,35 @@ def _things(text: str) -> dict[str, set[str]]:
     add("handle", _HANDLE.findall(without_emails))
     add("ticket", _TICKET.findall(text))
     add("number", [n.lstrip("0") or "0" for n in _NUMBER.findall(_FILE.sub(" ", without_emails))])
-    add("name", _NAME.findall(" " + without_emails) + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
+    add("name", [n for n in _NAME.findall(" " + without_emails) if not (_WEEKDAY.fullmatch(n) or _MONTH.fullmatch(n))]
+        + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
                                                         if len(p) >= 3])
+    add("env", _ENV.findall(text))
+    add("weekday", _WEEKDAY.findall(text))
+    add("month", _MONTH.findall(text))
+    add("isodate", _ISODATE.findall(text))
+    add("clock", _CLOCK.findall(text))
+    add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
+    add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
     return found
+
+
+def _call_things(calls: str) -> dict[str, set[str]]:
+    """:func:`_things` of the call's argument values, plus names and environments read from
+    the argument they are passed as (``to``, ``assignee`` ...; ``env``, ``branch`` ...)."""
+    items = _call_items(calls)
+    found = _things(" \n".join(v for _, v in items))
+    for key, value in items:
+        words = [w.lower() for w in _WORDS.findall(value)]
+        if key in _PERSON_KEYS and 1 <= len(words) <= 3 and not value.isupper():
+            found.setdefault("name", set()).update(w for w in words if len(w) >= 3)
+        if key in _ENV_KEYS and 1 <= len(words) <= 3:
+            found.setdefault("env", set()).update(words)
+    return found
+
+
+KINDS = ("email", "file", "handle", "ticket", "name", "env", "weekday", "month", "isodate", "clock", "ampm", "ident",
+         "number")
 
 
 def target_mismatch(request: str, response: str) -> str | None:
@@ -96,14 +142,14 @@ def target_mismatch(request: str, response: str) -> str | None:
     if not calls or not (request or "").strip():
         return None
     asked = _things(request)
-    called = _things(" \n".join(_call_args(calls)))
+    called = _call_things(calls)
     called_text = " ".join(_call_args(calls)).lower()
-    for kind in ("email", "file", "handle", "ticket", "name", "number"):
+    for kind in KINDS:
         want, got = asked.get(kind), called.get(kind)
         if not want or not got:
             continue
-        if kind == "name":  # a name matches when it appears anywhere in the call
-            if any(w in called_text for w in want):
+        if kind in ("name", "env"):  # a name matches when it appears anywhere in the call
+            if any(re.search(r"(?<![^\W_])" + re.escape(w), called_text) for w in want):
                 continue
         elif want & got or any(w in called_text for w in want):
             continue
@@ -112,11 +158,12 @@ def target_mismatch(request: str, response: str) -> str | None:
 
 
 def call_query(response: str) -> str | None:
-    """The query string of a search tool call: a tool whose name says search (``web_search``,
-    ``find_docs``, ``kb_lookup`` ...) with an argument ``q``, ``query``, ``search``, ``keywords``."""
+    """The query string of a search call: an argument ``q``, ``search`` or ``keywords``, or
+    ``query``/``term`` of a tool whose name says search (``web_search``, ``kb_lookup`` ...);
+    not database or code queries (SQL, JSON)."""
     for line in call_text(response).splitlines():
         name, sep, rest = line.partition("(")
-        if not sep or not _SEARCH_TOOL.search(name):
+        if not sep:
             continue
         try:
             args = json.loads(rest[:-1] if rest.endswith(")") else rest)
@@ -125,6 +172,8 @@ def call_query(response: str) -> str | None:
         if isinstance(args, dict):
             for key in _QUERY_KEYS:
                 v = args.get(key)
-                if isinstance(v, str) and len(_WORDS.findall(v)) >= 1:
+                if not isinstance(v, str) or not _WORDS.findall(v) or _CODE_QUERY.match(v):
+                    continue
+                if _SEARCH_TOOL.search(name) or key in ("q", "search", "search_query", "keywords"):
                     return v
     return None

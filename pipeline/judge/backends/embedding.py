@@ -68,9 +68,11 @@ L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 HINT_MAX_CHARS = 1000
 CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
+CUE_VETO_PRAISE = 0.6  # the same for praise (irony hides here: lower is more careful)
+MODELS_ALONE_NEGATIVE = 0.5  # a -1 from the models without a cue direction needs this probability
 MAX_TEXT_CHARS = 2000
 RECENT = 256
-SEARCH_MIN_SIMILARITY = 0.2  # a search-like call whose results are less similar to its query abstains
+SEARCH_MIN_SIMILARITY = 0.3  # a search-like call whose results are less similar to its query abstains
 
 
 def minilm_dir() -> Path:
@@ -286,10 +288,13 @@ class NextStateClassifier:
             return Judgement(0, {}, "empty reply")
         p = self.proba(text, "user")
         cues = read_cues(text, response, request)
-        if cues.polarity and p[-cues.polarity] < CUE_VETO:
+        veto = CUE_VETO_PRAISE if cues.polarity == 1 else CUE_VETO
+        if cues.polarity and p[-cues.polarity] < veto:
             label, why = cues.polarity, "cues, not vetoed by the models"
         else:
             label, why = self.decide(p), "models"
+            if label == -1 and p[-1] < MODELS_ALONE_NEGATIVE:
+                label = 0
         # guards: each moves a score toward 0 (or a praise-then-complaint to -1), never flips a sign
         if label == 1 and cues.contrast_negative:
             tail = tail_clause(text)
