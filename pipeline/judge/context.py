@@ -177,3 +177,50 @@ def call_query(response: str) -> str | None:
                 if _SEARCH_TOOL.search(name) or key in ("q", "search", "search_query", "keywords"):
                     return v
     return None
+
+
+_TARGET_KEYS = {"path", "file", "filename", "filepath", "file_path", "dir", "directory", "folder", "dest", "destination",
+                "to", "recipient", "recipients", "cc", "email", "assignee", "user", "username", "contact", "customer",
+                "branch", "env", "environment", "region", "cluster", "namespace", "database", "db", "table", "repo",
+                "repository", "ticket", "issue", "order_id", "account"}
+_SHELL_KEYS = {"cmd", "command", "script", "shell", "args", "argv", ""}
+_PATHLIKE = re.compile(r"(?<![\w-])(?:~|\.{0,2})?/?(?:[\w.-]+/)+[\w.-]*|(?<![\w/.-])[\w-]+\.[a-z][a-z0-9]{0,4}\b", re.I)
+_GENERIC = set("""tmp var log logs home usr bin etc src lib test tests spec specs data file files dir py js ts tsx jsx
+json yml yaml txt md csv sh cfg ini toml lock the app apps main index default new old all root local www api v1 v2
+http https com org net io example localhost dev null none true false out build dist docs doc html css png jpg pdf zip
+gz tar mnt opt srv run user users config conf settings public static assets images img node_modules venv env""".split())
+
+
+def _present(word: str, request: str) -> bool:
+    """``word`` (lower case) or a word sharing its first 5 letters occurs in the request."""
+    if re.search(r"(?<![^\W_])" + re.escape(word), request):
+        return True
+    return len(word) >= 6 and re.search(r"(?<![^\W_])" + re.escape(word[:5]), request) is not None
+
+
+def unrequested_target(request: str, response: str) -> str | None:
+    """Why a tool call seems to act on a target the request never mentions, or None.
+
+    A target is an argument passed as a path, recipient, branch, environment, channel, service,
+    id ... (or a path in a shell command). It is unrequested when it has a distinctive word
+    (not a generic one such as ``src``, ``tests``, ``json``) and none of its distinctive words,
+    nor a word sharing their first five letters, occurs in the request.
+    """
+    calls = call_text(response)
+    req = (request or "").lower()
+    if not calls or len(_WORDS.findall(req)) < 3:
+        return None
+    for key, value in _call_items(calls):
+        if key in _SHELL_KEYS:  # paths in a command count when the request itself names a file or path
+            values = _PATHLIKE.findall(value) if _PATHLIKE.search(request or "") else []
+        elif key in _TARGET_KEYS and len(value) <= 120 and not (value.isupper() and len(value) <= 5):
+            values = [value]  # (short upper-case codes such as airport or currency codes are not names)
+        else:
+            continue
+        for v in values:
+            words = {w.lower() for w in re.split(r"[\W_]+", _EMAIL.sub(lambda m: m.group(0).split("@")[0], v))
+                     if len(w) >= 3 and not w.isdigit()}
+            distinctive = words - _GENERIC
+            if distinctive and not any(_present(w, req) for w in distinctive):
+                return f"{key or 'command'} {v[:60]!r} is not in the request"
+    return None

@@ -269,6 +269,7 @@ class Cues:
     sarcasm: int  # irony markers ("oh great, ...", "just what I needed")
     correction: int  # correction or change-request shapes ("should", "could you", "please", "instead")
     chars: int
+    strong_positive: int = 0  # positive cues other than weak, irony-prone ones ("great", "nice", "sure")
     trouble: int = 0  # words of things going wrong, outside praise phrases ("deleted", "hours", "nothing")
     deferred: bool = False  # the user will check later ("I'll try it tomorrow")
     number_conflict: bool = False  # a short reply stating a value the response did not give (needs the response)
@@ -291,6 +292,22 @@ class Cues:
         if neg and not self.positive:
             return -1
         return 0
+
+
+_WEAK_PRAISE = re.compile(r"(?:great|good|nice|cool|fine|sweet|neat|ok(?:ay)?|sure|wow|true|yes|yeah|yep|yup|ya|ja|"
+                          r"oui|sí|sim|да|right|clear|better|finally|haha+|incredible|huge|massive|ta|lol)[.!]*", re.I)
+
+
+def _count_strong(text: str) -> int:
+    """Positive cues other than the weak, irony-prone ones ("great", "nice", "sure" ...)."""
+    n = 0
+    for pat in (_POSITIVE_EN, _POSITIVE_OTHER, _POSITIVE_CJK):
+        for m in pat.finditer(text):
+            before = text[max(0, m.start() - 24): m.start()]
+            if _RELATIVE.search(before) or _NEGATOR.search(" ".join(before.split()[-3:])):
+                continue
+            n += not _WEAK_PRAISE.fullmatch(m.group(0))
+    return n
 
 
 def _count_positive(text: str) -> tuple[int, int]:
@@ -356,6 +373,7 @@ def read_cues(text: str, response: str = "", request: str = "") -> Cues:
                 hold=_count((_HOLD, _HOLD_CJK), t_wo), question=question, contrast_negative=contrast_negative,
                 sarcasm=len(_SARCASM.findall(t)), correction=len(_CORRECTION_FORM.findall(t_wo)),
                 chars=len(stripped), trouble=len(_TROUBLE.findall(t_wo)), deferred=bool(_DEFERRED.search(t_wo)),
+                strong_positive=praise_phrases + _count_strong(t_wo),
                 number_conflict=conflicting_number(stripped, response),
                 restatement=restates_request(stripped, request))
 

@@ -11,7 +11,10 @@ looks for them and returns a :class:`ToolReading`:
   (queued/pending/running jobs, an empty output, "no results"): nothing to reward or punish;
 - ``label`` None when no convention was found (plain data, prose): the model decides.
 
-Order of precedence, most specific first: test summary counts; explicit exit status or HTTP
+Outcomes that are not settled come first and give 0: dry runs, partial or truncated output,
+flaky tests that passed on a retry, and failures of the environment rather than of the call (a
+rate limit, an overloaded or unavailable service: HTTP 429/502/503/504). Then, most specific
+first: test summary counts; explicit exit status or HTTP
 status; error signatures (a traceback, ``XxxError:`` at a line start, ``fatal:``, "command not
 found", "permission denied" ...; weaker words such as "failed", "invalid", "not found" only in a
 short, status-like output, not in file contents or data); a listing of results; "no results";
@@ -142,6 +145,20 @@ _NO_RESULTS = re.compile(
 _DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
 _DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
                          r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
+# failures of the environment, not of the action: rate limits, overload, maintenance (retry later)
+_TRANSIENT_CODES = {429, 502, 503, 504}
+_TRANSIENT = re.compile(
+    r"\brate[ -]?limit(?:ed)?\b|\btoo many requests\b|\btemporar(?:y|ily) (?:unavailable|failure|error|down)\b"
+    r"|\b(?:try|retry|please retry) (?:again )?(?:later|in \d+|after)\b|\bretry[- ]after\b|\bunder maintenance\b"
+    r"|\bservice (?:is )?unavailable\b|\bserver (?:is )?(?:overloaded|busy)\b|\bquota (?:exceeded|reached)\b", re.I)
+# the action did not (fully) happen or its outcome is not known: dry runs, partial or truncated
+# output, flaky tests that passed only on a retry
+_UNSETTLED = re.compile(
+    r"\bdry[- ]run\b|\bwould (?:be )?(?:delete|remove|create|update|change|install|apply|send|write|move|add)\w*\b"
+    r"|\bno changes (?:were )?(?:made|applied)\b|\b(?:output )?truncated\b|\bpartial(?:ly)?\b|\bincomplete\b"
+    r"|\b\d+ of \d+ (?:\w+ )?(?:processed|done|completed|copied|uploaded|migrated|imported)\b|\bflaky\b"
+    r"|\bpassed on (?:retry|rerun|re-run)\b|\brerun\w*\b.*\bpassed\b|\bstopped after\b|\binterrupted\b"
+    r"|\b\.\.\. ?\(?\d+ more (?:lines|rows|results|items)\)?", re.I)
 _EMPTY = {"", "[]", "{}", "()", "null", "none", "nil", '""', "''", "(no output)", "<no output>", "no output",
           "(empty)", "<empty>", "empty", "n/a", "-"}
 _URL = re.compile(r"https?://\S+")
@@ -207,6 +224,8 @@ def _json_reading(obj) -> ToolReading | None:
 def _http_reading(code: int) -> ToolReading:
     if code in (202,):
         return ToolReading(0, f"HTTP {code} (accepted, not done)")
+    if code in _TRANSIENT_CODES:
+        return ToolReading(0, f"HTTP {code} (transient, not caused by the call)")
     if 200 <= code < 300 or code == 304:
         return ToolReading(1, f"HTTP {code}")
     if 400 <= code < 600:
@@ -279,9 +298,13 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
                 return reading
             if not _ERROR.search(_ZERO_COUNTS.sub(" ", s)):
                 return ToolReading(None, "JSON data")
+    if _UNSETTLED.search(s):
+        return ToolReading(0, "not settled (dry run, partial, truncated or flaky)")
     reading = _test_reading(s)
     if reading is not None:
         return reading
+    if _TRANSIENT.search(s):
+        return ToolReading(0, "transient failure of the environment (rate limit, overload)")
     cleaned = _ZERO_COUNTS.sub(" ", s)
     listing = _is_listing(s)
     short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES

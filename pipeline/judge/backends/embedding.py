@@ -51,7 +51,7 @@ from pathlib import Path
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.context import call_query, target_mismatch
+from pipeline.judge.context import call_query, target_mismatch, unrequested_target
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
@@ -69,6 +69,7 @@ L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the v
 HINT_MAX_CHARS = 1000
 CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
 CUE_VETO_PRAISE = 0.6  # the same for praise (irony hides here: lower is more careful)
+LONG_WORDS = 10  # a reply this long needs more than a weak praise word ("great", "nice") for +1
 MODELS_ALONE_NEGATIVE = 0.5  # a -1 from the models without a cue direction needs this probability
 MAX_TEXT_CHARS = 2000
 RECENT = 256
@@ -310,6 +311,8 @@ class NextStateClassifier:
             label, why = 0, "no praise or progress word"
         elif label == 1 and cues.trouble:
             label, why = 0, "praise next to words of things going wrong"
+        elif label == 1 and not cues.strong_positive and len(text.split()) >= LONG_WORDS:
+            label, why = 0, "only weak praise words in a long reply"
         elif label == 1 and cues.deferred:
             label, why = 0, "praise, but the result is not checked yet"
         elif label == -1 and cues.positive > cues.negative_total and not (cues.contrast_negative or cues.sarcasm):
@@ -331,7 +334,7 @@ class NextStateClassifier:
             p = self.proba(text, "tool")
             label, why = max(0, self.decide(p)), f"tool result ({reading.reason})"
         if label == 1:
-            mismatch = target_mismatch(request, call)
+            mismatch = target_mismatch(request, call) or unrequested_target(request, call)
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)
