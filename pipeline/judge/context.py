@@ -224,3 +224,8 @@ def unrequested_target(request: str, response: str) -> str | None:
             if distinctive and not any(_present(w, req) for w in distinctive):
                 return f"{key or 'command'} {v[:60]!r} is not in the request"
     return None
+
+
+def is_search_call(response: str) -> bool:
+    """The assistant called a tool whose name says search (``web_search``, ``kb_lookup`` ...)."""
+    return any(_SEARCH_TOOL.search(line.partition("(")[0]) for line in call_text(response).splitlines())

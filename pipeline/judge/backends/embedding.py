@@ -51,7 +51,7 @@ from pathlib import Path
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.context import call_query, target_mismatch, unrequested_target
+from pipeline.judge.context import call_query, is_search_call, target_mismatch, unrequested_target
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
@@ -70,10 +70,12 @@ HINT_MAX_CHARS = 1000
 CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
 CUE_VETO_PRAISE = 0.6  # the same for praise (irony hides here: lower is more careful)
 LONG_WORDS = 10  # a reply this long needs more than a weak praise word ("great", "nice") for +1
-MODELS_ALONE_NEGATIVE = 0.5  # a -1 from the models without a cue direction needs this probability
+MODELS_ALONE_NEGATIVE = 0.65  # a -1 from the models without a cue direction needs this probability
 MAX_TEXT_CHARS = 2000
 RECENT = 256
-SEARCH_MIN_SIMILARITY = 0.3  # a search-like call whose results are less similar to its query abstains
+SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
+_RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
+                    "JSON matches returned", "JSON documents returned")
 
 
 def minilm_dir() -> Path:
@@ -324,8 +326,9 @@ class NextStateClassifier:
         (an error without any error structure is too rare to trust a model's -1 on data).
 
         A success abstains when the call acted on something other than the request names
-        (:func:`pipeline.judge.context.target_mismatch`), or when a search-like call's results
-        are unrelated to its query (cosine similarity below ``SEARCH_MIN_SIMILARITY``).
+        (:func:`pipeline.judge.context.target_mismatch`, :func:`~pipeline.judge.context.unrequested_target`),
+        or when search results are unrelated to both the query and the request (cosine
+        similarity below ``SEARCH_MIN_SIMILARITY``).
         """
         reading = read_tool_result(text, call)
         if reading.label is not None:
@@ -338,9 +341,10 @@ class NextStateClassifier:
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)
-            if query and text.strip():
-                e = self.embedder.encode([clip(query, 500), clip(text, MAX_TEXT_CHARS)])
-                sim = float(e[0] @ e[1])
+            if text.strip() and (query or (reading.reason in _RESULT_READINGS and is_search_call(call))):
+                asked = [q for q in (query, request) if q and q.strip()]
+                e = self.embedder.encode([clip(q, 500) for q in asked] + [clip(text, MAX_TEXT_CHARS)])
+                sim = max(float(e[i] @ e[-1]) for i in range(len(asked))) if asked else 1.0
                 if sim < SEARCH_MIN_SIMILARITY:
                     return Judgement(0, p, f"results unrelated to the query (similarity {sim:.2f})")
         return Judgement(label, p, why)
