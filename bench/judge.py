@@ -288,7 +288,8 @@ def main() -> int:
     ap.add_argument("--http-seconds", type=float, default=4.0)
     ap.add_argument("--concurrency", type=int, default=48)
     ap.add_argument("--bootstrap", help="use this broker instead of an embedded Tansu")
-    ap.add_argument("--parts", default="stream,http,embedding", help="comma-separated: stream (a), http (b), embedding (c)")
+    ap.add_argument("--parts", default="stream,http,embedding",
+                    help="comma-separated: stream (a), http (b), embedding (c)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     logging.basicConfig(level=logging.WARNING)

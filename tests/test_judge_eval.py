@@ -170,7 +170,8 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
         for lab in (1, 0, -1):
             for p in (1, 0, -1):
                 k = (role, str(lab), str(p))
-                delta = _metric("pipeline_judge_labelled_total", dict(zip(("role", "label", "predicted"), k))) - before[k]
+                labels = dict(zip(("role", "label", "predicted"), k))
+                delta = _metric("pipeline_judge_labelled_total", labels) - before[k]
                 assert delta == res.roles[role].confusion.get((lab, p), 0), k
     assert _metric("pipeline_judge_labelled_sign_error_rate", {"role": "all"}) > 0
     for g in ("agreement", "coverage", "sign_error_rate"):
@@ -193,7 +194,8 @@ def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     names = ("pipeline_judge_hint_requests_total", "pipeline_judge_hints_accepted_total",
              "pipeline_judge_hint_chars_sum")
     before = {n: _metric(n, {}) for n in names}
-    rej = {r: _metric("pipeline_judge_hints_rejected_total", {"reason": r}) for r in ("judged_no_hint", "backend_error")}
+    rej = {r: _metric("pipeline_judge_hints_rejected_total", {"reason": r})
+           for r in ("judged_no_hint", "backend_error")}
     hint = "hint: use kilometres"
     with ScriptedJudgeServer() as teacher:
         c.engine.teacher_url = teacher.url

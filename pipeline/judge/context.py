@@ -2,15 +2,19 @@
 
 A tool can succeed at the wrong thing: the right command on the wrong file, a message to the
 wrong person, the tests of another module. The result alone then reads as a success; only the
-user's request next to the assistant's tool call shows the mismatch. :func:`target_mismatch`
-compares the specific things each names (file names and paths, e-mail addresses and the names
-in them, @handles and #channels, ticket-style ids, identifiers such as ``web-2`` or
-``feature/login``, environments and branches, dates and times, numbers, names of people or
-places, also read from the argument they are passed as) kind by kind: when both sides name things of one kind and none of them match, the call
-targeted something else. :func:`call_query` gives the query of a search-like call, for a
-relevance check of its results.
+user's request next to the assistant's tool call shows the mismatch.
 
-Both are heuristics that can only make the judge abstain (score 0); they never produce a sign.
+- :func:`target_mismatch` compares the specific things each names (file names and paths, e-mail
+  addresses and the names in them, @handles and #channels, ticket-style ids, identifiers such as
+  ``web-2`` or ``feature/login``, environments and branches, dates and times, numbers, names of
+  people or places, also read from the argument they are passed as) kind by kind: when both
+  sides name things of one kind and none of them match, the call targeted something else.
+- :func:`unrequested_target` flags a target argument (path, recipient, branch ...) with a
+  distinctive word the request never uses.
+- :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
+  checks for relevance to the query and the request.
+
+All are heuristics that can only make the judge abstain (score 0); they never produce a sign.
 """
 
 from __future__ import annotations
@@ -179,7 +183,8 @@ def call_query(response: str) -> str | None:
     return None
 
 
-_TARGET_KEYS = {"path", "file", "filename", "filepath", "file_path", "dir", "directory", "folder", "dest", "destination",
+_TARGET_KEYS = {"path", "file", "filename", "filepath", "file_path", "dir", "directory", "folder", "dest",
+                "destination",
                 "to", "recipient", "recipients", "cc", "email", "assignee", "user", "username", "contact", "customer",
                 "branch", "env", "environment", "region", "cluster", "namespace", "database", "db", "table", "repo",
                 "repository", "ticket", "issue", "order_id", "account"}

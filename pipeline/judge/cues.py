@@ -38,7 +38,8 @@ _PRAISE_PHRASES = _words(
     r"never (?:been|felt|looked|worked) better", r"thanks? (?:you )?again",
     r"no (?:errors?|warnings?|issues?|problems?|crash(?:es)?) (?:now|anymore|any more|this time)",
     r"(?:the )?(?:errors?|bugs?|problems?|issues?|crash(?:es)?|warnings?|leak) (?:is |are |has |have )?"
-    r"(?:gone|fixed|solved|resolved|went away|disappeared)", r"kein problem", r"pas de (?:problème|souci)", r"sin problema",
+    r"(?:gone|fixed|solved|resolved|went away|disappeared)", r"kein problem", r"pas de (?:problème|souci)",
+    r"sin problema",
     r"de nada", r"nessun problema", r"sem problema", r"geen probleem", r"без проблем", r"нет проблем")
 
 _POSITIVE_EN = _words(
@@ -56,14 +57,17 @@ _POSITIVE_EN = _words(
     r"life saver", r"the best", r"genius", r"clever", r"smart", r"impressive", r"agreed", r"matches",
     r"checks out", r"confirmed", r"ta", r"merci", r"danke", r"gracias", r"grazie", r"obrigad[oa]",
     r"much better", r"way better", r"haha+", r"yay", r"woo+", r"finally", r"incredible", r"wow", r"huge",
-    r"massive", r"game ?changer", r"true", r"got it (?:working|running|to work)", r"(?:it'?s |is )?(?:working|running) now",
+    r"massive", r"game ?changer", r"true", r"got it (?:working|running|to work)",
+    r"(?:it'?s |is )?(?:working|running) now",
     r"^done\b", r"[\w-]+ it is[!.]*$", r"went through", r"worked out", r"came through", r"(?:has |have )?arrived",
-    r"got (?:a|an|the|my) (?:[\w-]+ )?(?:invite|invitation|offer|confirmation|refund|job|approval|reply)", r"^next\b", r"next(?: one| question| step| task| up)?:", r"^clean[.!]",
+    r"got (?:a|an|the|my) (?:[\w-]+ )?(?:invite|invitation|offer|confirmation|refund|job|approval|reply)", r"^next\b",
+    r"next(?: one| question| step| task| up)?:", r"^clean[.!]",
     r"(?:very|so|nice and|super) clean",
     r"(?:much|way|so much|a lot|far) (?:better|clearer|nicer|cleaner|faster|more (?:readable|diplomatic|natural|"
     r"professional|polished|concise))", r"sent it", r"(?:it'?s |been )?sent(?=[.!]*$)",
     r"i (?:really |especially |do |quite |just |absolutely )?(?:like|liked|love|loved|enjoy(?:ed)?|adore)",
-    r"you'?re (?:a |the )?(?:star|legend|hero|genius|gem|champ|best)", r"(?:good|great|nice) (?:call|catch|idea|pick|point)",
+    r"you'?re (?:a |the )?(?:star|legend|hero|genius|gem|champ|best)",
+    r"(?:good|great|nice) (?:call|catch|idea|pick|point)",
     r"going with (?:it|this|that)", r"(?:i'?ll|we'?ll|gonna) (?:use|take|go with) (?:it|this|that)",
     r"(?:i'?m |i'?ll |we'?ll |we'?re |going to |gonna )(?:print|send|ship|merge|post|use|using|printing|sending|"
     r"shipping|merging|posting) (?:it|this|that|them)", r"(?:back|up) and running",
@@ -71,7 +75,8 @@ _POSITIVE_EN = _words(
 _POSITIVE_OTHER = _words(
     r"ja", r"jawohl", r"oui", r"sí", r"sim", r"да", r"tak", r"evet", r"ja(?:, )?precies",
     # de
-    r"danke(?: schön| sehr| dir)?", r"viel besser", r"sehr gut", r"vielen dank", r"perfekt", r"super", r"klasse", r"genau", r"stimmt",
+    r"danke(?: schön| sehr| dir)?", r"viel besser", r"sehr gut", r"vielen dank", r"perfekt", r"super", r"klasse",
+    r"genau", r"stimmt",
     r"richtig", r"funktioniert", r"klappt", r"toll", r"prima", r"passt", r"wunderbar", r"geil", r"spitze",
     # fr
     r"merci(?: beaucoup)?", r"parfait", r"génial", r"exactement", r"ça marche", r"ca marche", r"ça fonctionne",
@@ -94,7 +99,8 @@ _POSITIVE_CJK = _chars(
     r"解决了", r"运行正常", r"就是这个", r"厉害", r"ありがとう", r"完璧", r"正しい", r"できました", r"動きました",
     r"助かり", r"いいね", r"素晴らしい", r"감사", r"고마워", r"완벽", r"맞아", r"정확", r"잘 돼", r"좋아요",
     r"是的", r"はい", r"네", r"👍", r"🙏", r"✔", r"☑", r"🚀", r"✨", r"🥳", r"😁", r"😃", r"🤩", r"💪", r"⭐", r"🌟",
-    r"👏", r"🤗", r"😻", r"🎊", r"💖", r"💚", r"💙", r"🤝", r"✌", r"😎", r"🥰", r"☺", r"🙂", r"😆", r"😂", r"🎉", r"✅", r"👌", r"❤", r"😍", r"🙌", r"💯", r"🔥", r"😊", r"😀", r"😄")
+    r"👏", r"🤗", r"😻", r"🎊", r"💖", r"💚", r"💙", r"🤝", r"✌", r"😎", r"🥰", r"☺", r"🙂", r"😆", r"😂", r"🎉", r"✅", r"👌", r"❤",
+    r"😍", r"🙌", r"💯", r"🔥", r"😊", r"😀", r"😄")
 
 _NEGATIVE_EN = _words(
     r"no", r"nope", r"nah", r"wrong(?:ly)?", r"incorrect", r"inaccurate", r"false", r"mistakes?", r"typos?",
@@ -108,18 +114,22 @@ _NEGATIVE_EN = _words(
     r"too (?:long|short|wordy|verbose|formal|casual|informal|technical|simple|complex|complicated|vague|generic|"
     r"much|many|few|little|slow|big|small|basic|advanced|dense|stiff|cheesy|bland|boring|repetitive)",
     r"way too", r"shorter", r"longer", r"simpler", r"more (?:concise|formal|casual|detailed|specific)",
-    r"less (?:formal|wordy|technical)", r"(?<!what )(?<!how )i (?:said|asked|meant|told you|wanted|specified|mentioned|needed)",
+    r"less (?:formal|wordy|technical)",
+    r"(?<!what )(?<!how )i (?:said|asked|meant|told you|wanted|specified|mentioned|needed)",
     r"i already", r"not what i", r"that'?s not", r"that is not", r"this is not", r"this isn'?t", r"that isn'?t",
     r"isn'?t (?:right|correct|it|what)", r"absolutely not", r"definitely not", r"of course not", r"hell no",
     r"never (?:received|got|arrived|came|showed up|worked|loaded|answered)",
     r"(?:hasn'?t|haven'?t|didn'?t|has not|have not|did not) (?:arrived|received|come|got|gotten|shown up|changed)",
     r"(?:nobody|no one|nothing) (?:can|could|works?|worked|loads?|happens|happened|changed|shows?|showed)",
     r"(?:is|are|was|were|looks|seems) (?:off|wrong|incorrect|broken|missing|empty)",
-    r"you (?:left|put) (?:out|in|half|the|a|it)", r"you still", r"^(?:almost|nearly|close)\b[.!,]", r"i (?:don'?t|do not|can'?t|cannot) (?:see|find)",
-    r"^(?:it'?s|it is|should be|actually) (?!right|correct|true|fine|great|perfect|good|ok|okay|it|done)[\w.,'-]+[.!]?$",
+    r"you (?:left|put) (?:out|in|half|the|a|it)", r"you still", r"^(?:almost|nearly|close)\b[.!,]",
+    r"i (?:don'?t|do not|can'?t|cannot) (?:see|find)",
+    r"^(?:it'?s|it is|should be|actually) (?!right|correct|true|fine|great|perfect|good|ok|okay|it|done)"
+    r"[\w.,'-]+[.!]?$",
     r"^[\w.,'-]+\*$",
     r"(?<=[,;]) ?(?:pas|nicht|no|non|não|не|nie)\s+[\w'-]+",
-    r"ich wollte", r"je voulais", r"quería", r"eu queria", r"volevo", r"ik wilde", r"я хотел[аи]?", r"try again", r"redo", r"re-?do",
+    r"ich wollte", r"je voulais", r"quería", r"eu queria", r"volevo", r"ik wilde", r"я хотел[аи]?", r"try again",
+    r"redo", r"re-?do",
     r"(?:do|write|say|check|read|explain|answer|run|look|fix) (?:it |that |this |them )?again", r"not again",
     r"(?:wrong|broken|failing|failed|crash\w*|errors?|stuck|empty) again", r"again\?", r"once again",
     r"something'?s (?:off|wrong|not right|missing|broken)", r"(?:exits?|quits?|dies|closes) (?:right away|immediately)",
@@ -131,11 +141,13 @@ _NEGATIVE_EN = _words(
     r"should (?:be|have|say|read)", r"supposed to", r"actually,? it'?s", r"backwards",
     r"the opposite",
     r"still (?:not|doesn'?t|does not|broken|crash\w*|fail\w*|wrong|the same|getting|get|gives|can'?t|won'?t|no|red|"
-    r"there|missing|hasn'?t|isn'?t|shows?|happen\w*|see|too|has|have|seeing|empty|slow|off)", r"same (?:error|problem|issue|thing|mistake|result|output|answer)",
+    r"there|missing|hasn'?t|isn'?t|shows?|happen\w*|see|too|has|have|seeing|empty|slow|off)",
+    r"same (?:error|problem|issue|thing|mistake|result|output|answer)",
     r"not (?:quite|really|exactly|right|correct|working|helpful|useful|good|great|it|what|the)",
     r"you (?:didn'?t|did not|haven'?t|have not|forgot|missed|ignored|skipped|keep|changed|deleted|removed|broke)",
     r"(?:doesn'?t|does not|didn'?t|did not|don'?t|won'?t|can'?t|cannot|isn'?t|wasn'?t|aren'?t) "
-    r"(?:even |really |actually |always |quite )?(?:work|run|compile|load|open|start|help|answer|match|build|install|print|render|make sense|fit|rhyme|"
+    r"(?:even |really |actually |always |quite )?(?:work|run|compile|load|open|start|help|answer|match|build|"
+    r"install|print|render|make sense|fit|rhyme|"
     r"change|do anything|exist)\w*",
     r"drop (?:the|it)", r"remove (?:the|it|that)", r"change (?:the|it|this|that)",
     r"make it (?:shorter|longer|simpler|more|less|sound|rhyme|formal|casual|\w+er)",
@@ -156,7 +168,8 @@ _NEGATIVE_OTHER = _words(
     r"troppo", r"non è", r"intendevo", r"errado", r"incorreto", r"não funciona", r"erro", r"ainda",
     r"não é", r"muito longo",
     # nl / sv / pl / tr
-    r"não", r"nao", r"nee", r"fout", r"verkeerd", r"werkt niet", r"opnieuw", r"te lang", r"klopt niet", r"fel", r"fungerar inte",
+    r"não", r"nao", r"nee", r"fout", r"verkeerd", r"werkt niet", r"opnieuw", r"te lang", r"klopt niet", r"fel",
+    r"fungerar inte",
     r"źle", r"błąd", r"nie działa", r"yanlış", r"hata", r"çalışmıyor",
     # ru
     r"нет", r"неправильно", r"неверно", r"не работает", r"ошибка", r"снова", r"опять", r"слишком", r"не то")
@@ -202,7 +215,8 @@ _HOLD = _words(
     r"demain", r"mañana", r"depois", r"aspetta", r"un momento", r"подожди", r"позже")
 _HOLD_CJK = _chars(r"等一下", r"稍等", r"ちょっと待って", r"잠깐")
 _CONTRAST = re.compile(
-    r"(?<![\w])(?:but|however|though|although|except|apart from|other than|only thing|just one thing|only problem|aber|jedoch|mais|cependant|"
+    r"(?<![\w])(?:but|however|though|although|except|apart from|other than|only thing|just one thing|only problem|"
+    r"aber|jedoch|mais|cependant|"
     r"pero|sin embargo|però|ma|mas|porém|maar|но|однако|ale|ama)(?![\w])|但是|但|不过|可是|でも|けど|하지만|그런데",
     re.I)
 _CORRECTION_FORM = _words(  # the shape of a correction or a change request, without a verdict word

@@ -93,7 +93,8 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
     r"\bcompilation (?:failed|terminated)\b", r"\bundefined reference to\b", r"^CONFLICT \(",
     r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!", r"\bmax retries exceeded\b", r"\bNewConnectionError\b",
-    r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^\s*\d+:\d+\s+error\s", r"^[\w.-]+: \*\*\* ", r"\bNo rule to make target\b",
+    r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^\s*\d+:\d+\s+error\s", r"^[\w.-]+: \*\*\* ",
+    r"\bNo rule to make target\b",
 ]), _I)
 _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like output
     r"\bAccess (?:is )?denied\b", r"\bKilled\b", r"\bout of memory\b", r"\btimed out\b", r"\btime-?out\b",
@@ -131,7 +132,8 @@ _PENDING = re.compile("|".join([
     r"\bnot (?:yet )?(?:finished|complete|ready)\b", r"^\s*\[\d+\]\s+\d+\s*$", r"\bpid\s*[:=]?\s*\d+",
     r"\bjob (?:id\s*)?[:#]?\s*\w+ (?:submitted|created)", r"\bsubmitted\b", r"\bpoll(?:ing)? again\b",
     r"\bcheck back\b", r"\bretry after\b", r"\brequested\b", r"\bwill be (?:sent|processed|ready|available|notified)\b",
-    r"\byou'?ll (?:get|receive|be notified)\b", r"\b(?:when|once) (?:it is|it's|they are) (?:ready|done|finished)\b", r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
+    r"\byou'?ll (?:get|receive|be notified)\b", r"\b(?:when|once) (?:it is|it's|they are) (?:ready|done|finished)\b",
+    r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
     r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.", r"\bdeselected\b", r"\bskipped\b.*\bin [\d.]+s\b",
 ]), _I)
 _NO_RESULTS = re.compile(
@@ -139,7 +141,8 @@ _NO_RESULTS = re.compile(
     r"|\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bnothing (?:found|matched)\b"
     r"|\bfound 0\b|\breturned 0\b|\bempty (?:result|response|list|set)\b|^\s*(?:\(?empty\)?|none|null|nil)\s*$"
     r"|\b(?:couldn'?t|could not|didn'?t|did not|unable to|can'?t|cannot) find (?:anything|any|a match|results?)\b"
-    r"|\bnothing (?:was |has been )?found\b|\bno \w+ (?:results|matches|hits) (?:were )?found\b|\bmatch(?:ed)? nothing\b"
+    r"|\bnothing (?:was |has been )?found\b|\bno \w+ (?:results|matches|hits) (?:were )?found\b"
+    r"|\bmatch(?:ed)? nothing\b"
     r"|\b0 \w+ match\b|\bdid not match any\b|\bno (?:matching|relevant) \w+",
     _I)
 _DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
@@ -166,7 +169,8 @@ _NUMBERED = re.compile(r"^\s*(?:\d{1,2}[.)]|[-*•])\s+\S", re.M)
 
 # -- JSON fields ------------------------------------------------------------------------------
 _JSON_FAIL_STATUS = {"error", "errored", "failed", "failure", "fail", "denied", "rejected", "invalid", "timeout",
-                     "timed_out", "not_found", "unauthorized", "forbidden", "aborted", "cancelled", "canceled", "declined",
+                     "timed_out", "not_found", "unauthorized", "forbidden", "aborted", "cancelled", "canceled",
+                     "declined",
                      "refused", "blocked", "expired", "unavailable", "conflict", "crashed", "killed", "rolled_back"}
 _JSON_OK_STATUS = {"ok", "success", "succeeded", "successful", "done", "completed", "complete", "created",
                    "sent", "delivered", "saved", "updated", "deleted", "finished", "passed", "active", "healthy",

@@ -200,7 +200,8 @@ class SoftmaxHead:
 
         def closure():
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(z @ self.w + self.b, y, weight=weight) + (penalty * self.w ** 2).sum()
+            logits = z @ self.w + self.b
+            loss = torch.nn.functional.cross_entropy(logits, y, weight=weight) + (penalty * self.w ** 2).sum()
             loss.backward()
             return loss
 
