@@ -30,7 +30,8 @@ def count_vote(v: int | None) -> None:
 
 # ---- the OPD hint path ---------------------------------------------------------------------
 HINTS = Counter("pipeline_judge_hint_requests_total", "Turns whose next state was asked for an OPD hint")
-HINTS_ACCEPTED = Counter("pipeline_judge_hints_accepted_total", "OPD hints accepted by the judge (before the teacher call)")
+HINTS_ACCEPTED = Counter("pipeline_judge_hints_accepted_total",
+                         "OPD hints accepted by the judge (before the teacher call)")
 HINTS_REJECTED = Counter("pipeline_judge_hints_rejected_total",
                          "Turns without an accepted OPD hint, by reason (judged_no_hint, hint_too_short, "
                          "no_hint_block, all_votes_failed, not_corrective, empty_next_state, backend_error)",
