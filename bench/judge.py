@@ -10,7 +10,12 @@
     against the same server in the same run with the same concurrency (target >= 0.8); and, since
     the judge's client is aiohttp, also the ratio to a bare aiohttp client (the judge's own overhead).
 
-Usage: python bench/judge.py [--turns 10000] [--paced-rate 400] [--http-seconds 4]
+(c) the CPU default backend (``embedding``: tool-result structure, lexical cues, MiniLM heads):
+    turns/s scoring the labelled fixture and development set one turn at a time, as a ratio of
+    what the bare sentence encoder reaches on the same next-state texts in the same run (one
+    MiniLM forward per text: the floor cost of any embedding judge). Target >= 0.5.
+
+Usage: python bench/judge.py [--turns 10000] [--paced-rate 400] [--http-seconds 4] [--parts stream,http,embedding]
 Needs no network; starts an embedded broker (Tansu) unless --bootstrap is given.
 """
 
@@ -236,6 +241,45 @@ def bench_http(seconds: float, concurrency: int, votes: int = 3, rounds: int = 2
         srv.wait(10)
 
 
+def bench_embedding(rounds: int = 2) -> None:
+    from pathlib import Path
+
+    from pipeline.judge.backends.embedding import EmbeddingBackend
+    from pipeline.judge.evaluate import load_rows, row_input
+    from pipeline.judge.prompts import content_text
+
+    fixtures = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+    rows = [r for f in ("judge_next_states.jsonl", "judge_dev_next_states.jsonl") if (fixtures / f).is_file()
+            for r in load_rows(fixtures / f)]
+    config = load_config(None)
+    t0 = time.perf_counter()
+    backend = EmbeddingBackend(config)
+    load_s = time.perf_counter() - t0
+    texts = ["\n".join(content_text(m.get("content")) for m in r["next_state"]) for r in rows]
+    encoder = backend.clf.embedder
+    inputs = [row_input(r) for r in rows]
+
+    async def judge_all():
+        await backend.start()
+        for inp in inputs:
+            await backend.score(inp)
+
+    encoder.encode(texts[:8])  # warm-up
+    bare, judge = [], []
+    for _ in range(rounds):  # interleaved, best of each
+        t = time.perf_counter()
+        for text in texts:
+            encoder.encode([text])
+        bare.append(len(texts) / (time.perf_counter() - t))
+        t = time.perf_counter()
+        asyncio.run(judge_all())
+        judge.append(len(inputs) / (time.perf_counter() - t))
+    b, j = max(bare), max(judge)
+    print(f"(c) embedding judge: {j:,.1f} turns/s over {len(inputs)} labelled turns, one at a time "
+          f"(torch threads {config.judge.embedding_threads}); bare MiniLM encode of the same texts: {b:,.1f} "
+          f"texts/s; ratio {j / b:.2f}  [target >= 0.5]; start-up {load_s:.1f} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=10_000, help="backlog size for (a)")
@@ -244,17 +288,24 @@ def main() -> int:
     ap.add_argument("--http-seconds", type=float, default=4.0)
     ap.add_argument("--concurrency", type=int, default=48)
     ap.add_argument("--bootstrap", help="use this broker instead of an embedded Tansu")
+    ap.add_argument("--parts", default="stream,http,embedding",
+                    help="comma-separated: stream (a), http (b), embedding (c)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     logging.basicConfig(level=logging.WARNING)
     print(f"judge benchmark on {os.cpu_count()} CPUs")
-    if args.bootstrap:
-        bench_stream(args.bootstrap, args.turns, args.paced_rate, args.paced_turns)
-    else:
-        from pipeline.broker import EmbeddedBroker
+    if "stream" in parts:
+        if args.bootstrap:
+            bench_stream(args.bootstrap, args.turns, args.paced_rate, args.paced_turns)
+        else:
+            from pipeline.broker import EmbeddedBroker
 
-        with EmbeddedBroker() as broker:
-            bench_stream(broker.bootstrap, args.turns, args.paced_rate, args.paced_turns)
-    bench_http(args.http_seconds, args.concurrency)
+            with EmbeddedBroker() as broker:
+                bench_stream(broker.bootstrap, args.turns, args.paced_rate, args.paced_turns)
+    if "http" in parts:
+        bench_http(args.http_seconds, args.concurrency)
+    if "embedding" in parts:
+        bench_embedding()
     return 0
 
 

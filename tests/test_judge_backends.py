@@ -1,12 +1,14 @@
-"""Judge backends against the labelled next states, and against the real small model.
+"""Judge backends against labelled next states, and against the real small model.
 
-- ``embedding`` (MiniLM prototypes): agreement with tests/fixtures/judge_next_states.jsonl
-  (printed; the bar is below the measured value so a broken classifier fails), and its OPD path
-  in the stream (the corrective next state itself is the hint).
+- ``embedding`` (tool-result structure, lexical cues and MiniLM heads over our own examples):
+  agreement with the labelled fixture and with the larger development set we wrote (the bars
+  are below the measured values so a broken judge fails), few sign errors, the simulated users'
+  feedback read with its sign (``pipeline demo`` learns from it), and its OPD path in the stream
+  (the corrective next state itself is the hint).
 - The real small model (SmolLM2-135M-Instruct on the CPU engine) as the ``choice`` judge in the
   stream and as the OPD teacher: checks the plumbing (no parse failures, teacher log-probs
   aligned with the engine's own scoring of the same ids); its agreement is printed, not
-  asserted (it is at chance as a judge, see ENVIRONMENT.md).
+  asserted (a 135M model is at chance as a judge).
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from pathlib import Path
 
 import pytest
 
+from judge_overlap import overlaps
 from pipeline import events
 from pipeline.config import load_config
-from pipeline.judge.backends.embedding import EmbeddingBackend
-from pipeline.judge.evaluate import evaluate, load_rows, report
+from pipeline.judge.backends.embedding import EmbeddingBackend, load_examples
+from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
 from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, make_next_state, make_turn, publish, read_events
 
 FIXTURE = Path(__file__).parent / "fixtures" / "judge_next_states.jsonl"
-EMBEDDING_BAR = 0.70  # measured 34/40 = 0.85 when written
+DEV = Path(__file__).parent / "fixtures" / "judge_dev_next_states.jsonl"
+EMBEDDING_BAR = 0.85  # measured 39/40 when written (the backend before issue 12: 34/40 with 2 sign errors)
+DEV_BAR = 0.85  # measured 380/421 = 90.3% with 1 sign error when written (the backend before: 230/421 = 54.6%)
+MAX_SIGN_ERRORS = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +44,60 @@ def test_fixture_is_labelled_and_has_tool_results():
     assert len(rows) >= 40 and roles == {"user", "tool"} and labels == {1, 0, -1}
 
 
-def test_embedding_agreement_with_labelled_next_states(embedding_backend):
-    rows = load_rows(FIXTURE)
+@pytest.mark.parametrize("path,bar", [(FIXTURE, EMBEDDING_BAR), (DEV, DEV_BAR)], ids=["fixture", "dev"])
+def test_embedding_agreement_with_labelled_next_states(embedding_backend, path, bar):
+    rows = load_rows(path)
     res, preds = asyncio.run(evaluate(embedding_backend, rows))
     print("\n" + report(res, rows, preds))
     assert res.n == len(rows) and res.failed == 0
-    assert res.agreement >= EMBEDDING_BAR, report(res, rows, preds)
+    assert res.agreement >= bar, report(res, rows, preds)
+    assert res.sign_error_rate <= MAX_SIGN_ERRORS, report(res, rows, preds)
+    for role in ("user", "tool"):
+        assert res.roles[role].agreement >= bar - 0.1, report(res, rows, preds)
+
+
+def test_dev_set_is_not_what_the_judge_learns_from():
+    """The development set measures generalisation only if the examples do not contain it."""
+    examples = [e["text"] for e in load_examples()]
+    rows = load_rows(DEV)
+    texts = [m["content"] for r in rows for m in r["next_state"]]
+    assert not [(examples[i], rows[j]["id"], kind) for i, j, kind in overlaps(examples, texts)]
+
+
+def test_simulated_feedback_keeps_its_sign(embedding_backend):
+    """``pipeline demo`` learns from the simulated users' messages: thanks must read +1, a
+    "too long" or a correction with a hint -1 (and the correction is the OPD hint)."""
+    from pipeline.simulate import feedback as fb
+
+    hint = "Natalia sold 48/2 = 24 clips in May."
+    cases = [(t, 1) for t in fb.THANKS_BRIEF + fb.THANKS_CORRECT]
+    cases += [(fb.TOO_LONG.format(n=n), -1) for n in (20, 40)] + [("That's not right. Please try again.", -1)]
+    cases += [(c.format(hint=hint), -1) for c in fb.CORRECTIONS]
+
+    async def go():
+        out = []
+        for text, want in cases:
+            inp = row_input({"request": "Natalia sold clips to 48 friends ...", "response": "She sold 72 clips.",
+                             "next_state": [{"role": "user", "content": text}]})
+            out.append((text, want, (await embedding_backend.score(inp)).score, (await embedding_backend.hint(inp))))
+        return out
+
+    for text, want, got, hv in asyncio.run(go()):
+        assert got == want, text
+        assert (hv.hint == text) == (want == -1), (text, hv)
+
+
+def test_embedding_abstains_rather_than_guess(embedding_backend):
+    """Empty, pending and contradictory next states score 0; a hint is refused with a reason."""
+    async def go(role, text):
+        inp = row_input({"request": "q", "response": "a", "next_state": [{"role": role, "content": text}]})
+        return (await embedding_backend.score(inp)).score, await embedding_backend.hint(inp)
+
+    for role, text in [("tool", ""), ("tool", "Job 12 queued, position 4"), ("user", "brb"), ("user", "")]:
+        score, hv = asyncio.run(go(role, text))
+        assert score == 0 and hv.hint is None and hv.reason in ("not_corrective", "empty_next_state"), (text, hv)
+    score, hv = asyncio.run(go("user", "nope"))
+    assert score == -1 and hv.hint is None and hv.reason == "hint_too_short"
 
 
 def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embedding_backend):

@@ -345,15 +345,18 @@ class JudgeApp:
             metrics.count_vote(None)
         if v.all_failed:
             metrics.ALL_FAILED.inc()
+        metrics.observe_labelled(inp.next_state, v.score)
         return v
 
     async def _hint(self, inp: JudgeInput) -> HintVerdict:
         try:
-            return await self.backend.hint(inp)
+            hv = await self.backend.hint(inp)
         except Exception:
             log.exception("%s: backend %s failed to give a hint", self.name, self.judge_name)
             metrics.count_vote(None)
-            return HintVerdict(None, [None])
+            hv = HintVerdict(None, [None], "backend_error")
+        metrics.observe_hint(hv.hint, hv.reason)
+        return hv
 
     def _dead_letter(self, job: Job, error: str) -> tuple[str, events.Event]:
         rec = job.record

@@ -1,7 +1,7 @@
 """``pipeline judge``: consume ``turns``, pair each main turn with its next state, emit ``samples``.
 
     python -m pipeline judge --mode rl|opd|combine [--backend llm|choice|embedding|pkg.mod:Class]
-    python -m pipeline judge --eval tests/fixtures/judge_next_states.jsonl --backend embedding
+    python -m pipeline judge --eval tests/fixtures/judge_next_states.jsonl --backend embedding [--misses]
 
 Several processes with the same ``judge.group_id`` split the partitions of ``turns``.
 """
@@ -24,7 +24,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--url", help="judge endpoint for llm/choice (judge.url)")
     parser.add_argument("--votes", type=int, help="PRM votes per turn (judge.votes)")
     parser.add_argument("--eval", metavar="FILE",
-                        help="print the backend's agreement with a labelled JSONL set of next states and exit")
+                        help="score a labelled JSONL set of next states and print agreement, coverage (share "
+                             "scored non-zero), sign errors (+1 scored -1 or the reverse), the confusion matrix, "
+                             "the same per next-state role and category, and the OPD hint path; then exit")
+    parser.add_argument("--misses", action="store_true", help="with --eval: list the ids of the rows scored wrong")
+    parser.add_argument("--no-hints", action="store_true", help="with --eval: skip the OPD hint path")
+    parser.add_argument("--by", action="append", default=[], metavar="FIELD",
+                        help="with --eval: also break the figures down by this row field (repeatable, e.g. style)")
+    parser.add_argument("--min-agreement", type=float, metavar="SHARE",
+                        help="with --eval: exit 1 when agreement is below SHARE (e.g. 0.8)")
+    parser.add_argument("--max-sign-errors", type=float, metavar="SHARE",
+                        help="with --eval: exit 1 when the share of sign errors is above SHARE (e.g. 0.03)")
+    parser.add_argument("--write-conversations", metavar="OUT",
+                        help="with --eval: also write the set as labelled conversations for `pipeline import` "
+                             "(a judge consuming them reports pipeline_judge_labelled_* metrics)")
 
 
 def _apply(args, config) -> None:
@@ -36,22 +49,37 @@ def _apply(args, config) -> None:
             setattr(jc, attr, value)
 
 
-def _eval(path: str, config) -> int:
-    from pipeline.judge.backends import make_backend
-    from pipeline.judge.evaluate import evaluate, load_rows, report
+def _eval(args, config) -> int:
+    import orjson
 
-    rows = load_rows(path)
+    from pipeline.judge.backends import make_backend
+    from pipeline.judge.evaluate import evaluate, load_rows, report, row_conversation
+
+    rows = load_rows(args.eval)
+    if args.write_conversations:
+        with open(args.write_conversations, "wb") as f:
+            for row in rows:
+                f.write(orjson.dumps(row_conversation(row)) + b"\n")
     backend = make_backend(config.judge.backend, config)
 
     async def go():
         await backend.start()
         try:
-            return await evaluate(backend, rows, concurrency=max(1, min(8, config.judge.max_in_flight)))
+            return await evaluate(backend, rows, concurrency=max(1, min(8, config.judge.max_in_flight)),
+                                  hints=not args.no_hints, by=tuple(args.by))
         finally:
             await backend.aclose()
 
     res, preds = asyncio.run(go())
-    print(report(res, rows, preds))
+    print(report(res, rows, preds, misses=args.misses))
+    failed = []
+    if args.min_agreement is not None and res.agreement < args.min_agreement:
+        failed.append(f"agreement {res.agreement:.1%} < {args.min_agreement:.1%}")
+    if args.max_sign_errors is not None and res.sign_error_rate > args.max_sign_errors:
+        failed.append(f"sign errors {res.sign_error_rate:.1%} > {args.max_sign_errors:.1%}")
+    if failed:
+        print("FAILED: " + "; ".join(failed))
+        return 1
     return 0
 
 
@@ -67,11 +95,11 @@ def run(args, config) -> int:
         return 2
     try:
         if args.eval:
-            return _eval(args.eval, config)
+            return _eval(args, config)
         from pipeline.judge.app import JudgeApp
 
         app = JudgeApp(config)
-    except (BackendError, ValueError, FileNotFoundError) as e:
+    except (BackendError, ValueError, OSError) as e:
         print(f"pipeline judge: {e}")
         return 2
     serve_metrics(config.metrics_port)

@@ -1,39 +1,75 @@
-"""Agreement of a judge backend with a labelled set of next states.
+"""How well a judge backend scores a labelled set of next states, in the figures training needs.
 
 File format (JSONL), one judged turn per line::
 
     {"id": "...", "label": 1|0|-1, "request": "the user's request",
      "response": "the assistant's text", "tool_calls": [...optional OpenAI tool calls...],
-     "next_state": [{"role": "user"|"tool", "content": "...", "name": "..."}]}
+     "next_state": [{"role": "user"|"tool", "content": "...", "name": "..."}],
+     "category": "optional free tag, e.g. coding or shell"}
 
-``agreement`` is the fraction of rows whose backend score equals the label; ``failed`` counts
-rows where every vote failed (scored 0). The shipped set is ``tests/fixtures/judge_next_states.jsonl``.
+Figures (:class:`Tally`), overall, per next-state role (``user`` / ``tool``) and per category:
+
+- **agreement**: share of rows whose score equals the label;
+- **coverage**: share of rows given a non-zero score (a 0 produces a sample with no reward
+  signal: it costs data, not direction);
+- **sign errors**: rows labelled +1 scored -1 or the reverse. These push the policy the wrong
+  way, so they matter more than a miss: a judge should abstain (0) rather than guess;
+- the **confusion matrix** (label x predicted).
+
+With ``hints=True`` the backend's OPD hint path runs on every row too (:class:`HintTally`):
+share of turns with an accepted hint, hint length in characters, rejections by reason.
+The shipped development set is ``tests/fixtures/judge_next_states.jsonl``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.errors import PipelineError
 from pipeline.judge.prompts import JudgeInput, render_tool_calls
+
+LABELS = (1, 0, -1)
+
+
+def _sign(v: int) -> str:
+    return f"{v:+d}" if v else "0"
+
+
+class EvalFileError(PipelineError, ValueError):
+    """A labelled file that cannot be read (the message names the file and line)."""
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    """Rows of a labelled JSONL file. Raises ValueError naming the line of a bad row."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    """Rows of a labelled JSONL file.
+
+    Raises:
+        EvalFileError: a line is not JSON, lacks ``label`` in (1, 0, -1) or a ``next_state``
+            list, or repeats an ``id``.
+    """
+    rows, ids = [], set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise EvalFileError(f"{path}: {e.strerror or e}") from None
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-        if row.get("label") not in (1, 0, -1) or not isinstance(row.get("next_state"), list):
-            raise ValueError(f"{path}:{n}: needs label in (1, 0, -1) and a next_state list")
+            raise EvalFileError(f"{path}:{n}: not JSON: {e}") from None
+        if not isinstance(row, dict) or row.get("label") not in LABELS or not isinstance(row.get("next_state"), list):
+            raise EvalFileError(f"{path}:{n}: needs label in (1, 0, -1) and a next_state list")
+        row.setdefault("id", f"line-{n}")
+        if row["id"] in ids:
+            raise EvalFileError(f"{path}:{n}: id {row['id']!r} repeats")
+        ids.add(row["id"])
         rows.append(row)
     return rows
 
@@ -47,65 +83,223 @@ def row_input(row: dict) -> JudgeInput:
     return JudgeInput(request=row.get("request", ""), response=text, next_state=row["next_state"])
 
 
-@dataclass
-class Agreement:
-    """Result of :func:`evaluate`: counts, confusion (label, predicted) and the misses."""
+def row_role(row: dict) -> str:
+    """The next-state role a row is counted under: ``user`` if the user spoke, else the first role."""
+    roles = [m.get("role") for m in row["next_state"] if isinstance(m, dict)]
+    if "user" in roles:
+        return "user"
+    return str(roles[0]) if roles else "none"
 
-    backend: str
-    n: int = 0
-    correct: int = 0
-    failed: int = 0
-    seconds: float = 0.0
+
+def row_conversation(row: dict) -> dict:
+    """The row as an OpenAI-format conversation for ``pipeline import``, next state labelled.
+
+    Each next-state message carries the row's ``label``, so a judge consuming the imported
+    turns counts its agreement, coverage and sign errors as metrics (labelled traffic).
+    """
+    assistant: dict = {"role": "assistant", "content": row.get("response") or ""}
+    if row.get("tool_calls"):
+        assistant["tool_calls"] = row["tool_calls"]
+    nxt = [dict(m, label=row["label"]) for m in row["next_state"] if isinstance(m, dict)]
+    return {"session_id": f"eval-{row['id']}",
+            "messages": [{"role": "user", "content": row.get("request", "")}, assistant, *nxt]}
+
+
+@dataclass
+class Tally:
+    """Counts of (label, predicted score) pairs and the figures derived from them."""
+
     confusion: Counter = field(default_factory=Counter)
-    misses: list = field(default_factory=list)
+
+    def add(self, label: int, predicted: int) -> None:
+        self.confusion[(label, predicted)] += 1
+
+    @property
+    def n(self) -> int:
+        return sum(self.confusion.values())
+
+    @property
+    def correct(self) -> int:
+        return sum(c for (lab, p), c in self.confusion.items() if lab == p)
+
+    @property
+    def covered(self) -> int:
+        """Rows given a non-zero score."""
+        return sum(c for (_, p), c in self.confusion.items() if p != 0)
+
+    @property
+    def sign_errors(self) -> int:
+        """Rows labelled +1 scored -1, or labelled -1 scored +1."""
+        return sum(c for (lab, p), c in self.confusion.items() if lab * p == -1)
 
     @property
     def agreement(self) -> float:
         return self.correct / self.n if self.n else 0.0
 
-    def by_role(self, rows: list[dict], predictions: dict) -> dict:
-        out = {}
-        for role in ("user", "tool"):
-            sel = [r for r in rows if r["next_state"] and r["next_state"][0].get("role") == role]
-            if sel:
-                out[role] = (sum(predictions[r["id"]] == r["label"] for r in sel), len(sel))
+    @property
+    def coverage(self) -> float:
+        return self.covered / self.n if self.n else 0.0
+
+    @property
+    def sign_error_rate(self) -> float:
+        return self.sign_errors / self.n if self.n else 0.0
+
+    @property
+    def precision(self) -> float:
+        """Share of the non-zero scores that equal the label (how far a covered score can be trusted)."""
+        hit = sum(c for (lab, p), c in self.confusion.items() if p != 0 and lab == p)
+        return hit / self.covered if self.covered else 0.0
+
+    def summary(self) -> str:
+        """``agreement a/n = x%  coverage y%  sign errors s (z%)``."""
+        return (f"agreement {self.correct}/{self.n} = {self.agreement:.1%}  coverage {self.coverage:.1%}"
+                f"  sign errors {self.sign_errors} ({self.sign_error_rate:.1%})")
+
+    def matrix(self, indent: str = "  ") -> list[str]:
+        """The confusion matrix as text lines (rows: label, columns: predicted)."""
+        out = [indent + "label \\ predicted " + "".join(f"{_sign(p):>6}" for p in LABELS)]
+        for lab in LABELS:
+            out.append(f"{indent}{_sign(lab):>5}{'':<13}" + "".join(
+                f"{self.confusion.get((lab, p), 0):>6}" for p in LABELS))
         return out
 
+
+@dataclass
+class HintTally:
+    """The OPD hint path over a labelled set: accepted hints, their lengths, rejections by reason."""
+
+    n: int = 0
+    lengths: list = field(default_factory=list)
+    rejected: Counter = field(default_factory=Counter)
+    accepted_by_label: Counter = field(default_factory=Counter)
+    n_by_label: Counter = field(default_factory=Counter)
+
+    def add(self, label: int, hint: str | None, reason: str | None) -> None:
+        self.n += 1
+        self.n_by_label[label] += 1
+        if hint:
+            self.lengths.append(len(hint))
+            self.accepted_by_label[label] += 1
+        else:
+            self.rejected[reason or "unspecified"] += 1
+
+    @property
+    def accepted(self) -> int:
+        return len(self.lengths)
+
+    def lines(self) -> list[str]:
+        if not self.n:
+            return []
+        out = [f"hints: accepted {self.accepted}/{self.n} = {self.accepted / self.n:.1%}"]
+        if self.lengths:
+            out[0] += (f"  length (chars) median {statistics.median(self.lengths):.0f}, "
+                       f"min {min(self.lengths)}, max {max(self.lengths)}")
+        out.append("  accepted by label: " + ", ".join(
+            f"{_sign(lab)}: {self.accepted_by_label.get(lab, 0)}/{self.n_by_label[lab]}"
+            for lab in LABELS if self.n_by_label.get(lab)))
+        if self.rejected:
+            out.append("  rejected: " + ", ".join(f"{r} {c}" for r, c in self.rejected.most_common()))
+        return out
+
+
+@dataclass
+class Agreement:
+    """Result of :func:`evaluate`: overall, per-role and per-category tallies, misses, hints."""
+
+    backend: str
+    total: Tally = field(default_factory=Tally)
+    roles: dict = field(default_factory=dict)
+    categories: dict = field(default_factory=dict)
+    by: tuple = ()  # further row fields to tally by (e.g. "style", "lang")
+    groups: dict = field(default_factory=dict)  # {field: {value: Tally}}
+    failed: int = 0
+    seconds: float = 0.0
+    misses: list = field(default_factory=list)
+    hints: HintTally | None = None
+
+    # the overall figures, for callers that read them directly
+    n = property(lambda self: self.total.n)
+    correct = property(lambda self: self.total.correct)
+    agreement = property(lambda self: self.total.agreement)
+    coverage = property(lambda self: self.total.coverage)
+    sign_errors = property(lambda self: self.total.sign_errors)
+    sign_error_rate = property(lambda self: self.total.sign_error_rate)
+    confusion = property(lambda self: self.total.confusion)
+
+    def add(self, row: dict, predicted: int, failed: bool = False) -> None:
+        label = row["label"]
+        self.total.add(label, predicted)
+        self.roles.setdefault(row_role(row), Tally()).add(label, predicted)
+        if row.get("category"):
+            self.categories.setdefault(str(row["category"]), Tally()).add(label, predicted)
+        for name in self.by:  # a list-valued field (tags) counts the row under each of its values
+            values = row.get(name)
+            for value in (values if isinstance(values, list) else [] if values is None else [values]):
+                self.groups.setdefault(name, {}).setdefault(str(value), Tally()).add(label, predicted)
+        self.failed += failed
+        if predicted != label:
+            self.misses.append((row["id"], label, predicted))
+
     def line(self) -> str:
-        return (f"{self.backend:<10} agreement {self.correct}/{self.n} = {self.agreement:.0%}"
-                f"  (all votes failed: {self.failed}; {self.seconds:.1f} s)")
+        rate = f"; {self.n / self.seconds:.1f} turns/s" if self.seconds > 0 else ""
+        return (f"{self.backend:<10} {self.total.summary()}  (all votes failed: {self.failed};"
+                f" {self.seconds:.1f} s{rate})")
 
 
-async def evaluate(backend, rows: list[dict], concurrency: int = 4) -> tuple[Agreement, dict]:
-    """Score every row with ``backend`` (already started); returns the agreement and predictions."""
-    res = Agreement(getattr(backend, "name", type(backend).__name__))
+async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool = False,
+                   by: tuple = ()) -> tuple[Agreement, dict]:
+    """Score every row with ``backend`` (already started).
+
+    Args:
+        backend: a started :class:`pipeline.judge.backends.Backend`.
+        rows: labelled rows (:func:`load_rows`).
+        concurrency: rows judged at once.
+        hints: also run the OPD hint path and tally it (``Agreement.hints``).
+        by: row fields to break the figures down by, besides role and ``category``.
+    Returns:
+        ``(Agreement, {row id: predicted score})``.
+    """
+    res = Agreement(getattr(backend, "name", type(backend).__name__), by=tuple(by))
+    if hints:
+        res.hints = HintTally()
     sem = asyncio.Semaphore(concurrency)
     preds: dict = {}
+    done: dict = {}
 
-    async def one(row):
+    async def one(i, row):
         async with sem:
-            v = await backend.score(row_input(row))
-        preds[row["id"]] = v.score
-        res.n += 1
-        res.correct += v.score == row["label"]
-        res.failed += v.all_failed
-        res.confusion[(row["label"], v.score)] += 1
-        if v.score != row["label"]:
-            res.misses.append((row.get("id"), row["label"], v.score))
+            inp = row_input(row)
+            v = await backend.score(inp)
+            hv = await backend.hint(inp) if hints else None
+        done[i] = (v, hv)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(r) for r in rows))
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
     res.seconds = time.perf_counter() - t0
+    for i, row in enumerate(rows):  # tallied in file order: the report does not depend on timing
+        v, hv = done[i]
+        preds[row["id"]] = v.score
+        res.add(row, v.score, v.all_failed)
+        if hv is not None:
+            res.hints.add(row["label"], hv.hint, getattr(hv, "reason", None))
     return res, preds
 
 
-def report(res: Agreement, rows: list[dict], preds: dict) -> str:
-    """A printable report: the agreement line, per-role counts, confusion matrix, misses."""
+def report(res: Agreement, rows: list[dict] | None = None, preds: dict | None = None, misses: bool = True) -> str:
+    """A printable report: the overall line, per role and per category, the confusion matrix,
+    the hint path (when evaluated) and, with ``misses``, the ids of the rows scored wrong."""
     lines = [res.line()]
-    for role, (ok, n) in res.by_role(rows, preds).items():
-        lines.append(f"  {role} next states: {ok}/{n}")
-    lines.append("  confusion (label -> predicted): " + ", ".join(
-        f"{lab:+d}->{pred:+d}: {c}" for (lab, pred), c in sorted(res.confusion.items())))
-    if res.misses:
-        lines.append("  misses: " + ", ".join(f"{i} ({lab:+d} as {p:+d})" for i, lab, p in sorted(res.misses)))
+    for role, t in sorted(res.roles.items()):
+        lines.append(f"  {role + ' next states:':<22} {t.summary()}")
+    for cat, t in sorted(res.categories.items()):
+        lines.append(f"  {'category ' + cat + ':':<22} {t.summary()}")
+    for name, values in res.groups.items():
+        for value, t in sorted(values.items()):
+            lines.append(f"  {name + ' ' + value + ':':<22} {t.summary()}")
+    lines.append("  confusion matrix:")
+    lines.extend(res.total.matrix(indent="    "))
+    if res.hints is not None:
+        lines.extend("  " + s for s in res.hints.lines())
+    if misses and res.misses:
+        lines.append("  misses: " + ", ".join(f"{i} ({_sign(lab)} as {_sign(p)})" for i, lab, p in sorted(res.misses)))
     return "\n".join(lines)

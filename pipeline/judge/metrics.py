@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import Counter, Gauge, Histogram
 
 TURNS = Counter("pipeline_judge_turns_total", "Main turns consumed by the judge")
@@ -26,3 +28,77 @@ _VOTE_CHILDREN = {v: VOTES.labels("failed" if v is None else str(v)) for v in (1
 def count_vote(v: int | None) -> None:
     """Count one vote (``None`` = failed)."""
     _VOTE_CHILDREN[v].inc()
+
+
+# ---- the OPD hint path ---------------------------------------------------------------------
+HINTS = Counter("pipeline_judge_hint_requests_total", "Turns whose next state was asked for an OPD hint")
+HINTS_ACCEPTED = Counter("pipeline_judge_hints_accepted_total",
+                         "OPD hints accepted by the judge (before the teacher call)")
+HINTS_REJECTED = Counter("pipeline_judge_hints_rejected_total",
+                         "Turns without an accepted OPD hint, by reason (judged_no_hint, hint_too_short, "
+                         "no_hint_block, all_votes_failed, not_corrective, empty_next_state, backend_error)",
+                         ["reason"])
+HINT_CHARS = Histogram("pipeline_judge_hint_chars", "Length of accepted OPD hints (characters)",
+                       buckets=(10, 20, 40, 80, 160, 320, 640, 1280, 2560))
+
+
+def observe_hint(hint: str | None, reason: str | None) -> None:
+    """Count one hint judgement: accepted with its length, or rejected with ``reason``.
+
+    Share accepted = ``pipeline_judge_hints_accepted_total / pipeline_judge_hint_requests_total``.
+    """
+    HINTS.inc()
+    if hint:
+        HINTS_ACCEPTED.inc()
+        HINT_CHARS.observe(len(hint))
+    else:
+        HINTS_REJECTED.labels(reason or "unspecified").inc()
+
+
+# ---- labelled traffic: agreement, coverage, sign errors --------------------------------------
+LABELLED = Counter("pipeline_judge_labelled_total",
+                   "Scored turns whose next state carries a label (e.g. an imported labelled set): the "
+                   "confusion matrix by next-state role, label and predicted score",
+                   ["role", "label", "predicted"])
+LABELLED_AGREEMENT = Gauge("pipeline_judge_labelled_agreement",
+                           "Share of labelled turns scored as labelled (since start)", ["role"])
+LABELLED_COVERAGE = Gauge("pipeline_judge_labelled_coverage",
+                          "Share of labelled turns given a non-zero score (since start)", ["role"])
+LABELLED_SIGN_ERRORS = Gauge("pipeline_judge_labelled_sign_error_rate",
+                             "Share of labelled turns scored with the opposite sign (+1 as -1 or -1 as +1)",
+                             ["role"])
+_labelled_counts: dict = {}
+_labelled_lock = threading.Lock()
+
+
+def next_state_label(messages: list) -> tuple[int | None, str]:
+    """``(label, role)`` of a labelled next state: the ``label`` (1, 0 or -1) its messages carry
+    (the last one wins) and its role (``user`` if the user spoke, else the first role); label
+    None when no message carries a valid one."""
+    label, roles = None, []
+    for m in messages or []:
+        if not isinstance(m, dict):
+            continue
+        roles.append(str(m.get("role")))
+        lab = m.get("label")
+        if lab in (1, 0, -1) and not isinstance(lab, bool):
+            label = int(lab)
+    role = "user" if "user" in roles else (roles[0] if roles else "none")
+    return label, role
+
+
+def observe_labelled(messages: list, predicted: int) -> None:
+    """Count a scored turn if its next state carries a label (no-op otherwise)."""
+    label, role = next_state_label(messages)
+    if label is None:
+        return
+    LABELLED.labels(role, str(label), str(predicted)).inc()
+    with _labelled_lock:
+        for key in (role, "all"):
+            n, agree, covered, sign = _labelled_counts.get(key, (0, 0, 0, 0))
+            n, agree, covered, sign = (n + 1, agree + (label == predicted), covered + (predicted != 0),
+                                       sign + (label * predicted == -1))
+            _labelled_counts[key] = (n, agree, covered, sign)
+            LABELLED_AGREEMENT.labels(key).set(agree / n)
+            LABELLED_COVERAGE.labels(key).set(covered / n)
+            LABELLED_SIGN_ERRORS.labels(key).set(sign / n)

@@ -69,14 +69,43 @@ def parse_hint(text: str | None, min_chars: int = 10) -> tuple[int | None, str |
     vote = parse_score(text, allowed=(1, -1))
     if vote != 1 or not text:
         return vote, None
+    hint = hint_block(text)
+    return vote, (hint if hint is not None and len(hint) > min_chars else None)
+
+
+def hint_block(text: str | None) -> str | None:
+    """The stripped text between the last ``[HINT_START]`` and the following ``[HINT_END]``, or None."""
+    if not text:
+        return None
     start = text.rfind(HINT_START)
     if start < 0:
-        return vote, None
+        return None
     end = text.find(HINT_END, start)
     if end < 0:
-        return vote, None
-    hint = text[start + len(HINT_START): end].strip()
-    return vote, (hint if len(hint) > min_chars else None)
+        return None
+    return text[start + len(HINT_START): end].strip()
+
+
+def hint_rejection(texts: list[str | None], min_chars: int = 10) -> str | None:
+    """Why no hint was accepted from these hint-vote answers (None: one was accepted).
+
+    Reasons, in the order checked: ``all_votes_failed`` (no answer parsed to a vote: HTTP
+    failures or no valid box), ``judged_no_hint`` (no vote was 1), ``no_hint_block`` (a 1 vote
+    without a ``[HINT_START]...[HINT_END]`` block), ``hint_too_short`` (blocks of at most
+    ``min_chars`` characters).
+    """
+    parsed = [(parse_score(t, allowed=(1, -1)), t) for t in texts]
+    if all(v is None for v, _ in parsed):
+        return "all_votes_failed"
+    positive = [t for v, t in parsed if v == 1]
+    if not positive:
+        return "judged_no_hint"
+    blocks = [hint_block(t) for t in positive]
+    if any(b is not None and len(b) > min_chars for b in blocks):
+        return None
+    if all(b is None for b in blocks):
+        return "no_hint_block"
+    return "hint_too_short"
 
 
 def majority_vote(votes: list[int | None]) -> int:

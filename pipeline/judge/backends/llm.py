@@ -18,7 +18,7 @@ import orjson
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.parse import best_hint, majority_vote, parse_hint, parse_score
+from pipeline.judge.parse import best_hint, hint_rejection, majority_vote, parse_hint, parse_score
 from pipeline.judge.prompts import JudgeInput, hint_messages, prm_messages
 from pipeline.errors import PipelineError
 from pipeline.retry import Transient, retrying
@@ -157,11 +157,13 @@ class LLMBackend(Backend):
 
     async def hint(self, inp: JudgeInput) -> HintVerdict:
         votes, hints = [], []
-        for text in await self._votes(hint_messages(inp)):
+        texts = await self._votes(hint_messages(inp))
+        for text in texts:
             v, h = parse_hint(text, self.jc.hint_min_chars) if text is not None else (None, None)
             if text is not None and v is None:
                 metrics.PARSE_FAILURES.inc()
             metrics.count_vote(v)
             votes.append(v)
             hints.append(h)
-        return HintVerdict(best_hint(hints), votes)
+        hint = best_hint(hints)
+        return HintVerdict(hint, votes, None if hint else hint_rejection(texts, self.jc.hint_min_chars))

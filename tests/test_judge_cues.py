@@ -1,0 +1,51 @@
+"""Lexical cues of user replies (pipeline.judge.cues), on sentences written for this test."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.judge.cues import CUE_DIM, conflicting_number, cue_vector, read_cues, restates_request, tail_clause
+
+
+@pytest.mark.parametrize("text,polarity", [
+    ("Works great, thank you!", 1),
+    ("not great, the layout is broken", -1),
+    ("no worries, that's fine", 1),  # praise spelled with "no"
+    ("the warning is gone now", 1),
+    ("It still crashes on start", -1),
+    ("It still works after the upgrade", 1),  # "still" alone is no complaint
+    ("thanks, but the second link is dead", -1),  # praise, then a complaining contrast
+    ("great, but otherwise I'd keep it", 1),  # "but otherwise": the praise stands
+    ("nice. next: the same for CSV but only the header", 1),  # the contrast belongs to the new request
+    ("Merci, c'est parfait", 1), ("Nein, das ist falsch", -1), ("不对，是12", -1), ("完美，谢谢", 1),
+    ("Oh great, another crash", 0),  # praise next to irony and a complaint: no direction
+    ("why does it use a set here?", 0), ("let me try it tomorrow", 0),
+])
+def test_polarity(text, polarity):
+    assert read_cues(text).polarity == polarity, read_cues(text)
+
+
+def test_sarcasm_hold_and_question_markers():
+    assert read_cues("oh wonderful, just what I needed").sarcasm
+    assert not read_cues("wonderful, thank you").sarcasm
+    assert read_cues("hold on, checking").hold and read_cues("which one is faster?").question
+
+
+def test_tail_clause():
+    assert tail_clause("Thanks, but the date is wrong") == "the date is wrong"
+    assert tail_clause("nice! the date is wrong though") == "the date is wrong"
+    assert tail_clause("no contrast here") == ""
+
+
+def test_context_cues():
+    assert conflicting_number("it's 64", "8 times 8 is 56")
+    assert not conflicting_number("yes, 56", "8 times 8 is 56")
+    assert not conflicting_number("what about 9 times 9?", "8 times 8 is 56")
+    assert restates_request("Spanish. In SPANISH.", "Translate this into Spanish please")
+    assert not restates_request("lovely, thanks", "Translate this into Spanish please")
+    assert read_cues("it's 64", "56").polarity == -1
+
+
+def test_cue_vector_shape():
+    v = cue_vector("thanks!")
+    assert len(v) == CUE_DIM and all(0.0 <= x <= 1.0 for x in v)

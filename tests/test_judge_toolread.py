@@ -1,0 +1,88 @@
+"""The structured reading of tool results (pipeline.judge.toolread): conventions decide, data does not.
+
+Each case is a tool output written for this test (not taken from any labelled set the judge is
+measured on), with the label the reading must give; None means "no convention: the model decides".
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.judge.toolread import read_tool_result
+
+CASES = [
+    # test runners: counts decide, zero counts are not failures
+    ("===== 12 passed in 0.40s =====", "", 1),
+    ("===== 1 failed, 11 passed in 0.52s =====", "", -1),
+    ("Ran 4 tests in 0.002s\n\nOK", "", 1),
+    ("Ran 4 tests in 0.002s\n\nFAILED (errors=1)", "", -1),
+    ("test result: ok. 9 passed; 0 failed; 0 ignored", "", 1),
+    ("test result: FAILED. 8 passed; 1 failed; 0 ignored", "", -1),
+    ("--- FAIL: TestParse (0.00s)\nFAIL\texample.com/p\t0.01s", "", -1),
+    ("ok  \texample.com/p\t0.01s", "", 1),
+    ("Tests run: 10, Failures: 0, Errors: 0, Skipped: 1", "", 1),
+    ("Tests run: 10, Failures: 1, Errors: 0, Skipped: 0", "", -1),
+    ("Tests:       2 failed, 9 passed, 11 total", "", -1),
+    ("FAILURES!\nTests: 5, Assertions: 9, Failures: 2.", "", -1),
+    ("collected 0 items\n\n==== no tests ran in 0.01s ====", "", 0),
+    ("Found 0 errors. 0 warnings.", "", 1),
+    # exit and HTTP statuses
+    ("done\n[exit code 0]", "", 1),
+    ("[process exited with code 3]", "", -1),
+    ("Command '['make']' returned non-zero exit status 2.", "", -1),
+    ("[exit code 1]", 'shell({"cmd": "grep -q needle file.txt"})', 0),
+    ("[exit code 1]", 'shell({"cmd": "make"})', -1),
+    ("HTTP/1.1 503 Service Unavailable", "", 0),  # the environment failed, not the call
+    ("429 Too Many Requests. Retry after 30 s.", "", 0),
+    ("HTTP/1.1 500 Internal Server Error", "", -1),
+    ("HTTP/1.1 201 Created", "", 1),
+    ("202 Accepted", "", 0),
+    # error signatures
+    ("Traceback (most recent call last):\n  File \"a.py\", line 1\nNameError: name 'x' is not defined", "", -1),
+    ("zsh: command not found: pyhton3", "", -1),
+    ("fatal: remote origin already exists.", "", -1),
+    ("cp: cannot stat 'a.txt': No such file or directory", "", -1),
+    ("make: *** [Makefile:3: all] Error 1", "", -1),
+    ("lib/x.js:4:10: error Unexpected token", "", -1),
+    ("The coupon code has expired.", "", -1),
+    # JSON fields
+    ('{"ok": false, "error": "invalid_auth"}', "", -1),
+    ('{"ok": true}', "", 1),
+    ('{"status": "queued", "id": 4}', "", 0),
+    ('{"status": "completed", "id": 4}', "", 1),
+    ('{"results": [], "total": 0}', "", 0),
+    ('{"results": [{"title": "a"}]}', "", 1),
+    ('{"code": 404, "message": "page not found"}', "", -1),
+    ('{"errors": [], "data": {"id": 1}}', "", None),
+    ('{"error_count": 0, "rows": [1, 2]}', "", 1),
+    # not settled: dry run, partial or truncated output, flaky test
+    ("Dry run: would delete 14 files", "", 0),
+    ("Imported 40 of 100 rows processed before the connection dropped", "", 0),
+    ("1 flaky test passed on retry; 20 passed", "", 0),
+    # pending, empty, no results
+    ("[3] 12345", "", 0),
+    ("Upload 35% complete", "", 0),
+    ("Report requested. You'll get an email when it is ready.", "", 0),
+    ("", 'shell({"cmd": "mkdir -p out"})', 1),
+    ("", 'shell({"cmd": "cat notes.txt"})', 0),
+    ("[]", "", 0),
+    ("No results found for 'zzkx'", "", 0),
+    ("We could not find any matching orders.", "", 0),
+    # data is not an error, even when it talks about errors
+    ("1. Fixing TypeError in Python - https://a.example/1\n2. TypeError explained - https://b.example/2", "", 1),
+    ("Found 3 matches:\n- retry on failure (config)\n- failed jobs view\n- error budget", "", 1),
+    ("def check(x):\n    if x < 0:\n        raise ValueError('invalid input')\n    return x\n" * 3, "", None),
+    ("Monday 12°C cloudy", "", None),
+    ("Saved 2 files.", "", 1),
+]
+
+
+@pytest.mark.parametrize("text,call,label", CASES)
+def test_reading(text, call, label):
+    reading = read_tool_result(text, call)
+    assert reading.label == label, reading
+
+
+def test_reading_names_its_reason():
+    assert "exit" in read_tool_result("[exit code 2]").reason
+    assert read_tool_result("all good").reason  # never empty
