@@ -111,6 +111,17 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
     return full, ent
 
 
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is True on any rank of the world (MAX all-reduce; identity alone)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 @dataclass
 class StepResult:
     """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times)."""
@@ -149,12 +160,14 @@ class PolicyTrainer:
             clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=ddp_cfg.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(ocfg, [self.ddp])
+        self.apply_hyperparameters()
         self.ref_model = None
         if cfg.kl_coef:
             self.ref_model = M.build_model(self.arch, par.tp, self.dtype, par.device)
             M.load_hf_weights(self.ref_model, self.hf_dir, self.arch)
             self.ref_model.eval().requires_grad_(False)
         self.optimizer_steps = 0
+        self.nonfinite_steps = 0  # optimizer steps skipped because the loss or a gradient was NaN/inf
         self.load_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------ scoring
@@ -199,10 +212,14 @@ class PolicyTrainer:
         ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
         that are not :func:`batch.trainable` are ignored. A batch without any trainable token
         makes no optimizer step (``skipped``): Adam's moments would still move the weights.
+        An optimizer step whose loss or gradients hold NaN/inf on any rank is not taken (weights
+        and Adam moments unchanged) and counted in ``nonfinite_steps``; when no step of the batch
+        was taken the result is ``skipped`` too (no new policy version, nothing exported).
         Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
         steps of the aggregated values), ``logprob_abs_diff`` (mean |train - rollout| log-prob
         over trained tokens, before the update), ``grad_norm`` (last step), ``reward_mean``,
-        ``train_samples``, ``train_tokens``, ``forward_backward_s``, ``optimizer_s``.
+        ``train_samples``, ``train_tokens``, ``forward_backward_s``, ``optimizer_s``,
+        ``nonfinite_steps``.
         """
         cfg, par = self.cfg, self.par
         weights = list(weights) if weights is not None else [1.0] * len(samples)
@@ -249,6 +266,7 @@ class PolicyTrainer:
         diff_sum = torch.zeros((), dtype=torch.float64)
         fb_s = opt_s = 0.0
         grad_norm = 0.0
+        applied = 0  # optimizer steps that changed the weights (finite loss and gradients)
         entropy_mode = "grad" if cfg.entropy_coef else "metric"
         for step in range(cfg.steps_per_batch):
             t1 = time.perf_counter()
@@ -276,12 +294,16 @@ class PolicyTrainer:
                 if step == 0:
                     diff_sum += ((logp.detach().float() - mb.rollout_log_probs.to(dev)).abs() * mask).sum().double().cpu()
             t2 = time.perf_counter()
-            ok, grad_norm, _ = self._optimizer_step()
+            ok, step_norm, _ = self._optimizer_step(step_stats.get("loss"))
             t3 = time.perf_counter()
             fb_s += t2 - t1
             opt_s += t3 - t2
-            if not ok:
-                log.warning("optimizer step %d skipped (non-finite gradients)", self.optimizer_steps)
+            if ok:
+                applied += 1
+                grad_norm = step_norm
+            else:
+                log.warning("optimizer step skipped: non-finite loss or gradients (%d skipped so far); "
+                            "the weights and the optimizer state are unchanged", self.nonfinite_steps)
             for k, v in self._all_reduce_dp(step_stats).items():
                 sums[k] = sums.get(k, 0.0) + v
         n = cfg.steps_per_batch
@@ -291,15 +313,83 @@ class PolicyTrainer:
         metrics["grad_norm"] = float(grad_norm or 0.0)
         metrics["forward_backward_s"] = fb_s + pre_s
         metrics["optimizer_s"] = opt_s
-        return StepResult(metrics, skipped=False)
+        metrics["nonfinite_steps"] = float(cfg.steps_per_batch - applied)
+        return StepResult(metrics, skipped=applied == 0)
 
-    def _optimizer_step(self):
+    def _optimizer_step(self, loss: torch.Tensor | None):
+        """Reduce gradients, then step unless the loss or a gradient is NaN/inf on any rank.
+
+        Returns ``(ok, grad_norm, zeros)``; ``ok`` is False (and nothing changed) on a skip.
+        """
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp])
+        if not self._finite_everywhere(loss):
+            self.nonfinite_steps += 1
+            return False, None, None
         ok, grad_norm, zeros = self.optimizer.step()
+        if not ok:  # a bf16/fp16 loss scaler found inf itself
+            self.nonfinite_steps += 1
+            return False, grad_norm, zeros
         self.optimizer_steps += 1
         return ok, grad_norm, zeros
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients: Megatron DDP's flat grad buffers (one tensor each)."""
+        bufs = list(getattr(self.ddp, "buffers", [])) + list(getattr(self.ddp, "expert_parallel_buffers", []))
+        if bufs:
+            return [b.grad_data for b in bufs]
+        return [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+
+    def _finite_everywhere(self, loss: torch.Tensor | None) -> bool:
+        """True when this step's loss and gradients are finite on every rank (collective).
+
+        A rank without micro-batches contributes no loss; the verdict is all-reduced (MAX of a
+        "bad" flag) over the whole world, so every rank takes the same branch.
+        """
+        bad = loss is not None and not bool(torch.isfinite(torch.as_tensor(loss)).all())
+        if not bad:
+            bad = any(not bool(torch.isfinite(g).all()) for g in self._grad_tensors())
+        return not _any_rank(bad, self.par.device)
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of parameters holding NaN/inf on this rank (``[]`` when finite everywhere).
+
+        Collective: the verdict is all-reduced, so on a rank whose own shard is finite while
+        another rank's is not, the result is ``["<another rank>"]``; every rank sees a non-empty
+        list together.
+        """
+        from pipeline.trainer.guards import nonfinite_parameters
+
+        bad = nonfinite_parameters(self.model.named_parameters())
+        if _any_rank(bool(bad), self.par.device) and not bad:
+            return ["<another rank>"]
+        return bad
+
+    def apply_hyperparameters(self) -> list[str]:
+        """Set every optimizer group's learning rate, weight decay, betas and eps from the config.
+
+        Weight decay follows Megatron's convention: each group's ``wd_mult`` (0 for biases and
+        1-D parameters such as norm weights, from ``get_standard_config_overrides``) times
+        ``weight_decay``; learning rate: ``lr`` times the group's ``lr_mult``. Megatron applies
+        these in its ``OptimizerParamScheduler``; the trainer uses a constant schedule, so it is
+        done here, once at construction and again after a checkpoint is restored (the restored
+        groups hold the hyper-parameters of the run that wrote it). Returns the changed values as
+        ``"name old -> new"`` strings.
+        """
+        cfg = self.cfg
+        changes: list[str] = []
+        for g in self.optimizer.param_groups:
+            new = {"lr": cfg.lr * g.get("lr_mult", 1.0),
+                   "weight_decay": cfg.weight_decay * g.get("wd_mult", 1.0),
+                   "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+            for k, v in new.items():
+                old = tuple(g[k]) if k == "betas" and k in g else g.get(k)
+                if k in g and old != v and f"{k} {old} -> {v}" not in changes:
+                    changes.append(f"{k} {old} -> {v}")
+                g[k] = v
+            g["max_lr"] = g["min_lr"] = cfg.lr  # what Megatron's scheduler would read
+        return changes
 
     def _all_reduce_dp(self, stats: dict[str, Any]) -> dict[str, float]:
         """Sum scalar stats over DP ranks (each rank holds its micro-batches' share)."""
@@ -308,9 +398,13 @@ class PolicyTrainer:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        keys = sorted(stats)
-        t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=self.par.device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        group = ps.get_data_parallel_group()
+        # a rank without micro-batches has no stats: agree on the keys first, missing ones are 0
+        names: list = [None] * self.par.dp
+        dist.all_gather_object(names, sorted(stats), group=group)
+        keys = sorted(set().union(*names))
+        t = torch.tensor([float(stats.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self.par.device)
+        dist.all_reduce(t, group=group)
         return dict(zip(keys, t.tolist()))
 
     # ------------------------------------------------------------ export / state
@@ -325,8 +419,26 @@ class PolicyTrainer:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "optimizer_steps": self.optimizer_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same TP size and model)."""
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Restore :meth:`state_dict` (same TP size and model): weights, Adam moments, counters.
+
+        The configured hyper-parameters (lr, weight decay, betas, eps) replace the checkpoint's
+        (:meth:`apply_hyperparameters`); the changes are logged and returned.
+        """
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer_steps = int(state["optimizer_steps"])
+        changes = self.apply_hyperparameters()
+        if changes:
+            log.warning("configured optimizer hyper-parameters replace the checkpoint's: %s "
+                        "(Adam moments restored)", "; ".join(changes))
+        return changes
+
+    def load_weights(self, hf_dir: str | Path) -> None:
+        """Load the weights of an exported HF folder (checksum verified); optimizer state is fresh.
+
+        Raises ``ValueError`` on a checksum mismatch and ``FileNotFoundError`` without weights.
+        """
+        M.verify_folder(hf_dir)
+        M.load_hf_weights(self.model, hf_dir, self.arch)
+        self.optimizer.reload_model_params()  # bf16: the fp32 master copies follow the new weights
