@@ -27,10 +27,13 @@ one again, so an engine restarted without its syncer is caught too. A mismatch t
 repaired (weights folder gone, checksum wrong, engine down) is never silent: ``failed`` on
 ``control``, an error in the log, ``pipeline_syncer_engine_versions_behind`` above 0 and
 ``/readyz`` answering 503. ``GET /readyz`` on ``syncer.ready_port`` answers 200 only while the
-engine serves the last published version: use it as the replica's readiness probe so a
-restarted engine takes no traffic before it is reconciled. ``pause``/``resume`` need no action here:
-the engine lets in-flight requests finish on the old weights during the swap (SGLANG_API.md
-3.1), and the proxy holds new requests while paused.
+engine serves the last published version (or, while a newer version fails to apply, the one it
+was last confirmed on): use it as the replica's readiness probe so a restarted engine takes no
+traffic before it is reconciled.
+
+``pause``/``resume`` need no action here: the engine lets in-flight requests finish on the old
+weights during the swap (SGLang's ``/update_weights_from_disk`` waits for them), and the proxy
+holds new requests while paused.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class Syncer:
         self.in_sync = threading.Event()  # set while the engine serves the last published version
         self.target: events.Control | None = None  # the last published weights (None: nothing published)
         self.served: str | None = None  # the engine's weight_version at the last check (None: unknown)
+        self.confirmed: str | None = None  # the last version seen in sync (published and served)
         self.reconciles = 0  # re-applies after finding the engine on another version
         self._failures = 0  # consecutive failed re-applies (back-off: check_interval_s * 2**n, <= 300 s)
         self._retry_at = 0.0
@@ -192,10 +196,19 @@ class Syncer:
         prom.SYNCER_ENGINE_VERSION.labels(self.engine_id).set(served)
         prom.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(self.target.policy_version if self.target else -1)
         prom.SYNCER_BEHIND.labels(self.engine_id).set(published - served)
+        prom.SYNCER_RECONCILES.labels(self.engine_id)  # exported at 0 before the first reconcile
         if self.served is not None and self.served == str(published):
+            self.confirmed = self.served
             self.in_sync.set()
         else:
             self.in_sync.clear()
+
+    def serving_ok(self) -> bool:
+        """What ``/readyz`` answers: the engine serves the last published version, or still the
+        version it was confirmed in sync on while a newer one fails to apply (reported by
+        ``failed`` and the metrics, and retried). False for an engine that came back on another
+        version (a restart: base weights) until it is reconciled, and before the first check."""
+        return self.in_sync.is_set() or (self.served is not None and self.served == self.confirmed)
 
     def reconcile(self, producer) -> bool:
         """Make the engine serve :attr:`target` (the last published weights; v0 when none).
@@ -249,8 +262,8 @@ class Syncer:
     def serve_ready(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve ``GET /readyz`` on ``host:port`` in a daemon thread; returns the bound port.
 
-        200 while the engine serves the last published version, else 503; the JSON body says
-        ``engine_id``, ``served`` (the engine's version), ``published`` and ``in_sync``.
+        200 when :meth:`serving_ok`, else 503; the JSON body says ``engine_id``, ``served`` (the
+        engine's version), ``published`` and ``in_sync``. ``/healthz`` is always 200 (liveness).
         """
         import json
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -262,7 +275,7 @@ class Syncer:
                 if self.path.split("?")[0] not in ("/readyz", "/healthz"):
                     self.send_error(404, "GET /readyz or /healthz")
                     return
-                ok = syncer.in_sync.is_set() or self.path.startswith("/healthz")
+                ok = syncer.serving_ok() or self.path.startswith("/healthz")
                 body = json.dumps({"engine_id": syncer.engine_id, "served": syncer.served,
                                    "published": syncer.target.policy_version if syncer.target else None,
                                    "in_sync": syncer.in_sync.is_set()}).encode()
@@ -322,7 +335,8 @@ class Syncer:
                             except events.EventError as e:
                                 log.warning("control[%d]@%d undecodable: %s", rec.partition, rec.offset, e)
                                 continue
-                            if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id:
+                            if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id \
+                                    and (latest is None or ev.policy_version >= latest.policy_version):
                                 if latest is not None:
                                     log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
                                              ev.policy_version)

@@ -162,6 +162,7 @@ def write_published(export_dir: str | Path, rec: Published) -> None:
     """
     from pipeline.trainer.files import atomic_write_text
 
+    Path(export_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(export_dir) / PUBLISHED, json.dumps(asdict(rec), sort_keys=True) + "\n")
 
 
