@@ -74,4 +74,6 @@ def test_killed_trainer_restarts_without_training_a_sample_twice(kafka_config, t
     assert max(trained.values()) == 1
     meta = json.loads((tmp_path / "ckpt" / "step_00000004" / "meta.json").read_text())
     assert sum(meta["offsets"][kafka_config.topics.name("samples")].values()) == 12
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000003", "v000004"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["published.json", "v000002", "v000003",
+                                                                          "v000004"]
+    assert json.loads((tmp_path / "weights" / "published.json").read_text())["policy_version"] == 4

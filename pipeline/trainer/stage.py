@@ -18,6 +18,18 @@ interval the steps after the last checkpoint are redone from the same offsets an
 the engines were told about a version the checkpoint does not have (they served weights from
 steps that were rolled back), the restored weights are exported and synced as a new, higher
 version, so versions never go backwards. A version whose sync did not finish is synced again.
+The configured optimizer hyper-parameters replace the checkpoint's (the change is logged).
+
+Never a silent roll-back: with no complete checkpoint but traces of earlier training (exports,
+``synced.json``, a ``latest`` pointer to a missing folder) the trainer refuses to start
+(:class:`CheckpointMissing`, naming both directories) unless ``trainer.missing_checkpoint`` is
+``newest_export`` (continue from the newest export's weights; fresh optimizer moments) or
+``fresh`` (the base model, published as a new, higher version).
+
+Never NaN weights (:mod:`pipeline.trainer.guards`): samples with non-finite values go to
+``samples.dlq``; an optimizer step with a non-finite loss or gradient is skipped and counted;
+weights are checked after each step and after a restore, and non-finite ones raise
+:class:`guards.NonFiniteWeights` before anything is checkpointed, exported or synced.
 """
 
 from __future__ import annotations
