@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-_TRAIN = {"model": "tiny-random", "lr": 1e-3, "micro_batch_size": 2}
+# two optimizer steps per batch and recomputed behaviour log-probs: more collectives per batch
+_TRAIN = {"model": "tiny-random", "lr": 1e-3, "micro_batch_size": 2, "steps_per_batch": 2,
+          "old_log_probs": "recompute", "entropy_coef": 0.01}
 
 
 def _sample(i, reward=1.0, loss_mask=1, **kw):

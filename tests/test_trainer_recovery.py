@@ -154,6 +154,17 @@ def test_trainer_without_checkpoint_but_with_exports_refuses(kafka_config, tmp_p
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000005"]  # nothing new exported
 
 
+def test_synced_record_without_checkpoint_refuses(kafka_config, tmp_path, runtime):
+    from pipeline.errors import PipelineError
+    from pipeline.trainer import checkpoint as C
+    from pipeline.trainer.stage import TrainerStage
+
+    cfg = _config(kafka_config, tmp_path)
+    C.write_synced(tmp_path / "ckpt", 3)  # the checkpoints were deleted, the record of v3 was not
+    with pytest.raises(PipelineError, match="v3 was synced to the engines"):
+        TrainerStage(cfg)._setup()
+
+
 def test_latest_pointer_to_a_missing_folder_without_checkpoint_refuses(kafka_config, tmp_path, runtime):
     from pipeline.errors import PipelineError
     from pipeline.trainer.stage import TrainerStage
