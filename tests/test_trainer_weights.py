@@ -88,11 +88,20 @@ def test_nonfinite_step_is_skipped_and_changes_nothing(runtime, dtype):
 
 
 def test_one_nonfinite_step_of_several_skips_only_that_step(runtime):
+    from prometheus_client import REGISTRY
+
+    def counts():
+        return (REGISTRY.get_sample_value("pipeline_trainer_nonfinite_steps_total"),
+                REGISTRY.get_sample_value("pipeline_trainer_optimizer_steps_total"))
+
     pt = _trainer(runtime, steps_per_batch=2)
+    bad0, taken0 = counts()
     res = pt.train_batch([_sample(0, reward=1.0), _bad("teacher_-inf")])
     assert res.skipped and res.metrics["nonfinite_steps"] == 2.0 and pt.optimizer_steps == 0
+    assert counts() == (bad0 + 2, taken0)  # counted live, as the steps happen
     res = pt.train_batch(_good_batch())
     assert not res.skipped and res.metrics["nonfinite_steps"] == 0.0 and pt.optimizer_steps == 2
+    assert counts() == (bad0 + 2, taken0 + 2)
 
 
 def test_nonfinite_weights_are_named(runtime):

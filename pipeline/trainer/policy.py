@@ -323,15 +323,20 @@ class PolicyTrainer:
         """
         from megatron.core.distributed import finalize_model_grads
 
+        from pipeline.trainer import prom
+
         finalize_model_grads([self.ddp])
         if not self._finite_everywhere(loss):
             self.nonfinite_steps += 1
+            prom.NONFINITE.inc()
             return False, None, None
         ok, grad_norm, zeros = self.optimizer.step()
         if not ok:  # a bf16/fp16 loss scaler found inf itself
             self.nonfinite_steps += 1
+            prom.NONFINITE.inc()
             return False, grad_norm, zeros
         self.optimizer_steps += 1
+        prom.OPTIMIZER_STEPS.inc()
         return ok, grad_norm, zeros
 
     def _grad_tensors(self) -> list[torch.Tensor]:

@@ -20,7 +20,10 @@ LOGPROB_DIFF = Gauge("pipeline_trainer_logprob_abs_diff", "Mean |train - rollout
 PHASE = Histogram("pipeline_trainer_phase_seconds", "Seconds per step phase",
                   ["phase"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
 NONFINITE = Counter("pipeline_trainer_nonfinite_steps_total",
-                    "Optimizer steps not taken because the loss or a gradient was NaN/inf")
+                    "Optimizer steps not taken because the loss or a gradient was NaN/inf (counted live)")
+OPTIMIZER_STEPS = Counter("pipeline_trainer_optimizer_steps_total",
+                          "Optimizer steps taken, counted live (steps_per_batch per trainer step; with "
+                          "pipeline_trainer_nonfinite_steps_total it shows a trainer in the middle of a batch)")
 PUBLISHED_VERSION = Gauge("pipeline_trainer_published_version",
                           "Last policy version the trainer published on control (its weights event)")
 SYNC_FAILED = Counter("pipeline_trainer_sync_failures_total", "Engines that failed or timed out a weight sync")
@@ -48,7 +51,6 @@ def observe_step(record: dict) -> None:
     STEPS.inc()
     if record.get("skipped"):
         SKIPPED.inc()
-    NONFINITE.inc(record.get("nonfinite_steps", 0) or 0)
     POLICY_VERSION.set(record.get("policy_version", 0))
     SAMPLES.labels("trained").inc(record.get("train_samples", 0))
     for key, outcome in (("masked", "masked"), ("duplicates", "duplicate"), ("stale_dropped", "stale_dropped"),
