@@ -137,7 +137,11 @@ class TrainerStage:
             elif C.read_synced(self.ckpt_dir) < self.version:
                 need_sync = True
             from pipeline.trainer.source import SampleSource
-            from pipeline.trainer.sync import WeightPublisher
+            from pipeline.trainer.sync import WeightPublisher, read_published
+
+            last = read_published(self.export_dir)
+            if last is not None and last.run_id == cfg.run_id:  # the gauge survives a restart
+                prom.PUBLISHED_VERSION.set(last.policy_version)
 
             self.source = SampleSource(self.config, offsets, seen, validate=self._validate)
             self.publisher = WeightPublisher(self.config)
