@@ -235,6 +235,9 @@ class TrainerConfig(Section):
     poll_timeout_s: float = 1.0
     log_sample_ids: bool = True  # write each step's sample_ids to the metrics log
     progress: bool = True  # tqdm progress bar on the console
+    # no checkpoint although exports / synced.json / a `latest` pointer show this run trained before:
+    # refuse (default), fresh (base model, as a new higher version), newest_export (its weights)
+    missing_checkpoint: Literal["refuse", "fresh", "newest_export"] = "refuse"
 
 
 class SyncerConfig(Section):
@@ -248,6 +251,8 @@ class SyncerConfig(Section):
     # added by the syncer
     run_id: str | None = None  # apply weights of this run only; None: trainer.run_id
     apply_timeout_s: float = 300.0  # one /update_weights_from_disk call (waits for in-flight requests)
+    check_interval_s: float = Field(5.0, gt=0)  # how often the engine's served version is compared to the published
+    ready_port: int | None = Field(None, ge=0, le=65535)  # GET /readyz: 200 once the engine serves the published version
 
 
 class DashboardConfig(Section):

@@ -13,12 +13,29 @@ assigned, never joined: one syncer per engine) and, for each ``weights`` event o
 
 If the engine already reports that version (``/model_info`` ``weight_version``), nothing is
 reloaded and ``applied`` is published again (idempotent after a syncer restart). When several
-``weights`` events are waiting (catching up after downtime) only the newest is applied. The
-offset is committed after the answer is published. Records that are not valid ``control``
+``weights`` events are waiting (catching up after downtime) only the newest is applied, and a
+version older than one already applied is never applied again. The offset is committed after
+the answer is published. Records that are not valid ``control``
 events go to ``control.dlq`` (:class:`pipeline.bus.TopicReader`; the offset is committed only
-once the dead letter is delivered). ``pause``/``resume`` need no action here:
-the engine lets in-flight requests finish on the old weights during the swap (SGLANG_API.md
-3.1), and the proxy holds new requests while paused.
+once the dead letter is delivered).
+
+Reconciliation (engine or syncer restarts). A syncer that starts first finds the last version
+the trainer published (:func:`last_published`: the newest ``weights`` event of its run on
+``control``, or the trainer's ``published.json`` record when control has aged it out) and, if
+the engine serves anything else (a restarted engine comes back with its base model as v0),
+applies it and publishes ``applied`` before it reads its consumer group. Then, every
+``syncer.check_interval_s``, it compares the engine's served version with the last published
+one again, so an engine restarted without its syncer is caught too. A mismatch that cannot be
+repaired (weights folder gone, checksum wrong, engine down) is never silent: ``failed`` on
+``control``, an error in the log, ``pipeline_syncer_engine_versions_behind`` above 0 and
+``/readyz`` answering 503. ``GET /readyz`` on ``syncer.ready_port`` answers 200 only while the
+engine serves the last published version (or, while a newer version fails to apply, the one it
+was last confirmed on): use it as the replica's readiness probe so a restarted engine takes no
+traffic before it is reconciled.
+
+``pause``/``resume`` need no action here: the engine lets in-flight requests finish on the old
+weights during the swap (SGLang's ``/update_weights_from_disk`` waits for them), and the proxy
+holds new requests while paused.
 """
 
 from __future__ import annotations
@@ -40,10 +57,13 @@ HELP = "apply published weights (control topic) to one engine replica via /updat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--engine URL``, ``--engine-id``, ``--group-id``."""
+    """``--engine URL``, ``--engine-id``, ``--group-id``, ``--ready-port``."""
     parser.add_argument("--engine", dest="engine_url", help="engine base URL (syncer.engine_url; default engine.url)")
     parser.add_argument("--engine-id", help="this replica's id in applied/failed reports (syncer.engine_id)")
     parser.add_argument("--group-id", help="consumer group (default syncer-<engine_id>)")
+    parser.add_argument("--ready-port", type=int,
+                        help="serve GET /readyz here: 200 once the engine serves the last published version "
+                             "(syncer.ready_port; the replica's readiness probe)")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -55,10 +75,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
         s.engine_id = args.engine_id
     if args.group_id:
         s.group_id = args.group_id
+    if args.ready_port is not None:
+        s.ready_port = args.ready_port
     from pipeline.metrics import serve_metrics
 
     serve_metrics(config.metrics_port)
     syncer = Syncer(config)
+    if s.ready_port is not None:
+        syncer.serve_ready(s.ready_port)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: syncer.stop.set())
@@ -87,6 +111,14 @@ class Syncer:
         self.applied: list[int] = []  # versions applied by this process (for tests and logs)
         self.failed: list[int] = []
         self.ready = threading.Event()  # set once the consumer has its assignment
+        self.in_sync = threading.Event()  # set while the engine serves the last published version
+        self.target: events.Control | None = None  # the last published weights (None: nothing published)
+        self.served: str | None = None  # the engine's weight_version at the last check (None: unknown)
+        self.confirmed: str | None = None  # the last version seen in sync (published and served)
+        self.reconciles = 0  # re-applies after finding the engine on another version
+        self._failures = 0  # consecutive failed re-applies (back-off: check_interval_s * 2**n, <= 300 s)
+        self._retry_at = 0.0
+        self._reported: tuple | None = None  # last unrepairable mismatch logged (log it once)
 
     # ------------------------------------------------------------ engine side
 
@@ -137,19 +169,160 @@ class Syncer:
                              message=message[:2000], created_at=events.now_ms())
         producer.send(self.topic, out, key=self.run_id).get(timeout=30)
 
+    # ------------------------------------------------------------ reconciliation
+
+    async def _served_async(self) -> str | None:
+        from pipeline.client import EngineClient
+
+        api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
+        async with EngineClient(self.url, timeout_s=10.0, api_key=api_key) as eng:
+            v = await eng.weight_version()
+            return None if v is None else str(v)
+
+    def served_version(self) -> str | None:
+        """The engine's ``/model_info`` ``weight_version`` now, or None when it does not answer."""
+        try:
+            return asyncio.run(self._served_async())
+        except Exception as e:  # noqa: BLE001 - an engine that is down has no version
+            log.debug("%s: /model_info failed: %s", self.engine_id, e)
+            return None
+
+    def _observe(self) -> None:
+        from pipeline.trainer import prom
+
+        published = self.target.policy_version if self.target is not None else 0
+        try:
+            served = int(self.served) if self.served is not None else -1
+        except ValueError:
+            served = -1
+        prom.SYNCER_ENGINE_VERSION.labels(self.engine_id).set(served)
+        prom.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(self.target.policy_version if self.target else -1)
+        prom.SYNCER_BEHIND.labels(self.engine_id).set(published - served)
+        prom.SYNCER_RECONCILES.labels(self.engine_id)  # exported at 0 before the first reconcile
+        if self.served is not None and self.served == str(published):
+            self.confirmed = self.served
+            self.in_sync.set()
+        else:
+            self.in_sync.clear()
+
+    def serving_ok(self) -> bool:
+        """What ``/readyz`` answers: the engine serves the last published version, or still the
+        version it was confirmed in sync on while a newer one fails to apply (reported by
+        ``failed`` and the metrics, and retried). False for an engine that came back on another
+        version (a restart: base weights) until it is reconciled, and before the first check."""
+        return self.in_sync.is_set() or (self.served is not None and self.served == self.confirmed)
+
+    def reconcile(self, producer) -> bool:
+        """Make the engine serve :attr:`target` (the last published weights; v0 when none).
+
+        Asks the engine for its version; on a mismatch logs a warning, re-applies the target
+        (checksum verified, retries) and publishes ``applied`` or ``failed``. Returns True when
+        the engine serves the target afterwards. An engine that does not answer is left for the
+        next check (nothing to apply to), reported as unknown.
+        """
+        self.served = self.served_version()
+        target = self.target
+        want = str(target.policy_version) if target is not None else "0"
+        if self.served is None or self.served == want:
+            if self.served == want:
+                self._failures, self._retry_at, self._reported = 0, 0.0, None
+            self._observe()
+            return self.served == want
+        if target is None:
+            if self._reported != (self.served, None):
+                log.error("%s serves weight version %r, but run %s published no weights: a version the "
+                          "trainer did not publish (restart the engine with its base model as version 0)",
+                          self.engine_id, self.served, self.run_id)
+                self._reported = (self.served, None)
+            self._observe()
+            return False
+        if time.monotonic() < self._retry_at:  # the last re-apply failed: back off
+            self._observe()
+            return False
+        from pipeline.trainer import prom
+
+        log.warning("%s serves weight version %r, the trainer's last published version is v%d: re-applying %s",
+                    self.engine_id, self.served, target.policy_version, target.location)
+        self.reconciles += 1
+        prom.SYNCER_RECONCILES.labels(self.engine_id).inc()
+        ok, msg = self.apply(target)
+        (self.applied if ok else self.failed).append(target.policy_version)
+        if ok:
+            self._failures, self._retry_at = 0, 0.0
+        else:
+            self._failures += 1
+            wait = min(300.0, self.cfg.check_interval_s * 2 ** self._failures)
+            self._retry_at = time.monotonic() + wait
+            log.error("%s: cannot serve the published v%d (%s); it keeps serving %r (next try in %.0f s)",
+                      self.engine_id, target.policy_version, msg, self.served, wait)
+        self._publish(producer, "applied" if ok else "failed", target,
+                      msg if ok else f"reconcile: engine serves {self.served!r}; {msg}")
+        self.served = self.served_version()
+        self._observe()
+        return self.in_sync.is_set()
+
+    def serve_ready(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``GET /readyz`` on ``host:port`` in a daemon thread; returns the bound port.
+
+        200 when :meth:`serving_ok`, else 503; the JSON body says ``engine_id``, ``served`` (the
+        engine's version), ``published`` and ``in_sync``. ``/healthz`` is always 200 (liveness).
+        """
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        syncer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                if self.path.split("?")[0] not in ("/readyz", "/healthz"):
+                    self.send_error(404, "GET /readyz or /healthz")
+                    return
+                ok = syncer.serving_ok() or self.path.startswith("/healthz")
+                body = json.dumps({"engine_id": syncer.engine_id, "served": syncer.served,
+                                   "published": syncer.target.policy_version if syncer.target else None,
+                                   "in_sync": syncer.in_sync.is_set()}).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # noqa: D102 - quiet
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=server.serve_forever, name="syncer-readyz", daemon=True).start()
+        self._ready_server = server
+        return server.server_address[1]
+
     def run(self) -> None:
         """Consume ``control`` and apply ``weights`` events until :attr:`stop` is set."""
         from pipeline.bus import DeadLetterError, EventProducer, TopicReader
         from pipeline.trainer import prom
 
-        consumer = TopicReader(self.config, self.topic, "committed", name=f"syncer-{self.engine_id}",
-                               group_id=self.group_id, dlq=True, stop=self.stop)
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
+        try:
+            self.target = last_published(self.config, self.run_id, stop=self.stop)
+        except Exception:
+            producer.close()
+            raise
+        self.reconcile(producer)  # before the group: a restarted engine gets the published weights first
+        next_check = time.monotonic() + self.cfg.check_interval_s
+        try:
+            consumer = TopicReader(self.config, self.topic, "committed", name=f"syncer-{self.engine_id}",
+                                   group_id=self.group_id, dlq=True, stop=self.stop)
+        except Exception:
+            producer.close()
+            raise
         self.ready.set()
-        log.info("syncer %s -> %s (group %s, run %s)", self.engine_id, self.url, self.group_id, self.run_id)
+        log.info("syncer %s -> %s (group %s, run %s, published v%s, engine serves %s)", self.engine_id, self.url,
+                 self.group_id, self.run_id, self.target.policy_version if self.target else "-", self.served)
         try:
             while not self.stop.is_set():
                 polled = consumer.poll_raw(timeout_ms=500)
+                if time.monotonic() >= next_check:
+                    self.reconcile(producer)  # an engine restarted without its syncer comes back on v0
+                    next_check = time.monotonic() + self.cfg.check_interval_s
                 if not polled:
                     continue
                 latest: events.Control | None = None
@@ -160,19 +333,28 @@ class Syncer:
                         got = consumer.decode(rec)  # a bad record goes to control.dlq first
                         ends[rec.partition] = rec.offset + 1
                         ev = got.event if got is not None else None
-                        if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id:
+                        if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id \
+                                and (latest is None or ev.policy_version >= latest.policy_version):
                             if latest is not None:
                                 log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
                                          ev.policy_version)
                             latest = ev
                     more = consumer.poll_raw(timeout_ms=0)
+                if latest is not None and self.target is not None \
+                        and latest.policy_version < self.target.policy_version:
+                    log.info("%s: v%d is older than the published v%d: not applied", self.engine_id,
+                             latest.policy_version, self.target.policy_version)
+                    latest = None
                 if latest is not None:
+                    self.target = latest
                     t0 = time.perf_counter()
                     ok, msg = self.apply(latest)
                     prom.SYNCER_SECONDS.observe(time.perf_counter() - t0)
                     (prom.SYNCER_APPLIED if ok else prom.SYNCER_FAILED).inc()
                     (self.applied if ok else self.failed).append(latest.policy_version)
                     self._publish(producer, "applied" if ok else "failed", latest, msg)
+                    self.served = str(latest.policy_version) if ok else self.served_version()
+                    self._observe()
                 consumer.commit(ends)
         except DeadLetterError as e:  # stopped while a dead letter was undeliverable: not committed past it
             log.warning("%s", e)
@@ -181,3 +363,40 @@ class Syncer:
                 consumer.close()
             finally:
                 producer.close()
+
+
+def last_published(config: Config, run_id: str, timeout_s: float = 60.0,
+                   stop: threading.Event | None = None) -> events.Control | None:
+    """The last weights the trainer of ``run_id`` published, as a ``weights`` :class:`events.Control`.
+
+    Reads ``control`` (one partition) from the beginning to its end (the high watermark seen
+    after a fetch; no end-offset lookup) and keeps the newest ``weights`` event of the run; the
+    trainer's ``<trainer.export_dir>/published.json`` record counts too when it is newer (control
+    retention may have deleted the event). None when the run never published.
+
+    Raises:
+        TimeoutError: the end of ``control`` was not reached within ``timeout_s``.
+    """
+    from pipeline.bus import TopicReader
+    from pipeline.trainer.sync import read_published
+
+    best: events.Control | None = None
+    topic = config.topics.name("control")
+    # an observer (bad records are passed over here; the syncer's own group dead-letters them)
+    with TopicReader(config, topic, "beginning", partitions=[0], name="syncer-reconcile") as reader:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for rec in reader.poll(timeout_ms=200):
+                ev = getattr(rec, "event", None)
+                if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == run_id \
+                        and (best is None or ev.policy_version >= best.policy_version):
+                    best = ev
+            if reader.caught_up():
+                break
+            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                raise TimeoutError(f"could not read {topic} to its end within {timeout_s:.0f} s")
+    rec = read_published(config.trainer.export_dir)
+    if rec is not None and rec.run_id == run_id and (best is None or rec.policy_version > best.policy_version):
+        best = events.Control(action="weights", epoch=rec.policy_version, policy_version=rec.policy_version,
+                              run_id=run_id, location=rec.location, sha256=rec.sha256, created_at=rec.created_at)
+    return best

@@ -123,4 +123,6 @@ def test_trainer_killed_half_trained_restarts_without_training_a_sample_twice(ka
     meta = json.loads((ckpt / "step_00000004" / "meta.json").read_text())
     assert sum(meta["offsets"][samples_topic].values()) == 12
     assert _committed(kafka_config) == 12
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000003", "v000004"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["published.json", "v000002", "v000003",
+                                                                          "v000004"]
+    assert json.loads((tmp_path / "weights" / "published.json").read_text())["policy_version"] == 4

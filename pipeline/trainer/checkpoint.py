@@ -9,8 +9,11 @@ Layout under ``trainer.checkpoint_dir``::
     latest                    # text: "step_00000012" (replaced atomically)
     synced.json               # {"policy_version": V}: the last version every engine was told about
 
-A checkpoint is written into ``.step_N.tmp`` and renamed when complete, then ``latest`` is
-replaced, so a crash leaves either the previous checkpoint or the new one, never a torn one.
+A checkpoint is written into ``.step_N.tmp`` (every file fsynced, then the folder), renamed
+when complete and the parent folder fsynced; then ``latest`` is replaced the same way (see
+:mod:`pipeline.trainer.files`). So a crash or a power loss leaves either the previous
+checkpoint or the new one, never a torn one. :func:`latest` trusts the pointer only when it
+names a complete folder; otherwise it falls back to the newest complete ``step_*`` folder.
 The consumed offsets inside ``meta.json`` are the source of truth on restart (the consumer
 group's committed offsets only show lag). Data-parallel replicas hold identical state, so only
 the ranks with DP rank 0 write. Restoring needs the same tensor-parallel size. With several
@@ -20,6 +23,7 @@ machines, ``checkpoint_dir`` must be a shared filesystem.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -29,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.trainer.dist import Parallel
+from pipeline.trainer.files import atomic_write_text, fsync_dir
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 SYNCED = "synced.json"
@@ -37,15 +44,6 @@ SYNCED = "synced.json"
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save(root: str | os.PathLike, step: int, par: Parallel, state: dict[str, Any], meta: dict[str, Any],
@@ -59,7 +57,9 @@ def save(root: str | os.PathLike, step: int, par: Parallel, state: dict[str, Any
     name = f"step_{step:08d}"
     tmp = root / f".{name}.tmp"
     if par.is_main:
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.is_dir():
+            root.mkdir(parents=True)
+            fsync_dir(root.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
@@ -72,11 +72,13 @@ def save(root: str | os.PathLike, step: int, par: Parallel, state: dict[str, Any
     _barrier()
     final = root / name
     if par.is_main:
-        _atomic_write(tmp / "meta.json", json.dumps({**meta, "step": step, "tp": par.tp}, sort_keys=True))
+        atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step, "tp": par.tp}, sort_keys=True))
+        fsync_dir(tmp)  # the shards' and meta.json's names are on disk before the rename
         if final.exists():  # re-doing a step after a crash that happened past this point
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _atomic_write(root / LATEST, name + "\n")
+        fsync_dir(root)  # the rename itself survives a power loss
+        atomic_write_text(root / LATEST, name + "\n")
         old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
         for p in old[:max(0, len(old) - (keep - 1))]:
             shutil.rmtree(p, ignore_errors=True)
@@ -84,15 +86,45 @@ def save(root: str | os.PathLike, step: int, par: Parallel, state: dict[str, Any
     return final
 
 
-def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
-    root = Path(root)
+def complete(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a finished checkpoint: ``meta.json`` and one shard per TP rank."""
+    path = Path(path)
     try:
-        name = (root / LATEST).read_text().strip()
+        meta = json.loads((path / "meta.json").read_text())
+        tp = int(meta.get("tp", 1))
+    except (OSError, ValueError, TypeError):
+        return False
+    return all((path / f"tp{r:02d}.pt").is_file() for r in range(tp))
+
+
+def pointer(root: str | os.PathLike) -> str | None:
+    """The folder name the ``latest`` file names, or None when there is no pointer."""
+    try:
+        return (Path(root) / LATEST).read_text().strip() or None
     except FileNotFoundError:
         return None
-    path = root / name
-    return path if (path / "meta.json").exists() else None
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The checkpoint to restore: the folder ``latest`` names when it is complete, else the newest
+    complete ``step_*`` folder (a warning says so), else None.
+
+    The pointer is replaced only after its folder was renamed into place, so the newest complete
+    folder is never older than the pointer's; falling back to it loses nothing.
+    """
+    root = Path(root)
+    name = pointer(root)
+    if name is not None and complete(root / name):
+        return root / name
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and complete(p)) if root.is_dir() else []
+    if name is not None:
+        if done:
+            log.warning("checkpoint pointer %s names %s, which is missing or incomplete: using the newest "
+                        "complete checkpoint %s", root / LATEST, name, done[-1].name)
+        else:
+            log.warning("checkpoint pointer %s names %s, which is missing or incomplete, and no complete "
+                        "checkpoint exists", root / LATEST, name)
+    return done[-1] if done else None
 
 
 def load(path: str | os.PathLike, par: Parallel) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -119,4 +151,4 @@ def read_synced(root: str | os.PathLike) -> int:
 def write_synced(root: str | os.PathLike, version: int) -> None:
     """Record that the sync of ``version`` finished (atomic)."""
     Path(root).mkdir(parents=True, exist_ok=True)
-    _atomic_write(Path(root) / SYNCED, json.dumps({"policy_version": version}) + "\n")
+    atomic_write_text(Path(root) / SYNCED, json.dumps({"policy_version": version}) + "\n")

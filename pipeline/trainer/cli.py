@@ -8,6 +8,10 @@ Tensor parallel (CPU: gloo; TP must divide heads, KV groups and vocabulary)::
 
     torchrun --nproc-per-node 2 -m pipeline trainer --model tiny-random --set trainer.tp=2
 
+Without a checkpoint but with exported weights (the checkpoint volume was lost or not mounted)
+the trainer refuses to start rather than push the base model over trained weights; restore the
+checkpoint directory, or say ``--from-newest-export`` or ``--start-fresh``.
+
 Every flag below overrides the ``trainer`` config section (``--set trainer.<key>=...`` reaches
 the rest, see ``python -m pipeline config``).
 """
@@ -32,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, help="tensor parallel size (trainer.tp)")
     g.add_argument("--threads", type=int, help="torch threads (trainer.threads)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    start = g.add_mutually_exclusive_group()
+    start.add_argument("--start-fresh", action="store_true",
+                       help="the checkpoint directory is empty but exports exist: train from the base model "
+                            "anyway, published as a new, higher version (trainer.missing_checkpoint=fresh)")
+    start.add_argument("--from-newest-export", action="store_true",
+                       help="the checkpoint directory is empty but exports exist: continue from the newest "
+                            "export's weights with fresh optimizer moments (trainer.missing_checkpoint=newest_export)")
 
 
 def run(args: argparse.Namespace, config) -> int:
@@ -46,6 +57,17 @@ def run(args: argparse.Namespace, config) -> int:
         t.engines = [e for e in args.engines.split(",") if e]
     if args.no_progress:
         t.progress = False
-    from pipeline.trainer.stage import TrainerStage
+    if args.start_fresh:
+        t.missing_checkpoint = "fresh"
+    if args.from_newest_export:
+        t.missing_checkpoint = "newest_export"
+    import sys
 
-    return TrainerStage(config).run()
+    from pipeline.trainer.guards import NonFiniteWeights
+    from pipeline.trainer.stage import CheckpointMissing, TrainerStage
+
+    try:
+        return TrainerStage(config).run()
+    except (CheckpointMissing, NonFiniteWeights) as e:  # a clear refusal, not a traceback
+        print(f"pipeline trainer: {e}", file=sys.stderr)
+        return 2

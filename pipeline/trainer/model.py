@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file, verify_folder  # noqa: F401
 from pipeline.errors import PipelineError
+from pipeline.trainer.files import fsync_dir
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -454,14 +456,6 @@ def _copy_side_files(src: Path, dst: Path, dtype: torch.dtype) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_hf_folder(tensors: dict[str, torch.Tensor], src_dir: str | os.PathLike, out_dir: str | os.PathLike,
                     dtype: torch.dtype) -> Exported:
     """Write an HF folder atomically: ``model.safetensors`` + its sha256 + side files from ``src_dir``.
@@ -480,9 +474,9 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], src_dir: str | os.PathLike
         digest = write_safetensors(tensors, tmp / WEIGHTS_FILE)
         (tmp / CHECKSUM_FILE).write_text(f"{digest}  {WEIGHTS_FILE}\n")
         _copy_side_files(src, tmp, dtype)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

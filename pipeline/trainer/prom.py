@@ -9,9 +9,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 STEPS = Counter("pipeline_trainer_steps_total", "Trainer steps (batches) completed")
-OPTIMIZER_STEPS = Counter("pipeline_trainer_optimizer_steps_total",
-                          "Optimizer steps taken by this process (steps_per_batch per trainer step), as they happen")
-SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps without a trainable token (no optimizer step)")
+SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps that changed no weights (no trainable token, or every optimizer step non-finite)")
 POLICY_VERSION = Gauge("pipeline_trainer_policy_version", "Policy version of the trainer's weights (syncs so far)")
 SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcome",
                   ["outcome"])  # trained, masked, duplicate, stale_dropped, dead_letter
@@ -30,10 +28,29 @@ LOGPROB_DIFF_STALE = Gauge(
     "batch (nats; NaN: none)")
 PHASE = Histogram("pipeline_trainer_phase_seconds", "Seconds per step phase",
                   ["phase"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+NONFINITE = Counter("pipeline_trainer_nonfinite_steps_total",
+                    "Optimizer steps not taken because the loss or a gradient was NaN/inf (counted live)")
+OPTIMIZER_STEPS = Counter("pipeline_trainer_optimizer_steps_total",
+                          "Optimizer steps taken, counted live (steps_per_batch per trainer step; with "
+                          "pipeline_trainer_nonfinite_steps_total it shows a trainer in the middle of a batch)")
+PUBLISHED_VERSION = Gauge("pipeline_trainer_published_version",
+                          "Last policy version the trainer published on control (its weights event)")
 SYNC_FAILED = Counter("pipeline_trainer_sync_failures_total", "Engines that failed or timed out a weight sync")
 
 SYNCER_APPLIED = Counter("pipeline_syncer_applied_total", "Weight versions applied to the engine")
 SYNCER_FAILED = Counter("pipeline_syncer_failed_total", "Weight versions that could not be applied (after retries)")
+SYNCER_ENGINE_VERSION = Gauge("pipeline_syncer_engine_weight_version",
+                              "Weights version the engine serves (its /model_info; -1: unknown or not a number)",
+                              ["engine_id"])
+SYNCER_PUBLISHED_VERSION = Gauge("pipeline_syncer_published_version",
+                                 "Last policy version the trainer published, as this engine's syncer knows it "
+                                 "(-1: none)", ["engine_id"])
+SYNCER_BEHIND = Gauge("pipeline_syncer_engine_versions_behind",
+                      "Published minus served version (0: the engine serves the trainer's latest weights)",
+                      ["engine_id"])
+SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
+                            "Times the engine was found serving another version than the last published one "
+                            "(engine or syncer restart) and the published one was re-applied", ["engine_id"])
 SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 

@@ -18,6 +18,18 @@ interval the steps after the last checkpoint are redone from the same offsets an
 the engines were told about a version the checkpoint does not have (they served weights from
 steps that were rolled back), the restored weights are exported and synced as a new, higher
 version, so versions never go backwards. A version whose sync did not finish is synced again.
+The configured optimizer hyper-parameters replace the checkpoint's (the change is logged).
+
+Never a silent roll-back: with no complete checkpoint but traces of earlier training (exports,
+``synced.json``, a ``latest`` pointer to a missing folder) the trainer refuses to start
+(:class:`CheckpointMissing`, naming both directories) unless ``trainer.missing_checkpoint`` is
+``newest_export`` (continue from the newest export's weights; fresh optimizer moments) or
+``fresh`` (the base model, published as a new, higher version).
+
+Never NaN weights (:mod:`pipeline.trainer.guards`): samples with non-finite values go to
+``samples.dlq``; an optimizer step with a non-finite loss or gradient is skipped and counted;
+weights are checked after each step and after a restore, and non-finite ones raise
+:class:`guards.NonFiniteWeights` before anything is checkpointed, exported or synced.
 """
 
 from __future__ import annotations
@@ -33,9 +45,11 @@ import torch
 
 from pipeline import events
 from pipeline.config import Config
+from pipeline.errors import PipelineError
 from pipeline.models import resolve_model
 from pipeline.trainer import checkpoint as C
 from pipeline.trainer import dist
+from pipeline.trainer import guards
 from pipeline.trainer import model as M
 from pipeline.trainer import prom
 from pipeline.trainer.metrics import MetricsLog, Progress
@@ -52,6 +66,10 @@ def export_versions(export_dir: str | Path) -> list[int]:
             if p.is_dir() and p.name[1:].isdigit() and (p / M.CHECKSUM_FILE).exists():
                 out.append(int(p.name[1:]))
     return sorted(out)
+
+
+class CheckpointMissing(PipelineError, RuntimeError):
+    """The checkpoint directory has no usable checkpoint although this run has trained before."""
 
 
 class TrainerStage:
@@ -79,24 +97,32 @@ class TrainerStage:
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.ckpt_dir = Path(cfg.checkpoint_dir)
+        self.export_dir = Path(cfg.export_dir)
+        found, from_export = self._plan_restore()  # refuses before the model is built
         self.par = dist.init(cfg.tp, cfg.seed)
         self.hf_dir = resolve_model(cfg.model, self.config.engine.cache_dir)
         self.policy = PolicyTrainer(cfg, self.hf_dir, self.par)
-        self.ckpt_dir = Path(cfg.checkpoint_dir)
-        self.export_dir = Path(cfg.export_dir)
         offsets: dict[int, int] = {}
         seen: list[str] = []
         last_record = None
-        found = C.latest(self.ckpt_dir)
         if found is not None:
             meta, state = C.load(found, self.par)
             self.policy.load_state_dict(state)
+            self._check_weights(f"checkpoint {found}")
             self.step, self.version = int(meta["step"]), int(meta["policy_version"])
             topic_offsets = meta.get("offsets", {}).get(self.config.topics.name("samples"), {})
             offsets = {int(p): int(o) for p, o in topic_offsets.items()}
             seen = list(meta.get("seen", []))
             last_record = meta.get("record")
             log.info("restored %s: step %d, policy version %d, offsets %s", found, self.step, self.version, offsets)
+        elif from_export is not None:
+            self.policy.load_weights(self.export_dir / f"v{from_export:06d}")
+            self._check_weights(f"export v{from_export:06d}")
+            self.version = from_export
+            log.warning("no checkpoint in %s: continuing from the weights of export v%06d (optimizer moments "
+                        "start fresh; samples are read from the consumer group's committed offsets)",
+                        self.ckpt_dir, from_export)
         need_sync = False
         if self.par.is_main:
             self.log = MetricsLog(cfg.metrics_file or self.ckpt_dir / "metrics.jsonl")
@@ -111,7 +137,11 @@ class TrainerStage:
             elif C.read_synced(self.ckpt_dir) < self.version:
                 need_sync = True
             from pipeline.trainer.source import SampleSource
-            from pipeline.trainer.sync import WeightPublisher
+            from pipeline.trainer.sync import WeightPublisher, read_published
+
+            last = read_published(self.export_dir)
+            if last is not None and last.run_id == cfg.run_id:  # the gauge survives a restart
+                prom.PUBLISHED_VERSION.set(last.policy_version)
 
             self.source = SampleSource(self.config, offsets, seen, validate=self._validate)
             self.publisher = WeightPublisher(self.config)
@@ -123,9 +153,62 @@ class TrainerStage:
         if need_sync:
             self._export_and_sync({})
 
+    def _plan_restore(self) -> tuple[Path | None, int | None]:
+        """``(checkpoint to restore, export version to load)``; at most one is set.
+
+        Without a complete checkpoint but with traces of training (an export folder, a synced
+        version, a ``latest`` pointer), starting from the base model would silently roll the
+        policy back: refused unless ``trainer.missing_checkpoint`` says ``fresh`` or
+        ``newest_export``.
+
+        Raises:
+            CheckpointMissing: the refusal, naming both directories and the two ways forward.
+        """
+        found = C.latest(self.ckpt_dir)
+        if found is not None:
+            return found, None
+        exports = export_versions(self.export_dir)
+        synced = C.read_synced(self.ckpt_dir)
+        pointer = C.pointer(self.ckpt_dir)
+        traces = []
+        if exports:
+            traces.append(f"export directory {self.export_dir} holds trained weights up to v{exports[-1]:06d}")
+        if synced:
+            traces.append(f"{self.ckpt_dir / C.SYNCED} says v{synced} was synced to the engines")
+        if pointer is not None:
+            traces.append(f"{self.ckpt_dir / C.LATEST} names {pointer}, which is missing or incomplete")
+        if not traces:
+            return None, None  # a new run
+        mode = self.cfg.missing_checkpoint
+        if mode == "newest_export" and exports:
+            return None, exports[-1]
+        if mode == "fresh":
+            log.warning("no checkpoint in %s although %s: starting from the base model %s as told "
+                        "(trainer.missing_checkpoint=fresh)", self.ckpt_dir, "; ".join(traces), self.cfg.model)
+            return None, None
+        newest = (f"--from-newest-export (trainer.missing_checkpoint=newest_export) continues from the "
+                  f"weights of v{exports[-1]:06d}" if exports else
+                  f"--from-newest-export cannot help: {self.export_dir} holds no complete export")
+        raise CheckpointMissing(
+            f"checkpoint directory {self.ckpt_dir} holds no complete checkpoint, but "
+            f"{'; '.join(traces)}. Starting from the base model would silently roll training back. "
+            f"Restore the checkpoint directory, or restart with {newest}, or with --start-fresh "
+            f"(trainer.missing_checkpoint=fresh) to train from the base model {self.cfg.model} again.")
+
+    def _check_weights(self, what: str) -> None:
+        """Raise :class:`guards.NonFiniteWeights` (on every rank) if the weights hold NaN/inf."""
+        bad = self.policy.nonfinite_weights()
+        if bad:
+            raise guards.NonFiniteWeights(
+                f"{what}: non-finite values in {len(bad)} parameter(s) ({', '.join(bad[:5])}); "
+                f"nothing is checkpointed, exported or synced")
+
     def _validate(self, s: events.Sample) -> str | None:
         """Why ``s`` cannot be trained by this model (goes to the DLQ), or None."""
         arch = self.policy.arch
+        bad = guards.nonfinite_fields(s)
+        if bad:
+            return "non-finite values: " + ", ".join(bad)
         if s.tokens and (min(s.tokens) < 0 or max(s.tokens) >= arch.vocab_size):
             return f"token id out of range for vocabulary {arch.vocab_size}"
         if len(s.tokens) > arch.max_positions:
@@ -151,7 +234,8 @@ class TrainerStage:
         if not self.par.is_main:
             return
         sha = exported.sha256 if exported is not None else M.verify_folder(out)
-        report = self.publisher.sync(self.version, str(out.resolve()), sha, stop=self.stop)
+        location = str(out.resolve())
+        report = self.publisher.sync(self.version, location, sha, stop=self.stop)
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
         self._prune_exports()
@@ -176,6 +260,8 @@ class TrainerStage:
             return False
         samples, weights, stopping = payload
         result = self.policy.train_batch(samples, weights, policy_version=self.version)
+        if not result.skipped:
+            self._check_weights(f"step {self.step + 1}")
         self.step += 1
         if not result.skipped:
             self.version += 1

@@ -16,14 +16,20 @@ produce acknowledgement), so no end-offset lookup is needed (Tansu's is unreliab
 read with :class:`pipeline.bus.TopicReader`: a record that is not a valid ``control`` event goes
 to ``control.dlq`` and the wait goes on (if the dead letter cannot be written within
 ``DLQ_GIVE_UP_S`` the record is logged as an error and passed over: the wait commits nothing).
+
+Once the broker holds the ``weights`` event, the trainer also records it in
+``<export_dir>/published.json`` (:func:`write_published`): the last version it published, which
+a (re)starting syncer reconciles its engine to when ``control`` has aged it out.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from pipeline import events
 from pipeline.bus import EventProducer, Offset, TopicReader
@@ -73,6 +79,7 @@ class WeightPublisher:
         self._send(self._control("pause", version))
         try:
             meta = self._send(self._control("weights", version, location=str(location), sha256=sha256))
+            self._published(version, str(location), sha256)
             waiting = [e for e in dict.fromkeys(self.cfg.engines)]
             if waiting:
                 self._await(version, meta.partition, meta.offset, waiting, report, stop)
@@ -87,6 +94,17 @@ class WeightPublisher:
         if report.failed:
             log.warning("sync of v%d: applied by %s, failed on %s", version, report.applied, report.failed)
         return report
+
+    def _published(self, version: int, location: str, sha256: str) -> None:
+        """The broker has the ``weights`` event: record it (gauge, ``published.json``)."""
+        from pipeline.trainer import prom
+
+        prom.PUBLISHED_VERSION.set(version)
+        try:
+            write_published(self.cfg.export_dir, Published(self.cfg.run_id, version, location, sha256,
+                                                           events.now_ms()))
+        except OSError as e:  # control is the primary record; this one is the fallback
+            log.warning("could not write %s: %s", Path(self.cfg.export_dir) / PUBLISHED, e)
 
     def _await(self, version: int, partition: int, offset: int, engines: list[str], report: SyncReport,
                stop: threading.Event | None) -> None:
@@ -112,3 +130,42 @@ class WeightPublisher:
     def close(self) -> None:
         """Flush and close the producer."""
         self.producer.close()
+
+
+# ---- the trainer's record of what it published ------------------------------------------------
+
+PUBLISHED = "published.json"
+
+
+@dataclass(frozen=True)
+class Published:
+    """A ``weights`` event the trainer published: run, policy version, folder, sha256, time (ms)."""
+
+    run_id: str
+    policy_version: int
+    location: str
+    sha256: str
+    created_at: int = 0
+
+
+def write_published(export_dir: str | Path, rec: Published) -> None:
+    """Record ``rec`` in ``<export_dir>/published.json`` (atomic and durable).
+
+    Written right after the broker acknowledged the ``weights`` event, so it never names a
+    version the trainer did not publish. Syncers fall back to it when ``control`` no longer
+    holds any ``weights`` event of the run (retention), see :func:`pipeline.syncer.last_published`.
+    """
+    from pipeline.trainer.files import atomic_write_text
+
+    Path(export_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(export_dir) / PUBLISHED, json.dumps(asdict(rec), sort_keys=True) + "\n")
+
+
+def read_published(export_dir: str | Path) -> Published | None:
+    """The record of :func:`write_published`, or None when absent or unreadable."""
+    try:
+        data = json.loads((Path(export_dir) / PUBLISHED).read_text())
+        return Published(str(data["run_id"]), int(data["policy_version"]), str(data["location"]),
+                         str(data["sha256"]), int(data.get("created_at", 0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

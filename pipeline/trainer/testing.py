@@ -34,3 +34,20 @@ def megatron_runtime(tp: int = 1, threads: int = 2):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def shifted_export(export_dir, version: int, shift: float = 0.01, model: str = "tiny-random"):
+    """Write ``<export_dir>/v<version>`` as the trainer would, with every weight of ``model`` plus
+    ``shift``: "trained" weights that are recognisably not the base model's. Returns the folder
+    and its sha256 (what a ``weights`` event carries)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from pipeline.models import resolve_model
+    from pipeline.trainer.model import write_hf_folder
+
+    src = resolve_model(model)
+    tensors = {k: v + shift for k, v in load_file(src / "model.safetensors").items()}
+    out = write_hf_folder(tensors, src, Path(export_dir) / f"v{version:06d}", torch.float32)
+    return out.path, out.sha256

@@ -1,0 +1,42 @@
+"""Durable file writes for the trainer's checkpoints, exports and records.
+
+A rename is atomic but not durable by itself: after a power loss the directory entry of the
+renamed folder (or of a replaced file) may be gone even though the data was fsynced. The
+recipe used everywhere in the trainer is therefore: write into a temporary name, fsync the
+file(s), fsync the temporary folder, rename, fsync the parent folder (POSIX ``rename(2)`` and
+``fsync(2)`` on a directory descriptor; what ext4/xfs need for the rename to survive a crash).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (the names in it) to stable storage.
+
+    Raises ``OSError`` when ``path`` cannot be opened (e.g. it does not exist).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically and durably.
+
+    Writes ``.<name>.tmp-<pid>`` beside it, fsyncs it, ``os.replace``-s it over ``path`` and
+    fsyncs the parent folder, so a reader (or a restart after a power loss) sees the old
+    content or the new one, never a torn or missing file.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -1,0 +1,70 @@
+"""Finite-value guards of the trainer: what keeps NaN/inf out of the policy's weights.
+
+Three independent lines of defence:
+
+1. **Samples boundary** (:func:`nonfinite_fields`): a sample carrying a NaN or an infinity in any
+   numeric field (reward, rollout / teacher log-probs, teacher top-k, any float a later schema
+   adds) is refused before it reaches a batch; the trainer sends it to ``samples.dlq`` with the
+   field named. The check walks the event's fields generically, so it follows schema changes.
+2. **Step** (:func:`PolicyTrainer.train_batch <pipeline.trainer.policy.PolicyTrainer.train_batch>`):
+   the loss and the gradients are checked after the backward pass and the gradient all-reduce,
+   on every rank, with the verdict all-reduced so every rank skips together. Needed because
+   Megatron's fp32 optimizer always reports success and the bf16 one checks only when a loss
+   scaler is configured.
+3. **Weights** (:func:`nonfinite_parameters`): before a checkpoint, an export or a sync, and
+   after a restore, the parameters themselves are checked; non-finite weights raise
+   :class:`NonFiniteWeights` and are never written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from pipeline.errors import PipelineError
+
+
+class NonFiniteWeights(PipelineError, FloatingPointError):
+    """The policy's parameters hold NaN or infinite values (they are never saved or served)."""
+
+
+def _first_bad(values: Any) -> tuple[int, float] | None:
+    """``(index, value)`` of the first non-finite number in a numeric sequence, else None."""
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):  # not a numeric sequence (strings, dicts, ...)
+        return None
+    if arr.ndim != 1:
+        return None
+    bad = np.flatnonzero(~np.isfinite(arr))
+    return (int(bad[0]), float(arr[bad[0]])) if bad.size else None
+
+
+def nonfinite_fields(event: Any) -> list[str]:
+    """Each numeric field of a dataclass event holding NaN/inf, as ``"name=value"`` or
+    ``"name[i]=value"`` (first bad element, and how many), in field order; ``[]`` when all are
+    finite. ``None`` fields and non-numeric fields are skipped.
+    """
+    out: list[str] = []
+    for f in dataclasses.fields(event):
+        v = getattr(event, f.name)
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                out.append(f"{f.name}={v}")
+        elif isinstance(v, (list, tuple, np.ndarray)) and len(v):
+            first = _first_bad(v)
+            if first is not None:
+                n = int((~np.isfinite(np.asarray(v, dtype=np.float64))).sum())
+                out.append(f"{f.name}[{first[0]}]={first[1]}" + (f" ({n} non-finite)" if n > 1 else ""))
+    return out
+
+
+def nonfinite_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors in ``named`` (``(name, tensor)`` pairs) holding NaN or inf."""
+    return [name for name, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
