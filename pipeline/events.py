@@ -82,9 +82,25 @@ class Turn(Event):
     """One assistant turn as served: the exact tokens and log-probs the engine sampled.
 
     ``response_logprobs[i]`` is log p(response_token_ids[i] | prompt, response[:i]) in nats under
-    the policy that sampled it (``policy_version``). ``source`` is ``proxy`` for live traffic,
+    the policy that sampled it (``policy_version``), of the distribution
+    ``softmax(processed_logits / logprob_temperature)``. ``source`` is ``proxy`` for live traffic,
     ``import`` for conversations loaded from files (not sampled: log-probs may be empty) and
     ``replay`` for re-fed history.
+
+    What the prompt and the log-probs depend on, recorded so a teacher can re-apply it
+    (:mod:`pipeline.chat`, :mod:`pipeline.sampling`):
+
+    - ``chat_options``: the request's prompt-shaping options besides ``messages`` and ``tools``
+      (``tool_choice``, ``continue_final_message``, ``chat_template_kwargs``);
+    - ``logprob_temperature``: the engine's *effective* temperature (greedy: 1.0), None when
+      the turn has no log-probs (import) or predates this field;
+    - ``logprob_processors``: options that changed the logits before the log-probs were taken
+      and that a scoring pass cannot reproduce (``logit_bias``, penalties, ``min_tokens``,
+      ``constrained_decoding``, ``tool_choice``); empty for a plain request.
+
+    ``finish_reason`` is the OpenAI value (``stop``, ``length``, ``tool_calls``) for a generation
+    that finished, ``abort`` for one that did not (engine abort, client gone, stream broken):
+    such a turn is never trained as a finished answer.
     """
 
     TYPE: ClassVar[str] = "turn"
@@ -105,8 +121,13 @@ class Turn(Event):
     finish_reason: str | None = _f("str", None, optional=True)
     source: str = _f("str", "proxy")
     engine_id: str | None = _f("str", None, optional=True)
+    chat_options: dict = _f("dict", {})
+    logprob_temperature: float | None = _f("float", None, optional=True)
+    logprob_processors: list = _f("list", [])
 
     def validate(self) -> None:
+        if self.logprob_temperature is not None and not self.logprob_temperature > 0:
+            raise MalformedEvent(f"turn.logprob_temperature must be > 0, got {self.logprob_temperature}")
         if self.turn_type not in ("main", "side"):
             raise MalformedEvent(f"turn.turn_type must be 'main' or 'side', got {self.turn_type!r}")
         if self.turn_type == "main" and self.turn_index is None:
@@ -141,12 +162,19 @@ class NextState(Event):
 
 @dataclass
 class SessionEnd(Event):
-    """A session is over (``reason``: ``header``, ``idle_timeout``, ``import`` ...)."""
+    """A session is over (``reason``: ``header``, ``api``, ``no_session``, ``import``,
+    ``idle_timeout``).
+
+    ``turn_index`` set: the end applies only while that main turn is the session's latest one
+    (the judge publishes ``idle_timeout`` ends naming the turn it found idle, and ignores an end
+    that a newer record of the session overtook). None: the session ends whatever came before.
+    """
 
     TYPE: ClassVar[str] = "session_end"
     session_id: str = _f("str")
     reason: str = _f("str", "header")
     created_at: int = _f("int", 0)
+    turn_index: int | None = _f("int", None, optional=True)
 
 
 @dataclass
@@ -154,15 +182,18 @@ class Sample(Event):
     """One scored training sample (a judged turn). Shapes, with R = ``response_length``:
 
     - ``tokens``: prompt + response token ids, length P + R;
-    - ``rollout_log_probs``: R floats (nats), from the engine that sampled the response;
+    - ``rollout_log_probs``: R floats (nats), from the engine that sampled the response, or
+      empty when there are none (an imported turn was never sampled);
     - ``teacher_log_probs``: R floats or empty (OPD: the hinted teacher's log-probs of the same ids);
     - ``teacher_topk_ids`` / ``teacher_topk_log_probs``: R*k values, row-major, or empty;
     - ``rollout_temperature``: the sampling temperature T; log-probs are of softmax(logits / T);
     - ``reward``: scalar (Binary RL: the PRM majority vote in {-1, 0, 1});
     - ``loss_mask``: 1 = train on it, 0 = carried for accounting only.
 
-    ``sample_id`` is deterministic (``<session>:<turn_index>:<mode>``) so duplicates after a
-    crash are recognisable. ``kind`` is ``rl``, ``opd`` or ``opd+rl``.
+    ``sample_id`` is ``<session>:<turn_index>:<mode>:<turn request_id>``: the same turn record
+    (a replay, a re-delivery after a crash) gives the same id, a different conversation that
+    reuses the session id does not. ``kind`` names the signals present: ``rl`` (a reward, no
+    teacher), ``opd`` (teacher log-probs, no reward), ``opd+rl`` (both).
     """
 
     TYPE: ClassVar[str] = "sample"
@@ -194,7 +225,7 @@ class Sample(Event):
         r = self.response_length
         if r < 0 or r > len(self.tokens):
             raise MalformedEvent(f"sample.response_length {r} out of range for {len(self.tokens)} tokens")
-        if len(self.rollout_log_probs) != r:
+        if self.rollout_log_probs and len(self.rollout_log_probs) != r:  # empty: absent (not sampled)
             raise MalformedEvent(f"sample.rollout_log_probs has {len(self.rollout_log_probs)} entries, want {r}")
         if self.teacher_log_probs and len(self.teacher_log_probs) != r:
             raise MalformedEvent(f"sample.teacher_log_probs has {len(self.teacher_log_probs)} entries, want {r}")

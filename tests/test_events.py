@@ -115,7 +115,13 @@ def test_cross_field_validation():
     # imported turns may come without log-probs (they were not sampled)
     assert decode(encode(Turn(session_id="s", turn_index=0, response_token_ids=[1], source="import"))).source == "import"
     with pytest.raises(MalformedEvent, match="rollout_log_probs"):
-        encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2], response_length=1))
+        encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2], response_length=1,
+                      rollout_log_probs=[-1.0, -2.0]))
+    # no rollout log-probs (an imported turn was never sampled): explicitly absent, not zeros
+    assert decode(encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2],
+                                response_length=1))).rollout_log_probs == []
+    with pytest.raises(MalformedEvent, match="logprob_temperature"):
+        encode(Turn(session_id="s", turn_index=0, logprob_temperature=0.0))
     with pytest.raises(MalformedEvent, match="needs teacher_log_probs"):
         encode(Sample(sample_id="a", session_id="s", turn_index=0, kind="opd", tokens=[1, 2], response_length=1,
                       rollout_log_probs=[-1.0]))
