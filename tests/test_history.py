@@ -287,7 +287,7 @@ def run_inprocess(capsys, *args):
 def test_import_examples_as_turn_events(kafka_config, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from pipeline.engine.chat import ChatRenderer
+    from pipeline.chat import ChatRenderer
     from pipeline.models import resolve_model
 
     bad = tmp_path / "bad.jsonl"

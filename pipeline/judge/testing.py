@@ -220,6 +220,43 @@ class ScriptedJudgeServer(_AsgiServer):
         return 200, {"text": "", "output_ids": [], "meta_info": meta}
 
 
+class FixedLogitsServer(_AsgiServer):
+    """A stand-in teacher engine (not a model): ``/generate`` scoring where the logits at every
+    position are ``logits`` over token ids ``0 .. len(logits)-1`` (the rest -inf), whatever the
+    prompt, and the reported log-probs are ``log_softmax(logits / T)`` with T the request's
+    ``sampling_params.temperature`` (1.0 when absent; < 1e-6 is greedy, i.e. 1.0), as the CPU
+    engine and SGLang (``SGLANG_TEMP_SCALED_LOGPROBS=1``) do. A hint therefore changes nothing.
+    ``generate_bodies`` records each request."""
+
+    def __init__(self, logits=(2.0, 1.0, 0.0)) -> None:
+        super().__init__()
+        self.logits = [float(x) for x in logits]
+        self.generate_bodies: list[dict] = []
+
+    def log_prob(self, token_id: int, temperature: float) -> float:
+        """log_softmax(logits / T)[token_id] in nats (-inf outside the support)."""
+        import math
+
+        if not 0 <= token_id < len(self.logits):
+            return -math.inf
+        z = [x / temperature for x in self.logits]
+        m = max(z)
+        return z[token_id] - m - math.log(sum(math.exp(v - m) for v in z))
+
+    async def route(self, method: str, path: str, body: dict):
+        if path != "/generate":
+            return 200, {}
+        self.generate_bodies.append(body)
+        ids, start = body["input_ids"], int(body.get("logprob_start_len", -1))
+        t = float((body.get("sampling_params") or {}).get("temperature", 1.0))
+        t = 1.0 if t < 1e-6 else t
+        entries = [[self.log_prob(ids[i], t), ids[i], None] for i in range(max(start, 0) + 1, len(ids))]
+        meta = {"id": "fixed", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                "completion_tokens": 0, "weight_version": "fixed", "input_token_logprobs": entries,
+                "output_token_logprobs": []}
+        return 200, {"text": "", "output_ids": [], "meta_info": meta}
+
+
 class InstantJudgeServer(_AsgiServer):
     """Answers every chat completion with ``\\boxed{1}`` immediately (benchmark baseline)."""
 
@@ -255,8 +292,9 @@ if __name__ == "__main__":  # pragma: no cover
 # ---- stream helpers for tests and benchmarks -------------------------------------------------
 
 def short_id(sample_id: str) -> str:
-    """``<session>:<turn_index>:<mode>`` of a sample id (drops the turn's request id)."""
-    return sample_id.rsplit(":", 1)[0]
+    """``<session>:<turn_index>:<mode>`` of a sample id (drops the turn's request id; an id of
+    the older ``<session>:<turn_index>:<mode>`` form is returned as it is)."""
+    return sample_id.rsplit(":", 1)[0] if sample_id.count(":") >= 3 else sample_id
 
 
 def make_turn(session_id: str, turn_index: int, request: str = "question", answer: str = "answer",
