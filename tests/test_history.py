@@ -338,3 +338,19 @@ def test_import_examples_as_turn_events(kafka_config, tmp_path, capsys):
     assert rc == 1
     rc, out, err = run_inprocess(capsys, "import", str(tmp_path / "missing.jsonl"), *common)
     assert rc == 2 and "no such file" in err
+
+
+def test_imported_turn_ids_follow_the_conversation_not_only_the_session_id():
+    """Importing the same conversation twice gives the same request ids (and sample ids); another
+    conversation under the same session_id never shares them."""
+    from pipeline.history.importer import Tokenizer, conversation_events
+    from pipeline.judge.samples import sample_id
+
+    tok = Tokenizer.load("tiny-random")
+    a = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    b = {"messages": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]}
+
+    def ids(conv):
+        return [sample_id(e, "rl") for e in conversation_events(conv, tok, "same") if isinstance(e, events.Turn)]
+
+    assert ids(a) == ids(a) and set(ids(a)).isdisjoint(ids(b))

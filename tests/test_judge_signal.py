@@ -210,3 +210,57 @@ def test_case7_a_stalled_judge_still_judges_the_next_state_in_the_log(kafka_conf
                              timeout_s=60, settle_s=2.0)
     lag = got["lag:0:rl"][0]
     assert (lag.reward, lag.loss_mask) == (1.0, 1)  # judged on its next state, not masked as idle
+
+
+# ---- variants of the same kinds ------------------------------------------------------------------------
+def test_options_that_shape_the_log_probs_are_recorded_and_the_teacher_refuses_them(kafka_config, judge_server):
+    """A penalty or a logit bias changes the rollout's distribution in a way a scoring pass cannot
+    reproduce: the turn says so, and a combine sample keeps its reward but gets no OPD term."""
+    from prometheus_client import REGISTRY
+
+    from pipeline.engine.testing import running_engine
+
+    c = configure(kafka_config, judge_server.url, mode="combine")
+    before = REGISTRY.get_sample_value("pipeline_judge_teacher_unsupported_total",
+                                       {"reason": "logprob_processors"}) or 0.0
+    with running_engine("tiny-random", threads=1, context_length=1024) as eng, running_proxy(c, eng) as (url, app):
+        for sid, extra in (("pen", {"repetition_penalty": 1.3}), ("bias", {"logit_bias": {"42": 2.0}}),
+                           ("plain", {"top_p": 0.9, "top_k": 20, "seed": 3})):
+            msgs = [{"role": "user", "content": "Hello there."}]
+            r = httpx.post(url + CHAT, json={"messages": msgs, "max_tokens": 4, **extra},
+                           headers={"X-Session-Id": sid}, timeout=60)
+            assert r.status_code == 200, r.text
+            msgs += [r.json()["choices"][0]["message"],
+                     {"role": "user", "content": "ok " + UP + hint_directive("Greet the user by name.")}]
+            r = httpx.post(url + CHAT, json={"messages": msgs, "max_tokens": 4, **extra},
+                           headers={"X-Session-Id": sid, "X-Session-Done": "true"}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert app.publisher.wait_idle(10)
+    turns = {e.session_id: e for e in read_events(c, "turns", 12) if isinstance(e, events.Turn) and e.turn_index == 0}
+    assert turns["pen"].logprob_processors == ["repetition_penalty"]
+    assert turns["bias"].logprob_processors == ["logit_bias"]
+    assert turns["plain"].logprob_processors == []  # truncation does not change the reported log-probs
+    with JudgeThread(c):
+        got = samples_by_key(c, 3, settle_s=0.5)
+    assert {k: v[0].kind for k, v in got.items()} == {"pen:0:combine": "rl", "bias:0:combine": "rl",
+                                                      "plain:0:combine": "opd+rl"}
+    assert got["pen:0:combine"][0].teacher_log_probs == [] and got["pen:0:combine"][0].reward == 1.0
+    after = REGISTRY.get_sample_value("pipeline_judge_teacher_unsupported_total", {"reason": "logprob_processors"})
+    assert after == before + 2
+
+
+def test_a_prompt_the_renderer_cannot_reproduce_gets_no_teacher(renderer):
+    from pipeline.config import load_config
+    from pipeline.judge.teacher import Teacher, TeacherUnsupported
+
+    teacher = Teacher(load_config(None, engine={"model": "tiny-random"}), tokenizer=renderer.tokenizer)
+    good = make_turn("m", 0, renderer=renderer)
+    assert teacher.prompt_ids(good, None) == good.prompt_token_ids
+    hinted = teacher.prompt_ids(good, "Be brief.")
+    assert hinted != good.prompt_token_ids and renderer.tokenizer.decode(hinted).count("[Hint] Be brief.") == 1
+    other_options = make_turn("m", 0, renderer=renderer)
+    other_options.chat_options = {"continue_final_message": True}  # rendered without it
+    for bad in (make_turn("m", 0, prompt_ids=[5, 6, 7]), other_options):  # e.g. a request sent as raw input_ids
+        with pytest.raises(TeacherUnsupported) as e:
+            teacher.prompt_ids(bad, "Be brief.")
+        assert e.value.reason == "prompt_mismatch"
