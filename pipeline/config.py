@@ -157,7 +157,7 @@ class JudgeConfig(Section):
     max_tokens: int = 512
     vote_timeout_s: float = 60.0
     retries: int = 2
-    idle_timeout_s: float = 300.0
+    idle_timeout_s: float = 300.0  # idle sessions get a session_end (idle_timeout) record; keep < proxy.session_idle_s
     max_in_flight: int = Field(256, ge=1)
     teacher_top_k: int = 0
     # added by the judge stage
