@@ -15,7 +15,10 @@ One run starts, each in its own process:
   the same uvicorn stack as the proxy (``--naive-stack h11`` gives it uvicorn's pure-Python
   defaults instead);
 - ``proxy``: ``python -m pipeline proxy`` with event publishing on (every request publishes a
-  ``next_state`` and a ``turn``; sessions of 8 turns end with ``X-Session-Done``).
+  ``next_state`` and a ``turn``; sessions of 8 turns end with ``X-Session-Done``) and its durable
+  event buffer (``--buffer``: committed before each response completes; ``fsync`` also fsyncs);
+- ``memproxy`` (unless ``--buffer memory``): the same proxy with events in memory only, so the
+  buffer's own cost is printed from the same run.
 
 The load generator (this process, aiohttp) runs the same multi-turn workload straight to the
 upstream (``direct``), through ``naive`` and through ``proxy``, at each client count, in the
@@ -218,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-duration", type=float, default=4.0, help="seconds per measured streaming run")
     ap.add_argument("--token-ms", type=float, default=5.0,
                     help="streaming: ms between two tokens of the stand-in engine (5 = 200 tokens/s per stream)")
+    ap.add_argument("--buffer", choices=["disk", "fsync", "memory"], default="disk",
+                    help="the proxy's event buffer: disk (default, durable against a crash), fsync (also against "
+                         "power loss) or memory (nothing durable; the cost of the buffer is disk minus memory)")
     ap.add_argument("--naive-stack", choices=["same", "h11"], default="same",
                     help="naive forwarder on the proxy's uvicorn stack (uvloop+httptools) or on h11/asyncio")
     args = ap.parse_args(argv)
@@ -239,18 +245,32 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen([py, __file__, "_upstream", str(up_port), str(args.token_ms)]))
         procs.append(subprocess.Popen([py, __file__, "_naive", str(naive_port), up, args.naive_stack]))
         env = dict(os.environ, PIPELINE_LOG_LEVEL="WARNING")
+        import tempfile
+
+        buf_dir = tempfile.mkdtemp(prefix="bench-proxy-buffer-")
+        buf_args = (["--set", "proxy.buffer_dir=null"] if args.buffer == "memory" else
+                    ["--buffer-dir", buf_dir] + (["--set", "proxy.buffer_fsync=true"] if args.buffer == "fsync" else []))
         procs.append(subprocess.Popen([py, "-m", "pipeline", "proxy", "--port", str(proxy_port), "--engine-url", up,
-                                       "--bootstrap", broker.bootstrap, "--set", "topics.prefix=bench-"],
+                                       "--bootstrap", broker.bootstrap, "--set", "topics.prefix=bench-", *buf_args],
                                       env=env, stdout=subprocess.DEVNULL))
         targets = {"direct": up, "naive": f"http://127.0.0.1:{naive_port}", "proxy": f"http://127.0.0.1:{proxy_port}"}
+        if args.buffer != "memory":  # same proxy, events in memory only: the buffer's cost, measured in this run
+            mem_port = _free_port()
+            procs.append(subprocess.Popen([py, "-m", "pipeline", "proxy", "--port", str(mem_port), "--engine-url", up,
+                                           "--bootstrap", broker.bootstrap, "--set", "topics.prefix=bench-",
+                                           "--set", "proxy.buffer_dir=null"], env=env, stdout=subprocess.DEVNULL))
+            targets["memproxy"] = f"http://127.0.0.1:{mem_port}"
+            _wait_http(targets["memproxy"] + "/readyz")
         _wait_http(up + "/health")
         _wait_http(targets["naive"] + "/healthz")
         _wait_http(targets["proxy"] + "/readyz")
         print(f"broker {broker.bootstrap}; upstream {up}; naive on {'uvloop+httptools' if args.naive_stack == 'same' else 'h11+asyncio'};"
-              f" proxy with event publishing on; {os.cpu_count()} cores; {args.duration:g} s per run, each run twice;"
+              f" proxy with event publishing on, {args.buffer} event buffer; {os.cpu_count()} cores; {args.duration:g} s per run, each run twice;"
               f" streams: 69 chunks, {args.token_ms:g} ms apart\n")
 
         order = ["direct", "naive", "proxy", "proxy", "naive", "direct"]
+        if "memproxy" in targets:
+            order = ["direct", "naive", "memproxy", "proxy", "proxy", "memproxy", "naive", "direct"]
         results: dict = {}
         for stream in (False, True):
             for c in (args.stream_clients if stream else args.clients):
@@ -266,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.clients:
             res = results[(False, c)]
             d = res["direct"]
-            for n in ("direct", "naive", "proxy"):
+            for n in [t for t in ("direct", "naive", "memproxy", "proxy") if t in res]:
                 r = res[n]
                 add = "" if n == "direct" else f"{r['p50'] - d['p50']:7.2f} {r['p99'] - d['p99']:7.2f}"
                 print(f"{c:>7} {n:>7} {r['rps']:8.0f} {r['p50']:7.2f} {r['p99']:7.2f} {add:>15} {r['errors']:>6}")
@@ -297,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         if (False, 1) in results:
             r = results[(False, 1)]
             checks.append(("added p50 at 1 client <= 2 ms", r["proxy"]["p50"] - r["direct"]["p50"], 2.0, "<="))
+            if "memproxy" in r:
+                print(f"  info  the {args.buffer} event buffer's own cost at 1 client (proxy minus memproxy, same run): "
+                      f"p50 {r['proxy']['p50'] - r['memproxy']['p50']:+.2f} ms, p99 "
+                      f"{r['proxy']['p99'] - r['memproxy']['p99']:+.2f} ms")
         if (False, 16) in results:
             r = results[(False, 16)]
             checks.append(("throughput at 16 clients >= 1.5x naive", r["proxy"]["rps"] / r["naive"]["rps"], 1.5, ">="))

@@ -123,15 +123,18 @@ class ProxyConfig(Section):
     max_body_bytes: int = 4 * 1024 * 1024
     default_turn_type: Literal["main", "side"] = "main"
     sync_hold_timeout_s: float = 30.0
-    buffer_max_events: int = 10_000
-    spill_file: str | None = None
+    # durable event buffer (pipeline/proxy/buffer.py): every answered turn is on disk before its
+    # response completes. One folder per proxy (locked); None keeps events in memory only (tests).
+    buffer_dir: str | None = "proxy-buffer"
+    buffer_max_bytes: int = Field(1 << 30, ge=1 << 20)
+    buffer_fsync: bool = False  # fsync each group commit (power-loss safe); default: safe against a crash
+    buffer_max_events: int = 10_000  # in memory when the disk buffer refuses events (full, I/O error)
     engine_timeout_s: float = 300.0
     # requests without X-Session-Id: record (one-turn session + session_end), skip (serve only), reject (400)
     anonymous: Literal["record", "skip", "reject"] = "record"
     sync_strict: bool = False  # 503 instead of serving when a weight-sync hold times out
     sync_max_pause_s: float = 600.0  # a pause older than this is ignored (trainer died mid-sync)
     follow_control: bool = True
-    spill_max_bytes: int = 1 << 30
     publish_delivery_timeout_ms: int = 30_000
     shutdown_flush_s: float = 10.0
     max_sessions: int = 100_000

@@ -39,6 +39,8 @@ def samples(draw):
     r = draw(st.integers(0, 30))
     p = draw(st.integers(0, 30))
     kind = draw(st.sampled_from(["rl", "opd", "opd+rl"]))
+    if kind != "rl":
+        r = max(r, 1)  # a distillation sample has teacher log-probs, so at least one response token
     k = draw(st.integers(0, 3))
     teacher = draw(st.lists(f32, min_size=r, max_size=r)) if kind != "rl" else []
     return Sample(sample_id=draw(text), session_id=draw(text), turn_index=draw(st.integers(0, 1000)),

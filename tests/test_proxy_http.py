@@ -293,7 +293,7 @@ def test_metrics_endpoint_exposes_the_proxy_metrics(kafka_config):
         text = httpx.get(url + "/metrics").text
     for name in ("pipeline_proxy_requests_total", "pipeline_proxy_request_latency_seconds", "pipeline_proxy_ttft_seconds",
                  "pipeline_proxy_requests_without_session_total", "pipeline_proxy_events_buffered",
-                 "pipeline_proxy_events_dropped_total", "pipeline_proxy_events_spilled_total",
+                 "pipeline_proxy_events_dropped_total", "pipeline_proxy_events_not_durable_total", "pipeline_proxy_buffer_commit_seconds",
                  "pipeline_proxy_sync_hold_seconds", "pipeline_proxy_policy_version", "pipeline_events_produced_total"):
         assert name in text, name
     assert 'pipeline_proxy_requests_total{status="200",stream="true"}' in text

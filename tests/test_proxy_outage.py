@@ -3,7 +3,8 @@
 Each test runs its own embedded broker (memory storage) so it can stop it. A restarted Tansu
 broker has lost its topics (memory only), so the test re-creates them on the same port, as an
 operator would, and then checks that every event published during the outage arrives — in
-session order — or that the loss is counted exactly.
+session order — or that the loss is counted exactly. A proxy killed during an outage is in
+tests/test_proxy_crash.py.
 """
 
 from __future__ import annotations
@@ -116,23 +117,25 @@ def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_
     assert [e.turn_index for e in b if e.TYPE == "turn"] == [0, 1, 2]
 
 
-def test_bounded_buffer_spills_to_file_or_counts_every_drop(tmp_path):
+def test_durable_buffer_keeps_everything_a_memory_only_proxy_counts_every_drop(tmp_path):
+    # two proxies, each with its own buffer: a durable one (default) and a memory-only one (buffer_dir=None)
     with own_broker() as (broker, config), serve_app(ScriptedUpstream()) as up_url, \
-            running_proxy(config, up_url, buffer_max_events=3, spill_file=str(tmp_path / "spill.bin"),
-                          publish_delivery_timeout_ms=3000) as (url_spill, app_spill), \
-            running_proxy(config, up_url, buffer_max_events=3, publish_delivery_timeout_ms=3000) as (url_drop, app_drop):
-        converse(url_spill, "warm", 1)
+            running_proxy(config, up_url, buffer_max_events=3, buffer_dir=str(tmp_path / "buf"),
+                          publish_delivery_timeout_ms=3000) as (url_disk, app_disk), \
+            running_proxy(config, up_url, buffer_max_events=3, buffer_dir=None,
+                          publish_delivery_timeout_ms=3000) as (url_drop, app_drop):
+        converse(url_disk, "warm", 1)
         converse(url_drop, "warm2", 1)
-        assert app_spill.publisher.wait_idle(15) and app_drop.publisher.wait_idle(15)
+        assert app_disk.publisher.wait_idle(15) and app_drop.publisher.wait_idle(15)
         crash(broker)
-        converse(url_spill, "S", 5)  # 1 + 2*4 = 9 events, memory holds 3
+        converse(url_disk, "S", 5)  # 1 + 2*4 = 9 events; memory would hold 3
         converse(url_drop, "D", 5)
-        time.sleep(1.0)
-        spill_stats, drop_stats = app_spill.publisher.stats(), app_drop.publisher.stats()
-        assert spill_stats["spilled"] > 0 and spill_stats["dropped_total"] == 0
-        assert drop_stats["dropped_total"] > 0 and drop_stats["spilled"] == 0
+        disk_stats, drop_stats = app_disk.publisher.stats(), app_drop.publisher.stats()
+        # every answered event of the durable proxy is on disk before its response completed
+        assert disk_stats["on_disk"] == 9 and disk_stats["dropped_total"] == 0 and disk_stats["not_durable"] == {}
+        assert drop_stats["dropped_total"] > 0 and drop_stats["on_disk"] == 0
         restart(broker, config)
-        assert app_spill.publisher.wait_idle(60) and app_drop.publisher.wait_idle(60)
+        assert app_disk.publisher.wait_idle(60) and app_drop.publisher.wait_idle(60)
         drop_stats = app_drop.publisher.stats()
         evs = read_events(config, timeout_s=30, idle_s=2.0)
     sessions = {k: _first_occurrences(v) for k, v in _by_session(evs).items()}
@@ -144,24 +147,50 @@ def test_bounded_buffer_spills_to_file_or_counts_every_drop(tmp_path):
     assert drop_stats["dropped"] == {"buffer_full": drop_stats["dropped_total"]}
 
 
-def test_undelivered_events_survive_a_restart_in_the_spill_file(tmp_path):
-    spill = str(tmp_path / "spill.bin")
+def test_a_full_disk_buffer_falls_back_to_memory_and_counts_exactly(tmp_path):
+    # the disk buffer's bound (or a full disk) refuses a group: those events are held in memory
+    # (counted as not durable), then dropped beyond buffer_max_events (counted); none vanish
     with own_broker() as (broker, config):
         topic = config.topics.name("turns")
         crash(broker)
-        pub = EventPublisher(config, max_buffer=100, spill_file=spill, delivery_timeout_ms=3000).start()
+        pub = EventPublisher(config, max_buffer=20, buffer_dir=str(tmp_path / "buf"), buffer_max_bytes=64 * 4096,
+                             delivery_timeout_ms=3000).start()
+        big = [{"role": "user", "content": "x" * 4000}]
+        for i in range(120):
+            pub.publish(topic, events.NextState(session_id="F", messages=big, after_turn_index=i, created_at=i), "F")
+        assert pub.wait_idle(0.01) is False
+        deadline = time.monotonic() + 10
+        while pub.stats()["in_memory"] + pub.stats()["on_disk"] + pub.stats()["dropped_total"] < 120:
+            assert time.monotonic() < deadline, pub.stats()
+            time.sleep(0.01)
+        st = pub.stats()
+        assert st["on_disk"] > 0 and st["not_durable"] == {"buffer_full": 20} and st["in_memory"] == 20
+        assert st["on_disk"] + 20 + st["dropped"]["buffer_full"] == 120
+        restart(broker, config)
+        assert pub.wait_idle(60), pub.stats()
+        pub.close()
+        evs = read_events(config, timeout_s=30, idle_s=2.0)
+    got = list(dict.fromkeys(e.after_turn_index for *_, e in evs))  # first occurrences (at-least-once)
+    assert got == list(range(st["on_disk"] + 20))  # the disk prefix then the memory part, in order
+
+
+def test_undelivered_events_survive_a_restart_in_the_disk_buffer(tmp_path):
+    buf = str(tmp_path / "buf")
+    with own_broker() as (broker, config):
+        topic = config.topics.name("turns")
+        crash(broker)
+        pub = EventPublisher(config, max_buffer=100, buffer_dir=buf, delivery_timeout_ms=3000).start()
         for i in range(5):
             pub.publish(topic, events.SessionEnd(session_id=f"x{i}", reason="header", created_at=i), f"x{i}")
-        time.sleep(0.5)
-        pub.close(timeout_s=1.0)  # broker still down: everything goes to the file
+        pub.close(timeout_s=1.0)  # broker still down: everything stays in the buffer
         assert pub.stats()["dropped_total"] == 0
         restart(broker, config)
-        pub2 = EventPublisher(config, spill_file=spill).start()
+        pub2 = EventPublisher(config, buffer_dir=buf).start()
         pub2.publish(topic, events.SessionEnd(session_id="x5", reason="header", created_at=5), "x5")
         assert pub2.wait_idle(30)
         pub2.close()
         evs = read_events(config, timeout_s=30, idle_s=2.0)
-    assert sorted({e.session_id for *_, e in evs}) == [f"x{i}" for i in range(6)]
+    assert [e.session_id for *_, e in evs if e.session_id == "x0"] == ["x0"]
     got = {e.session_id: e.created_at for *_, e in evs}
     assert got == {f"x{i}": i for i in range(6)}
 

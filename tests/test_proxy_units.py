@@ -1,4 +1,4 @@
-"""Proxy logic without servers: session rules, metadata parsing, stream recording, spill file."""
+"""Proxy logic without servers: session rules, metadata parsing, stream recording."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from pipeline.proxy.errors import ProxyError
 from pipeline.proxy.record import StreamRecorder, from_response, policy_version, strip_response
 from pipeline.proxy.sessions import SessionTable
-from pipeline.proxy.spill import SpillFile
 from pipeline.proxy.validate import check_request, session_meta
 
 
@@ -139,28 +138,6 @@ def test_from_response_and_strip():
     assert resp["choices"][0] == {"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
                                   "logprobs": None}
     assert policy_version("12", 0) == 12 and policy_version("v3", 0) == 3 and policy_version("main", 5) == 5
-
-
-def test_spill_file_is_a_persistent_fifo(tmp_path):
-    path = tmp_path / "spill.bin"
-    s = SpillFile(path)
-    s.append([("t", "k1", b"a"), ("t", None, b"b"), ("t", "k3", b"c")])
-    assert [x[2] for x in s.read(2)] == [b"a", b"b"]
-    s.rewind()  # delivery failed: read again
-    assert [x[2] for x in s.read(1)] == [b"a"]
-    s.commit()  # "a" delivered
-    s.append([("t", "k4", b"d")])
-    s.close()
-    s = SpillFile(path)  # a restart resumes after the committed position
-    assert len(s) == 3
-    assert [x[2] for x in s.read(10)] == [b"b", b"c", b"d"]
-    s.rewind()
-    assert s.rewrite([("t", "k0", b"z")]) == 4  # shutdown: in-memory events go in front
-    assert [x[2] for x in s.read(10)] == [b"z", b"b", b"c", b"d"]
-    s.commit()
-    assert len(s) == 0 and path.stat().st_size == 0
-    small = SpillFile(tmp_path / "small.bin", max_bytes=40)
-    assert small.append([("t", "k", b"x" * 10)] * 5) == 1  # refused beyond the bound
 
 
 def test_recorded_distribution_engine_report_first_then_sglang_rules():

@@ -7,10 +7,17 @@ file (``<run-dir>/config.yaml``), its own log (``<run-dir>/logs/<stage>.log``) a
 port; readiness is an HTTP probe (``/health`` of engines, ``/healthz`` of the proxy,
 ``/metrics`` of the consumer stages). Ctrl-C (SIGINT) or SIGTERM stops everything in reverse
 order; nothing is left running.
+
+The embedded broker is a stage like the others (``pipeline broker``, log ``logs/broker.log``, its
+servers' own log ``logs/broker-servers.log``) with durable storage in ``<run-dir>/broker`` (see
+:mod:`pipeline.broker`): a second ``up`` on the same run directory carries on from the same log —
+every recorded turn, the consumer groups' committed offsets, the trainer's checkpoints — on the
+same broker port when it is free. ``--memory-broker`` keeps the log in memory instead (gone at stop).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -23,7 +30,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.broker import EmbeddedBroker, free_port
+from pipeline.broker import free_port, kafka_answers, port_free
 from pipeline.config import Config, redacted
 from pipeline.orchestrate.supervisor import StageFailed, Supervisor, http_ok
 
@@ -38,7 +45,7 @@ class Stack:
     config: Config
     run_dir: Path
     supervisor: Supervisor
-    broker: EmbeddedBroker | None = None
+    broker_data_dir: Path | None = None  # durable embedded broker's storage; None: external or memory
     metrics: dict[str, str] = field(default_factory=dict)  # stage -> metrics URL
 
     @property
@@ -47,17 +54,17 @@ class Stack:
         return f"http://{self.config.proxy.host}:{self.config.proxy.port}"
 
     def stop(self) -> dict[str, int | None]:
-        """Stop every stage, then the embedded broker."""
-        codes = self.supervisor.stop_all()
-        if self.broker is not None:
-            self.broker.stop()
-        return codes
+        """Stop every stage in reverse start order (the embedded broker last)."""
+        return self.supervisor.stop_all()
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--run-dir", help="where config, logs, weights and checkpoints go (default runs/<time>)")
     parser.add_argument("--external-broker", action="store_true",
                         help="use kafka.bootstrap_servers as is instead of starting the embedded broker")
+    parser.add_argument("--memory-broker", action="store_true",
+                        help="embedded broker with memory storage (everything is gone at stop) instead of its "
+                             "durable log in <run-dir>/broker")
     parser.add_argument("--engine-url", help="use a running engine (e.g. SGLang) instead of starting one")
     parser.add_argument("--model", help="policy model: smollm2-135m (default), tiny-random or an HF folder")
     parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], help="judge.mode")
@@ -77,9 +84,34 @@ def _apply_defaults(config: Config, run_dir: Path, args) -> None:
     config.trainer.metrics_file = str(run_dir / "trainer_metrics.jsonl")
 
 
+def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], int]:
+    """``pipeline broker`` arguments for the embedded broker of ``run_dir`` and its port.
+
+    Durable: data in ``run_dir/broker``, on the port its last run used when that is free (so a
+    restarted broker, or a second ``up``, is found where clients expect it). Memory: a free port.
+    """
+    port = 0
+    data_dir = run_dir / "broker"
+    if durable:
+        try:
+            port = int(json.loads((data_dir / "broker.json").read_text()).get("port") or 0)
+        except (OSError, ValueError):
+            port = 0
+        if port and not port_free(port):
+            port = 0
+    port = port or free_port()
+    args = ["broker", "--port", str(port), "--broker-log", str(run_dir / "logs" / "broker-servers.log")]
+    if durable:
+        args += ["--data-dir", str(data_dir)]
+    return args, port
+
+
 def start_stack(config: Config, run_dir: Path, external_broker: bool = False, engine_url: str | None = None,
-                trainer: bool = True, ready_timeout_s: float = 600.0) -> Stack:
+                trainer: bool = True, ready_timeout_s: float = 600.0, durable_broker: bool = True) -> Stack:
     """Start every stage for ``config`` (mutated: ports, URLs, paths) and wait until ready.
+
+    ``durable_broker``: the embedded broker keeps its log in ``run_dir/broker`` (a later call on
+    the same ``run_dir`` carries on from it); False: memory storage.
 
     Raises:
         StageFailed: a stage exited or did not become ready (its log tail is in the message).
@@ -89,8 +121,11 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
     stack = Stack(config, run_dir, sup)
     try:
         if not external_broker:
-            stack.broker = EmbeddedBroker(log_file=str(run_dir / "logs" / "broker.log")).start()
-            config.kafka.bootstrap_servers = stack.broker.bootstrap
+            bargs, bport = broker_stage_args(run_dir, durable_broker)
+            bootstrap = f"127.0.0.1:{bport}"
+            sup.start("broker", bargs, ready=lambda: kafka_answers(bootstrap), timeout_s=min(ready_timeout_s, 180.0))
+            config.kafka.bootstrap_servers = bootstrap
+            stack.broker_data_dir = run_dir / "broker" if durable_broker else None
         from pipeline.topics import apply_topics, load_topics
 
         apply_topics(config, load_topics(config.topics.file))
@@ -100,6 +135,8 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
         if config.judge.mode != "rl" and not config.engine.teacher_url:
             config.engine.teacher_url = "pending"
         config.proxy.port = free_port()
+        if config.proxy.buffer_dir is not None:  # the proxy's durable event buffer lives with the run
+            config.proxy.buffer_dir = str(run_dir / "proxy-buffer")
         cfg_path = run_dir / "config.yaml"
 
         def write_config() -> None:
@@ -172,12 +209,15 @@ def run(args, config: Config) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the stack in {run_dir} (logs in {run_dir / 'logs'}) ...", flush=True)
     try:
-        stack = start_stack(config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer)
+        stack = start_stack(config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
+                            durable_broker=not args.memory_broker)
     except StageFailed as e:
         print(f"pipeline up: {e}", file=sys.stderr)
         return 1
-    print(f"ready: proxy {stack.proxy_url}/v1  engine {config.engine.url}  broker {config.kafka.bootstrap_servers}",
-          flush=True)
+    storage = ("external" if args.external_broker else
+               f"durable log in {stack.broker_data_dir}" if stack.broker_data_dir else "memory storage")
+    print(f"ready: proxy {stack.proxy_url}/v1  engine {config.engine.url}  broker {config.kafka.bootstrap_servers}"
+          f" ({storage})", flush=True)
     print("point an OpenAI client at the proxy (headers X-Session-Id, X-Turn-Type, X-Session-Done); Ctrl-C stops",
           flush=True)
     rc = 0

@@ -13,10 +13,13 @@ Per request (main turn of a known session):
 3. turn index + ``next_state`` (published now, before the engine sees the request);
 4. forward with ``logprobs``/``return_token_ids``/``return_prompt_token_ids`` added; the user gets
    the answer without the extras it did not ask for (streams are forwarded chunk by chunk);
-5. ``turn`` published after the last byte of the answer, then ``session_end`` on
-   ``X-Session-Done``. Publishing only appends to :class:`pipeline.proxy.publisher.EventPublisher`.
-   The turn records the prompt options (``chat_options``) and the distribution its log-probs are
-   of (``logprob_temperature``, ``logprob_processors``; :mod:`pipeline.sampling`).
+5. ``turn`` published once the engine's answer is complete, then ``session_end`` on
+   ``X-Session-Done``; the response's last body message waits until these events are committed
+   to the proxy's disk buffer (:class:`pipeline.proxy.publisher.DurableSend`, a group commit of
+   well under a millisecond), so an answered request is never lost by a crash of the proxy.
+   Publishing itself only appends to :class:`pipeline.proxy.publisher.EventPublisher`. The turn
+   records the prompt options (``chat_options``) and the distribution its log-probs are of
+   (``logprob_temperature``, ``logprob_processors``; :mod:`pipeline.sampling`).
 
 A generation that does not finish (the engine aborts it, the client disconnects, the engine
 stream breaks or times out) is recorded with ``finish_reason: "abort"`` (the judge never trains
@@ -46,7 +49,7 @@ from pipeline.config import Config
 from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ProxyError, bad_request, error_body, generation_aborted, upstream_error
-from pipeline.proxy.publisher import EventPublisher
+from pipeline.proxy.publisher import DurableSend, EventPublisher
 from pipeline.proxy.record import Recorded, StreamRecorder, from_response, policy_version, strip_response
 from pipeline.proxy.sessions import SessionTable
 from pipeline.proxy.upstream import Upstream, sse_batches
@@ -94,9 +97,9 @@ class ProxyApp:
         self.topic = config.topics.name("turns")
         self.sessions = SessionTable(pc.max_sessions, pc.session_idle_s)
         self.publisher = publisher or EventPublisher(
-            config, max_buffer=pc.buffer_max_events, spill_file=pc.spill_file, spill_max_bytes=pc.spill_max_bytes,
-            delivery_timeout_ms=pc.publish_delivery_timeout_ms, linger_s=pc.publish_linger_ms / 1000,
-            kafka_client=pc.kafka_client)
+            config, max_buffer=pc.buffer_max_events, buffer_dir=pc.buffer_dir, buffer_max_bytes=pc.buffer_max_bytes,
+            buffer_fsync=pc.buffer_fsync, delivery_timeout_ms=pc.publish_delivery_timeout_ms,
+            linger_s=pc.publish_linger_ms / 1000, kafka_client=pc.kafka_client)
         self.upstream = Upstream(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
@@ -155,10 +158,10 @@ class ProxyApp:
             self.on_started()
         log.info("proxy: engine %s, turns -> %s, %d API key(s), anonymous=%s, buffer %d events%s",
                  self.upstream.base_url, self.topic, len(self._keys), self.pc.anonymous, self.pc.buffer_max_events,
-                 f", spill {self.pc.spill_file}" if self.pc.spill_file else "")
+                 f", durable in {self.pc.buffer_dir}" if self.publisher.durable_enabled else " (memory only)")
 
     async def shutdown(self) -> None:
-        """Stop following, close the pool, deliver or spill what is buffered."""
+        """Stop following, close the pool, deliver what is buffered (the rest stays on disk)."""
         for t in self._tasks:
             t.cancel()
         if self.follower is not None:
@@ -268,6 +271,7 @@ class ProxyApp:
     async def chat(self, scope, receive, send) -> None:
         """ASGI handler of ``POST /v1/chat/completions`` (see the module docstring)."""
         t0 = time.perf_counter()
+        send = DurableSend(send, self.publisher)  # the last byte waits for this request's events on disk
         created = events.now_ms()
         self._seq += 1
         rid = f"{self._rid_prefix}{self._seq:x}"
@@ -356,6 +360,9 @@ class ProxyApp:
         if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
             req["logprobs"] = True
             req["return_token_ids"] = True
+        if record and (meta.done or meta.session_id is None):  # published before the response completes
+            reason = "header" if meta.session_id else "no_session"
+            send.before_final = lambda: self._end(sid, reason)
         try:
             if stream:
                 on_done = (lambda rec, cause=None: self._record(rec, meta, sid, turn_index, rid, created, user_view,
@@ -366,10 +373,10 @@ class ProxyApp:
                                            created, user_view)
         except BaseException:
             if record and meta.done and meta.session_id is not None:  # the client said the session is over
-                self._end(sid, "header")
+                send.run_before_final()
+            send.before_final = None
             raise
-        if record and (meta.done or meta.session_id is None):
-            self._end(sid, "header" if meta.session_id else "no_session")
+        send.run_before_final()  # the response did not complete (client gone): end the session anyway
         return status
 
     def _end(self, sid: str, reason: str) -> None:
@@ -643,6 +650,7 @@ class ProxyApp:
             headers[b"x-session-id"] = session_id.encode("utf-8", "replace")
             meta = session_meta(headers, {}, "main")
             self._end(meta.session_id, "api")
+            await self.publisher.durable()
             return {"session_id": meta.session_id, "ended": True}
 
         @api.get("/healthz")

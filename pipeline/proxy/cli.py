@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 
 HELP = "OpenAI-compatible proxy that records every turn on Kafka"
 log = logging.getLogger(__name__)
@@ -13,7 +14,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", help="listen address (proxy.host, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (proxy.port, default 8000; 0 = any free port)")
     parser.add_argument("--engine-url", help="engine base URL (engine.url)")
-    parser.add_argument("--spill-file", help="overflow file for events while the broker is away (proxy.spill_file)")
+    parser.add_argument("--buffer-dir", help="folder of the durable event buffer, one per proxy (proxy.buffer_dir, "
+                        "default ./proxy-buffer); a restarted proxy sends what a killed one left there")
     parser.add_argument("--no-control", action="store_true", help="do not follow the control topic")
 
 
@@ -37,8 +39,8 @@ def run(args, config) -> int:
         pc.port = args.port
     if args.engine_url:
         config.engine.url = args.engine_url
-    if args.spill_file:
-        pc.spill_file = args.spill_file
+    if args.buffer_dir:
+        pc.buffer_dir = args.buffer_dir
     if args.no_control:
         pc.follow_control = False
     if logging.getLogger().level > logging.DEBUG:
@@ -50,7 +52,14 @@ def run(args, config) -> int:
     sock.bind((pc.host, pc.port))
     sock.listen(2048)
     port = sock.getsockname()[1]
-    app = ProxyApp(config, follow_control=pc.follow_control)
+    from pipeline.proxy.buffer import EventBufferError
+
+    try:
+        app = ProxyApp(config, follow_control=pc.follow_control)
+    except EventBufferError as e:
+        print(f"pipeline proxy: {e}", file=sys.stderr)
+        sock.close()
+        return 1
     url = f"http://{pc.host}:{port}"
     app.on_started = lambda: print(f"PROXY READY {url}", flush=True)
     cfg = uvicorn.Config(app, loop=_pick("uvloop", "asyncio"), http=_pick("httptools", "h11"), lifespan="on",

@@ -29,10 +29,17 @@ UNFINISHED = Counter("pipeline_proxy_unfinished_generations_total",
                      "answer): engine_abort, client_disconnect, engine_error, timeout, truncated, no_finish_reason",
                      ["cause"])
 EVENTS_BUFFERED = Gauge("pipeline_proxy_events_buffered",
-                        "Events accepted but not yet acknowledged by the broker (memory + spill file)")
+                        "Events accepted but not yet acknowledged by the broker (disk buffer + memory)")
 EVENTS_DROPPED = Counter("pipeline_proxy_events_dropped_total", "Events given up (never delivered)",
                          ["reason"])
-EVENTS_SPILLED = Counter("pipeline_proxy_events_spilled_total", "Events written to the spill file")
+EVENTS_NOT_DURABLE = Counter("pipeline_proxy_events_not_durable_total",
+                             "Events held in memory only because the disk buffer refused them (buffer_full, "
+                             "disk_error) or queued behind such events (behind_memory); lost if the proxy crashes",
+                             ["reason"])
+BUFFER_COMMIT = Histogram("pipeline_proxy_buffer_commit_seconds",
+                          "One group commit of events to the disk buffer (responses wait for it)",
+                          buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                   0.5))
 EVENTS_DELIVERED = Counter("pipeline_proxy_events_delivered_total", "Events acknowledged by the broker")
 PUBLISH_RETRIES = Counter("pipeline_proxy_publish_retries_total",
                           "Windows of events re-sent after a broker error")

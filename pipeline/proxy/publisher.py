@@ -1,34 +1,47 @@
-"""Asynchronous, ordered, loss-accounted event publishing: serving never waits for Kafka.
+"""Durable, ordered, loss-accounted event publishing: serving never waits for Kafka.
 
 Flow of one event::
 
-    event loop --publish()--> inbox --intake thread (encode)--> backlog --sender thread--> Kafka
-                                                                 memory deque (<= max_buffer)
-                                                                 then spill file (optional)
+    event loop --publish()--> inbox --writer thread (encode, group commit)--> disk buffer --sender--> Kafka
+                   |                                                       (memory if no disk)
+                   +-- DurableSend: the response's last byte waits until its events are committed
 
 - :meth:`EventPublisher.publish` only appends to a ``queue.SimpleQueue`` (a few microseconds);
-  it never blocks and never raises.
-- The intake thread encodes events (msgpack) and appends them to the backlog: to memory while
-  there is room, else to the spill file (``proxy.spill_file``) — once spilling has started every
-  newer event goes to the file too, so the backlog stays one FIFO. With no room anywhere the
-  event is dropped, counted in ``pipeline_proxy_events_dropped_total{reason}`` and logged.
+  it never blocks and never raises. It returns the event's sequence number.
+- The writer thread takes everything that arrived while its previous commit ran, encodes it
+  (msgpack) and appends it to the :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction
+  (group commit), together with the deletion of what the broker acknowledged meanwhile. Then it
+  wakes the responses waiting in :meth:`durable`. A response is completed only after its events
+  are committed (:class:`DurableSend` holds its last body message): a proxy killed right after
+  it answered loses nothing, the next proxy on the same buffer folder sends what it left.
+- If the disk buffer refuses a group (``buffer_max_bytes`` reached, disk full, I/O error), those
+  events are held in memory (up to ``max_buffer``, counted in
+  ``pipeline_proxy_events_not_durable_total{reason}`` and logged) and, until that memory backlog
+  has drained, newer events go there too so the backlog stays one FIFO. Beyond ``max_buffer``
+  an event is dropped and counted. Serving never fails because of the buffer.
+- Without a buffer folder (``buffer_dir=None``: tests and benchmarks only) the backlog is the
+  memory deque alone and :meth:`durable` returns at once.
 - The sender thread owns one idempotent producer (acks=all; librdkafka or kafka-python, see
-  :mod:`pipeline.proxy.transport`). It takes a window of the oldest events (gathered for up to
-  ``linger_s``), sends them, and waits until each is acknowledged or failed. Failed events are
-  put back at the front of the backlog (same order); the producer is then recreated (a broker
-  that restarted does not know the old producer id) and the window is retried with back-off.
-  Events stay queued for as long as the broker is away; nothing times out of the backlog.
+  :mod:`pipeline.proxy.transport`). It reads a window of the oldest events (gathered for up to
+  ``linger_s``), sends it, and waits until each record is acknowledged or failed. The
+  acknowledged prefix is deleted from the buffer; the rest is sent again after a back-off with a
+  fresh producer (a broker that restarted does not know the old producer id). Events stay
+  queued for as long as the broker is away; nothing times out of the backlog.
 
-Order: one sender and one window at a time, so events are delivered in the order they were
-published (per session partition too). Delivery is at-least-once: a window whose
-acknowledgement was lost is sent again, and a restart re-sends spilled events after the last
-committed position. At :meth:`close`, what could not be delivered in time is written to the
-spill file (and resent by the next process) or, without one, counted as dropped
+Order: one sender and one window at a time, in buffer order, so events are delivered in the
+order they were published (per session partition too). Delivery is at-least-once: a window
+whose acknowledgement was lost (broker or proxy crash) is sent again. Consumers de-duplicate by
+the events' ids: ``request_id`` of ``turn`` and ``next_state`` events (``<process prefix>-<n>``,
+unique per proxy process), ``session_id`` of ``session_end``.
+
+At :meth:`close`, undelivered events stay in the disk buffer for the next start; without one
+(or what was held in memory and still does not fit) they are counted as dropped
 (``reason="shutdown"``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -40,74 +53,83 @@ from pipeline import events
 from pipeline.config import Config
 from pipeline.metrics import EVENTS_FAILED, EVENTS_PRODUCED
 from pipeline.proxy import metrics as M
-from pipeline.proxy.spill import SpillFile
+from pipeline.proxy.buffer import DiskBuffer, EventBufferError, EventBufferFull
 from pipeline.proxy.transport import have_librdkafka, make_transport
 
 log = logging.getLogger(__name__)
+_ACK = object()  # inbox marker: the sender advanced, delete what it delivered
 
 
 class EventPublisher:
-    """Background publisher of events to Kafka with a bounded buffer and an optional spill file.
+    """Background publisher of events to Kafka through a durable disk buffer.
 
     Args:
         config: the process config (``kafka`` section for the producer).
-        max_buffer: events held in memory before spilling (or dropping).
-        spill_file: path of the spill file, or None (overflow is dropped and counted).
-        spill_max_bytes: size bound of the spill file; beyond it events are dropped and counted.
+        max_buffer: events held in memory when the disk buffer refuses them (or, without a
+            buffer folder, in all); beyond it events are dropped and counted.
+        buffer_dir: folder of the durable buffer (:class:`pipeline.proxy.buffer.DiskBuffer`,
+            locked while open); None: memory only, nothing survives a crash (tests, benchmarks).
+        buffer_max_bytes: size bound of the disk buffer.
+        buffer_fsync: fsync every group commit (survives power loss) instead of leaving the
+            writes to the operating system (survives a crash of the proxy).
         window: most events in flight at once.
-        linger_s: how long the threads gather events before encoding / sending a window (fewer
-            wake-ups and produce requests; adds at most this much to the delivery delay).
+        linger_s: how long the sender gathers events before sending a window (fewer produce
+            requests; adds at most this much to the delivery delay, never to a response).
         kafka_client: ``auto`` (librdkafka when installed), ``librdkafka`` or ``kafka-python``
             (see :mod:`pipeline.proxy.transport`).
         delivery_timeout_ms: how long the Kafka client retries one window before it is failed and
             retried by this class with a fresh producer.
+        compact_bytes: when the buffer has drained and its files are larger than this, they are
+            compacted (:meth:`DiskBuffer.compact`).
         name: stage label for the bus metrics.
 
     Raises:
         ImportError: ``kafka_client="librdkafka"`` without confluent-kafka installed.
         ValueError: an unknown ``kafka_client``.
-        OSError: the spill file cannot be opened.
-
-    Order caveat: if the broker acknowledged a later event of a window but not an earlier one of
-    the same partition (not seen with an idempotent producer, whose failures are suffixes), the
-    earlier one is re-sent after it.
+        pipeline.proxy.buffer.EventBufferError: the buffer folder cannot be opened or is locked
+            by another process.
     """
 
-    def __init__(self, config: Config, max_buffer: int = 10_000, spill_file: str | None = None,
-                 spill_max_bytes: int = 1 << 30, window: int = 2000, delivery_timeout_ms: int = 30_000,
-                 linger_s: float = 0.01, kafka_client: str = "auto", name: str = "proxy") -> None:
-        self.config = config
-        self.name = name
-        self.max_buffer = max(1, max_buffer)
-        self.inbox_max = self.max_buffer + 10_000  # safety net only: the intake thread drains it continuously
-        self.window = max(1, window)
-        self.linger_s = max(0.0, linger_s)
-        self.delivery_timeout_ms = delivery_timeout_ms
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._in = 0  # written by publish() callers only
-        self._out = 0  # written by the intake thread only
-        self._mem: deque = deque()
-        self._spill = SpillFile(spill_file, spill_max_bytes) if spill_file else None
-        self._lock = threading.Condition()
-        self._inflight: list = []
-        self._inflight_from_spill = False
+    def __init__(self, config: Config, max_buffer: int = 10_000, buffer_dir: str | None = None,
+                 buffer_max_bytes: int = 1 << 30, buffer_fsync: bool = False, window: int = 2000,
+                 delivery_timeout_ms: int = 30_000, linger_s: float = 0.01, kafka_client: str = "auto",
+                 compact_bytes: int = 64 << 20, name: str = "proxy") -> None:
         if kafka_client == "librdkafka" and not have_librdkafka():
             raise ImportError("proxy.kafka_client=librdkafka needs: pip install confluent-kafka")
         if kafka_client not in ("auto", "librdkafka", "kafka-python"):
             raise ValueError(f"kafka_client must be auto, librdkafka or kafka-python, got {kafka_client!r}")
+        self.config = config
+        self.name = name
+        self.max_buffer = max(1, max_buffer)
+        self.inbox_max = self.max_buffer + 10_000  # safety net only: the writer thread drains it continuously
+        self.window = max(1, window)
+        self.linger_s = max(0.0, linger_s)
+        self.delivery_timeout_ms = delivery_timeout_ms
+        self.compact_bytes = compact_bytes
         self.kafka_client = kafka_client
+        self._buf = DiskBuffer(buffer_dir, buffer_max_bytes, buffer_fsync) if buffer_dir else None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._in = 0  # events accepted by publish() (event loop only)
+        self._out = 0  # events the writer has committed or accounted for (writer only)
+        self._waiters: deque = deque()  # (seq, future), event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mem: deque = deque()  # memory backlog (no buffer folder, or the disk refused)
+        self._lock = threading.Condition()
+        self._inflight: list = []  # a window taken from memory, while it is sent
+        self._sent_id = 0  # last buffer row acknowledged by the broker (sender)
+        self._deleted_id = 0  # last buffer row deleted (writer)
         self._transport = None
         self._stop = threading.Event()
-        self._intake_done = threading.Event()
+        self._writer_done = threading.Event()
         self._deadline = float("inf")
         self._finished = False
         self._threads: list[threading.Thread] = []
         self._drop_lock = threading.Lock()
         self.dropped: dict[str, int] = {}
+        self.not_durable: dict[str, int] = {}
         self.delivered = 0
-        self.spilled = 0
         self.broker_connected = False
-        self._last_drop_log = 0.0
+        self._last_error_log = 0.0
         self._backoff = 0.2
 
     # ---- caller side (event loop) -------------------------------------------------------------
@@ -116,16 +138,50 @@ class EventPublisher:
         if self._stop.is_set():
             self._drop("closed", 1)
             return False
-        if self._in - self._out >= self.inbox_max:  # intake thread stalled: protect memory
+        if self._in - self._out >= self.inbox_max:  # writer thread stalled: protect memory
             self._drop("inbox_full", 1)
             return False
         self._in += 1
         self._inbox.put((topic, key, event))
         return True
 
+    @property
+    def durable_enabled(self) -> bool:
+        """True when events go to a disk buffer (False: memory only)."""
+        return self._buf is not None
+
+    async def durable(self) -> None:
+        """Wait until every event published so far (from this event loop) is committed to the
+        disk buffer, or was refused by it and accounted for. Returns at once without a buffer."""
+        seq = self._in
+        if self._buf is None or self._out >= seq or self._writer_done.is_set():
+            return
+        loop = self._loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiters.append((seq, fut))
+        if self._out >= seq or self._writer_done.is_set():  # the writer may have passed meanwhile
+            self._wake()
+        await fut
+
+    def _wake(self) -> None:  # event loop
+        out = self._out
+        done = self._writer_done.is_set()
+        while self._waiters and (self._waiters[0][0] <= out or done):
+            _, fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+    def _notify_waiters(self) -> None:  # writer thread
+        loop = self._loop
+        if self._waiters and loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # loop closed meanwhile
+                pass
+
     def start(self) -> "EventPublisher":
-        """Start the intake and sender threads."""
-        for target, name in ((self._intake, "proxy-publish-intake"), (self._sender, "proxy-publish-sender")):
+        """Start the writer and sender threads."""
+        for target, name in ((self._writer, "proxy-publish-writer"), (self._sender, "proxy-publish-sender")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -133,15 +189,17 @@ class EventPublisher:
 
     @property
     def buffered(self) -> int:
-        """Events accepted but not yet acknowledged (inbox + memory + spill + in flight)."""
-        return (self._in - self._out) + len(self._mem) + (len(self._spill) if self._spill else 0) + len(
-            self._inflight)
+        """Events accepted but not yet acknowledged (inbox + disk buffer + memory + in flight)."""
+        return ((self._in - self._out) + (self._buf.count if self._buf is not None else 0) + len(self._mem)
+                + len(self._inflight))
 
     def stats(self) -> dict[str, Any]:
         """Counters for tests, logs and ``/readyz``."""
-        return {"buffered": self.buffered, "delivered": self.delivered, "spilled": self.spilled,
-                "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()),
-                "broker_connected": self.broker_connected}
+        return {"buffered": self.buffered, "delivered": self.delivered,
+                "on_disk": self._buf.count if self._buf is not None else 0, "in_memory": len(self._mem),
+                "not_durable": dict(self.not_durable), "dropped": dict(self.dropped),
+                "dropped_total": sum(self.dropped.values()), "broker_connected": self.broker_connected,
+                "buffer": str(self._buf.dir) if self._buf is not None else None}
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until nothing is buffered (True) or ``timeout_s`` passes (False). For tests/bench."""
@@ -153,7 +211,7 @@ class EventPublisher:
         return self.buffered == 0
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop accepting, deliver what is possible within ``timeout_s``, then spill or count the rest."""
+        """Stop accepting, deliver what is possible within ``timeout_s``; the rest stays on disk."""
         if self._stop.is_set():
             return
         self._deadline = time.monotonic() + timeout_s
@@ -165,115 +223,163 @@ class EventPublisher:
             t.join(timeout_s + 5)
         self._finish()
 
-    # ---- intake thread ------------------------------------------------------------------------
-    def _intake(self) -> None:
-        while True:
-            first = self._inbox.get()
-            if first is not None and self.linger_s:
-                # batch: one wake-up per linger period, not per event (GIL contention with the event loop)
-                time.sleep(self.linger_s / 2)
-            batch = [first]
-            while len(batch) < 4096:
-                try:
-                    batch.append(self._inbox.get_nowait())
-                except queue.Empty:
+    # ---- writer thread ------------------------------------------------------------------------
+    def _writer(self) -> None:
+        try:
+            while True:
+                first = self._inbox.get()
+                batch = [first]
+                while len(batch) < 4096:  # group commit: everything that arrived meanwhile
+                    try:
+                        batch.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = False
+                n = 0
+                items = []
+                for it in batch:
+                    if it is None:
+                        stop = True
+                    elif it is _ACK:
+                        continue
+                    else:
+                        n += 1
+                        topic, key, ev = it
+                        try:
+                            items.append((topic, key, events.encode(ev)))
+                        except Exception as e:  # a bug upstream must not kill the thread
+                            self._drop("invalid", 1)
+                            log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
+                self._store(items)
+                self._out += n
+                self._notify_waiters()
+                with self._lock:
+                    self._lock.notify_all()
+                M.EVENTS_BUFFERED.set(self.buffered)
+                if stop:
                     break
-            stop = False
-            items = []
-            for it in batch:
-                if it is None:
-                    stop = True
-                    continue
-                topic, key, ev = it
-                try:
-                    items.append((topic, key, events.encode(ev)))
-                except Exception as e:  # a bug upstream must not kill the thread
-                    self._drop("invalid", 1)
-                    log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
-            with self._lock:
-                self._append(items)
-                self._out += len(batch) - (1 if stop else 0)
-                self._lock.notify_all()
-            M.EVENTS_BUFFERED.set(self.buffered)
-            if stop:
-                break
-        self._intake_done.set()
+        finally:
+            self._writer_done.set()
+            self._notify_waiters()
 
-    def _append(self, items: list) -> None:
-        """Append encoded items to the backlog (caller holds the lock)."""
+    def _store(self, items: list) -> None:
+        """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog."""
+        buf = self._buf
+        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id else None
+        if buf is None:
+            self._to_memory(items, None)
+            return
+        if items and self._mem:  # the memory backlog must drain first: one FIFO
+            self._to_memory(items, "behind_memory")
+            items = []
+        if not items and ack is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            try:
+                buf.append(items, delete_through=ack)
+                done = len(items)
+            except EventBufferFull:
+                if ack is not None:
+                    buf.delete_through(ack)  # free what was delivered first
+                done = self._append_what_fits(items)
+            if ack is not None:
+                self._deleted_id = ack
+        except EventBufferError as e:
+            self._to_memory(items, "disk_error")
+            self._log_error(f"event buffer refused {len(items)} event(s), held in memory: {e}")
+            return
+        if done < len(items):
+            self._to_memory(items[done:], "buffer_full")
+            self._log_error(f"event buffer {buf.dir} is full: {len(items) - done} event(s) held in memory")
+        if items:
+            M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
+        if ack is not None and buf.count == 0 and buf.file_bytes() > self.compact_bytes:
+            try:
+                buf.compact()
+            except EventBufferError as e:
+                self._log_error(str(e))
+
+    def _append_what_fits(self, items: list) -> int:
+        """Append the longest prefix of ``items`` that fits (halving on :class:`EventBufferFull`)."""
+        if not items:
+            return 0
+        try:
+            self._buf.append(items)
+            return len(items)
+        except EventBufferFull:
+            if len(items) == 1:
+                return 0
+        half = len(items) // 2
+        n = self._append_what_fits(items[:half])
+        return n if n < half else half + self._append_what_fits(items[half:])
+
+    def _to_memory(self, items: list, reason: str | None) -> None:
         if not items:
             return
-        # once anything is in (or being read from) the spill file, newer events go there too
-        spilling = self._spill is not None and (len(self._spill) > 0 or self._spill.reading)
-        i = 0
-        if not spilling:
-            room = self.max_buffer - len(self._mem)
+        with self._lock:
+            room = self.max_buffer - len(self._mem) - len(self._inflight)
             take = items[:max(0, room)]
             self._mem.extend(take)
-            i = len(take)
-        rest = items[i:]
-        if not rest:
-            return
-        if self._spill is not None:
-            try:
-                n = self._spill.append(rest)
-            except OSError as e:
-                log.error("spill file %s: %s", self._spill.path, e)
-                n = 0
-            if n:
-                self.spilled += n
-                M.EVENTS_SPILLED.inc(n)
-            if n < len(rest):
-                self._drop("spill_full", len(rest) - n)
-        else:
-            self._drop("buffer_full", len(rest))
+        if take and reason is not None:
+            self.not_durable[reason] = self.not_durable.get(reason, 0) + len(take)
+            M.EVENTS_NOT_DURABLE.labels(reason).inc(len(take))
+        if len(take) < len(items):
+            self._drop("buffer_full", len(items) - len(take))
 
     # ---- sender thread ------------------------------------------------------------------------
-    def _take(self) -> list:
-        """Next window from the front of the backlog (caller holds the lock)."""
-        n = self.window
-        if self._mem:
-            k = min(n, len(self._mem))
-            self._inflight_from_spill = False
-            return [self._mem.popleft() for _ in range(k)]
-        if self._spill is not None and len(self._spill):
-            self._inflight_from_spill = True
-            return self._spill.read(n)
-        return []
+    def _disk_pending(self) -> bool:
+        return self._buf is not None and self._buf.last_id > self._sent_id
 
     def _sender(self) -> None:
         while True:
             with self._lock:
-                while not self._mem and not (self._spill and len(self._spill)):
-                    if self._stop.is_set() and self._intake_done.is_set():
+                while not self._disk_pending() and not self._mem:
+                    if self._stop.is_set() and self._writer_done.is_set():
                         return
                     self._lock.wait(0.5)
                 if self._stop.is_set() and time.monotonic() > self._deadline:
                     return
                 linger_end = time.monotonic() + self.linger_s
-                while len(self._mem) < self.window and not self._stop.is_set():
-                    left = linger_end - time.monotonic()  # gather a bigger window: one produce request per window
+                while not self._stop.is_set():  # gather a bigger window: one produce request per window
+                    left = linger_end - time.monotonic()
                     if left <= 0:
                         break
                     self._lock.wait(left)
-                self._inflight = self._take()
-            failed = self._send_window(self._inflight)
+                from_disk = self._disk_pending()
+                if not from_disk:
+                    k = min(self.window, len(self._mem))
+                    self._inflight = [self._mem.popleft() for _ in range(k)]
+            if from_disk:
+                try:
+                    rows = self._buf.read(self._sent_id, self.window)
+                except Exception as e:  # noqa: BLE001 - the buffer's reader must not kill the thread
+                    self._log_error(f"event buffer read failed: {e}")
+                    time.sleep(0.5)
+                    continue
+                items = [(t, k, v) for _, t, k, v in rows]
+            else:
+                items = self._inflight
+            ok = self._send_window(items)
             with self._lock:
                 if self._finished:  # close() gave up waiting and already accounted for this window
                     return
-                ok = len(self._inflight) - len(failed)
-                if failed:
-                    if self._inflight_from_spill:
-                        self._spill.rewind()
-                    else:
-                        self._mem.extendleft(reversed(failed))
-                elif self._inflight_from_spill:
-                    self._spill.commit()
-                self._inflight = []
-                self.delivered += ok
+                good = sum(ok)
+                if from_disk:
+                    prefix = next((i for i, g in enumerate(ok) if not g), len(ok))
+                    if prefix:
+                        self._sent_id = rows[prefix - 1][0]
+                        self._inbox.put(_ACK)  # the writer deletes them in its next commit
+                    failed = len(ok) - prefix
+                else:
+                    back = [it for it, g in zip(items, ok) if not g]
+                    self._mem.extendleft(reversed(back))
+                    self._inflight = []
+                    failed = len(back)
+                self.delivered += good
             M.EVENTS_BUFFERED.set(self.buffered)
             if failed:
-                self._on_window_failed(len(failed))
+                self._on_window_failed(failed)
             else:
                 self._backoff = 0.2
 
@@ -285,7 +391,7 @@ class EventPublisher:
         M.BROKER_UP.set(0)
         self._reset_producer()
         end = time.monotonic() + self._backoff
-        while time.monotonic() < end and not (self._stop.is_set() and time.monotonic() > self._deadline):
+        while time.monotonic() < end and not self._give_up():
             time.sleep(0.05)
         self._backoff = min(self._backoff * 2, 5.0)
 
@@ -297,8 +403,8 @@ class EventPublisher:
     def _give_up(self) -> bool:
         return self._stop.is_set() and time.monotonic() > self._deadline
 
-    def _send_window(self, items: list) -> list:
-        """Send ``items`` and wait for every acknowledgement; return the failed ones, in order."""
+    def _send_window(self, items: list) -> list[bool]:
+        """Send ``items`` and wait for every acknowledgement; per item, whether it was acknowledged."""
         if not items:
             return []
         try:
@@ -306,12 +412,11 @@ class EventPublisher:
                 self._transport = make_transport(self.config, self.kafka_client, self.delivery_timeout_ms)
         except Exception as e:
             log.debug("producer not available: %s", e)
-            return items
+            return [False] * len(items)
         if self._finished:
-            return items
+            return [False] * len(items)
         ok = self._transport.send_window(items, self._give_up)
-        failed = [it for it, good in zip(items, ok) if not good]
-        done = len(items) - len(failed)
+        done = sum(ok)
         if done:
             if not self.broker_connected:
                 log.info("broker reachable: publishing resumed")
@@ -324,38 +429,75 @@ class EventPublisher:
                     by_topic[it[0]] = by_topic.get(it[0], 0) + 1
             for t, c in by_topic.items():
                 EVENTS_PRODUCED.labels(self.name, t).inc(c)
-        if failed:
-            topic = failed[0][0]
-            EVENTS_FAILED.labels(self.name, topic).inc(len(failed))
-        return failed
+        if done < len(items):
+            EVENTS_FAILED.labels(self.name, items[0][0]).inc(len(items) - done)
+        return ok
 
     # ---- shutdown and accounting ----------------------------------------------------------------
     def _finish(self) -> None:
         with self._lock:
             self._finished = True
-            rest = [] if self._inflight_from_spill else list(self._inflight)
-            rest += list(self._mem)  # empty when the window came from the spill file
+            rest = list(self._inflight) + list(self._mem)
             self._inflight, self._mem = [], deque()
-            if self._spill is not None:
-                self._spill.rewind()
-                total = len(rest) + len(self._spill)
-                kept = self._spill.rewrite(rest)
-                if kept < total:
-                    self._drop("shutdown", total - kept)
-                if kept:
-                    log.warning("%d undelivered events kept in %s for the next start", kept, self._spill.path)
-                self._spill.close()
-            elif rest:
-                self._drop("shutdown", len(rest))
+        buf = self._buf
+        if buf is not None:
+            if rest:  # held in memory while the disk refused them: one more try
+                try:
+                    buf.append(rest)
+                    rest = []
+                except EventBufferError as e:
+                    log.error("event buffer still refuses %d event(s) at shutdown: %s", len(rest), e)
+            if self._sent_id > self._deleted_id:
+                try:
+                    buf.delete_through(self._sent_id)
+                    self._deleted_id = self._sent_id
+                except EventBufferError:
+                    pass  # sent again by the next process: at-least-once
+            if buf.count:
+                log.warning("%d undelivered events kept in %s for the next start", buf.count, buf.dir)
+            buf.close()
+        if rest:
+            self._drop("shutdown", len(rest))
         self._reset_producer()
         M.EVENTS_BUFFERED.set(self.buffered)
+
+    def _log_error(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log > 5.0:
+            self._last_error_log = now
+            log.error(msg)
 
     def _drop(self, reason: str, n: int) -> None:
         with self._drop_lock:
             self.dropped[reason] = self.dropped.get(reason, 0) + n
             total = sum(self.dropped.values())
         M.EVENTS_DROPPED.labels(reason).inc(n)
-        now = time.monotonic()
-        if now - self._last_drop_log > 5.0:
-            self._last_drop_log = now
-            log.error("dropped %d event(s) (%s); %d dropped in total since start", n, reason, total)
+        self._log_error(f"dropped {n} event(s) ({reason}); {total} dropped in total since start")
+
+
+class DurableSend:
+    """An ASGI ``send`` that completes a response only once its events are in the disk buffer.
+
+    The last body message (``more_body`` false) waits for :meth:`EventPublisher.durable`; just
+    before, ``before_final`` (if set) runs once — the proxy publishes ``session_end`` there, so
+    that event too is committed before the client sees the end of the response.
+    """
+
+    __slots__ = ("_send", "_publisher", "before_final")
+
+    def __init__(self, send, publisher: EventPublisher) -> None:
+        self._send = send
+        self._publisher = publisher
+        self.before_final = None
+
+    def run_before_final(self) -> None:
+        """Run ``before_final`` if it has not run yet."""
+        cb, self.before_final = self.before_final, None
+        if cb is not None:
+            cb()
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.run_before_final()
+            await self._publisher.durable()
+        await self._send(message)
