@@ -77,6 +77,11 @@ class Event:
         """Cross-field checks; raises :class:`MalformedEvent`. Field types are checked on decode."""
 
 
+#: OpenAI finish reasons of a generation that ended by its own rule; anything else (``abort``,
+#: none) means it did not finish and is never trained as an answer
+FINISHED = ("stop", "length", "tool_calls", "function_call")
+
+
 @dataclass
 class Turn(Event):
     """One assistant turn as served: the exact tokens and log-probs the engine sampled.

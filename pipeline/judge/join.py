@@ -57,15 +57,13 @@ from dataclasses import dataclass, field
 from pipeline import events
 
 JUDGE, FLUSH, RELEASE = "judge", "flush", "release"
-#: finish reasons of a generation that ended by its own rule (OpenAI values)
-FINISHED = ("stop", "length", "tool_calls", "function_call")
 #: request ids remembered to recognise duplicate turn records
 MAX_REMEMBERED_TURNS = 100_000
 
 
 def finished(turn: events.Turn) -> bool:
-    """True when the turn's generation finished (``finish_reason`` in :data:`FINISHED`)."""
-    return turn.finish_reason in FINISHED
+    """True when the turn's generation finished (``finish_reason`` in :data:`events.FINISHED`)."""
+    return turn.finish_reason in events.FINISHED
 
 
 def event_time(rec) -> int:

@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-#: finish reasons of a generation that ended by its own rule (anything else: not finished)
-FINISHED = ("stop", "length", "tool_calls", "function_call")
+from pipeline.events import FINISHED
+
 
 
 def _metadata_sampling(md: Any) -> dict | None:
