@@ -138,3 +138,24 @@ def test_from_response_and_strip():
     assert resp["choices"][0] == {"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
                                   "logprobs": None}
     assert policy_version("12", 0) == 12 and policy_version("v3", 0) == 3 and policy_version("main", 5) == 5
+
+
+def test_recorded_distribution_engine_report_first_then_sglang_rules():
+    """The temperature a turn's log-probs are of, and the options a teacher cannot re-apply."""
+    from pipeline.proxy.app import ProxyApp
+    from pipeline.proxy.record import Recorded
+
+    dist = ProxyApp._distribution
+    reported = Recorded()
+    reported.sampling_params = {"temperature": 1.0, "top_k": 1, "repetition_penalty": 1.0}
+    assert dist(reported, {"temperature": 0}) == (1.0, [])  # the engine's word (greedy normalised)
+    reported.sampling_params = {"temperature": 0.8, "repetition_penalty": 1.1}  # e.g. a generation-config default
+    assert dist(reported, {}) == (0.8, ["repetition_penalty"])
+    sglang = Recorded()  # an engine that does not report: the request under SGLang's rules
+    assert dist(sglang, {"temperature": 0}) == (1.0, [])
+    assert dist(sglang, {"temperature": 5e-7}) == (1.0, [])
+    assert dist(sglang, {"temperature": 0.3, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "seed": 1}) == (0.3, [])
+    assert dist(sglang, {}) == (1.0, [])
+    assert dist(sglang, {"logit_bias": {"5": -100}, "presence_penalty": 0.5, "min_tokens": 3,
+                         "response_format": {"type": "json_object"}, "tool_choice": "required"}) == (
+        1.0, ["constrained_decoding", "logit_bias", "min_tokens", "presence_penalty", "tool_choice"])
