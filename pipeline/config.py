@@ -47,7 +47,7 @@ class KafkaConfig(Section):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_check_hostname: bool = True
-    # Tansu (the embedded broker) needs short group timeouts (ENVIRONMENT.md); Apache Kafka's
+    # Tansu (the embedded broker) needs short group timeouts (docs/environment.md §6); Apache Kafka's
     # group.min.session.timeout.ms is 6000 by default, so production configs raise these.
     session_timeout_ms: int = Field(2000, gt=0)
     heartbeat_interval_ms: int = Field(300, gt=0)

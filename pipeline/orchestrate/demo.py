@@ -16,11 +16,12 @@
    KL and log-prob mismatch per trainer step), and a console summary. Each evaluation is also
    published on the ``metrics`` topic, where the dashboard shows it while the demo runs.
 
-Defaults are sized for a 2-core CPU machine (~10-15 minutes). ENVIRONMENT.md measured the
+Defaults are sized for a 2-core CPU machine (~10-15 minutes). docs/environment.md §7 gives the
 brevity property at 9% for the base model, rising to ~56-97% after 3-5 Binary-RL steps at
-lr 5e-5, and OPD with the hint "reply in at most 40 words" to ~53% in one step. Measured here
-with this command: Binary RL alone 9% -> 28% after 4 versions (noisy: no signal when a batch
-holds no success); combine 0% -> 38%, 69%, 56% at versions 1-3. The report's verdict compares
+lr 5e-5, and OPD with the hint "reply in at most 40 words" to ~53% in one step. One run each
+with this command and its default seeds: Binary RL alone 9% -> 28% after 4 versions (noisy: no
+signal when a batch holds no success); combine 0% -> 38%, 69%, 56% at versions 1-3. Runs with
+the same seeds differ (which replies share a decoding batch depends on timing). The report's verdict compares
 the last version's held-out success with version 0's.
 """
 

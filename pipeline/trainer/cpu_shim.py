@@ -18,8 +18,7 @@ nothing (the GPU path runs the same trainer code with fusions on). Torch functio
 thread-local, so Megatron code must run on the thread that called :func:`apply`.
 :func:`remove` undoes everything (tests use it so other tests in the process run unpatched).
 
-Approach proven by ``shared/reference/cpu_shim.py`` (megatron-core 0.16.1, torch 2.13 CPU);
-written again here as a reversible module.
+Measured with megatron-core 0.16.1 and torch 2.13 on the CPU (docs/environment.md §3).
 """
 
 from __future__ import annotations
