@@ -500,7 +500,7 @@ def run(args, config) -> int:
     if args.apply_topics:
         from pipeline.topics import apply_topics, load_topics
 
-        config.kafka.bootstrap_servers = broker.bootstrap
+        config = config.replace(kafka={"bootstrap_servers": broker.bootstrap})
         for line in apply_topics(config, load_topics(config.topics.file)).lines():
             print(line)
     store = f", object store {broker.store.started_in_s:.1f} s" if broker.store is not None else ""

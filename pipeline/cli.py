@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = module.run(args, config)
     except KeyboardInterrupt:
         return 130
+    except ConfigError as e:  # a flag that makes the configuration invalid
+        print(f"pipeline {name}: configuration error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # a broker that never answers is a clear one-line error, not a traceback
         from kafka.errors import BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError
 

@@ -67,6 +67,7 @@ def test_whole_loop_tiny_model(tmp_path):
                                   "max_staleness": None},
                          judge={"mode": "rl", "backend": "embedding", "idle_timeout_s": 5})
     stack = start_stack(config, run_dir, ready_timeout_s=300)
+    config = stack.config  # with the broker, ports and URLs the stages run with
     pids = stack.supervisor.pids()
     try:
         sim = subprocess.run(

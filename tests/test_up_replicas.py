@@ -33,7 +33,7 @@ def _turn(url: str, sid: str, msgs: list, done: bool = False) -> httpx.Response:
 def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tmp_path):
     config = load_config(None, judge={"mode": "rl", "backend": "constant"})
     with serve_app(ScriptedUpstream()) as engine_url:
-        config.engine.url = engine_url  # what `pipeline up --engine-url` does
+        config = config.replace(engine={"url": engine_url})  # what `pipeline up --engine-url` does
         stack = start_stack(config, tmp_path / "run", engine_url=engine_url, trainer=False, durable_broker=False,
                             dashboard=False,
                             replicas={"proxy": 2, "judge": 1, "engine": 1},

@@ -70,24 +70,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
 
 
-def demo_config(config: Config, args, run_dir: Path) -> None:
-    """Apply the demo's defaults on top of the loaded config (explicit flags win)."""
-    if args.model:
-        config.engine.model = args.model
-    config.trainer.model = config.engine.model
-    if args.judge_mode:
-        config.judge.mode = args.judge_mode
-    config.trainer.lr = args.lr
-    config.trainer.rollout_batch_size = args.batch_size
-    config.trainer.max_steps = args.steps  # exactly --steps updates; the last one is evaluated
-    config.trainer.normalize_advantages = True  # reward minus batch mean (GRPO-style baseline)
-    config.trainer.checkpoint_dir = str(run_dir / "checkpoints")
-    config.trainer.export_dir = str(run_dir / "weights")
-    config.trainer.metrics_file = str(run_dir / "trainer_metrics.jsonl")
-    config.trainer.progress = False
-    config.trainer.threads = 1  # the engine keeps the other core
-    config.engine.threads = 1
-    config.judge.idle_timeout_s = min(config.judge.idle_timeout_s, 60.0)
+def demo_config(config: Config, args, run_dir: Path) -> Config:
+    """``config`` with the demo's defaults on top (explicit flags win; a validated copy)."""
+    model = args.model or config.engine.model
+    return config.replace(
+        engine={"model": model, "threads": 1},  # one thread each: the engine keeps the other core
+        judge={**({"mode": args.judge_mode} if args.judge_mode else {}),
+               "idle_timeout_s": min(config.judge.idle_timeout_s, 60.0)},
+        trainer={"model": model, "lr": args.lr, "rollout_batch_size": args.batch_size,
+                 "max_steps": args.steps,  # exactly --steps updates; the last one is evaluated
+                 "normalize_advantages": True,  # reward minus batch mean (GRPO-style baseline)
+                 "checkpoint_dir": str(run_dir / "checkpoints"), "export_dir": str(run_dir / "weights"),
+                 "metrics_file": str(run_dir / "trainer_metrics.jsonl"), "progress": False, "threads": 1})
 
 
 class Simulator:
@@ -308,7 +302,7 @@ def figure(report: dict):
 def run(args, config: Config) -> int:
     report_dir = Path(args.report_dir)
     run_dir = report_dir / "run"
-    demo_config(config, args, run_dir)
+    config = demo_config(config, args, run_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -320,6 +314,7 @@ def run(args, config: Config) -> int:
     except StageFailed as e:
         print(f"pipeline demo: {e}", file=sys.stderr)
         return 1
+    config = stack.config
     print(f"[demo] ready after {time.monotonic() - t0:.0f} s: proxy {stack.proxy_url}"
           + (f"  dashboard {stack.dashboard_url}" if stack.dashboard_url else ""), flush=True)
     from pipeline.bus import EventProducer

@@ -47,21 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, config) -> int:
     """Apply the flags to ``config.trainer`` and run :class:`pipeline.trainer.stage.TrainerStage`."""
-    t = config.trainer
-    for name in ("model", "max_steps", "rollout_batch_size", "micro_batch_size", "checkpoint_dir", "export_dir",
-                 "tp", "threads"):
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(t, name, value)
+    t: dict = {name: getattr(args, name) for name in ("model", "max_steps", "rollout_batch_size", "micro_batch_size",
+                                                     "checkpoint_dir", "export_dir", "tp", "threads")
+               if getattr(args, name, None) is not None}
     if args.engines is not None:
-        t.engines = [e for e in args.engines.split(",") if e]
+        t["engines"] = [e for e in args.engines.split(",") if e]
     if args.no_progress:
-        t.progress = False
+        t["progress"] = False
     if args.start_fresh:
-        t.missing_checkpoint = "fresh"
+        t["missing_checkpoint"] = "fresh"
     if args.from_newest_export:
-        t.missing_checkpoint = "newest_export"
+        t["missing_checkpoint"] = "newest_export"
     import sys
+
+    config = config.replace(trainer=t)
 
     from pipeline.trainer.guards import NonFiniteWeights
     from pipeline.trainer.stage import CheckpointMissing, TrainerStage
