@@ -422,7 +422,7 @@ def run(args, config: Config) -> int:
         "simulator": sim_summary,
         "evaluations": evaluations,
         "brevity_max_words": UserSettings().max_words,  # the users' and the evaluation's reply limit (default)
-        "exit_codes": {k: (0 if v == -15 else v) for k, v in codes.items()},  # -15: SIGTERM handled (uvicorn)
+        "stages_stopped": {k: str(v) for k, v in codes.items()},  # "stopped", or how a stage ended otherwise
         "notes": notes,
     }
     if len(evaluations) >= 2:

@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker import free_port, kafka_answers, port_free
 from pipeline.config import Config, redacted
-from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
+from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, StopOutcome, Supervisor, http_ok
 
 log = logging.getLogger(__name__)
 HELP = "Start broker, engine(s), proxy, judge, trainer and syncer as processes; Ctrl-C stops all."
@@ -72,8 +72,8 @@ class Stack:
         """Base URL users talk to: the front of the proxies, or the one proxy."""
         return self.front_url or f"http://{self.config.proxy.host}:{self.config.proxy.port}"
 
-    def stop(self) -> dict[str, int | None]:
-        """Stop every stage in reverse start order (the embedded broker last)."""
+    def stop(self) -> dict[str, StopOutcome]:
+        """Stop every stage in reverse start order (the embedded broker last); how each ended."""
         return self.supervisor.stop_all()
 
 
@@ -377,6 +377,16 @@ def run(args, config: Config) -> int:
         print(f"pipeline up: {fatal[0]}", file=sys.stderr, flush=True)
         rc = 1
     print("stopping ...", flush=True)
-    codes = stack.stop()
-    print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
+    print(stop_summary(stack.stop()), flush=True)
     return rc
+
+
+def stop_summary(outcomes: dict[str, StopOutcome]) -> str:
+    """One line for the end of ``pipeline up``: ``stopped cleanly: a, b`` and, for any stage that
+    did not stop as asked, ``name: killed (exit -9)`` / ``name: exited (exit 1)``."""
+    clean = [name for name, o in outcomes.items() if o.clean or o.how == "not started"]
+    other = [f"{name}: {o}" for name, o in outcomes.items() if not (o.clean or o.how == "not started")]
+    parts = [f"stopped cleanly: {', '.join(clean)}"] if clean else []
+    if other:
+        parts.append("did not stop cleanly: " + "; ".join(other))
+    return " | ".join(parts) or "nothing to stop"

@@ -182,6 +182,7 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
         output_layer_init_method=_skip_init, embedding_init_method=_skip_init,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda, apply_rope_fusion=te, persist_layer_norm=False,
+        cuda_graph_scope=[],  # no CUDA graphs; the default "full" is deprecated and warns
     )
 
 
