@@ -50,6 +50,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from pipeline import events
 from pipeline.config import Config
@@ -118,21 +119,44 @@ class Syncer:
         self._failures = 0  # consecutive failed re-applies (back-off: check_interval_s * 2**n, <= 300 s)
         self._retry_at = 0.0
         self._reported: tuple | None = None  # last unrepairable mismatch logged (log it once)
+        self._loop: asyncio.AbstractEventLoop | None = None  # see _engine_call
+        self._engine = None
 
     # ------------------------------------------------------------ engine side
 
-    async def _apply_async(self, location: str, version: int) -> str:
+    def _engine_call(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``await call(engine_client)`` on the syncer's own event loop, with its one engine client.
+
+        Both live as long as the syncer (closed by :meth:`close`): building an HTTP client loads
+        the TLS trust store, tens of ms of CPU that, every check interval, kept the Kafka client's
+        I/O thread waiting for the GIL (kafka-python's "task is blocking the event loop").
+        """
         from pipeline.client import EngineClient
 
-        api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
-        async with EngineClient(self.url, timeout_s=self.cfg.apply_timeout_s, api_key=api_key) as eng:
-            try:
-                if await eng.weight_version() == str(version):
-                    return "already serving"
-            except Exception:  # noqa: BLE001 - fall through to the update, which reports properly
-                pass
-            out = await eng.update_weights_from_disk(location, weight_version=str(version))
-            return str(out.get("message", "ok"))
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        if self._engine is None:
+            api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
+            self._engine = EngineClient(self.url, timeout_s=10.0, api_key=api_key)
+        return self._loop.run_until_complete(call(self._engine))
+
+    def close(self) -> None:
+        """Close the engine client and the event loop (:meth:`run` does it when it ends)."""
+        if self._loop is not None:
+            if self._engine is not None:
+                self._loop.run_until_complete(self._engine.aclose())
+            self._loop.close()
+        self._loop = self._engine = None
+
+    async def _apply_async(self, eng, location: str, version: int) -> str:
+        try:
+            if await eng.weight_version() == str(version):
+                return "already serving"
+        except Exception:  # noqa: BLE001 - fall through to the update, which reports properly
+            pass
+        out = await eng.update_weights_from_disk(location, weight_version=str(version),
+                                                 timeout_s=self.cfg.apply_timeout_s)
+        return str(out.get("message", "ok"))
 
     def apply(self, ev: events.Control) -> tuple[bool, str]:
         """Verify and apply one ``weights`` event. Returns ``(ok, message)``; never raises.
@@ -161,7 +185,7 @@ class Syncer:
                         raise FileNotFoundError(f"weights folder {ev.location} not found")
                     verify_folder(ev.location, ev.sha256)
                     try:
-                        msg = asyncio.run(self._apply_async(ev.location, ev.policy_version))
+                        msg = self._engine_call(lambda eng: self._apply_async(eng, ev.location, ev.policy_version))
                     except EngineError as e:
                         if not e.retryable:
                             raise
@@ -191,18 +215,11 @@ class Syncer:
 
     # ------------------------------------------------------------ reconciliation
 
-    async def _served_async(self) -> str | None:
-        from pipeline.client import EngineClient
-
-        api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
-        async with EngineClient(self.url, timeout_s=10.0, api_key=api_key) as eng:
-            v = await eng.weight_version()
-            return None if v is None else str(v)
-
     def served_version(self) -> str | None:
         """The engine's ``/model_info`` ``weight_version`` now, or None when it does not answer."""
         try:
-            return asyncio.run(self._served_async())
+            v = self._engine_call(lambda eng: eng.weight_version())
+            return None if v is None else str(v)
         except Exception as e:  # noqa: BLE001 - an engine that is down has no version
             log.debug("%s: /model_info failed: %s", self.engine_id, e)
             return None
@@ -333,6 +350,7 @@ class Syncer:
                                    group_id=self.group_id, dlq=True, stop=self.stop)
         except Exception:
             producer.close()
+            self.close()
             raise
         self.ready.set()
         log.info("syncer %s -> %s (group %s, run %s, published v%s, engine serves %s)", self.engine_id, self.url,
@@ -383,6 +401,7 @@ class Syncer:
                 consumer.close()
             finally:
                 producer.close()
+                self.close()
 
 
 class _Stopped(PipelineError):

@@ -126,3 +126,23 @@ def test_stop_ends_the_back_off(tmp_path):
         t0 = time.monotonic()
         ok, msg = syncer.apply(_weights(tmp_path))
     assert not ok and msg.startswith("stopped") and engine.updates == 1 and time.monotonic() - t0 < 10
+
+
+def test_one_engine_client_for_the_syncers_life(tmp_path, monkeypatch):
+    """Checks and applies share one HTTP client: building one per check loaded the TLS trust store
+    every check interval, CPU that starved the Kafka client's I/O thread of the GIL."""
+    from pipeline import client
+
+    built = []
+    real = client.EngineClient.__init__
+    monkeypatch.setattr(client.EngineClient, "__init__", lambda self, *a, **k: built.append(a) or real(self, *a, **k))
+    engine = _EngineStandIn([503])
+    with serve_app(engine) as url:
+        syncer = _syncer(url)
+        try:
+            assert [syncer.served_version() for _ in range(5)] == ["0"] * 5
+            assert syncer.apply(_weights(tmp_path))[0] and engine.updates == 2
+            assert syncer.served_version() == "0"
+        finally:
+            syncer.close()
+    assert len(built) == 1
