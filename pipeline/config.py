@@ -71,8 +71,9 @@ class KafkaConfig(Section):
     linger_ms: int = _d(2, "how long (ms) a producer gathers records into one batch", ge=0, le=60_000)
     max_block_ms: int = _d(2000, "how long (ms) a send may block waiting for metadata or buffer space",
                            ge=0)
-    request_timeout_ms: int = _d(15_000, "time-out (ms) of one request to a broker; kafka-python needs it "
-                                 "below 540000 (its idle-connection limit)", ge=1000, lt=540_000)
+    request_timeout_ms: int = _d(30_000, "time-out (ms) of one request to a broker (kafka-python's and Kafka's "
+                                 "default); past it the connection is reopened and the request sent again; "
+                                 "kafka-python needs it below 540000", ge=1000, lt=540_000)
     max_request_size: int = _d(64 * 1024 * 1024, "largest produce request and fetch (bytes): bounds the size of "
                                "one record", ge=1024)
 

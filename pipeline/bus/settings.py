@@ -1,7 +1,9 @@
-"""kafka-python keyword arguments derived from :class:`pipeline.config.KafkaConfig`."""
+"""kafka-python keyword arguments derived from :class:`pipeline.config.KafkaConfig`, and how
+its request time-outs are logged."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pipeline.config import Config
@@ -49,3 +51,44 @@ def consumer_kwargs(config: Config, group_id: str | None, **extra: Any) -> dict[
     }
     kw.update(extra)
     return kw
+
+
+class RequestTimeoutExplained(logging.Filter):
+    """One clear line for a request the broker did not answer in time.
+
+    kafka-python reports one such time-out several times: a WARNING "Request timed out after N
+    ms. Closing connection.", then ERRORs naming ``RequestTimedOutError`` (the transport's
+    "Abort", the connection's "Connection lost", a producer's "Error sending produce request")
+    and a "retrying" warning, although it then reconnects and sends the request again
+    (idempotent producers, fetches and commits are safe to repeat) and the stage recovers by
+    itself. This filter rewrites the first line to say so and moves the others to DEBUG. The
+    usual cause is broker latency: the durable embedded broker writes through an object store
+    that can stall on a saturated machine (docs/environment.md §6). A request that still fails
+    after its retries is reported by our own code (e.g. a producer's delivery failure).
+    Installed by :func:`explain_request_timeouts`.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if msg.endswith("Request timed out after %d ms. Closing connection.") and len(args) == 2:
+            record.msg = ("%s did not answer a request within %d ms (kafka.request_timeout_ms): reconnecting "
+                          "and sending it again, nothing is lost (a broker slowed by its storage on a busy machine; "
+                          "raise kafka.request_timeout_ms if this repeats)")
+            return True
+        if any(type(a).__name__ == "RequestTimedOutError" or a == "RequestTimedOutError" for a in args):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"  # said by the line above
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+#: kafka-python's loggers that report a request time-out
+_TIMEOUT_LOGGERS = ("kafka.net.connection", "kafka.net.transport", "kafka.producer.sender")
+
+
+def explain_request_timeouts() -> None:
+    """Install :class:`RequestTimeoutExplained` on kafka-python's loggers that report request
+    time-outs (idempotent)."""
+    for name in _TIMEOUT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RequestTimeoutExplained) for f in logger.filters):
+            logger.addFilter(RequestTimeoutExplained())
