@@ -329,7 +329,6 @@ class Syncer:
 
         server = ThreadingHTTPServer((host, port), Handler)
         threading.Thread(target=server.serve_forever, name="syncer-readyz", daemon=True).start()
-        self._ready_server = server
         return server.server_address[1]
 
     def run(self) -> None:

@@ -89,11 +89,6 @@ def _patch(owner: object, name: str, value: object) -> None:
     setattr(owner, name, value)
 
 
-def is_applied() -> bool:
-    """True while the shim is active in this process."""
-    return _mode is not None
-
-
 def apply() -> bool:
     """Patch torch/Megatron for CPU execution; idempotent. Returns ``True`` if it patched.
 
