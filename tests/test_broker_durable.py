@@ -122,7 +122,7 @@ def test_up_stopped_and_restarted_on_the_same_run_dir_keeps_every_turn_replayabl
             committed = _committed(config, config.judge.group_id, config.topics.name("turns"))
         finally:
             codes = stack.stop()
-        assert codes["broker"] == 0, codes
+        assert codes["broker"].clean and codes["broker"].code == 0, codes
 
         config2 = load_config(None, judge=judge, engine={"url": engine_url})
         stack = start_stack(config2, run_dir, engine_url=engine_url, trainer=False, ready_timeout_s=180)

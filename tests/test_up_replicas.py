@@ -38,6 +38,7 @@ def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tm
                             dashboard=False,
                             replicas={"proxy": 2, "judge": 1, "engine": 1},
                             restart=RestartPolicy(backoff_s=0.2, stable_s=1.0), ready_timeout_s=180)
+        config = stack.config
         stop = threading.Event()
         watcher = threading.Thread(target=stack.supervisor.watch, kwargs=dict(stop=stop, interval_s=0.1), daemon=True)
         watcher.start()
