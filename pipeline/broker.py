@@ -115,7 +115,17 @@ def weed_binary() -> str:
 
 
 def kafka_answers(bootstrap: str, timeout_ms: int = 2000) -> bool:
-    """One metadata request to ``bootstrap``: True when it succeeds (a readiness probe)."""
+    """One metadata request to ``bootstrap``: True when it succeeds (a readiness probe).
+
+    A port that refuses connections is answered False at once, without a Kafka client: a
+    client bootstrapping against a broker that is still starting retries with back-off for
+    about 30 s (whatever ``timeout_ms``) and logs every refused connection as an error.
+    """
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_ms / 1000).close()
+    except (OSError, ValueError):
+        return False
     from kafka import KafkaAdminClient
 
     try:

@@ -7,6 +7,7 @@ real ``kill -9``; the clock of the back-off schedule is injected so no test wait
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -170,3 +171,17 @@ def test_stop_summary_names_only_what_did_not_stop_cleanly():
                          "teacher": StopOutcome(None, "not started")})
     assert line == "stopped cleanly: dashboard, proxy, engine, teacher | did not stop cleanly: trainer: killed (exit -9)"
     assert "-15" not in stop_summary({"proxy": StopOutcome(-15, "stopped"), "engine": StopOutcome(-15, "stopped")})
+
+
+def test_broker_probe_answers_a_closed_port_at_once_and_quietly(caplog, monkeypatch):
+    """A broker still starting: the readiness probe says no without a Kafka client (one would
+    retry its bootstrap for ~30 s, logging each refused connection as an error)."""
+    import kafka
+
+    from pipeline.broker import kafka_answers
+
+    built, real = [], kafka.KafkaAdminClient
+    monkeypatch.setattr(kafka, "KafkaAdminClient", lambda *a, **k: built.append(a) or real(*a, **k))
+    with caplog.at_level(logging.WARNING):
+        assert kafka_answers(f"127.0.0.1:{free_port()}") is False
+    assert built == [] and not [r for r in caplog.records if r.name.startswith("kafka")]
