@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if level != "DEBUG":  # kafka-python logs every connection at INFO
         for noisy in ("kafka", "httpx", "httpcore", "matplotlib"):  # chatty at INFO
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    from pipeline.bus.settings import explain_request_timeouts
+    from pipeline.bus.settings import explain_kafka_client_logs
 
-    explain_request_timeouts()
+    explain_kafka_client_logs()
     try:
         rc = module.run(args, config)
     except KeyboardInterrupt:

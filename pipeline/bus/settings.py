@@ -4,6 +4,7 @@ its request time-outs are logged."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from pipeline.config import Config
@@ -65,7 +66,7 @@ class RequestTimeoutExplained(logging.Filter):
     usual cause is broker latency: the durable embedded broker writes through an object store
     that can stall on a saturated machine (docs/environment.md §6). A request that still fails
     after its retries is reported by our own code (e.g. a producer's delivery failure).
-    Installed by :func:`explain_request_timeouts`.
+    Installed by :func:`explain_kafka_client_logs`.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -81,14 +82,44 @@ class RequestTimeoutExplained(logging.Filter):
         return True
 
 
+class SlowStepExplained(logging.Filter):
+    """Says what kafka-python's "Task ... ran for N s ... It is blocking the event loop" means here.
+
+    kafka-python's I/O thread warns when one step of its event loop takes over 0.1 s of wall
+    time, suspecting a busy loop in its own code. Measured in our stages, those steps used about
+    1 ms of CPU: the rest of the time the thread waited for a CPU or for the GIL (a machine with
+    more busy processes than cores; other threads of the stage). Nothing is blocked for good:
+    that stage's Kafka traffic is late by that much. Below 1 s the line goes to DEBUG with that
+    explanation; from 1 s on it stays a WARNING, with the same explanation. Installed by
+    :func:`explain_kafka_client_logs` on ``kafka.net.selector``.
+    """
+
+    _RAN = re.compile(r"^Task .* ran for ([0-9.]+)s \(>[0-9.]+s threshold\)\. It is blocking the event loop")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = self._RAN.match(str(record.msg)) if not record.args else None
+        if m is None:
+            return True
+        took = float(m.group(1))
+        record.msg = ("one step of the Kafka client's I/O thread took %.2f s of wall time: it was waiting for a CPU "
+                      "or the GIL (a busy machine or a busy stage), not stuck; this stage's Kafka traffic was that "
+                      "much late")
+        record.args = (took,)
+        if took < 1.0:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 #: kafka-python's loggers that report a request time-out
 _TIMEOUT_LOGGERS = ("kafka.net.connection", "kafka.net.transport", "kafka.producer.sender")
 
 
-def explain_request_timeouts() -> None:
+def explain_kafka_client_logs() -> None:
     """Install :class:`RequestTimeoutExplained` on kafka-python's loggers that report request
-    time-outs (idempotent)."""
-    for name in _TIMEOUT_LOGGERS:
+    time-outs and :class:`SlowStepExplained` on its event loop's logger (idempotent)."""
+    for name, kind in [*((n, RequestTimeoutExplained) for n in _TIMEOUT_LOGGERS),
+                       ("kafka.net.selector", SlowStepExplained)]:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, RequestTimeoutExplained) for f in logger.filters):
-            logger.addFilter(RequestTimeoutExplained())
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
