@@ -86,9 +86,9 @@ class SlowStepExplained(logging.Filter):
     """Says what kafka-python's "Task ... ran for N s ... It is blocking the event loop" means here.
 
     kafka-python's I/O thread warns when one step of its event loop takes over 0.1 s of wall
-    time, suspecting a busy loop in its own code. Measured in our stages, those steps used about
-    1 ms of CPU: the rest of the time the thread waited for a CPU or for the GIL (a machine with
-    more busy processes than cores; other threads of the stage). Nothing is blocked for good:
+    time, suspecting a busy loop in its own code. Measured on a consumer like ours on a loaded
+    2-core machine, such steps used 1-3 ms of CPU: the rest of the time the thread waited for a
+    CPU or for the GIL (a machine with more busy processes than cores; other threads of the stage). Nothing is blocked for good:
     that stage's Kafka traffic is late by that much. Below 1 s the line goes to DEBUG with that
     explanation; from 1 s on it stays a WARNING, with the same explanation. Installed by
     :func:`explain_kafka_client_logs` on ``kafka.net.selector``.
