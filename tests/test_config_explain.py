@@ -65,7 +65,7 @@ def test_config_show_explain_prints_meaning_and_masks_secrets(monkeypatch):
     ({"judge": {"idle_timeout_s": 7200}}, "judge.idle_timeout_s (7200) is above proxy.session_idle_s (3600)"),
     ({"proxy": {"session_idle_s": 60}}, "judge.idle_timeout_s (300) is above proxy.session_idle_s (60)"),
     ({"kafka": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 6000}}, "heartbeat_interval_ms (6000) must be below"),
-    ({"judge": {"fetch_max_wait_ms": 15000}}, "judge.fetch_max_wait_ms (15000) must be below kafka.request_timeout_ms"),
+    ({"judge": {"fetch_max_wait_ms": 30000}}, "judge.fetch_max_wait_ms (30000) must be below kafka.request_timeout_ms (30000)"),
     ({"kafka": {"security_protocol": "SASL_SSL"}}, "needs sasl_mechanism"),
     ({"trainer": {"keep_exports": 0}}, "trainer.keep_exports: Input should be greater than or equal to 1"),
     ({"trainer": {"eps_clip": 1.5}}, "trainer.eps_clip: Input should be less than 1"),
