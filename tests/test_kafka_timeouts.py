@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from pipeline.broker import EmbeddedBroker
 from pipeline.bus.settings import (_TIMEOUT_LOGGERS, RequestTimeoutExplained, SlowStepExplained,
@@ -34,7 +34,7 @@ def _pause_during_a_send(broker, caplog) -> list[tuple[str, str]]:
             broker.proc.send_signal(signal.SIGSTOP)
             try:
                 fut = p.send("timeouts", b"during")
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + 60
                 while not any("timed out" in r.getMessage() or "did not answer" in r.getMessage()
                               for r in caplog.records) and time.monotonic() < deadline:
                     time.sleep(0.05)
@@ -92,3 +92,36 @@ def test_a_slow_io_step_is_explained_and_below_a_second_kept_at_debug(caplog):
     assert lines == [("WARNING", "one step of the Kafka client's I/O thread took 2.50 s of wall time: it was waiting "
                                  "for a CPU or the GIL (a busy machine or a busy stage), not stuck; this stage's Kafka "
                                  "traffic was that much late"), ("WARNING", "something else")], lines
+
+
+def test_a_fetch_time_out_is_one_clear_warning(own_broker, caplog):
+    p = KafkaProducer(bootstrap_servers=own_broker.bootstrap)
+    p.send("fetched", b"x").get(30)
+    p.close()
+    c = KafkaConsumer(bootstrap_servers=own_broker.bootstrap, request_timeout_ms=1000, fetch_max_wait_ms=100,
+                      auto_offset_reset="earliest")
+    c.assign([TopicPartition("fetched", 0)])
+    explain_kafka_client_logs()
+    try:
+        deadline = time.monotonic() + 30
+        while not c.poll(200) and time.monotonic() < deadline:
+            pass
+        with caplog.at_level(logging.WARNING, "kafka"):
+            own_broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 60
+                while not [r for r in caplog.records if "did not answer" in r.getMessage()] \
+                        and time.monotonic() < deadline:
+                    c.poll(200)
+            finally:
+                own_broker.proc.send_signal(signal.SIGCONT)
+            for _ in range(10):
+                c.poll(200)
+    finally:
+        _remove_filters()
+        c.close()
+    lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("kafka")
+             and r.levelno >= logging.WARNING
+             and ("RequestTimedOut" in r.getMessage() or "did not answer" in r.getMessage())]
+    assert [n for n, lvl, m in lines if "did not answer a request within" in m], lines
+    assert not [m for n, lvl, m in lines if "RequestTimedOutError" in m], lines

@@ -59,12 +59,14 @@ class RequestTimeoutExplained(logging.Filter):
 
     kafka-python reports one such time-out several times: a WARNING "Request timed out after N
     ms. Closing connection.", then ERRORs naming ``RequestTimedOutError`` (the transport's
-    "Abort", the connection's "Connection lost", a producer's "Error sending produce request")
+    "Abort", the connection's "Connection lost", a producer's "Error sending produce request", a
+    consumer's "Fetch to node N failed", a "Metadata refresh: failed")
     and a "retrying" warning, although it then reconnects and sends the request again
     (idempotent producers, fetches and commits are safe to repeat) and the stage recovers by
     itself. This filter rewrites the first line to say so and moves the others to DEBUG. The
-    usual cause is broker latency: the durable embedded broker writes through an object store
-    that can stall on a saturated machine (docs/environment.md §6). A request that still fails
+    usual cause is broker latency: the durable embedded broker reads and writes through an object
+    store that can stall on a saturated machine (docs/environment.md §6); seen in a CPU demo on a
+    machine shared with a full test run, where a trainer's fetch went unanswered for 30 s. A request that still fails
     after its retries is reported by our own code (e.g. a producer's delivery failure).
     Installed by :func:`explain_kafka_client_logs`.
     """
@@ -112,7 +114,9 @@ class SlowStepExplained(logging.Filter):
 
 
 #: kafka-python's loggers that report a request time-out
-_TIMEOUT_LOGGERS = ("kafka.net.connection", "kafka.net.transport", "kafka.producer.sender")
+_TIMEOUT_LOGGERS = ("kafka.net.connection", "kafka.net.transport", "kafka.net.manager", "kafka.cluster",
+                    "kafka.producer.sender", "kafka.consumer.fetcher", "kafka.coordinator.base",
+                    "kafka.coordinator.consumer")
 
 
 def explain_kafka_client_logs() -> None:
