@@ -266,7 +266,8 @@ class TrainerConfig(Section):
     seed: int = _d(1234, "seed of initialisation and dropout")
     keep_checkpoints: int = _d(2, "checkpoints kept (older ones deleted)", ge=1)
     keep_exports: int = _d(3, "exported weight folders kept (older ones deleted after a sync)", ge=1)
-    max_steps: int | None = _d(None, "stop after this many batches (None: run forever)", ge=1)
+    max_steps: int | None = _d(None, "stop after this many batches (0: set up, publish, stop; None: run forever)",
+                               ge=0)
     dedup_window: int = _d(100_000, "sample_ids remembered for de-duplication (kept in checkpoints)", ge=1)
     poll_timeout_s: float = _d(1.0, "one poll of `samples` waits at most this long (s)", gt=0)
     log_sample_ids: bool = _d(True, "write each step's sample_ids to the metrics log")
