@@ -1,0 +1,381 @@
+"""Issue 11: every token's advantage, through the real path, against the independent reference.
+
+Real parts: the CPU engine (tiny-random) behind the real proxy, the ``pipeline import`` command
+for a recorded conversation, the broker, the real :class:`pipeline.judge.app.JudgeApp` in
+``combine`` mode (its OPD teacher is the same engine), the trainer's own ``samples`` reader
+(:class:`pipeline.trainer.source.SampleSource`) and the Megatron-core
+:meth:`PolicyTrainer.advantages`. The judge LLM is ``ScriptedJudgeServer``, a stand-in (not a
+model) whose votes and hints the test writes into each next state.
+
+The expected advantages are computed independently, with ``tests/reference_method.py``, from:
+
+- the votes the test scripted (majority vote and combine dispatch of the reference),
+- teacher log-probs the test scores itself: the student's recorded prompt ids, decoded, with
+  ``\\n\\n[Hint] <hint>`` appended to the last user message as the method defines it,
+  re-encoded, followed by the student's response ids, scored by the engine's ``/generate`` at
+  the effective temperature the test derives from its own request (greedy and unset: 1.0),
+- the behaviour log-probs: the rollout log-probs the proxy recorded on ``turns``, or the
+  trainer's own recomputed ones (``old_log_probs: recompute``, and always for imported turns).
+
+Fixture sessions (kind of the sample they must give):
+
+=================  =====================================  ===============================
+session            request                                signals -> kind
+=================  =====================================  ===============================
+``opd-rl-t06``     T 0.6                                  votes 1,1,0 + hint -> opd+rl
+``rl-minus``       T unset                                votes -1,-1,1, no hint -> rl
+``rl-short-hint``  T 1.0                                  votes 1,1,1, hint too short -> rl
+``opd-tie``        T 0.8                                  votes 1,-1,failed (tie 0) + hint -> opd
+``greedy``         T 0                                    votes -1 x3 + hint -> opd+rl
+``tools``          T 0.7, ``tools``                       votes 1,1,-1 + hint -> opd+rl
+``stream``         T 0.9, streamed                        votes 1,1,-1 + hint -> opd+rl
+``none``           T unset                                votes 0,0,1, no hint -> no sample
+``imported`` 0     ``pipeline import``, no log-probs      votes 1 x3 + hint -> opd+rl
+``imported`` 1     ``pipeline import``, no log-probs      votes -1,-1,0, no hint -> rl
+=================  =====================================  ===============================
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+import pytest
+
+import reference_method as ref
+from conftest import make_config
+from pipeline import events
+from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, read_events
+
+TOL = 1e-6
+CHAT = "/v1/chat/completions"
+MAX_TOKENS = 8
+HINT_MIN_CHARS = 10  # the judge's rule: a hint counts when it is longer than this (judge.hint_min_chars)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+@dataclass
+class Fixture:
+    """One scripted judged turn: how it was requested and what the stand-in judge answers."""
+
+    session: str
+    question: str
+    votes: list  # +1 / 0 / -1, or None for an answer without a box (a failed vote)
+    hint: str | None = None
+    temperature: float | None = None  # None: not sent
+    tools: list | None = None
+    stream: bool = False
+    imported: bool = False
+    turn_index: int = 0
+    rollout: list | None = field(default=None, repr=False)  # filled from the turns topic
+
+    @property
+    def effective_temperature(self) -> float:
+        """The temperature the rollout's log-probs are of (by the method's rule, not the package's):
+        greedy (0) and unset are softmax(logits), i.e. 1.0; imported turns were never sampled: 1.0."""
+        if self.imported or self.temperature is None or self.temperature == 0:
+            return 1.0
+        return float(self.temperature)
+
+    @property
+    def vote(self) -> float:
+        return ref.majority_vote(self.votes)
+
+    @property
+    def hint_accepted(self) -> bool:
+        return self.hint is not None and len(self.hint) > HINT_MIN_CHARS
+
+    @property
+    def signals(self):
+        """(reward or None, has teacher) by the reference's combine dispatch, or None: no sample."""
+        return ref.combine_signals(self.vote, self.hint_accepted)
+
+    def next_state_text(self, lead: str) -> str:
+        items = " || ".join("no box" if v is None else f"\\boxed{{{v}}}" for v in self.votes)
+        text = f"{lead} <<score: {items}>>"
+        if self.hint is not None:
+            text += f" <<hint: \\boxed{{1}} [HINT_START]{self.hint}[HINT_END]>>"
+        else:  # also overrides a hint directive earlier in the conversation (imported turn 1)
+            text += " <<hint: \\boxed{-1}>>"
+        return text
+
+
+PROXIED = [
+    Fixture("opd-rl-t06", "How tall is the Eiffel tower?", [1, 1, 0], "Give the height in metres, not feet.",
+            temperature=0.6),
+    Fixture("rl-minus", "Name a prime number.", [-1, -1, 1]),
+    Fixture("rl-short-hint", "Say hello.", [1, 1, 1], "Be brief.", temperature=1.0),
+    Fixture("opd-tie", "What is two plus two?", [1, -1, None], "Answer with a single digit only.", temperature=0.8),
+    Fixture("greedy", "Spell the word cat.", [-1, -1, -1], "Write the letters separated by dashes.", temperature=0),
+    Fixture("tools", "What is the weather in Paris?", [1, 1, -1], "Call get_weather with city Paris.",
+            temperature=0.7, tools=TOOLS),
+    Fixture("stream", "Count to three.", [1, 1, -1], "Write the numbers as digits, one per line.",
+            temperature=0.9, stream=True),
+    Fixture("none", "Tell me a joke.", [0, 0, 1]),
+]
+IMPORTED = [
+    Fixture("imported", "How far away is the moon?", [1, 1, 1], "State the distance in kilometres.",
+            imported=True, turn_index=0),
+    Fixture("imported", "Thanks. And the sun?", [-1, -1, 0], imported=True, turn_index=1),
+]
+IMPORTED_ANSWERS = ["About 384,400 km on average.", "About 150 million km."]
+FIXTURES = PROXIED + IMPORTED
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _chat(url: str, body: dict, headers: dict) -> dict:
+    """One chat completion through the proxy; the assistant message (streamed: reassembled)."""
+    if not body.get("stream"):
+        r = httpx.post(url + CHAT, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]
+    content = []
+    with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for ch in chunk.get("choices") or []:
+                content.append((ch.get("delta") or {}).get("content") or "")
+    return {"role": "assistant", "content": "".join(content)}
+
+
+def _drive(url: str, fx: Fixture) -> None:
+    """Turn 0 (the judged one), then the user's reply carrying the script, ending the session."""
+    body = {"messages": [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": fx.question}],
+            "max_tokens": MAX_TOKENS}
+    if fx.temperature is not None:
+        body["temperature"] = fx.temperature
+    if fx.tools is not None:
+        body["tools"] = fx.tools
+    if fx.stream:
+        body["stream"] = True
+    h = {"X-Session-Id": fx.session}
+    answer = _chat(url, body, h)
+    follow = dict(body, messages=body["messages"] + [answer, {"role": "user", "content": fx.next_state_text("ok.")}])
+    _chat(url, follow, {**h, "X-Session-Done": "true"})
+
+
+def _import(config, tmp_path) -> None:
+    """The recorded conversation through ``pipeline import`` (in this process)."""
+    from pipeline.cli import main
+
+    msgs = [{"role": "system", "content": "You are helpful."}]
+    for fx, answer in zip(IMPORTED, IMPORTED_ANSWERS):
+        if fx.turn_index > 0:
+            msgs[-1]["content"] = fx.question + " " + msgs[-1]["content"]  # the reply that precedes this turn
+        else:
+            msgs.append({"role": "user", "content": fx.question})
+        msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": fx.next_state_text("right.")}]
+    path = tmp_path / "conversation.jsonl"
+    path.write_text(json.dumps({"session_id": "imported", "messages": msgs}) + "\n")
+    rc = main(["import", str(path), "--bootstrap", config.kafka.bootstrap_servers, "--set",
+               f"topics.prefix={config.topics.prefix}", "--set", "engine.model=tiny-random", "--no-progress"])
+    assert rc == 0
+
+
+def hinted_prompt_ids(tokenizer, prompt_ids: list[int], hint: str) -> list[int]:
+    """The student's prompt with ``\\n\\n[Hint] <hint>`` appended to its last user message, built
+    from the token ids themselves (decode, insert before that message's end marker, encode)."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert tokenizer.encode(text, add_special_tokens=False) == list(prompt_ids)  # the round trip is exact
+    start = text.rindex("<|im_start|>user\n")
+    end = text.index("<|im_end|>", start)
+    return tokenizer.encode(text[:end] + f"\n\n[Hint] {hint}" + text[end:], add_special_tokens=False)
+
+
+def score(engine_url: str, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    """log softmax(logits / T) of each response token after ``prompt``, from the engine's
+    ``/generate`` prefill (prompt log-probs from position len(prompt))."""
+    body = {"input_ids": prompt + response, "return_logprob": True, "logprob_start_len": len(prompt) - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+    r = httpx.post(engine_url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    entries = r.json()["meta_info"]["input_token_logprobs"][-len(response):]
+    assert [e[1] for e in entries] == list(response)
+    return [float(e[0]) for e in entries]
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Run:
+    turns: dict  # (session, turn_index) -> Turn
+    samples: list  # as the trainer's source returned them
+    weights: list
+    teacher: dict  # (session, turn_index) -> independently scored teacher log-probs
+    unhinted: dict  # (session, turn_index) -> the engine's log-probs of the student's own prompt
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from pipeline.trainer.testing import megatron_runtime
+
+    with megatron_runtime(tp=1, threads=2) as par:
+        yield par
+
+
+@pytest.fixture(scope="module")
+def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
+    """Everything up to the trainer's batch, once for the module."""
+    import uuid
+
+    from transformers import AutoTokenizer
+
+    from pipeline.engine.testing import running_engine
+    from pipeline.models import resolve_model
+    from pipeline.proxy.testing import running_proxy
+    from pipeline.topics import apply_topics, load_topics
+    from pipeline.trainer.source import SampleSource
+
+    c = make_config(broker_bootstrap, f"t-signal-ref-{uuid.uuid4().hex[:6]}-")
+    apply_topics(c, load_topics(c.topics.file))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("tiny-random")))
+    want = [fx for fx in FIXTURES if fx.signals is not None]
+    with ScriptedJudgeServer() as judge, \
+            running_engine("tiny-random", threads=1, context_length=1024) as eng, \
+            running_proxy(c, eng) as (url, app):
+        for fx in PROXIED:
+            _drive(url, fx)
+        assert app.publisher.wait_idle(10)
+        _import(c, tmp_path_factory.mktemp("import"))
+        turns = {(e.session_id, e.turn_index): e for e in read_events(c, "turns", lambda out: sum(
+            isinstance(e, events.SessionEnd) for e in out) == len(PROXIED) + 1) if isinstance(e, events.Turn)}
+        c.judge.backend, c.judge.url, c.judge.mode = "llm", judge.url, "combine"
+        c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 10.0, 0, 0.05
+        c.judge.votes, c.judge.hint_min_chars = 3, HINT_MIN_CHARS
+        c.engine.model, c.engine.teacher_url = "tiny-random", eng
+        with JudgeThread(c):
+            judged = read_events(c, "samples", len(want), timeout_s=60, settle_s=1.0)
+        assert len(judged) == len(want), [s.sample_id for s in judged]
+        teacher, unhinted = {}, {}
+        for fx in FIXTURES:
+            t = turns[(fx.session, fx.turn_index)]
+            unhinted[fx.session, fx.turn_index] = score(eng, list(t.prompt_token_ids), list(t.response_token_ids),
+                                                        fx.effective_temperature)
+            if fx.hint_accepted:
+                teacher[fx.session, fx.turn_index] = score(
+                    eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.hint),
+                    list(t.response_token_ids), fx.effective_temperature)
+    # read them as the trainer does: its source, one batch of every sample
+    c.trainer.model, c.trainer.rollout_batch_size = "tiny-random", len(want)
+    source = SampleSource(c)
+    stop = threading.Event()
+    timer = threading.Timer(60, stop.set)
+    timer.start()
+    try:
+        batch = source.next_batch(trainer_version=0, stop=stop)
+    finally:
+        timer.cancel()
+        source.close()
+    assert batch is not None, "the trainer's source did not fill a batch of every sample"
+    assert batch.stats["dead_letters"] == 0 and batch.stats["duplicates"] == 0, batch.stats
+    return Run(turns, batch.samples, batch.weights, teacher, unhinted)
+
+
+def _fixture_of(sample) -> Fixture:
+    return next(fx for fx in FIXTURES if (fx.session, fx.turn_index) == (sample.session_id, sample.turn_index))
+
+
+# ---------------------------------------------------------------------------------- tests
+
+
+def test_turns_record_what_the_reference_needs(run):
+    """The proxy recorded the engine's log-probs at the effective temperature; imported turns have none."""
+    for fx in FIXTURES:
+        t = run.turns[fx.session, fx.turn_index]
+        assert len(t.response_token_ids) > 0
+        if fx.imported:
+            assert t.source == "import" and t.response_logprobs == []
+            continue
+        assert t.source == "proxy" and t.logprob_temperature == pytest.approx(fx.effective_temperature)
+        assert t.tools == fx.tools
+        # the rollout log-probs are the engine's own at the effective temperature (not at the request's)
+        np.testing.assert_allclose(t.response_logprobs, run.unhinted[fx.session, fx.turn_index], atol=1e-4, rtol=0)
+
+
+def test_samples_say_which_signals_they_carry(run):
+    """One sample per turn with a signal, of the reference's kind, reward present exactly with a
+    ±1 vote, teacher log-probs exactly with an accepted hint, rollout log-probs exactly for proxied turns."""
+    got = {(s.session_id, s.turn_index): s for s in run.samples}
+    want = {(fx.session, fx.turn_index): fx for fx in FIXTURES if fx.signals is not None}
+    assert set(got) == set(want) and len(run.samples) == len(want)
+    assert ("none", 0) not in got
+    for key, fx in want.items():
+        s, (reward, has_teacher) = got[key], fx.signals
+        t = run.turns[key]
+        assert s.kind == {(True, True): "opd+rl", (True, False): "rl", (False, True): "opd"}[
+            reward is not None, has_teacher], key
+        assert s.reward == reward and s.loss_mask == 1, key
+        assert (s.teacher_log_probs is not None) == has_teacher, key
+        assert s.hint == (fx.hint if has_teacher else None), key
+        assert (s.rollout_log_probs is None) == fx.imported, key
+        assert s.rollout_temperature == pytest.approx(fx.effective_temperature), key
+        assert s.tokens == list(t.prompt_token_ids) + list(t.response_token_ids) and \
+            s.response_length == len(t.response_token_ids), key
+        if not fx.imported:
+            assert s.rollout_log_probs == list(t.response_logprobs), key
+    # the fixture exercises what it claims
+    kinds = sorted(s.kind for s in run.samples)
+    assert kinds.count("opd") == 1 and kinds.count("rl") == 3 and kinds.count("opd+rl") == 5, kinds
+
+
+def test_hints_change_the_teacher(run):
+    """The comparison can see a wrong teacher: each hint moves the teacher away from the student."""
+    for key, lp in run.teacher.items():
+        assert float(np.max(np.abs(np.asarray(lp) - np.asarray(run.unhinted[key])))) > 1e-3, key
+
+
+CONFIGS = {
+    "rollout": dict(),
+    "rollout-normalised": dict(normalize_advantages=True),
+    "recompute-normalised-weighted": dict(normalize_advantages=True, old_log_probs="recompute", w_rl=0.5, w_opd=2.0),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_token_advantage_matches_the_reference(run, runtime, name):
+    from pipeline.config import load_config
+    from pipeline.models import resolve_model
+    from pipeline.trainer.policy import PolicyTrainer
+
+    cfg = load_config(None, trainer=dict(model="tiny-random", micro_batch_size=4, **CONFIGS[name])).trainer
+    pt = PolicyTrainer(cfg, resolve_model("tiny-random"), runtime)
+    got = pt.advantages(run.samples, run.weights)
+    recomputed = pt.log_probs(run.samples)  # the trainer's own log-probs (no update has happened)
+
+    refs, old = [], []
+    for s, rec in zip(run.samples, recomputed):
+        fx = _fixture_of(s)
+        reward, has_teacher = fx.signals
+        key = (fx.session, fx.turn_index)
+        t = run.turns[key]
+        r = ref.RefSample(response_length=len(t.response_token_ids), reward=reward,
+                          teacher=run.teacher[key] if has_teacher else None,
+                          rollout=None if fx.imported else list(t.response_logprobs))
+        refs.append(r)
+        old.append(ref.behaviour_log_probs(r, rec, cfg.old_log_probs))
+    want = ref.token_advantages(refs, old, w_rl=cfg.w_rl, w_opd=cfg.w_opd, normalize=cfg.normalize_advantages)
+
+    worst = 0.0
+    for s, g, w in zip(run.samples, got, want):
+        assert len(g) == len(w), s.sample_id
+        diff = float(np.max(np.abs(np.asarray(g, dtype=np.float64) - w))) if len(w) else 0.0
+        worst = max(worst, diff)
+        assert diff <= TOL, (s.sample_id, g, w.tolist())
+    print(f"{name}: {sum(len(w) for w in want)} tokens of {len(want)} samples, max |advantage - reference| = "
+          f"{worst:.2e}")
+    if cfg.normalize_advantages:  # the normalisation is over the rewarded samples only, so it changes the RL term
+        plain = ref.rl_advantages([r.reward for r in refs])
+        normed = ref.rl_advantages([r.reward for r in refs], normalize=True)
+        assert max(abs(a - b) for a, b in zip(plain, normed)) > 0.1
