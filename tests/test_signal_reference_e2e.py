@@ -26,12 +26,17 @@ session            request                                signals -> kind
 ``rl-minus``       T unset                                votes -1,-1,1, no hint -> rl
 ``rl-short-hint``  T 1.0                                  votes 1,1,1, hint too short -> rl
 ``opd-tie``        T 0.8                                  votes 1,-1,failed (tie 0) + hint -> opd
-``greedy``         T 0                                    votes -1 x3 + hint -> opd+rl
+``greedy``         T 0, no system message                 votes -1 x3 + hint -> opd+rl
 ``tools``          T 0.7, ``tools``                       votes 1,1,-1 + hint -> opd+rl
 ``stream``         T 0.9, streamed                        votes 1,1,-1 + hint -> opd+rl
 ``none``           T unset                                votes 0,0,1, no hint -> no sample
 ``imported`` 0     ``pipeline import``, no log-probs      votes 1 x3 + hint -> opd+rl
 ``imported`` 1     ``pipeline import``, no log-probs      votes -1,-1,0, no hint -> rl
+``parts``          user content as a list of text parts   votes -1,-1,-1 + hint -> opd+rl
+``imp-tools`` 0    imported tool call, next state: tool   votes 1,1,-1, no hint -> rl
+``imp-tools`` 1    imported, prompt ends with the tool    votes 0,0,0 + hint -> opd
+                   result (the hint goes to the user
+                   message before it)
 =================  =====================================  ===============================
 """
 
@@ -64,12 +69,13 @@ class Fixture:
     """One scripted judged turn: how it was requested and what the stand-in judge answers."""
 
     session: str
-    question: str
+    question: str | list  # the user message's content (a list: text parts)
     votes: list  # +1 / 0 / -1, or None for an answer without a box (a failed vote)
     hint: str | None = None
     temperature: float | None = None  # None: not sent
     tools: list | None = None
     stream: bool = False
+    system: bool = True  # False: no system message (the chat template then adds its default one)
     imported: bool = False
     turn_index: int = 0
     rollout: list | None = field(default=None, repr=False)  # filled from the turns topic
@@ -111,12 +117,15 @@ PROXIED = [
     Fixture("rl-minus", "Name a prime number.", [-1, -1, 1]),
     Fixture("rl-short-hint", "Say hello.", [1, 1, 1], "Be brief.", temperature=1.0),
     Fixture("opd-tie", "What is two plus two?", [1, -1, None], "Answer with a single digit only.", temperature=0.8),
-    Fixture("greedy", "Spell the word cat.", [-1, -1, -1], "Write the letters separated by dashes.", temperature=0),
+    Fixture("greedy", "Spell the word cat.", [-1, -1, -1], "Write the letters separated by dashes.", temperature=0,
+            system=False),
     Fixture("tools", "What is the weather in Paris?", [1, 1, -1], "Call get_weather with city Paris.",
             temperature=0.7, tools=TOOLS),
     Fixture("stream", "Count to three.", [1, 1, -1], "Write the numbers as digits, one per line.",
             temperature=0.9, stream=True),
     Fixture("none", "Tell me a joke.", [0, 0, 1]),
+    Fixture("parts", [{"type": "text", "text": "Translate "}, {"type": "text", "text": "good morning to French."}],
+            [-1, -1, -1], "Use the formal greeting Bonjour.", temperature=0.5),
 ]
 IMPORTED = [
     Fixture("imported", "How far away is the moon?", [1, 1, 1], "State the distance in kilometres.",
@@ -124,7 +133,12 @@ IMPORTED = [
     Fixture("imported", "Thanks. And the sun?", [-1, -1, 0], imported=True, turn_index=1),
 ]
 IMPORTED_ANSWERS = ["About 384,400 km on average.", "About 150 million km."]
-FIXTURES = PROXIED + IMPORTED
+IMPORTED_TOOLS = [  # turn 0 calls a tool (its next state is the tool's result); turn 1 answers after it
+    Fixture("imp-tools", "What is the weather in Oslo?", [1, 1, -1], imported=True, turn_index=0, tools=TOOLS),
+    Fixture("imp-tools", "", [0, 0, 0], "Give the temperature in Celsius first.", imported=True, turn_index=1,
+            tools=TOOLS),
+]
+FIXTURES = PROXIED + IMPORTED + IMPORTED_TOOLS
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -151,8 +165,8 @@ def _chat(url: str, body: dict, headers: dict) -> dict:
 
 def _drive(url: str, fx: Fixture) -> None:
     """Turn 0 (the judged one), then the user's reply carrying the script, ending the session."""
-    body = {"messages": [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": fx.question}],
-            "max_tokens": MAX_TOKENS}
+    system = [{"role": "system", "content": "You are helpful."}] if fx.system else []
+    body = {"messages": system + [{"role": "user", "content": fx.question}], "max_tokens": MAX_TOKENS}
     if fx.temperature is not None:
         body["temperature"] = fx.temperature
     if fx.tools is not None:
@@ -176,8 +190,16 @@ def _import(config, tmp_path) -> None:
         else:
             msgs.append({"role": "user", "content": fx.question})
         msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": fx.next_state_text("right.")}]
+    t0, t1 = IMPORTED_TOOLS
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    tool_msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": t0.question},
+                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": t0.next_state_text('{"sky": "clear", "c": 3}')},
+                 {"role": "assistant", "content": "It is clear and 3 C in Oslo."},
+                 {"role": "user", "content": t1.next_state_text("thanks.")}]
     path = tmp_path / "conversation.jsonl"
-    path.write_text(json.dumps({"session_id": "imported", "messages": msgs}) + "\n")
+    path.write_text(json.dumps({"session_id": "imported", "messages": msgs}) + "\n" +
+                    json.dumps({"session_id": "imp-tools", "messages": tool_msgs, "tools": TOOLS}) + "\n")
     rc = main(["import", str(path), "--bootstrap", config.kafka.bootstrap_servers, "--set",
                f"topics.prefix={config.topics.prefix}", "--set", "engine.model=tiny-random", "--no-progress"])
     assert rc == 0
@@ -250,7 +272,7 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
         assert app.publisher.wait_idle(10)
         _import(c, tmp_path_factory.mktemp("import"))
         turns = {(e.session_id, e.turn_index): e for e in read_events(c, "turns", lambda out: sum(
-            isinstance(e, events.SessionEnd) for e in out) == len(PROXIED) + 1) if isinstance(e, events.Turn)}
+            isinstance(e, events.SessionEnd) for e in out) == len(PROXIED) + 2) if isinstance(e, events.Turn)}
         c.judge.backend, c.judge.url, c.judge.mode = "llm", judge.url, "combine"
         c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 10.0, 0, 0.05
         c.judge.votes, c.judge.hint_min_chars = 3, HINT_MIN_CHARS
@@ -325,9 +347,9 @@ def test_samples_say_which_signals_they_carry(run):
             s.response_length == len(t.response_token_ids), key
         if not fx.imported:
             assert s.rollout_log_probs == list(t.response_logprobs), key
-    # the fixture exercises what it claims
-    kinds = sorted(s.kind for s in run.samples)
-    assert kinds.count("opd") == 1 and kinds.count("rl") == 3 and kinds.count("opd+rl") == 5, kinds
+    # the fixture exercises what it claims: every kind, proxied and imported
+    assert {(s.kind, s.source) for s in run.samples} >= {(k, src) for k in ("opd", "rl", "opd+rl")
+                                                         for src in ("proxy", "import")}
 
 
 def test_hints_change_the_teacher(run):
@@ -366,6 +388,9 @@ def test_every_token_advantage_matches_the_reference(run, runtime, name):
         refs.append(r)
         old.append(ref.behaviour_log_probs(r, rec, cfg.old_log_probs))
     want = ref.token_advantages(refs, old, w_rl=cfg.w_rl, w_opd=cfg.w_opd, normalize=cfg.normalize_advantages)
+    for s, rec in zip(run.samples, recomputed):  # the trainer scores at the turn's effective temperature
+        np.testing.assert_allclose(rec, run.unhinted[s.session_id, s.turn_index], atol=1e-4, rtol=0,
+                                   err_msg=s.sample_id)
 
     worst = 0.0
     for s, g, w in zip(run.samples, got, want):
@@ -379,3 +404,10 @@ def test_every_token_advantage_matches_the_reference(run, runtime, name):
         plain = ref.rl_advantages([r.reward for r in refs])
         normed = ref.rl_advantages([r.reward for r in refs], normalize=True)
         assert max(abs(a - b) for a, b in zip(plain, normed)) > 0.1
+    # and the PPO objective of this batch (before the update: current = recomputed log-probs)
+    m = pt.train_batch(run.samples, run.weights, policy_version=0).metrics
+    obj = ref.objective(refs, recomputed, recomputed, old_mode=cfg.old_log_probs, w_rl=cfg.w_rl, w_opd=cfg.w_opd,
+                        normalize=cfg.normalize_advantages, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                        dual_clip=cfg.eps_clip_c, agg=cfg.loss_agg)
+    for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl"):
+        assert m[key] == pytest.approx(obj[key], abs=TOL), (key, m[key], obj[key])
