@@ -25,9 +25,11 @@ session            request                                signals -> kind
 ``opd-rl-t06``     T 0.6                                  votes 1,1,0 + hint -> opd+rl
 ``rl-minus``       T unset                                votes -1,-1,1, no hint -> rl
 ``rl-short-hint``  T 1.0                                  votes 1,1,1, hint too short -> rl
-``opd-tie``        T 0.8                                  votes 1,-1,failed (tie 0) + hint -> opd
+``opd-tie``        T 0.8                                  votes 1,-1,failed (tie 0) + one hint
+                                                          among -1 hint votes -> opd
 ``greedy``         T 0, no system message                 votes -1 x3 + hint -> opd+rl
-``tools``          T 0.7, ``tools``                       votes 1,1,-1 + hint -> opd+rl
+``tools``          T 0.7, ``tools``                       votes 1,1,-1 + three hints (longest
+                                                          valid one wins) -> opd+rl
 ``stream``         T 0.9, streamed                        votes 1,1,-1 + hint -> opd+rl
 ``none``           T unset                                votes 0,0,1, no hint -> no sample
 ``imported`` 0     ``pipeline import``, no log-probs      votes 1 x3 + hint -> opd+rl
@@ -71,7 +73,7 @@ class Fixture:
     session: str
     question: str | list  # the user message's content (a list: text parts)
     votes: list  # +1 / 0 / -1, or None for an answer without a box (a failed vote)
-    hint: str | None = None
+    hint: str | list | None = None  # every hint vote gives this hint; a list: per vote (None: a -1 vote)
     temperature: float | None = None  # None: not sent
     tools: list | None = None
     stream: bool = False
@@ -93,8 +95,18 @@ class Fixture:
         return ref.majority_vote(self.votes)
 
     @property
+    def hint_answers(self) -> list[tuple[int, str | None]]:
+        """The scripted hint votes, ``(vote, hint)``; no hint: every vote -1."""
+        items = self.hint if isinstance(self.hint, list) else [self.hint] * 3
+        return [(1, h) if h is not None else (-1, None) for h in items]
+
+    @property
+    def accepted_hint(self) -> str | None:
+        return ref.select_hint(self.hint_answers, HINT_MIN_CHARS)
+
+    @property
     def hint_accepted(self) -> bool:
-        return self.hint is not None and len(self.hint) > HINT_MIN_CHARS
+        return self.accepted_hint is not None
 
     @property
     def signals(self):
@@ -104,11 +116,10 @@ class Fixture:
     def next_state_text(self, lead: str) -> str:
         items = " || ".join("no box" if v is None else f"\\boxed{{{v}}}" for v in self.votes)
         text = f"{lead} <<score: {items}>>"
-        if self.hint is not None:
-            text += f" <<hint: \\boxed{{1}} [HINT_START]{self.hint}[HINT_END]>>"
-        else:  # also overrides a hint directive earlier in the conversation (imported turn 1)
-            text += " <<hint: \\boxed{-1}>>"
-        return text
+        # (always given: it also overrides a hint directive earlier in the conversation, imported turn 1)
+        hints = " || ".join(f"\\boxed{{1}} [HINT_START]{h}[HINT_END]" if v == 1 else "\\boxed{-1}"
+                            for v, h in self.hint_answers)
+        return f"{text} <<hint: {hints}>>"
 
 
 PROXIED = [
@@ -116,11 +127,12 @@ PROXIED = [
             temperature=0.6),
     Fixture("rl-minus", "Name a prime number.", [-1, -1, 1]),
     Fixture("rl-short-hint", "Say hello.", [1, 1, 1], "Be brief.", temperature=1.0),
-    Fixture("opd-tie", "What is two plus two?", [1, -1, None], "Answer with a single digit only.", temperature=0.8),
+    Fixture("opd-tie", "What is two plus two?", [1, -1, None], [None, None, "Answer with a single digit only."],
+            temperature=0.8),
     Fixture("greedy", "Spell the word cat.", [-1, -1, -1], "Write the letters separated by dashes.", temperature=0,
             system=False),
-    Fixture("tools", "What is the weather in Paris?", [1, 1, -1], "Call get_weather with city Paris.",
-            temperature=0.7, tools=TOOLS),
+    Fixture("tools", "What is the weather in Paris?", [1, 1, -1],
+            ["Use the tool.", "Call get_weather with city Paris.", "Too short"], temperature=0.7, tools=TOOLS),
     Fixture("stream", "Count to three.", [1, 1, -1], "Write the numbers as digits, one per line.",
             temperature=0.9, stream=True),
     Fixture("none", "Tell me a joke.", [0, 0, 1]),
@@ -287,7 +299,7 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
                                                         fx.effective_temperature)
             if fx.hint_accepted:
                 teacher[fx.session, fx.turn_index] = score(
-                    eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.hint),
+                    eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.accepted_hint),
                     list(t.response_token_ids), fx.effective_temperature)
     # read them as the trainer does: its source, one batch of every sample
     c.trainer.model, c.trainer.rollout_batch_size = "tiny-random", len(want)
@@ -340,7 +352,7 @@ def test_samples_say_which_signals_they_carry(run):
             reward is not None, has_teacher], key
         assert s.reward == reward and s.loss_mask == 1, key
         assert (s.teacher_log_probs is not None) == has_teacher, key
-        assert s.hint == (fx.hint if has_teacher else None), key
+        assert s.hint == (fx.accepted_hint if has_teacher else None), key
         assert (s.rollout_log_probs is None) == fx.imported, key
         assert s.rollout_temperature == pytest.approx(fx.effective_temperature), key
         assert s.tokens == list(t.prompt_token_ids) + list(t.response_token_ids) and \
