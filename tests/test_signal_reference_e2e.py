@@ -32,9 +32,11 @@ session            request                                signals -> kind
                                                           valid one wins) -> opd+rl
 ``stream``         T 0.9, streamed                        votes 1,1,-1 + hint -> opd+rl
 ``none``           T unset                                votes 0,0,1, no hint -> no sample
+``two-turns`` 0    T 0.6                                  votes 1,1,-1 + hint -> opd+rl
+``two-turns`` 1    T 0.6, after turn 0 and its reply      votes -1,0,-1 + hint -> opd+rl
+``parts``          user content as a list of text parts   votes -1,-1,-1 + hint -> opd+rl
 ``imported`` 0     ``pipeline import``, no log-probs      votes 1 x3 + hint -> opd+rl
 ``imported`` 1     ``pipeline import``, no log-probs      votes -1,-1,0, no hint -> rl
-``parts``          user content as a list of text parts   votes -1,-1,-1 + hint -> opd+rl
 ``imp-tools`` 0    imported tool call, next state: tool   votes 1,1,-1, no hint -> rl
 ``imp-tools`` 1    imported, prompt ends with the tool    votes 0,0,0 + hint -> opd
                    result (the hint goes to the user
@@ -136,6 +138,9 @@ PROXIED = [
     Fixture("stream", "Count to three.", [1, 1, -1], "Write the numbers as digits, one per line.",
             temperature=0.9, stream=True),
     Fixture("none", "Tell me a joke.", [0, 0, 1]),
+    Fixture("two-turns", "Pick a colour.", [1, 1, -1], "Name one colour and nothing else.", temperature=0.6),
+    Fixture("two-turns", "Now pick a fruit.", [-1, 0, -1], "Answer with one fruit in lower case.",
+            temperature=0.6, turn_index=1),
     Fixture("parts", [{"type": "text", "text": "Translate "}, {"type": "text", "text": "good morning to French."}],
             [-1, -1, -1], "Use the formal greeting Bonjour.", temperature=0.5),
 ]
@@ -175,20 +180,25 @@ def _chat(url: str, body: dict, headers: dict) -> dict:
     return {"role": "assistant", "content": "".join(content)}
 
 
-def _drive(url: str, fx: Fixture) -> None:
-    """Turn 0 (the judged one), then the user's reply carrying the script, ending the session."""
-    system = [{"role": "system", "content": "You are helpful."}] if fx.system else []
-    body = {"messages": system + [{"role": "user", "content": fx.question}], "max_tokens": MAX_TOKENS}
-    if fx.temperature is not None:
-        body["temperature"] = fx.temperature
-    if fx.tools is not None:
-        body["tools"] = fx.tools
-    if fx.stream:
+def _drive(url: str, session: list[Fixture]) -> None:
+    """One session: each fixture's request (turn k), then the user's reply carrying its script,
+    which for k > 0 is also where turn k's question is; the last reply ends the session."""
+    first = session[0]
+    body = {"max_tokens": MAX_TOKENS}
+    if first.temperature is not None:
+        body["temperature"] = first.temperature
+    if first.tools is not None:
+        body["tools"] = first.tools
+    if first.stream:
         body["stream"] = True
-    h = {"X-Session-Id": fx.session}
-    answer = _chat(url, body, h)
-    follow = dict(body, messages=body["messages"] + [answer, {"role": "user", "content": fx.next_state_text("ok.")}])
-    _chat(url, follow, {**h, "X-Session-Done": "true"})
+    messages = [{"role": "system", "content": "You are helpful."}] if first.system else []
+    messages.append({"role": "user", "content": first.question})
+    h = {"X-Session-Id": first.session}
+    for k, fx in enumerate(session):
+        answer = _chat(url, dict(body, messages=messages), h)
+        lead = session[k + 1].question if k + 1 < len(session) else "ok."
+        messages = messages + [answer, {"role": "user", "content": fx.next_state_text(lead)}]
+    _chat(url, dict(body, messages=messages), {**h, "X-Session-Done": "true"})
 
 
 def _import(config, tmp_path) -> None:
@@ -279,12 +289,12 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     with ScriptedJudgeServer() as judge, \
             running_engine("tiny-random", threads=1, context_length=1024) as eng, \
             running_proxy(c, eng) as (url, app):
-        for fx in PROXIED:
-            _drive(url, fx)
+        for sid in dict.fromkeys(fx.session for fx in PROXIED):
+            _drive(url, [fx for fx in PROXIED if fx.session == sid])
         assert app.publisher.wait_idle(10)
         _import(c, tmp_path_factory.mktemp("import"))
         turns = {(e.session_id, e.turn_index): e for e in read_events(c, "turns", lambda out: sum(
-            isinstance(e, events.SessionEnd) for e in out) == len(PROXIED) + 2) if isinstance(e, events.Turn)}
+            isinstance(e, events.SessionEnd) for e in out) == len({fx.session for fx in FIXTURES})) if isinstance(e, events.Turn)}
         c.judge.backend, c.judge.url, c.judge.mode = "llm", judge.url, "combine"
         c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 10.0, 0, 0.05
         c.judge.votes, c.judge.hint_min_chars = 3, HINT_MIN_CHARS
