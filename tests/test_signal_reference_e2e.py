@@ -110,10 +110,16 @@ class Fixture:
     def hint_accepted(self) -> bool:
         return self.accepted_hint is not None
 
-    @property
-    def signals(self):
-        """(reward or None, has teacher) by the reference's combine dispatch, or None: no sample."""
-        return ref.combine_signals(self.vote, self.hint_accepted)
+    def expected(self, mode: str) -> tuple[float | None, bool, int] | None:
+        """(reward or None, has teacher, loss_mask) of this judged turn's sample in ``mode`` by the
+        reference's dispatch, or None: no sample. ``rl``: the session's first judged turn (here
+        turn 0) is trained even with a vote of 0 (the at-least-one rule)."""
+        if mode == "rl":
+            reward, mask = ref.rl_signals(self.vote)
+            return reward, False, 1 if self.turn_index == 0 else mask
+        got = ref.opd_signals(self.hint_accepted) if mode == "opd" else ref.combine_signals(self.vote,
+                                                                                           self.hint_accepted)
+        return None if got is None else (*got, 1)
 
     def next_state_text(self, lead: str) -> str:
         items = " || ".join("no box" if v is None else f"\\boxed{{{v}}}" for v in self.votes)
@@ -255,10 +261,24 @@ def score(engine_url: str, prompt: list[int], response: list[int], temperature: 
 @dataclass
 class Run:
     turns: dict  # (session, turn_index) -> Turn
-    samples: list  # as the trainer's source returned them
-    weights: list
+    judged: dict  # mode -> every sample of that mode's judge on ``samples``
+    batch: dict  # mode -> (samples, weights) of the trainer source's batch
     teacher: dict  # (session, turn_index) -> independently scored teacher log-probs
     unhinted: dict  # (session, turn_index) -> the engine's log-probs of the student's own prompt
+
+
+def expected_samples(mode: str) -> dict:
+    """(session, turn_index) -> (reward, has teacher, loss_mask) of every sample ``mode`` must give:
+    the judged fixtures, and in ``rl`` the last turn of each proxied session (no next state:
+    no reward, never trained)."""
+    out = {(fx.session, fx.turn_index): fx.expected(mode) for fx in FIXTURES if fx.expected(mode) is not None}
+    if mode == "rl":
+        for sid in {fx.session for fx in PROXIED}:
+            out[sid, sum(fx.session == sid for fx in PROXIED)] = (None, False, 0)
+    return out
+
+
+MODES = ("rl", "opd", "combine")
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +291,9 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
-    """Everything up to the trainer's batch, once for the module."""
+    """Everything up to the trainer's batch, once for the module: one judge per mode (own
+    consumer group) on the same ``turns``, all writing to ``samples``."""
+    import contextlib
     import uuid
 
     from transformers import AutoTokenizer
@@ -285,7 +307,7 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     c = make_config(broker_bootstrap, f"t-signal-ref-{uuid.uuid4().hex[:6]}-")
     apply_topics(c, load_topics(c.topics.file))
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("tiny-random")))
-    want = [fx for fx in FIXTURES if fx.signals is not None]
+    want = {mode: expected_samples(mode) for mode in MODES}
     with ScriptedJudgeServer() as judge, \
             running_engine("tiny-random", threads=1, context_length=1024) as eng, \
             running_proxy(c, eng) as (url, app):
@@ -293,15 +315,20 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
             _drive(url, [fx for fx in PROXIED if fx.session == sid])
         assert app.publisher.wait_idle(10)
         _import(c, tmp_path_factory.mktemp("import"))
-        turns = {(e.session_id, e.turn_index): e for e in read_events(c, "turns", lambda out: sum(
-            isinstance(e, events.SessionEnd) for e in out) == len({fx.session for fx in FIXTURES})) if isinstance(e, events.Turn)}
-        c.judge.backend, c.judge.url, c.judge.mode = "llm", judge.url, "combine"
+        n_sessions = len({fx.session for fx in FIXTURES})
+        turns = {(e.session_id, e.turn_index): e for e in read_events(
+            c, "turns", lambda out: sum(isinstance(e, events.SessionEnd) for e in out) == n_sessions)
+            if isinstance(e, events.Turn)}
+        c.judge.backend, c.judge.url = "llm", judge.url
         c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 10.0, 0, 0.05
         c.judge.votes, c.judge.hint_min_chars = 3, HINT_MIN_CHARS
         c.engine.model, c.engine.teacher_url = "tiny-random", eng
-        with JudgeThread(c):
-            judged = read_events(c, "samples", len(want), timeout_s=60, settle_s=1.0)
-        assert len(judged) == len(want), [s.sample_id for s in judged]
+        total = sum(len(w) for w in want.values())
+        with contextlib.ExitStack() as judges:
+            for mode in MODES:
+                judges.enter_context(JudgeThread(c, mode=mode, group_id=f"{c.topics.prefix}judge-{mode}"))
+            judged = read_events(c, "samples", total, timeout_s=60, settle_s=1.0)
+        assert len(judged) == total, sorted(s.sample_id for s in judged)
         teacher, unhinted = {}, {}
         for fx in FIXTURES:
             t = turns[(fx.session, fx.turn_index)]
@@ -311,8 +338,9 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
                 teacher[fx.session, fx.turn_index] = score(
                     eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.accepted_hint),
                     list(t.response_token_ids), fx.effective_temperature)
-    # read them as the trainer does: its source, one batch of every sample
-    c.trainer.model, c.trainer.rollout_batch_size = "tiny-random", len(want)
+    # read them as the trainer does: its source, one batch of every trainable sample
+    c.trainer.model = "tiny-random"
+    c.trainer.rollout_batch_size = sum(e[2] for w in want.values() for e in w.values())
     source = SampleSource(c)
     stop = threading.Event()
     timer = threading.Timer(60, stop.set)
@@ -322,13 +350,18 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     finally:
         timer.cancel()
         source.close()
-    assert batch is not None, "the trainer's source did not fill a batch of every sample"
+    assert batch is not None, "the trainer's source did not fill a batch of every trainable sample"
     assert batch.stats["dead_letters"] == 0 and batch.stats["duplicates"] == 0, batch.stats
-    return Run(turns, batch.samples, batch.weights, teacher, unhinted)
+    by_mode = {m: ([], []) for m in MODES}
+    for s, w in zip(batch.samples, batch.weights):
+        by_mode[mode_of(s)][0].append(s)
+        by_mode[mode_of(s)][1].append(w)
+    return Run(turns, {m: [s for s in judged if mode_of(s) == m] for m in MODES}, by_mode, teacher, unhinted)
 
 
-def _fixture_of(sample) -> Fixture:
-    return next(fx for fx in FIXTURES if (fx.session, fx.turn_index) == (sample.session_id, sample.turn_index))
+def mode_of(sample) -> str:
+    """The judge mode in a sample id (``<session>:<turn_index>:<mode>:<request id>``)."""
+    return sample.sample_id.split(":")[2]
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -348,30 +381,37 @@ def test_turns_record_what_the_reference_needs(run):
         np.testing.assert_allclose(t.response_logprobs, run.unhinted[fx.session, fx.turn_index], atol=1e-4, rtol=0)
 
 
-def test_samples_say_which_signals_they_carry(run):
-    """One sample per turn with a signal, of the reference's kind, reward present exactly with a
-    ±1 vote, teacher log-probs exactly with an accepted hint, rollout log-probs exactly for proxied turns."""
-    got = {(s.session_id, s.turn_index): s for s in run.samples}
-    want = {(fx.session, fx.turn_index): fx for fx in FIXTURES if fx.signals is not None}
-    assert set(got) == set(want) and len(run.samples) == len(want)
-    assert ("none", 0) not in got
-    for key, fx in want.items():
-        s, (reward, has_teacher) = got[key], fx.signals
-        t = run.turns[key]
-        assert s.kind == {(True, True): "opd+rl", (True, False): "rl", (False, True): "opd"}[
-            reward is not None, has_teacher], key
-        assert s.reward == reward and s.loss_mask == 1, key
+@pytest.mark.parametrize("mode", MODES)
+def test_samples_say_which_signals_they_carry(run, mode):
+    """One sample per turn with a signal in ``mode``, of the reference's kind, reward present
+    exactly when the mode's dispatch gives one, teacher log-probs exactly with an accepted hint,
+    rollout log-probs exactly for proxied turns; the trainer's batch is the trainable ones."""
+    got = {(s.session_id, s.turn_index): s for s in run.judged[mode]}
+    want = expected_samples(mode)
+    assert set(got) == set(want) and len(run.judged[mode]) == len(want)
+    for key, (reward, has_teacher, mask) in want.items():
+        s, t = got[key], run.turns[key]
+        assert s.kind == {(True, True): "opd+rl", (True, False): "rl", (False, True): "opd"}.get(
+            (reward is not None, has_teacher), mode), key
+        assert s.reward == reward and s.loss_mask == mask, key
         assert (s.teacher_log_probs is not None) == has_teacher, key
+        fx = next((f for f in FIXTURES if (f.session, f.turn_index) == key), None)
         assert s.hint == (fx.accepted_hint if has_teacher else None), key
-        assert (s.rollout_log_probs is None) == fx.imported, key
-        assert s.rollout_temperature == pytest.approx(fx.effective_temperature), key
+        assert (s.rollout_log_probs is None) == (t.source == "import"), key
+        assert s.rollout_temperature == pytest.approx(fx.effective_temperature if fx else t.logprob_temperature), key
         assert s.tokens == list(t.prompt_token_ids) + list(t.response_token_ids) and \
             s.response_length == len(t.response_token_ids), key
-        if not fx.imported:
+        if t.source != "import":
             assert s.rollout_log_probs == list(t.response_logprobs), key
-    # the fixture exercises what it claims: every kind, proxied and imported
-    assert {(s.kind, s.source) for s in run.samples} >= {(k, src) for k in ("opd", "rl", "opd+rl")
-                                                         for src in ("proxy", "import")}
+    assert sorted(s.sample_id for s in run.batch[mode][0]) == sorted(s.sample_id for s in run.judged[mode]
+                                                                       if s.loss_mask)
+    # the fixture exercises what it claims
+    if mode == "combine":  # every kind, proxied and imported
+        assert {(s.kind, s.source) for s in got.values()} >= {(k, src) for k in ("opd", "rl", "opd+rl")
+                                                              for src in ("proxy", "import")}
+    if mode == "rl":  # the at-least-one rule and a masked vote of 0
+        assert {(s.reward, s.loss_mask) for s in got.values()} >= {(0.0, 1), (0.0, 0), (None, 0), (1.0, 1),
+                                                                    (-1.0, 1)}
 
 
 def test_hints_change_the_teacher(run):
@@ -389,45 +429,48 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_token_advantage_matches_the_reference(run, runtime, name):
+    """Each mode's trainable samples, as one trainer batch: ``PolicyTrainer.advantages`` equals
+    the reference's per-token advantage on every token (1e-6); then the PPO objective of the
+    combine batch."""
     from pipeline.config import load_config
     from pipeline.models import resolve_model
     from pipeline.trainer.policy import PolicyTrainer
 
     cfg = load_config(None, trainer=dict(model="tiny-random", micro_batch_size=4, **CONFIGS[name])).trainer
     pt = PolicyTrainer(cfg, resolve_model("tiny-random"), runtime)
-    got = pt.advantages(run.samples, run.weights)
-    recomputed = pt.log_probs(run.samples)  # the trainer's own log-probs (no update has happened)
-
-    refs, old = [], []
-    for s, rec in zip(run.samples, recomputed):
-        fx = _fixture_of(s)
-        reward, has_teacher = fx.signals
-        key = (fx.session, fx.turn_index)
-        t = run.turns[key]
-        r = ref.RefSample(response_length=len(t.response_token_ids), reward=reward,
-                          teacher=run.teacher[key] if has_teacher else None,
-                          rollout=None if fx.imported else list(t.response_logprobs))
-        refs.append(r)
-        old.append(ref.behaviour_log_probs(r, rec, cfg.old_log_probs))
-    want = ref.token_advantages(refs, old, w_rl=cfg.w_rl, w_opd=cfg.w_opd, normalize=cfg.normalize_advantages)
-    for s, rec in zip(run.samples, recomputed):  # the trainer scores at the turn's effective temperature
-        np.testing.assert_allclose(rec, run.unhinted[s.session_id, s.turn_index], atol=1e-4, rtol=0,
-                                   err_msg=s.sample_id)
-
-    worst = 0.0
-    for s, g, w in zip(run.samples, got, want):
-        assert len(g) == len(w), s.sample_id
-        diff = float(np.max(np.abs(np.asarray(g, dtype=np.float64) - w))) if len(w) else 0.0
-        worst = max(worst, diff)
-        assert diff <= TOL, (s.sample_id, g, w.tolist())
-    print(f"{name}: {sum(len(w) for w in want)} tokens of {len(want)} samples, max |advantage - reference| = "
-          f"{worst:.2e}")
-    if cfg.normalize_advantages:  # the normalisation is over the rewarded samples only, so it changes the RL term
-        plain = ref.rl_advantages([r.reward for r in refs])
-        normed = ref.rl_advantages([r.reward for r in refs], normalize=True)
-        assert max(abs(a - b) for a, b in zip(plain, normed)) > 0.1
-    # and the PPO objective of this batch (before the update: current = recomputed log-probs)
-    m = pt.train_batch(run.samples, run.weights, policy_version=0).metrics
+    report = []
+    for mode in MODES:
+        samples, weights = run.batch[mode]
+        got = pt.advantages(samples, weights)
+        recomputed = pt.log_probs(samples)  # the trainer's own log-probs (no update has happened)
+        refs, old = [], []
+        for s, rec in zip(samples, recomputed):
+            key = (s.session_id, s.turn_index)
+            reward, has_teacher, mask = expected_samples(mode)[key]
+            assert mask == 1
+            t = run.turns[key]
+            r = ref.RefSample(response_length=len(t.response_token_ids), reward=reward,
+                              teacher=run.teacher[key] if has_teacher else None,
+                              rollout=None if t.source == "import" else list(t.response_logprobs))
+            refs.append(r)
+            old.append(ref.behaviour_log_probs(r, rec, cfg.old_log_probs))
+            # the trainer scores at the turn's effective temperature
+            np.testing.assert_allclose(rec, run.unhinted[key], atol=1e-4, rtol=0, err_msg=s.sample_id)
+        want = ref.token_advantages(refs, old, w_rl=cfg.w_rl, w_opd=cfg.w_opd, normalize=cfg.normalize_advantages)
+        worst = 0.0
+        for s, g, w in zip(samples, got, want):
+            assert len(g) == len(w), s.sample_id
+            diff = float(np.max(np.abs(np.asarray(g, dtype=np.float64) - w))) if len(w) else 0.0
+            worst = max(worst, diff)
+            assert diff <= TOL, (mode, s.sample_id, g, w.tolist())
+        report.append(f"{mode} {sum(len(w) for w in want)} tokens/{len(want)} samples max diff {worst:.1e}")
+        if cfg.normalize_advantages and mode != "opd":  # the normalisation changes the RL term on this batch
+            plain = ref.rl_advantages([r.reward for r in refs])
+            normed = ref.rl_advantages([r.reward for r in refs], normalize=True)
+            assert max(abs(a - b) for a, b in zip(plain, normed)) > 0.1, mode
+    print(f"{name}: " + "; ".join(report))
+    # and the PPO objective of the combine batch (before the update: current = recomputed log-probs)
+    m = pt.train_batch(samples, weights, policy_version=0).metrics
     obj = ref.objective(refs, recomputed, recomputed, old_mode=cfg.old_log_probs, w_rl=cfg.w_rl, w_opd=cfg.w_opd,
                         normalize=cfg.normalize_advantages, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                         dual_clip=cfg.eps_clip_c, agg=cfg.loss_agg)
