@@ -420,9 +420,8 @@ def test_hints_change_the_teacher(run):
         assert float(np.max(np.abs(np.asarray(lp) - np.asarray(run.unhinted[key])))) > 1e-3, key
 
 
-CONFIGS = {
+CONFIGS = {  # trainer settings (each costs a few seconds: two configs cover both sides of each option)
     "rollout": dict(),
-    "rollout-normalised": dict(normalize_advantages=True),
     "recompute-normalised-weighted": dict(normalize_advantages=True, old_log_probs="recompute", w_rl=0.5, w_opd=2.0),
 }
 
