@@ -34,6 +34,9 @@ session            request                                signals -> kind
 ``none``           T unset                                votes 0,0,1, no hint -> no sample
 ``two-turns`` 0    T 0.6                                  votes 1,1,-1 + hint -> opd+rl
 ``two-turns`` 1    T 0.6, after turn 0 and its reply      votes -1,0,-1 + hint -> opd+rl
+``prefill`` 0      T 0.7                                  votes 1 x3 + hint -> opd+rl
+``prefill`` 1      continues an assistant prefix          votes -1,-1,1 + hint -> opd+rl
+                   (``continue_final_message``)
 ``parts``          user content as a list of text parts   votes -1,-1,-1 + hint -> opd+rl
 ``imported`` 0     ``pipeline import``, no log-probs      votes 1 x3 + hint -> opd+rl
 ``imported`` 1     ``pipeline import``, no log-probs      votes -1,-1,0, no hint -> rl
@@ -80,6 +83,7 @@ class Fixture:
     tools: list | None = None
     stream: bool = False
     system: bool = True  # False: no system message (the chat template then adds its default one)
+    prefill: str | None = None  # the request ends with this assistant text, continued (continue_final_message)
     imported: bool = False
     turn_index: int = 0
     rollout: list | None = field(default=None, repr=False)  # filled from the turns topic
@@ -147,6 +151,9 @@ PROXIED = [
     Fixture("two-turns", "Pick a colour.", [1, 1, -1], "Name one colour and nothing else.", temperature=0.6),
     Fixture("two-turns", "Now pick a fruit.", [-1, 0, -1], "Answer with one fruit in lower case.",
             temperature=0.6, turn_index=1),
+    Fixture("prefill", "How long is a marathon?", [1, 1, 1], "Give the distance in kilometres.", temperature=0.7),
+    Fixture("prefill", "In miles?", [-1, -1, 1], "Round to one decimal place.", temperature=0.7, turn_index=1,
+            prefill="It is about"),
     Fixture("parts", [{"type": "text", "text": "Translate "}, {"type": "text", "text": "good morning to French."}],
             [-1, -1, -1], "Use the formal greeting Bonjour.", temperature=0.5),
 ]
@@ -201,7 +208,12 @@ def _drive(url: str, session: list[Fixture]) -> None:
     messages.append({"role": "user", "content": first.question})
     h = {"X-Session-Id": first.session}
     for k, fx in enumerate(session):
-        answer = _chat(url, dict(body, messages=messages), h)
+        if fx.prefill is None:
+            answer = _chat(url, dict(body, messages=messages), h)
+        else:  # the client echoes the whole assistant message afterwards: prefix + continuation
+            answer = _chat(url, dict(body, messages=messages + [{"role": "assistant", "content": fx.prefill}],
+                                     continue_final_message=True), h)
+            answer = {"role": "assistant", "content": fx.prefill + answer["content"]}
         lead = session[k + 1].question if k + 1 < len(session) else "ok."
         messages = messages + [answer, {"role": "user", "content": fx.next_state_text(lead)}]
     _chat(url, dict(body, messages=messages), {**h, "X-Session-Done": "true"})
@@ -377,6 +389,7 @@ def test_turns_record_what_the_reference_needs(run):
             continue
         assert t.source == "proxy" and t.logprob_temperature == pytest.approx(fx.effective_temperature)
         assert t.tools == fx.tools
+        assert t.chat_options == ({"continue_final_message": True} if fx.prefill else {})
         # the rollout log-probs are the engine's own at the effective temperature (not at the request's)
         np.testing.assert_allclose(t.response_logprobs, run.unhinted[fx.session, fx.turn_index], atol=1e-4, rtol=0)
 
