@@ -320,9 +320,11 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     apply_topics(c, load_topics(c.topics.file))
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("tiny-random")))
     want = {mode: expected_samples(mode) for mode in MODES}
-    with ScriptedJudgeServer() as judge, \
-            running_engine("tiny-random", threads=1, context_length=1024) as eng, \
-            running_proxy(c, eng) as (url, app):
+    with contextlib.ExitStack() as up:
+        # one stand-in judge per mode: each answers its own calls in the scripted order
+        servers = {mode: up.enter_context(ScriptedJudgeServer()) for mode in MODES}
+        eng = up.enter_context(running_engine("tiny-random", threads=1, context_length=1024))
+        url, app = up.enter_context(running_proxy(c, eng))
         for sid in dict.fromkeys(fx.session for fx in PROXIED):
             _drive(url, [fx for fx in PROXIED if fx.session == sid])
         assert app.publisher.wait_idle(10)
@@ -331,14 +333,17 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
         turns = {(e.session_id, e.turn_index): e for e in read_events(
             c, "turns", lambda out: sum(isinstance(e, events.SessionEnd) for e in out) == n_sessions)
             if isinstance(e, events.Turn)}
-        c.judge.backend, c.judge.url = "llm", judge.url
+        c.judge.backend = "llm"
         c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 10.0, 0, 0.05
         c.judge.votes, c.judge.hint_min_chars = 3, HINT_MIN_CHARS
         c.engine.model, c.engine.teacher_url = "tiny-random", eng
         total = sum(len(w) for w in want.values())
         with contextlib.ExitStack() as judges:
             for mode in MODES:
-                judges.enter_context(JudgeThread(c, mode=mode, group_id=f"{c.topics.prefix}judge-{mode}"))
+                cm = c.model_copy(deep=True)
+                cm.judge.url, cm.judge.mode = servers[mode].url, mode
+                cm.judge.group_id = f"{c.topics.prefix}judge-{mode}"
+                judges.enter_context(JudgeThread(cm))
             judged = read_events(c, "samples", total, timeout_s=60, settle_s=1.0)
         assert len(judged) == total, sorted(s.sample_id for s in judged)
         teacher, unhinted = {}, {}
