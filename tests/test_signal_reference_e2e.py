@@ -116,8 +116,9 @@ class Fixture:
 
     def expected(self, mode: str) -> tuple[float | None, bool, int] | None:
         """(reward or None, has teacher, loss_mask) of this judged turn's sample in ``mode`` by the
-        reference's dispatch, or None: no sample. ``rl``: the session's first judged turn (here
-        turn 0) is trained even with a vote of 0 (the at-least-one rule)."""
+        reference's dispatch, or None: no sample. ``rl``: the session's turn 0 is trained even with a
+        vote of 0 (the at-least-one rule as this project defines it; every fixture's turn 0 is
+        judged, so OpenClaw-RL's "first judged turn" gives the same here)."""
         if mode == "rl":
             reward, mask = ref.rl_signals(self.vote)
             return reward, False, 1 if self.turn_index == 0 else mask
