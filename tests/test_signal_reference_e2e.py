@@ -1,15 +1,19 @@
 """Issue 11: every token's advantage, through the real path, against the independent reference.
 
 Real parts: the CPU engine (tiny-random) behind the real proxy, the ``pipeline import`` command
-for a recorded conversation, the broker, the real :class:`pipeline.judge.app.JudgeApp` in
-``combine`` mode (its OPD teacher is the same engine), the trainer's own ``samples`` reader
+for recorded conversations, the broker, three real :class:`pipeline.judge.app.JudgeApp` (modes
+``rl``, ``opd`` and ``combine``, own consumer groups, on the same ``turns``; the OPD teacher is
+the same engine), the trainer's own ``samples`` reader
 (:class:`pipeline.trainer.source.SampleSource`) and the Megatron-core
-:meth:`PolicyTrainer.advantages`. The judge LLM is ``ScriptedJudgeServer``, a stand-in (not a
-model) whose votes and hints the test writes into each next state.
+:meth:`PolicyTrainer.advantages` (and ``train_batch`` for the PPO objective), under two trainer
+configurations (``normalize_advantages``, ``old_log_probs`` and the combine weights each off and
+on). The judge LLM is ``ScriptedJudgeServer``, a stand-in (not a model) whose votes and hints the
+test writes into each next state.
 
 The expected advantages are computed independently, with ``tests/reference_method.py``, from:
 
-- the votes the test scripted (majority vote and combine dispatch of the reference),
+- the votes and hints the test scripted (the reference's majority vote, hint selection and the
+  mode's dispatch),
 - teacher log-probs the test scores itself: the student's recorded prompt ids, decoded, with
   ``\\n\\n[Hint] <hint>`` appended to the last user message as the method defines it,
   re-encoded, followed by the student's response ids, scored by the engine's ``/generate`` at
@@ -17,7 +21,8 @@ The expected advantages are computed independently, with ``tests/reference_metho
 - the behaviour log-probs: the rollout log-probs the proxy recorded on ``turns``, or the
   trainer's own recomputed ones (``old_log_probs: recompute``, and always for imported turns).
 
-Fixture sessions (kind of the sample they must give):
+Fixture turns (the kind of their ``combine`` sample; ``rl`` and ``opd`` follow the reference's
+dispatch, in ``rl`` with the at-least-one rule and the unjudged last turn of each session):
 
 =================  =====================================  ===============================
 session            request                                signals -> kind
@@ -51,7 +56,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -86,7 +91,6 @@ class Fixture:
     prefill: str | None = None  # the request ends with this assistant text, continued (continue_final_message)
     imported: bool = False
     turn_index: int = 0
-    rollout: list | None = field(default=None, repr=False)  # filled from the turns topic
 
     @property
     def effective_temperature(self) -> float:
