@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from judge_overlap import overlaps
-from pipeline.judge.backends.embedding import load_examples
+from pipeline.judge.backends.embedding import training_examples
 from pipeline.judge.evaluate import load_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def test_cpu_default_reaches_the_bar_on_the_held_out_set():
 
 
 def test_examples_share_no_text_with_the_held_out_set():
-    examples = [e["text"] for e in load_examples()]
+    examples = [e["text"] for e in training_examples()]
     held_out = [m.get("content") or "" for r in load_rows(EVAL) for m in r["next_state"] if isinstance(m, dict)]
     assert len(held_out) >= 200
     found = overlaps(examples, held_out)

@@ -110,6 +110,14 @@ def load_examples(path: str | Path = EXAMPLES) -> list[dict]:
     return rows
 
 
+def training_examples() -> list[dict]:
+    """Everything the classifier learns from: the hand-written examples plus the generated bank
+    (:func:`pipeline.judge.bank.generated_examples`)."""
+    from pipeline.judge.bank import generated_examples
+
+    return load_examples() + generated_examples()
+
+
 class Embedder:
     """Sentence embeddings with MiniLM on the CPU: ``encode(list[str]) -> float32 [N, 384]``."""
 
@@ -243,7 +251,7 @@ class NextStateClassifier:
                  cache_dir: str | os.PathLike | None = None) -> None:
         torch = embedder.torch
         self.embedder, self.torch = embedder, torch
-        examples = load_examples() if examples is None else examples
+        examples = training_examples() if examples is None else examples
         self.banks = {}
         for role in ("user", "tool"):
             rows = [r for r in examples if r["role"] == role]
