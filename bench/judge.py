@@ -39,6 +39,7 @@ from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 from pipeline import events  # noqa: E402
 from pipeline.bus import EventProducer, consumer_kwargs  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
+from pipeline.judge.samples import sample_id  # noqa: E402
 from pipeline.judge.testing import make_next_state, make_turn  # noqa: E402
 from pipeline.topics import apply_topics, load_topics  # noqa: E402
 
@@ -94,7 +95,7 @@ def publish(config, evs, rate: float | None = None, sent_at: dict | None = None)
         p.send(topic, turn, key=turn.session_id)
         p.send(topic, ns, key=ns.session_id)
         if sent_at is not None:
-            sent_at[f"{turn.session_id}:{turn.turn_index}:rl"] = time.perf_counter()
+            sent_at[sample_id(turn, "rl")] = time.perf_counter()
     p.flush(60)
     p.close()
 

@@ -163,7 +163,7 @@ class JudgeConfig(Section):
     max_tokens: int = 512
     vote_timeout_s: float = 60.0
     retries: int = 2
-    idle_timeout_s: float = 300.0
+    idle_timeout_s: float = 300.0  # idle sessions get a session_end (idle_timeout) record; keep < proxy.session_idle_s
     # several proxies: a record that overtook an earlier one of its session waits this long in event time
     reorder_lateness_s: float = Field(60.0, gt=0)
     max_in_flight: int = Field(256, ge=1)

@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 from pipeline.errors import PipelineError
+from pipeline.sampling import GREEDY_EPS
 
 SCHEMA_VERSION = 1  # the version of every event type that never changed (``Event.V`` is per type)
 
@@ -79,14 +80,35 @@ class Event:
         """Cross-field checks; raises :class:`MalformedEvent`. Field types are checked on decode."""
 
 
+#: OpenAI finish reasons of a generation that ended by its own rule; anything else (``abort``,
+#: none) means it did not finish and is never trained as an answer
+FINISHED = ("stop", "length", "tool_calls", "function_call")
+
+
 @dataclass
 class Turn(Event):
     """One assistant turn as served: the exact tokens and log-probs the engine sampled.
 
     ``response_logprobs[i]`` is log p(response_token_ids[i] | prompt, response[:i]) in nats under
-    the policy that sampled it (``policy_version``). ``source`` is ``proxy`` for live traffic,
+    the policy that sampled it (``policy_version``), of the distribution
+    ``softmax(processed_logits / logprob_temperature)``. ``source`` is ``proxy`` for live traffic,
     ``import`` for conversations loaded from files (not sampled: log-probs may be empty) and
     ``replay`` for re-fed history.
+
+    What the prompt and the log-probs depend on, recorded so a teacher can re-apply it
+    (:mod:`pipeline.chat`, :mod:`pipeline.sampling`):
+
+    - ``chat_options``: the request's prompt-shaping options besides ``messages`` and ``tools``
+      (``tool_choice``, ``continue_final_message``, ``chat_template_kwargs``);
+    - ``logprob_temperature``: the engine's *effective* temperature (greedy: 1.0), None when
+      the turn has no log-probs (import) or predates this field;
+    - ``logprob_processors``: options that changed the logits before the log-probs were taken
+      and that a scoring pass cannot reproduce (``logit_bias``, penalties, ``min_tokens``,
+      ``constrained_decoding``, ``tool_choice``); empty for a plain request.
+
+    ``finish_reason`` is the OpenAI value (``stop``, ``length``, ``tool_calls``) for a generation
+    that finished, ``abort`` for one that did not (engine abort, client gone, stream broken):
+    such a turn is never trained as a finished answer.
     """
 
     TYPE: ClassVar[str] = "turn"
@@ -107,8 +129,13 @@ class Turn(Event):
     finish_reason: str | None = _f("str", None, optional=True)
     source: str = _f("str", "proxy")
     engine_id: str | None = _f("str", None, optional=True)
+    chat_options: dict = _f("dict", {})
+    logprob_temperature: float | None = _f("float", None, optional=True)
+    logprob_processors: list = _f("list", [])
 
     def validate(self) -> None:
+        if self.logprob_temperature is not None and not self.logprob_temperature > 0:
+            raise MalformedEvent(f"turn.logprob_temperature must be > 0, got {self.logprob_temperature}")
         if self.turn_type not in ("main", "side"):
             raise MalformedEvent(f"turn.turn_type must be 'main' or 'side', got {self.turn_type!r}")
         if self.turn_type == "main" and self.turn_index is None:
@@ -143,12 +170,19 @@ class NextState(Event):
 
 @dataclass
 class SessionEnd(Event):
-    """A session is over (``reason``: ``header``, ``idle_timeout``, ``import`` ...)."""
+    """A session is over (``reason``: ``header``, ``api``, ``no_session``, ``import``,
+    ``idle_timeout``).
+
+    ``turn_index`` set: the end applies only while that main turn is the session's latest one
+    (the judge publishes ``idle_timeout`` ends naming the turn it found idle, and ignores an end
+    that a newer record of the session overtook). None: the session ends whatever came before.
+    """
 
     TYPE: ClassVar[str] = "session_end"
     session_id: str = _f("str")
     reason: str = _f("str", "header")
     created_at: int = _f("int", 0)
+    turn_index: int | None = _f("int", None, optional=True)
 
 
 SAMPLE_KINDS = ("rl", "opd", "opd+rl")
@@ -192,7 +226,9 @@ class Sample(Event):
     then the judge mode's). On the wire the arrays are packed little-endian float32 / int32
     bytes and an absent one is msgpack nil.
 
-    ``sample_id`` is deterministic, so duplicates after a crash are recognisable.
+    ``sample_id`` is ``<session>:<turn_index>:<mode>:<turn request_id>``: the same turn record
+    (a replay, a re-delivery after a crash) gives the same id, so duplicates are recognisable,
+    while a different conversation that reuses the session id does not.
 
     Version 1 records (which wrote 0 for a missing reward, the rollout log-probs in place of a
     missing teacher, zeros for missing rollout log-probs and the requested temperature of greedy
@@ -274,7 +310,7 @@ class Sample(Event):
             raise MalformedEvent("sample.teacher_topk_* given without teacher_log_probs")
 
 
-GREEDY_TEMPERATURE = 1e-6  # a requested temperature below this is greedy: log-probs at T = 1
+GREEDY_TEMPERATURE = GREEDY_EPS  # a requested temperature below this is greedy: log-probs at T = 1
 
 
 def _sample_from_v1(s: Sample) -> Sample:

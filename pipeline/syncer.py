@@ -353,7 +353,7 @@ class Syncer:
                     (prom.SYNCER_APPLIED if ok else prom.SYNCER_FAILED).inc()
                     (self.applied if ok else self.failed).append(latest.policy_version)
                     self._publish(producer, "applied" if ok else "failed", latest, msg)
-                    self.served = str(latest.policy_version) if ok else self.served_version()
+                    self.served = self.served_version()  # what the engine says, not what the apply call claimed
                     self._observe()
                 consumer.commit(ends)
         except DeadLetterError as e:  # stopped while a dead letter was undeliverable: not committed past it

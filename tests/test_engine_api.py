@@ -147,7 +147,8 @@ def test_chat_non_stream_flags(http):
     assert r.status_code == 200, r.text
     out = r.json()
     ch = out["choices"][0]
-    assert out["object"] == "chat.completion" and out["metadata"] == {"weight_version": "0"}
+    assert out["object"] == "chat.completion" and out["metadata"]["weight_version"] == "0"
+    assert out["metadata"]["sampling_params"]["temperature"] == 1.0  # the effective parameters
     assert ch["message"]["role"] == "assistant" and isinstance(ch["message"]["content"], str)
     assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 6
     assert ch["prompt_token_ids"][:2] == [1, 9690] and ch["prompt_token_ids"][-3:] == [520, 9531, 198]

@@ -168,7 +168,7 @@ def test_stream_parser_emits_text_before_call_early():
 # ---- chat rendering ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def renderer():
-    from pipeline.engine.chat import ChatRenderer
+    from pipeline.chat import ChatRenderer
     from pipeline.engine.model import load_tokenizer
     from pipeline.models import resolve_model
 
@@ -199,7 +199,7 @@ def test_render_tools_and_tool_calls(renderer):
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ["hi"],
 ])
 def test_render_rejects_bad_messages(renderer, msgs):
-    from pipeline.engine.chat import ChatTemplateError
+    from pipeline.chat import ChatTemplateError
 
     with pytest.raises(ChatTemplateError):
         renderer.render_ids(msgs)

@@ -127,6 +127,11 @@ def test_cross_field_validation():
     with pytest.raises(MalformedEvent, match="rollout_log_probs has 0 entries"):
         encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2], response_length=1, reward=1.0,
                       rollout_log_probs=[]))
+    with pytest.raises(MalformedEvent, match="rollout_log_probs"):
+        encode(Sample(sample_id="a", session_id="s", turn_index=0, tokens=[1, 2], response_length=1, reward=1.0,
+                      rollout_log_probs=[-1.0, -2.0]))
+    with pytest.raises(MalformedEvent, match="logprob_temperature"):
+        encode(Turn(session_id="s", turn_index=0, logprob_temperature=0.0))
     with pytest.raises(MalformedEvent, match="location and sha256"):
         encode(Control(action="weights", epoch=1))
     with pytest.raises(MalformedEvent, match="needs engine_id"):

@@ -287,7 +287,7 @@ def run_inprocess(capsys, *args):
 def test_import_examples_as_turn_events(kafka_config, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from pipeline.engine.chat import ChatRenderer
+    from pipeline.chat import ChatRenderer
     from pipeline.models import resolve_model
 
     bad = tmp_path / "bad.jsonl"
@@ -369,3 +369,19 @@ def test_replay_dead_letters_bad_source_records_and_stops_on_request(kafka_confi
         stop.set()
     assert out == good[:1]
     assert stats.get("stopped") is True
+
+
+def test_imported_turn_ids_follow_the_conversation_not_only_the_session_id():
+    """Importing the same conversation twice gives the same request ids (and sample ids); another
+    conversation under the same session_id never shares them."""
+    from pipeline.history.importer import Tokenizer, conversation_events
+    from pipeline.judge.samples import sample_id
+
+    tok = Tokenizer.load("tiny-random")
+    a = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    b = {"messages": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]}
+
+    def ids(conv):
+        return [sample_id(e, "rl") for e in conversation_events(conv, tok, "same") if isinstance(e, events.Turn)]
+
+    assert ids(a) == ids(a) and set(ids(a)).isdisjoint(ids(b))

@@ -21,9 +21,11 @@ import pytest
 from judge_overlap import overlaps
 from pipeline import events
 from pipeline.config import load_config
+from pipeline.chat import ChatRenderer, load_tokenizer
 from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
-from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, make_next_state, make_turn, publish, read_events
+from pipeline.judge.testing import (JudgeThread, ScriptedJudgeServer, make_next_state, make_turn, publish, read_events,
+                                    short_id)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "judge_next_states.jsonl"
 DEV = Path(__file__).parent / "fixtures" / "judge_dev_next_states.jsonl"
@@ -107,12 +109,14 @@ def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embe
     correction = "That's incorrect, 17 times 23 is 391."  # classified -1 (corrective)
     with ScriptedJudgeServer() as teacher:
         c.engine.teacher_url = teacher.url
-        publish(c, [make_turn("e", 0, request="What is 17*23?", answer="381"), make_next_state("e", 0, correction),
+        renderer = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the prompt ids
+        publish(c, [make_turn("e", 0, request="What is 17*23?", answer="381", renderer=renderer),
+                    make_next_state("e", 0, correction),
                     make_turn("e", 1), make_next_state("e", 1, "Perfect, thank you!"),
                     events.SessionEnd(session_id="e")])
         with JudgeThread(c, mode="opd", backend=embedding_backend):
             got = read_events(c, "samples", 1, timeout_s=30, settle_s=1.0)
-    assert [(s.sample_id, s.hint, s.judge) for s in got] == [("e:0:opd", correction, "embedding")]
+    assert [(short_id(s.sample_id), s.hint, s.judge) for s in got] == [("e:0:opd", correction, "embedding")]
     assert len(got[0].teacher_log_probs) == got[0].response_length == 3
 
 
@@ -141,11 +145,18 @@ def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
             try:
                 res, preds = await evaluate(backend, rows, concurrency=4)
                 turn = make_turn("t", 0, request="What is the capital of France?",
-                                 response_ids=backend.tokenizer.encode("The capital is Paris.", add_special_tokens=False))
+                                 response_ids=backend.tokenizer.encode("The capital is Paris.", add_special_tokens=False),
+                                 renderer=teacher.renderer)
                 out = await teacher.log_probs(turn, "Answer in one word.")
                 prompt = teacher.prompt_ids(turn, "Answer in one word.")
                 async with EngineClient(url) as client:
                     ref = await client.score(prompt + list(turn.response_token_ids), len(prompt))
+                    # the student's own prompt (a hint that changes nothing) gives the rollout's
+                    # distribution: teacher log-probs at the turn's temperature == the engine's
+                    null = await teacher.score(teacher.prompt_ids(turn, None), list(turn.response_token_ids), 1.0)
+                    ref0 = await client.score(list(turn.prompt_token_ids) + list(turn.response_token_ids),
+                                              len(turn.prompt_token_ids))
+                assert null.log_probs == pytest.approx(ref0, abs=1e-5)
                 return res, preds, turn, out, ref
             finally:
                 await backend.aclose()
@@ -161,7 +172,7 @@ def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
                     make_turn("r", 1), make_next_state("r", 1, "Error: command not found", role="tool"),
                     events.SessionEnd(session_id="r")])
         with JudgeThread(c, mode="rl"):
-            got = {s.sample_id: s for s in read_events(c, "samples", 2, timeout_s=120)}
+            got = {short_id(s.sample_id): s for s in read_events(c, "samples", 2, timeout_s=120)}
     assert set(got) == {"r:0:rl", "r:1:rl"}
     assert all(s.judge == "choice" and s.votes != [None] for s in (got["r:0:rl"], got["r:1:rl"]))
     print("stream verdicts:", {k: (s.reward, s.loss_mask) for k, s in sorted(got.items())})

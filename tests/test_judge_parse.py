@@ -58,7 +58,7 @@ def _turn(**kw):
                                                           {"role": "user", "content": "What is 2+2?"}],
                 prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], response_logprobs=[-0.5, -0.25],
                 response={"content": "4", "tool_calls": [{"function": {"name": "calc", "arguments": "{\"x\": 1}"}}]},
-                sampling={"temperature": 0.7}, policy_version=3, created_at=123)
+                sampling={"temperature": 0.7}, policy_version=3, created_at=123, request_id="r1")
     base.update(kw)
     return events.Turn(**base)
 
@@ -86,32 +86,46 @@ def test_inject_hint_into_last_user_message():
 
 def test_rl_sample_rules():
     t = _turn()
-    s = rl_sample(t, Verdict(-1, [-1, -1, 1]), candidate=False, judge="llm")
-    assert (s.reward, s.loss_mask, s.kind, s.sample_id) == (-1.0, 1, "rl", "s1:0:rl")
+    s = rl_sample(t, Verdict(-1, [-1, -1, 1]), candidate=False, judge="llm", decided_at=456)
+    assert (s.reward, s.loss_mask, s.kind, s.sample_id) == (-1.0, 1, "rl", "s1:0:rl:r1")
     assert s.tokens == [1, 2, 3, 4, 5] and s.response_length == 2 and s.rollout_temperature == pytest.approx(0.7)
-    assert rl_sample(t, Verdict(0, [1, -1, 0]), candidate=False, judge="llm").loss_mask == 0
-    promoted = rl_sample(t, Verdict(0, [None, None, None]), candidate=True, judge="llm")
+    assert (s.created_at, s.turn_created_at) == (456, 123)  # event times from the records, not the clock
+    assert rl_sample(t, Verdict(0, [1, -1, 0]), candidate=False, judge="llm", decided_at=0).loss_mask == 0
+    promoted = rl_sample(t, Verdict(0, [None, None, None]), candidate=True, judge="llm", decided_at=0)
     assert (promoted.reward, promoted.loss_mask) == (0.0, 1)
-    flushed = rl_flush_sample(t, "llm")
+    flushed = rl_flush_sample(t, "llm", 0)
     assert (flushed.reward, flushed.loss_mask) == (None, 0)  # no next state: no reward at all
-    assert sample_id("a:b", 7, "combine") == "a:b:7:combine"
+    assert sample_id(t, "combine") == "s1:0:combine:r1"
+    # records without a request id get a content digest: stable for the same record, not shared
+    legacy = _turn(request_id="")
+    assert sample_id(legacy, "rl") == sample_id(_turn(request_id=""), "rl") != sample_id(
+        _turn(request_id="", response_token_ids=[4, 6]), "rl")
     events.decode(events.encode(s))  # valid on the wire
-    assert rl_sample(_turn(sampling={}), Verdict(1, [1]), False, "x").rollout_temperature == 1.0
-    # greedy: the engines report log-probs of softmax(logits), i.e. at temperature 1
-    assert rl_sample(_turn(sampling={"temperature": 0.0}), Verdict(1, [1]), False, "x").rollout_temperature == 1.0
+    assert rl_sample(_turn(sampling={}), Verdict(1, [1]), False, "x", 0).rollout_temperature == 1.0
+    # greedy (temperature 0): the engine's log-probs are of softmax(logits), i.e. temperature 1
+    assert rl_sample(_turn(sampling={"temperature": 0.0}), Verdict(1, [1]), False, "x", 0).rollout_temperature == 1.0
+    # the recorded effective temperature wins over the request's value
+    assert rl_sample(_turn(sampling={"temperature": 0.0}, logprob_temperature=0.5), Verdict(1, [1]), False, "x",
+                     0).rollout_temperature == 0.5
+    # an imported turn has no rollout log-probs: explicitly absent, never zeros
+    imported = rl_sample(_turn(response_logprobs=[], source="import"), Verdict(1, [1]), False, "x", 0)
+    assert imported.rollout_log_probs is None and imported.response_length == 2
+    events.decode(events.encode(imported))
 
 
 def test_combine_sample_cases():
     t = _turn()
     teacher = TeacherOutput([-1.0, -2.0])
-    both = combine_sample(t, 1, "hint text here", teacher, [[1], [1]], "llm")
+    both = combine_sample(t, 1, "hint text here", teacher, [[1], [1]], "llm", 0)
     assert (both.kind, both.reward, both.teacher_log_probs, both.hint) == ("opd+rl", 1.0, [-1.0, -2.0], "hint text here")
-    hint_only = combine_sample(t, 0, "hint text here", teacher, [[0], [1]], "llm")
+    hint_only = combine_sample(t, 0, "hint text here", teacher, [[0], [1]], "llm", 0)
     assert (hint_only.kind, hint_only.reward, hint_only.teacher_log_probs) == ("opd", None, [-1.0, -2.0])
-    score_only = combine_sample(t, -1, None, None, [[-1], [-1]], "llm")
+    score_only = combine_sample(t, -1, None, None, [[-1], [-1]], "llm", 0)
+    # no hint: no teacher log-probs at all (never the rollout log-probs as a stand-in)
     assert (score_only.kind, score_only.reward, score_only.teacher_log_probs) == ("rl", -1.0, None)
-    assert combine_sample(t, 0, None, None, [[0], [-1]], "llm") is None
+    assert combine_sample(t, 0, None, None, [[0], [-1]], "llm", 0) is None
     for s in (both, hint_only, score_only):
+        assert s.sample_id == "s1:0:combine:r1"
         events.decode(events.encode(s))
 
 

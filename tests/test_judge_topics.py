@@ -14,9 +14,9 @@ from prometheus_client import REGISTRY
 
 from pipeline import events
 from pipeline.bus import EventProducer, consumer_kwargs
-from pipeline.judge.backends.choice import load_tokenizer
+from pipeline.chat import ChatRenderer, load_tokenizer
 from pipeline.judge.testing import (JudgeThread, ScriptedJudgeServer, fake_logprob, make_next_state, make_turn,
-                                    publish, read_events)
+                                    publish, read_events, short_id)
 
 B1, BM1, B0 = "\\boxed{1}", "\\boxed{-1}", "\\boxed{0}"
 
@@ -24,6 +24,11 @@ B1, BM1, B0 = "\\boxed{1}", "\\boxed{-1}", "\\boxed{0}"
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer):
+    return ChatRenderer(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +61,13 @@ def hint(*items):
 
 
 def by_id(samples):
+    """Samples keyed by ``<session>:<turn>:<mode>`` (their ids without the request id)."""
     out = {}
     for s in samples:
         assert isinstance(s, events.Sample)
-        assert s.sample_id not in out, f"duplicate {s.sample_id}"
-        out[s.sample_id] = s
+        key = short_id(s.sample_id)
+        assert key not in out, f"duplicate {s.sample_id}"
+        out[key] = s
     return out
 
 
@@ -89,13 +96,13 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
         evs += [make_turn(sid, 0), make_next_state(sid, 0, score(B1)),
                 make_turn(sid, 1), make_next_state(sid, 1, "reply " + directive), events.SessionEnd(session_id=sid)]
     # at-least-one rule
-    evs += [make_turn("alo0", 0), make_next_state("alo0", 0, score(B0)),  # first judged, vote 0: trained
+    evs += [make_turn("alo0", 0), make_next_state("alo0", 0, score(B0)),  # turn 0 judged, vote 0: trained
             make_turn("alo0", 1), make_next_state("alo0", 1, score(B0)),  # later vote 0: masked
             events.SessionEnd(session_id="alo0")]
     evs += [make_turn("alo1", 0), make_turn("alo1", 1),  # turn 0 never got a next state
             make_next_state("alo1", 1, score(B0)), events.SessionEnd(session_id="alo1")]
     evs += [make_turn("alo2", 0), events.SessionEnd(session_id="alo2")]  # nothing judged: nothing trained
-    # the session ends while the (slow) vote of its first judged turn is still running
+    # the session ends while the (slow) vote of its turn 0 is still running
     evs += [make_turn("race", 0), make_next_state("race", 0, score("!sleep 0.5 " + B0)),
             events.SessionEnd(session_id="race")]
     # side turns take no part
@@ -122,7 +129,9 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     a = got["alo0:0:rl"], got["alo0:1:rl"]
     assert [(s.reward, s.loss_mask) for s in a] == [(0.0, 1), (0.0, 0)]
     b = got["alo1:0:rl"], got["alo1:1:rl"]
-    assert [(s.reward, s.loss_mask) for s in b] == [(None, 0), (0.0, 1)]  # turn 0 was never judged
+    # turn 0 was never judged; turn 1's 0 vote is not promoted (the rule is turn 0's: a function
+    # of the record alone, so a judge restarted mid-session decides the same)
+    assert [(s.reward, s.loss_mask) for s in b] == [(None, 0), (0.0, 0)]
     assert (got["alo2:0:rl"].loss_mask, got["race:0:rl"].loss_mask) == (0, 1)
     # per-session order on the samples topic
     samples = read_events(c, "samples", want, timeout_s=5)
@@ -148,27 +157,33 @@ def test_idle_timeout_flushes_waiting_turn_and_lets_offsets_commit(kafka_config,
         got = by_id(read_events(c, "samples", 2, timeout_s=30))
         assert set(got) == {"idle:0:rl", "idle-opd:0:rl"}
         assert got["idle:0:rl"].loss_mask == 0
+        # the idle decision is a record in the log (published, then acted on when read back)
+        ends = [e for e in read_events(c, "turns", 4, timeout_s=10) if isinstance(e, events.SessionEnd)]
+        assert sorted((e.session_id, e.reason, e.turn_index) for e in ends) == [
+            ("idle", "idle_timeout", 0), ("idle-opd", "idle_timeout", 0)]
+        assert got["idle:0:rl"].created_at == next(e.created_at for e in ends if e.session_id == "idle")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             committed = _committed(c, c.judge.group_id)
-            if sum(v or 0 for v in committed.values()) == 2:
+            if sum(v or 0 for v in committed.values()) == 4:
                 break
             time.sleep(0.2)
-        assert sum(v or 0 for v in committed.values()) == 2, committed  # both held turns committed
+        assert sum(v or 0 for v in committed.values()) == 4, committed  # both held turns (and the ends) committed
         assert jt.app.joiner.waiting == 0 and not jt.app.joiner.sessions
 
 
-def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer):
+def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer, renderer):
     c = setup(kafka_config, server, mode="opd", teacher_top_k=0)
     long_hint = "Give the distance in kilometres, not miles."
-    evs = [make_turn("opd", 0, request="How far is it?", response_ids=[101, 102, 103, 104]),
+    evs = [make_turn("opd", 0, request="How far is it?", response_ids=[101, 102, 103, 104], renderer=renderer,
+                     temperature=0.6),
            make_next_state("opd", 0, "in km please " + hint(f"\\boxed{{1}} [HINT_START]{long_hint}[HINT_END]",
                                                               "\\boxed{1} [HINT_START]shorter hint[HINT_END]",
                                                               BM1)),
            make_turn("opd", 1), make_next_state("opd", 1, "ok " + hint("\\boxed{1} [HINT_START]0123456789[HINT_END]")),
            make_turn("opd", 2), make_next_state("opd", 2, "fine " + hint(BM1)),
            make_turn("opd", 3), events.SessionEnd(session_id="opd"),
-           make_turn("opd-late", 0), make_next_state("opd-late", 0, "x " + hint(f"\\boxed{{1}} [HINT_START]{long_hint}[HINT_END]"))]
+           make_turn("opd-late", 0, renderer=renderer), make_next_state("opd-late", 0, "x " + hint(f"\\boxed{{1}} [HINT_START]{long_hint}[HINT_END]"))]
     server.generate_bodies.clear()
     publish(c, evs)
     with JudgeThread(c):
@@ -179,7 +194,7 @@ def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer):
     body = next(b for b in server.generate_bodies if b["input_ids"][-4:] == [101, 102, 103, 104])
     ids, start = body["input_ids"], body["logprob_start_len"]
     assert start == len(ids) - 4 - 1  # log-probs start exactly at the response
-    assert body["sampling_params"]["max_new_tokens"] == 0
+    assert body["sampling_params"] == {"max_new_tokens": 0, "temperature": 0.6}  # scored at the rollout's T
     prompt = tokenizer.decode(ids[:-4])
     assert f"How far is it?\n\n[Hint] {long_hint}" in prompt and prompt.rstrip().endswith("assistant")
     # the teacher log-probs are those of the student's exact ids at their positions
@@ -188,13 +203,13 @@ def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer):
     assert s.rollout_log_probs == pytest.approx([-0.125, -0.25, -0.375, -0.5])
 
 
-def test_combine_mode_dispatch_with_topk(kafka_config, server):
+def test_combine_mode_dispatch_with_topk(kafka_config, server, renderer):
     c = setup(kafka_config, server, mode="combine", teacher_top_k=2)
     h = "\\boxed{1} [HINT_START]Answer with one word only.[HINT_END]"
     evs = []
     for sid, text in {"both": score(BM1) + hint(h), "hintonly": score(B0) + hint(h),
                       "scoreonly": score(B1) + hint(BM1), "neither": score(B0) + hint(BM1)}.items():
-        evs += [make_turn(sid, 0), make_next_state(sid, 0, text), events.SessionEnd(session_id=sid)]
+        evs += [make_turn(sid, 0, renderer=renderer), make_next_state(sid, 0, text), events.SessionEnd(session_id=sid)]
     publish(c, evs)
     with JudgeThread(c):
         got = by_id(read_events(c, "samples", 3, timeout_s=30, settle_s=1.0))
@@ -239,14 +254,15 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka_config, server):
     assert len(dead) == 1 and dead[0].stage == "judge" and dead[0].raw == b"\x93not an event"
 
 
-def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, server):
+def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, server, renderer):
     from pipeline.judge.testing import free_socket
 
     dead = free_socket()  # bound, never listening: connections are refused
     c = setup(kafka_config, server, mode="opd")
     c.engine.teacher_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     h = hint("\\boxed{1} [HINT_START]Use the metric system please.[HINT_END]")
-    publish(c, [make_turn("tf", 0), make_next_state("tf", 0, "in km " + h), events.SessionEnd(session_id="tf")])
+    publish(c, [make_turn("tf", 0, renderer=renderer), make_next_state("tf", 0, "in km " + h),
+                events.SessionEnd(session_id="tf")])
     with JudgeThread(c) as jt:
         dl = read_events(c, "turns.dlq", 1, timeout_s=30)
         deadline = time.monotonic() + 10

@@ -51,6 +51,36 @@ def test_retry_and_regenerate_publish_no_second_next_state_and_never_reuse_an_in
     assert d.turn_index == 3 and d.next_state is None
 
 
+def test_a_continued_assistant_message_is_this_turns_prefix_not_a_previous_turn():
+    """``continue_final_message``: the trailing assistant message is the start of this turn's own
+    reply. The user message before it is the previous turn's next state, the turn index follows
+    on, and the next request, which echoes prefix + continuation, finds the continued turn.
+    Was: the prefill counted as an answered turn: turn index 2 and turn 0's next state never
+    published (turn 0 never judged)."""
+    t = SessionTable()
+    t.begin("s", [_u("q1")])
+    t.complete("s", 0, "a1", None)
+    msgs = [_u("q1"), _a("a1"), _u("wrong, in metres please"), _a("Sure, it is")]
+    b = t.begin("s", msgs, continue_final=True)
+    assert (b.turn_index, b.after_turn_index, b.next_state) == (1, 0, [_u("wrong, in metres please")])
+    t.complete("s", 1, " 330 m.", None, prefix="Sure, it is")
+    # a prefill in a first request is not a turn either
+    first = SessionTable().begin("f", [_u("q"), _a("Once upon")], continue_final=True)
+    assert (first.turn_index, first.next_state) == (0, None)
+    # without continue_final_message a trailing assistant message is an ordinary earlier answer
+    other = SessionTable()
+    other.begin("o", [_u("q")])
+    other.complete("o", 0, "a", None)
+    assert other.begin("o", [_u("q"), _a("a")]).turn_index == 1
+    # the echoed full message (prefix + continuation) is recognised as turn 1 even when the
+    # session's latest completed turn is a later one: a regenerate (turn 2) the client discarded
+    r = t.begin("s", msgs, continue_final=True)
+    assert (r.turn_index, r.next_state) == (2, None)
+    t.complete("s", 2, " 400 m.", None, prefix="Sure, it is")
+    c = t.begin("s", msgs[:3] + [_a("Sure, it is 330 m."), _u("thanks")])
+    assert (c.turn_index, c.after_turn_index, c.next_state) == (3, 1, [_u("thanks")])
+
+
 def test_state_lost_indices_continue_from_the_assistant_count():
     t = SessionTable(max_sessions=1)
     t.begin("a", [_u("q")])
@@ -138,3 +168,24 @@ def test_from_response_and_strip():
     assert resp["choices"][0] == {"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
                                   "logprobs": None}
     assert policy_version("12", 0) == 12 and policy_version("v3", 0) == 3 and policy_version("main", 5) == 5
+
+
+def test_recorded_distribution_engine_report_first_then_sglang_rules():
+    """The temperature a turn's log-probs are of, and the options a teacher cannot re-apply."""
+    from pipeline.proxy.app import ProxyApp
+    from pipeline.proxy.record import Recorded
+
+    dist = ProxyApp._distribution
+    reported = Recorded()
+    reported.sampling_params = {"temperature": 1.0, "top_k": 1, "repetition_penalty": 1.0}
+    assert dist(reported, {"temperature": 0}) == (1.0, [])  # the engine's word (greedy normalised)
+    reported.sampling_params = {"temperature": 0.8, "repetition_penalty": 1.1}  # e.g. a generation-config default
+    assert dist(reported, {}) == (0.8, ["repetition_penalty"])
+    sglang = Recorded()  # an engine that does not report: the request under SGLang's rules
+    assert dist(sglang, {"temperature": 0}) == (1.0, [])
+    assert dist(sglang, {"temperature": 5e-7}) == (1.0, [])
+    assert dist(sglang, {"temperature": 0.3, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "seed": 1}) == (0.3, [])
+    assert dist(sglang, {}) == (1.0, [])
+    assert dist(sglang, {"logit_bias": {"5": -100}, "presence_penalty": 0.5, "min_tokens": 3,
+                         "response_format": {"type": "json_object"}, "tool_choice": "required"}) == (
+        1.0, ["constrained_decoding", "logit_bias", "min_tokens", "presence_penalty", "tool_choice"])

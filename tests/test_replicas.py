@@ -13,7 +13,7 @@ import httpx
 
 from pipeline import events
 from pipeline.judge.backends.constant import ConstantBackend
-from pipeline.judge.testing import JudgeThread, read_events
+from pipeline.judge.testing import JudgeThread, read_events, short_id
 from pipeline.orchestrate.front import Backend, Front
 from pipeline.proxy.testing import Reply, ScriptedUpstream, running_proxy, serve_app
 from test_front import running_front
@@ -71,7 +71,7 @@ def test_turns_of_one_session_through_two_proxies_are_all_recorded_and_judged(ka
 
     with JudgeThread(kafka_config, mode="rl", backend=ConstantBackend(kafka_config), group_id="judge-replicas"):
         samples = read_events(kafka_config, "samples", SESSIONS * TURNS, timeout_s=60)
-    got = {s.sample_id: s for s in samples}
+    got = {short_id(s.sample_id): s for s in samples}
     assert len(got) == SESSIONS * TURNS
     for sid in served:
         for k in range(TURNS - 1):

@@ -131,6 +131,15 @@ class ConsumerApp:
         """Partitions currently owned by this member."""
         return {(tp.topic, tp.partition) for tp in self._trackers}
 
+    def caught_up(self, tp: tuple[str, int]) -> bool:
+        """True when this member owns ``tp`` and has handed every record up to the partition's
+        last known end (the high watermark of the latest fetch) to the handler. Call from the
+        consumer thread (``handle``/``tick``)."""
+        t = TopicPartition(*tp)
+        tracker = self._trackers.get(t)
+        hw = self._consumer.highwater(t) if tracker is not None else None
+        return hw is not None and tracker.next_offset is not None and tracker.next_offset >= hw
+
     def in_flight(self) -> int:
         """Records polled but not yet acknowledged."""
         return sum(len(t.outstanding) for t in self._trackers.values())

@@ -1,10 +1,10 @@
 """The CPU policy engine: a small inference server that speaks the subset of SGLang's HTTP API
-the pipeline uses (see /work/shared/SGLANG_API.md, SGLang commit 004c82e).
+the pipeline uses (SGLang commit 004c82e).
 
 Modules (torch is imported only by the ones that run the model):
 - ``params``: sampling parameters and their validation (pure Python).
-- ``tools``: tool-call prompt and parsers (pure Python; the client reuses them).
-- ``chat``: chat messages -> prompt ids with the model's template.
+- ``tools``: tool-call parsers (pure Python; the client reuses them). Prompts are rendered by
+  :mod:`pipeline.chat`, shared with the judge's OPD teacher.
 - ``model``, ``sampler``, ``worker``: fp32 model loading, sampling/log-probs, the batching thread.
 - ``generation``, ``protocol``, ``server``, ``metrics``: the FastAPI app and its shapes.
 - ``runtime``: build + serve; ``cli``: ``python -m pipeline engine``.

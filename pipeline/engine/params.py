@@ -3,7 +3,7 @@
 Pure Python (no torch): the HTTP layer builds these from ``/generate`` ``sampling_params`` or
 from chat-completion fields, and a :class:`ValueError` becomes an HTTP 400.
 
-Defaults follow SGLang (``sampling/sampling_params.py`` at 00c17ca, see SGLANG_API.md 1.2):
+Defaults follow SGLang (``sampling/sampling_params.py`` at 00c17ca):
 ``max_new_tokens`` 128 on ``/generate`` (None = up to the context on chat), temperature 1.0,
 top_p 1.0, top_k all, min_p 0. A temperature in ``[0, 1e-6)`` means greedy: it is rewritten to
 temperature 1.0 with top_k 1, so greedy log-probs are those of ``softmax(logits)``.
@@ -15,9 +15,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.sampling import GREEDY_EPS
+
 #: SGLang's "all tokens" top_k.
 TOP_K_ALL = 1 << 30
-_GREEDY_EPS = 1e-6
 
 #: Keys of ``sampling_params`` that SGLang accepts but this engine does not implement.
 UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
@@ -61,6 +62,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.top_k == 1
 
+    def reported(self) -> dict[str, Any]:
+        """The parameters that shape the reported log-probs, after normalisation (greedy is
+        temperature 1.0 with top_k 1): what the engine actually used, for the caller to record
+        (chat responses carry it as ``metadata.sampling_params``)."""
+        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
+                               "top_k": -1 if self.top_k == TOP_K_ALL else self.top_k, "min_p": self.min_p,
+                               "frequency_penalty": self.frequency_penalty,
+                               "presence_penalty": self.presence_penalty,
+                               "repetition_penalty": self.repetition_penalty,
+                               "min_new_tokens": self.min_new_tokens}
+        if self.logit_bias:
+            out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return out
+
     @property
     def needs_penalty(self) -> bool:
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -98,7 +113,7 @@ class SamplingParams:
         """
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative and finite, got {self.temperature}")
-        if self.temperature < _GREEDY_EPS:
+        if self.temperature < GREEDY_EPS:
             self.temperature = 1.0
             self.top_k = 1
         if not 0.0 < self.top_p <= 1.0:

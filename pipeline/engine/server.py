@@ -1,6 +1,6 @@
 """FastAPI app: the subset of SGLang's HTTP API the pipeline uses, served by the CPU model thread.
 
-Routes (shapes from SGLang at commit 004c82e, see /work/shared/SGLANG_API.md):
+Routes (shapes from SGLang at commit 004c82e):
 ``POST /generate`` (text or input_ids, sampling_params, return_logprob, logprob_start_len,
 top_logprobs_num, token_ids_logprob, stream = cumulative SSE chunks), ``POST
 /v1/chat/completions`` (stream and non-stream, logprobs, tools, return_token_ids /
@@ -12,7 +12,9 @@ return_prompt_token_ids / return_meta_info), ``POST /update_weights_from_disk``,
 
 Log-probs: of the temperature-scaled distribution softmax(logits/T) before top-p/top-k (SGLang's
 default). A scoring pass (``max_new_tokens: 0`` + ``return_logprob``) uses the request's
-temperature, 1.0 unless given.
+temperature, 1.0 unless given (SGLang does this for prompt log-probs only when started with
+``SGLANG_TEMP_SCALED_LOGPROBS=1``). Greedy (temperature < 1e-6) is temperature 1.0 with top_k 1,
+as in SGLang.
 
 Errors never surface as 500 for bad input: body validation -> 400 ``{"object": "error",
 "message", "type": "Bad Request", "param": null, "code": 400}``; request-level ``ValueError`` on
@@ -30,6 +32,9 @@ refused (400) rather than served as if absent; with ``n > 1`` and a seed, sample
 ``seed + j``; there is no prefix cache (``cached_tokens`` is 0). ``parallel_tool_calls: false``
 keeps the first tool call of a turn. New weights must fit the served model
 (:func:`pipeline.engine.model.check_fits`), else 400 and nothing changes.
+Chat responses (and the first and last stream chunks) carry the effective sampling parameters
+in ``metadata.sampling_params`` (after greedy normalisation and generation-config defaults), so
+a caller records the temperature the log-probs really are of.
 """
 
 from __future__ import annotations
@@ -51,7 +56,6 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.engine.chat import ChatRenderer
 from pipeline.engine.generation import Generation, Item, RequestFailed
 from pipeline.engine.metrics import EngineMetrics
 from pipeline.engine.params import SamplingParams
@@ -59,6 +63,7 @@ from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, Gener
                                       UpdateWeightsBody)
 from pipeline.engine.tools import ToolStreamParser, parse_tool_calls
 from pipeline.engine.worker import EngineWorker
+from pipeline.chat import ChatRenderer, PromptSpec, normalise_tools
 from pipeline.errors import PipelineError
 from pipeline.tokenbytes import TokenBytes
 
@@ -412,14 +417,14 @@ def chat_setup(state: EngineState, body: ChatBody) -> tuple[list[int], SamplingP
         shown = choice if isinstance(choice, str) else f"function {choice['function']['name']!r}"
         raise ValueError(f"tool_choice {shown} needs constrained decoding, which this engine does not implement "
                          "(use 'auto' or 'none')")
-    active_tools = tools if choice != "none" else None
+    spec = PromptSpec.from_request({"messages": body.messages, "tools": tools, "tool_choice": body.tool_choice,
+                                    "continue_final_message": body.continue_final_message,
+                                    "chat_template_kwargs": body.chat_template_kwargs})
     if body.input_ids is not None:
         state.check_ids(body.input_ids)
         prompt = list(body.input_ids)
     else:
-        prompt = state.renderer.render_ids(body.messages, active_tools,
-                                           continue_final_message=body.continue_final_message,
-                                           chat_template_kwargs=body.chat_template_kwargs)
+        prompt = state.renderer.render_spec(spec)
     gen_defaults = state.worker.loaded.generation_defaults
     sp: dict[str, Any] = {}
     for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -440,7 +445,7 @@ def chat_setup(state: EngineState, body: ChatBody) -> tuple[list[int], SamplingP
     if body.top_logprobs is not None and body.top_logprobs < 0:
         raise ValueError("top_logprobs must be >= 0")
     state.check_length(len(prompt), params.max_new_tokens)
-    return prompt, params, active_tools
+    return prompt, params, spec.tools
 
 
 def chat_items(state: EngineState, body: ChatBody, prompt: list[int], params: SamplingParams) -> tuple[str, list[Item]]:
@@ -479,7 +484,8 @@ def chat_response(state: EngineState, body: ChatBody, rid: str, gens: list[Gener
             "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                       "reasoning_tokens": 0},
-            "metadata": {"weight_version": gens[0].version}}
+            "metadata": {"weight_version": gens[0].version,
+                         "sampling_params": gens[0].item.params.reported()}}
 
 
 async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[Generation], tools
@@ -505,7 +511,8 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
     n_calls = [0] * len(gens)
     try:
         for i, g in enumerate(gens):
-            first: dict[str, Any] = {"metadata": {"weight_version": g.version}}
+            first: dict[str, Any] = {"metadata": {"weight_version": g.version,
+                                                  "sampling_params": g.item.params.reported()}}
             if want_ids:
                 first["prompt_token_ids"] = list(g.item.input_ids)
             yield sse(chunk(i, {"role": "assistant", "content": ""}, **first))
@@ -539,7 +546,8 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
                 if g.done:
                     reason, matched = g.chat_finish_reason(n_calls[i] > 0)
                     yield sse(chunk(i, {}, finish_reason=reason, matched_stop=matched,
-                                    metadata={"weight_version": g.version}))
+                                    metadata={"weight_version": g.version,
+                                              "sampling_params": g.item.params.reported()}))
         except RequestFailed as e:
             yield sse({"error": {"message": str(e), "type": "internal_error" if e.status >= 500 else
                                  "invalid_request_error", "code": e.status, "retryable": e.status >= 500}})
@@ -730,7 +738,7 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         body: TokenizeBody = validate(TokenizeBody, await read_json(request, openai=True))
         try:
             if body.messages is not None:
-                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+                tools = normalise_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
                 ids = state.renderer.render_ids(body.messages, tools,
                                                 add_generation_prompt=body.add_generation_prompt,
                                                 continue_final_message=body.continue_final_message,

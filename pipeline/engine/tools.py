@@ -1,7 +1,8 @@
 """Tool calling for models whose chat template may not know about tools (pure Python).
 
-Prompt side: when the chat template does not reference ``tools`` (SmolLM2's does not), the
-engine describes the tools in the system message and asks for calls in the form::
+Prompt side (:mod:`pipeline.chat`): when the chat template does not reference ``tools``
+(SmolLM2's does not), the tools are described in the system message and calls asked for in the
+form::
 
     <tool_call>
     {"name": "<function name>", "arguments": {...}}
@@ -25,8 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-OPEN = "<tool_call>"
-CLOSE = "</tool_call>"
+from pipeline.chat import CLOSE, OPEN
 
 
 @dataclass
@@ -56,29 +56,6 @@ def tool_names(tools: list[dict] | None) -> set[str]:
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             names.add(fn["name"])
     return names
-
-
-def tools_system_prompt(tools: list[dict]) -> str:
-    """System-prompt text that lists ``tools`` and the expected call format."""
-    lines = [json.dumps(t.get("function", t), ensure_ascii=False) for t in tools]
-    return ("You can call the following functions. Their JSON schemas:\n<tools>\n" + "\n".join(lines)
-            + "\n</tools>\nTo call a function, answer with one block per call:\n" + OPEN
-            + '\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n' + CLOSE)
-
-
-def render_tool_calls(tool_calls: list[dict]) -> str:
-    """An assistant message's ``tool_calls`` as the text the model is asked to write."""
-    out = []
-    for tc in tool_calls or []:
-        fn = tc.get("function", {}) if isinstance(tc, dict) else {}
-        args = fn.get("arguments", "{}")
-        try:
-            args_obj = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            args_obj = args
-        out.append(OPEN + "\n" + json.dumps({"name": fn.get("name", ""), "arguments": args_obj},
-                                            ensure_ascii=False) + "\n" + CLOSE)
-    return "\n".join(out)
 
 
 def _calls_from_json(obj: Any, names: set[str]) -> list[ToolCall] | None:

@@ -9,7 +9,7 @@ For each assistant message (``turn_index`` 0, 1, ... in order, as the proxy numb
 
 - a :class:`pipeline.events.Turn` with ``source="import"``: ``messages`` = everything before it
   (as in the file), ``prompt_token_ids`` = those messages rendered exactly as the engine renders
-  a request (:class:`pipeline.engine.chat.ChatRenderer`: the model's chat template, tools in the
+  a request (:class:`pipeline.chat.ChatRenderer`: the model's chat template, tools in the
   system message if the template lacks them), ``response_token_ids`` = the assistant message as
   the engine would have emitted it (its text, tool calls as ``<tool_call>`` blocks, then EOS:
   the engine keeps the stop id), ``response_logprobs`` empty: these tokens were **not sampled**
@@ -19,8 +19,10 @@ For each assistant message (``turn_index`` 0, 1, ... in order, as the proxy numb
 - at the end a :class:`pipeline.events.SessionEnd` with ``reason="import"``.
 
 If the rendering of "prompt + assistant" does not extend the prompt's tokens (templates that
-rewrite history, e.g. drop reasoning), the response falls back to encoding the message alone. The session id is the line's ``session_id`` or a hash of the line, so
-importing the same file twice gives the same ids (the judge's ``sample_id`` then de-duplicates).
+rewrite history, e.g. drop reasoning), the response falls back to encoding the message alone. The session id is the line's ``session_id`` or a hash of the line; a
+turn's ``request_id`` is ``import-<12 hex of sha256(messages, tools)>-<turn_index>``, so importing
+the same conversation twice gives the same ids (the judge's ``sample_id`` then de-duplicates)
+while another conversation under the same ``session_id`` never shares them.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _text(content) -> str:
 
 @dataclass
 class Tokenizer:
-    """The engine's tokenizer and chat rendering (:class:`pipeline.engine.chat.ChatRenderer`: the
+    """The engine's tokenizer and chat rendering (:class:`pipeline.chat.ChatRenderer`: the
     same template, tool descriptions and ``<tool_call>`` rendering the engine applies to requests),
     loaded offline from :func:`pipeline.models.resolve_model`."""
 
@@ -77,7 +79,7 @@ class Tokenizer:
         """Load the tokenizer of ``model`` (``smollm2-135m`` | ``tiny-random`` | HF folder)."""
         from transformers import AutoTokenizer
 
-        from pipeline.engine.chat import ChatRenderer
+        from pipeline.chat import ChatRenderer
         from pipeline.models import resolve_model
 
         hf = AutoTokenizer.from_pretrained(str(resolve_model(model, cache_dir)))
@@ -85,7 +87,12 @@ class Tokenizer:
 
     def prompt(self, messages: list[dict], tools: list | None) -> list[int]:
         """Token ids of ``messages`` rendered with the generation prompt (what the engine samples after)."""
-        return self._render(messages, tools, add_generation_prompt=True)
+        from pipeline.chat import ChatTemplateError, PromptSpec
+
+        try:
+            return self.renderer.render_spec(PromptSpec.from_request({"messages": messages, "tools": tools}))
+        except ChatTemplateError as e:
+            raise ImportError_(str(e)) from None
 
     def response(self, prompt_ids: list[int], messages: list[dict], tools: list | None) -> list[int]:
         """Token ids of the final (assistant) message as the engine would have emitted them:
@@ -99,10 +106,12 @@ class Tokenizer:
         return ids + ([self.eos_id] if self.eos_id is not None else [])
 
     def _render(self, messages, tools, **kw) -> list[int]:
-        from pipeline.engine.chat import ChatTemplateError
+        from pipeline.chat import ChatTemplateError
 
         try:
-            return [int(t) for t in self.renderer.render_ids(messages, tools, **kw)]
+            from pipeline.chat import normalise_tools
+
+            return [int(t) for t in self.renderer.render_ids(messages, normalise_tools(tools), **kw)]
         except ChatTemplateError as e:
             raise ImportError_(str(e)) from None
 
@@ -122,6 +131,7 @@ def conversation_events(conv: dict, tok: Tokenizer, session_id: str, *, policy_v
         raise ImportError_("'tools' must be a list")
     model = str(conv.get("model") or "import")
     at = created_at if created_at is not None else events.now_ms()
+    digest = hashlib.sha256(orjson.dumps({"messages": messages, "tools": tools})).hexdigest()[:12]
     assistant_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant_at:
         raise ImportError_("conversation has no assistant message")
@@ -135,7 +145,7 @@ def conversation_events(conv: dict, tok: Tokenizer, session_id: str, *, policy_v
         resp_ids = tok.response(prompt_ids, messages[: i + 1], tools)
         tool_calls = msg.get("tool_calls")
         out.append(events.Turn(
-            session_id=session_id, turn_type="main", turn_index=idx, request_id=f"{session_id}:{idx}",
+            session_id=session_id, turn_type="main", turn_index=idx, request_id=f"import-{digest}-{idx}",
             created_at=at, policy_version=policy_version, model=model, messages=before, tools=tools,
             sampling={}, prompt_token_ids=prompt_ids, response_token_ids=resp_ids, response_logprobs=[],
             response={"content": _text(msg.get("content")), "reasoning_content": msg.get("reasoning_content"),
@@ -145,7 +155,7 @@ def conversation_events(conv: dict, tok: Tokenizer, session_id: str, *, policy_v
         after = messages[i + 1: nxt]
         if after:
             out.append(events.NextState(session_id=session_id, messages=after, after_turn_index=idx,
-                                        request_id=f"{session_id}:{idx}:next", created_at=at))
+                                        request_id=f"import-{digest}-{idx}-next", created_at=at))
     out.append(events.SessionEnd(session_id=session_id, reason="import", created_at=at))
     return out
 

@@ -17,6 +17,12 @@ acknowledged) and hands the join each session in protocol order.
 Backpressure: at most ``judge.max_in_flight`` jobs are in flight (submitted, not yet
 delivered); the consumer loop waits for room, and the ConsumerApp pauses its partitions when
 more than ``judge.max_uncommitted_records`` records are unacknowledged.
+
+Idle sessions: every tick, sessions idle for ``judge.idle_timeout_s`` on partitions this member
+has read to the end get a ``SessionEnd(reason="idle_timeout", turn_index=...)`` published to
+``turns`` (keyed by the session id, so it lands in the session's partition after everything
+already there); the session is closed when that record is read back (:mod:`pipeline.judge.join`).
+Samples are functions of the records alone (:mod:`pipeline.judge.samples`).
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ from pipeline import events
 from pipeline.bus import BufferFull, ConsumerApp, EventProducer
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
-from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
+from pipeline.judge.join import FLUSH, Job, Joiner
 from pipeline.judge.prompts import JudgeInput
 from pipeline.judge.reorder import Reorderer
 from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample
-from pipeline.judge.teacher import Teacher, TeacherError
+from pipeline.judge.teacher import Teacher, TeacherError, TeacherUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,7 @@ class JudgeApp:
         self.judge_name = getattr(self.backend, "name", type(self.backend).__name__)
         self.teacher = teacher if teacher is not None or self.mode == "rl" else Teacher(config)
         self.samples_topic = config.topics.name("samples")
+        self.turns_topic = config.topics.name("turns")
         self.dlq_topic = config.topics.dlq("turns")
         self.producer = EventProducer(config, name=name)
         self.consumer = ConsumerApp(config, group_id=group_id or jc.group_id, topics=[config.topics.name("turns")],
@@ -104,7 +111,7 @@ class JudgeApp:
         self._thread.start()
         try:
             asyncio.run_coroutine_threadsafe(self._astart(), self.loop).result()
-            tick_s = min(1.0, max(0.05, self.config.judge.idle_timeout_s / 4))
+            tick_s = min(1.0, max(0.05, self.config.judge.idle_timeout_s / 4))  # idle proposals
             self.consumer.run(self._handle, tick=self._tick, tick_interval_s=tick_s,
                               on_revoked=self._revoked, on_stop=self._drain, drain_timeout_s=1.0,
                               install_signals=install_signals)
@@ -151,18 +158,27 @@ class JudgeApp:
 
     def _join(self, rec) -> bool:
         """Run the join on one record (in protocol order); returns whether it can be acknowledged now."""
+        skipped = self.joiner.duplicates + self.joiner.stale
         ack, jobs = self.joiner.on_record(rec)
+        if self.joiner.duplicates + self.joiner.stale > skipped:
+            metrics.DUPLICATE_TURNS.inc()
         if jobs:
             self._submit(jobs)
         return ack
 
     def _tick(self) -> None:
-        for r in self.reorder.expire():
-            if self._join(r):
-                self.consumer.ack(r)
-        jobs = self.joiner.expire()
-        if jobs:
-            self._submit(jobs)
+        """Propose idle ends (published records, acted on when read back) for idle sessions and
+        for sessions whose reordered records wait too long; update gauges."""
+        now = events.now_ms()
+        stalled = self.reorder.stalled(ready=self.consumer.caught_up)  # their idle end releases them
+        for sid, _tp, turn_index in stalled + self.joiner.idle_sessions(now, ready=self.consumer.caught_up):
+            end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=now, turn_index=turn_index)
+            try:
+                self.producer.send(self.turns_topic, end, key=sid)
+            except (BufferFull, KafkaTimeoutError) as e:  # proposed again after its next record
+                log.warning("%s: could not publish the idle end of %s (%s)", self.name, sid, e)
+                continue
+            metrics.IDLE_ENDS.inc()
         metrics.SESSIONS_WAITING.set(self.joiner.waiting)
         metrics.RECORDS_HELD.set(self.reorder.held)
 
@@ -284,26 +300,25 @@ class JudgeApp:
         """The job's outputs are delivered: acknowledge its records (worker loop)."""
         for r in job.acks:
             self.consumer.ack(r)
-        if job.kind != RELEASE:
-            metrics.LATENCY.observe(time.monotonic() - job.joined_at)
+        metrics.LATENCY.observe(time.monotonic() - job.joined_at)
         if not link.delivered.done():
             link.delivered.set_result(None)
         self._job_done()
 
     # ---- scoring ---------------------------------------------------------------------------
     async def _compute(self, job: Job) -> list[tuple[str, events.Event]]:
-        if job.kind == RELEASE:
-            return []
-        turn = job.turn
+        turn, at = job.turn, job.decided_at
         if job.kind == FLUSH:
             metrics.FLUSHED.labels(job.reason).inc()
+            if job.reason == "unfinished":
+                metrics.UNFINISHED.labels(str(turn.finish_reason)).inc()
             if self.mode == "rl":
-                return self._samples([rl_flush_sample(turn, self.judge_name)])
+                return self._samples([rl_flush_sample(turn, self.judge_name, at)])
             return []
         inp = JudgeInput.from_turn(turn, job.next_state)
         if self.mode == "rl":
             verdict = await self._score(inp)
-            return self._samples([rl_sample(turn, verdict, job.candidate, self.judge_name)])
+            return self._samples([rl_sample(turn, verdict, job.candidate, self.judge_name, at)])
         if self.mode == "opd":
             hv = await self._hint(inp)
             if not hv.hint:
@@ -311,21 +326,29 @@ class JudgeApp:
                 return []
             try:
                 teacher = await self.teacher.log_probs(turn, hv.hint)
+            except TeacherUnsupported as e:
+                metrics.TEACHER_UNSUPPORTED.labels(e.reason).inc()
+                metrics.DROPPED.labels("teacher_unsupported").inc()
+                log.info("%s: no OPD sample for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
+                return []
             except TeacherError as e:
                 metrics.TEACHER_FAILURES.inc()
                 return [self._dead_letter(job, f"teacher failed: {e}")]
-            return self._samples([opd_sample(turn, hv.hint, teacher, hv.votes, self.judge_name)])
+            return self._samples([opd_sample(turn, hv.hint, teacher, hv.votes, self.judge_name, at)])
         # combine
         verdict, hv = await asyncio.gather(self._score(inp), self._hint(inp))
         teacher = None
         if hv.hint:
             try:
                 teacher = await self.teacher.log_probs(turn, hv.hint)
+            except TeacherUnsupported as e:
+                metrics.TEACHER_UNSUPPORTED.labels(e.reason).inc()
+                log.info("%s: no OPD term for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
             except TeacherError as e:
                 metrics.TEACHER_FAILURES.inc()
                 log.warning("%s: teacher failed for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
         s = combine_sample(turn, verdict.score, hv.hint if teacher is not None else None, teacher,
-                           [list(verdict.votes), list(hv.votes)], self.judge_name)
+                           [list(verdict.votes), list(hv.votes)], self.judge_name, at)
         if s is None:
             metrics.DROPPED.labels("no_signal").inc()
             return []

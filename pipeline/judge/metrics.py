@@ -14,6 +14,15 @@ ALL_FAILED = Counter("pipeline_judge_all_votes_failed_total", "Judgements where 
 FLUSHED = Counter("pipeline_judge_flushed_total", "Waiting turns settled without a next state", ["reason"])
 DROPPED = Counter("pipeline_judge_dropped_total", "Judged turns that produced no sample", ["reason"])
 TEACHER_FAILURES = Counter("pipeline_judge_teacher_failures_total", "Turns whose teacher log-probs failed")
+TEACHER_UNSUPPORTED = Counter("pipeline_judge_teacher_unsupported_total",
+                              "Hinted turns the teacher cannot score on the student's distribution (no OPD term)",
+                              ["reason"])
+UNFINISHED = Counter("pipeline_judge_unfinished_turns_total",
+                     "Main turns whose generation did not finish (never trained as an answer)", ["finish_reason"])
+DUPLICATE_TURNS = Counter("pipeline_judge_duplicate_turns_total",
+                          "Turn records ignored: a request_id already held or settled, or older than the waiting turn")
+IDLE_ENDS = Counter("pipeline_judge_idle_session_ends_total",
+                    "session_end records (reason idle_timeout) this judge published to the turns topic")
 LATENCY = Histogram("pipeline_judge_latency_seconds", "Join (next state seen) to sample delivered",
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 SESSIONS_WAITING = Gauge("pipeline_judge_sessions_waiting", "Sessions whose latest main turn waits for a next state")

@@ -1,18 +1,34 @@
-"""OPD teacher log-probs: the hinted prompt, scored on the student's exact response token ids.
+"""OPD teacher log-probs: the student's prompt with the hint, scored on the student's exact ids.
 
-Hindsight On-Policy Distillation (OpenClaw-RL): the hint the judge extracted from the next
-state is appended to the last user message of the turn's prompt (:func:`inject_hint`); that
-prompt is rendered with the policy's chat template (tokenizer of ``engine.model``, with
-``add_generation_prompt=True``) and the student's **exact** response ids are appended, never
-re-tokenized. One ``POST /generate`` with ``input_ids``, ``max_new_tokens=0``,
+Hindsight On-Policy Distillation (OpenClaw-RL): the hint the judge extracted from the next state
+is appended to the last user message of the turn's prompt (:func:`inject_hint`). The teacher's
+prompt is rendered by the same renderer as the student's (:class:`pipeline.chat.ChatRenderer`)
+from the same :class:`pipeline.chat.PromptSpec` (the turn's messages, tools and
+``chat_options``) with only the messages swapped for the hinted ones. Before that, the student's
+own spec is rendered and must reproduce ``turn.prompt_token_ids`` exactly; otherwise (another
+template, a request sent as raw ``input_ids``, an engine that renders differently) the teacher
+would not see "the student's context plus the hint", and the turn gets no teacher
+(:class:`TeacherUnsupported`, reason ``prompt_mismatch``).
+
+The student's exact response ids are appended, never re-tokenized. One ``POST /generate`` with
+``input_ids``, ``sampling_params = {max_new_tokens: 0, temperature: T}``,
 ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = hinted prompt length) returns
-``input_token_logprobs`` for positions P .. P+R-1 (SGLang semantics, SGLANG_API.md §1.4), i.e.
-log p_teacher(response[i] | hinted prompt, response[:i]) in nats, one per response token, aligned
-one to one with the rollout log-probs. With ``judge.teacher_top_k`` = k > 0 the same call
-returns the teacher's top-k (``top_logprobs_num``) per response position, flattened row-major
-(R*k ids and R*k log-probs; missing entries are id 0 with log-prob -inf).
+``input_token_logprobs`` for positions P .. P+R-1 (SGLang's ``logprob_start_len`` semantics),
+i.e. log p_teacher(response[i] | hinted prompt, response[:i]) in nats under
+``softmax(logits / T)``, one per response token, aligned one to one with the rollout log-probs.
+T is the turn's effective temperature (:func:`pipeline.judge.samples.rollout_temperature`), so a
+hint that changes nothing gives teacher log-probs equal to the rollout log-probs (OPD advantage
+0) at any temperature. An SGLang teacher must be started with ``SGLANG_TEMP_SCALED_LOGPROBS=1``
+for its prompt log-probs to honour T (the CPU engine always does).
 
-The teacher endpoint is ``engine.teacher_url`` (a frozen copy of the policy), else ``engine.url``.
+Options that shaped the student's log-probs and that a prefill cannot reproduce
+(``turn.logprob_processors``: logit bias, penalties, ``min_tokens``, constrained decoding) make
+the turn unsupported too (reason ``logprob_processors``): such a turn carries no OPD signal.
+
+With ``judge.teacher_top_k`` = k > 0 the same call returns the teacher's top-k
+(``top_logprobs_num``) per response position, flattened row-major (R*k ids and R*k log-probs;
+missing entries are id 0 with log-prob -inf). The teacher endpoint is ``engine.teacher_url`` (a
+frozen copy of the policy), else ``engine.url``.
 """
 
 from __future__ import annotations
@@ -22,16 +38,29 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from pipeline.judge.backends.choice import load_tokenizer, render_ids
+from pipeline.chat import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
+from pipeline.errors import PipelineError
 from pipeline.judge.backends.llm import CallFailed, HttpJudge
 from pipeline.judge.prompts import inject_hint
-from pipeline.errors import PipelineError
+from pipeline.judge.samples import rollout_temperature
 
 log = logging.getLogger(__name__)
 
 
 class TeacherError(PipelineError, RuntimeError):
     """The teacher endpoint did not return log-probs for every response token."""
+
+
+class TeacherUnsupported(TeacherError):
+    """The teacher cannot score this turn's distribution (a property of the turn, not a failure).
+
+    ``reason``: ``prompt_mismatch`` (the student's prompt cannot be reproduced) or
+    ``logprob_processors`` (the rollout log-probs were shaped by options a prefill cannot apply).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -95,6 +124,7 @@ class Teacher:
         self.config = config
         self.top_k = config.judge.teacher_top_k
         self.tokenizer = tokenizer or load_tokenizer(config.engine.model, config.engine.cache_dir)
+        self.renderer = ChatRenderer(self.tokenizer)
         self.http: HttpJudge | None = None
 
     async def start(self) -> None:
@@ -107,19 +137,53 @@ class Teacher:
         if self.http is not None:
             await self.http.aclose()
 
-    def prompt_ids(self, turn, hint: str) -> list[int]:
-        """Token ids of the turn's prompt with ``hint`` injected (chat template, generation prompt)."""
-        return render_ids(self.tokenizer, inject_hint(turn.messages, hint), tools=turn.tools)
+    def prompt_ids(self, turn, hint: str | None) -> list[int]:
+        """Token ids ``[P]`` of the turn's prompt with ``hint`` injected (None: no hint, i.e. the
+        student's own prompt), rendered from the turn's :class:`PromptSpec`.
 
-    async def log_probs(self, turn, hint: str) -> TeacherOutput:
-        """Teacher log-probs of ``turn.response_token_ids`` under the hinted prompt.
+        Raises:
+            TeacherUnsupported: the turn's spec does not reproduce ``turn.prompt_token_ids``.
+        """
+        try:
+            spec = PromptSpec.from_turn(turn)
+            student = self.renderer.render_spec(spec)
+        except ChatTemplateError as e:
+            raise TeacherUnsupported("prompt_mismatch", f"the turn's prompt cannot be rendered: {e}") from None
+        if student != list(turn.prompt_token_ids):
+            raise TeacherUnsupported(
+                "prompt_mismatch", f"rendering the turn's messages gives {len(student)} prompt ids that differ from "
+                f"the {len(turn.prompt_token_ids)} the engine used (another template or raw input_ids)")
+        if hint is None:
+            return student
+        return self.renderer.render_spec(spec.with_messages(inject_hint(spec.messages, hint)))
+
+    def check(self, turn) -> None:
+        """Raise :class:`TeacherUnsupported` when the rollout log-probs were shaped by options a
+        scoring pass cannot re-apply (``turn.logprob_processors``)."""
+        if turn.logprob_processors:
+            raise TeacherUnsupported("logprob_processors",
+                                     f"the rollout log-probs were shaped by {', '.join(turn.logprob_processors)}")
+
+    async def log_probs(self, turn, hint: str | None) -> TeacherOutput:
+        """Teacher log-probs ``[R]`` (nats) of ``turn.response_token_ids`` under the hinted prompt
+        at the turn's effective temperature.
+
+        Raises:
+            TeacherUnsupported: see :meth:`check` and :meth:`prompt_ids`.
+            TeacherError: the endpoint failed after retries or answered with too few log-probs.
+        """
+        self.check(turn)
+        prompt = await asyncio.to_thread(self.prompt_ids, turn, hint)
+        return await self.score(prompt, list(turn.response_token_ids), rollout_temperature(turn))
+
+    async def score(self, prompt: list[int], response: list[int], temperature: float) -> TeacherOutput:
+        """Log-probs ``[R]`` of ``response`` after ``prompt`` under ``softmax(logits / temperature)``.
 
         Raises:
             TeacherError: the endpoint failed after retries or answered with too few log-probs.
         """
-        prompt = await asyncio.to_thread(self.prompt_ids, turn, hint)
-        response = list(turn.response_token_ids)
-        body = {"input_ids": prompt + response, "sampling_params": {"max_new_tokens": 0},
+        body = {"input_ids": prompt + response,
+                "sampling_params": {"max_new_tokens": 0, "temperature": float(temperature)},
                 "return_logprob": True, "logprob_start_len": len(prompt) - 1}
         if self.top_k > 0:
             body["top_logprobs_num"] = self.top_k

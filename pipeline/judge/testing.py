@@ -220,6 +220,43 @@ class ScriptedJudgeServer(_AsgiServer):
         return 200, {"text": "", "output_ids": [], "meta_info": meta}
 
 
+class FixedLogitsServer(_AsgiServer):
+    """A stand-in teacher engine (not a model): ``/generate`` scoring where the logits at every
+    position are ``logits`` over token ids ``0 .. len(logits)-1`` (the rest -inf), whatever the
+    prompt, and the reported log-probs are ``log_softmax(logits / T)`` with T the request's
+    ``sampling_params.temperature`` (1.0 when absent; < 1e-6 is greedy, i.e. 1.0), as the CPU
+    engine and SGLang (``SGLANG_TEMP_SCALED_LOGPROBS=1``) do. A hint therefore changes nothing.
+    ``generate_bodies`` records each request."""
+
+    def __init__(self, logits=(2.0, 1.0, 0.0)) -> None:
+        super().__init__()
+        self.logits = [float(x) for x in logits]
+        self.generate_bodies: list[dict] = []
+
+    def log_prob(self, token_id: int, temperature: float) -> float:
+        """log_softmax(logits / T)[token_id] in nats (-inf outside the support)."""
+        import math
+
+        if not 0 <= token_id < len(self.logits):
+            return -math.inf
+        z = [x / temperature for x in self.logits]
+        m = max(z)
+        return z[token_id] - m - math.log(sum(math.exp(v - m) for v in z))
+
+    async def route(self, method: str, path: str, body: dict):
+        if path != "/generate":
+            return 200, {}
+        self.generate_bodies.append(body)
+        ids, start = body["input_ids"], int(body.get("logprob_start_len", -1))
+        t = float((body.get("sampling_params") or {}).get("temperature", 1.0))
+        t = 1.0 if t < 1e-6 else t
+        entries = [[self.log_prob(ids[i], t), ids[i], None] for i in range(max(start, 0) + 1, len(ids))]
+        meta = {"id": "fixed", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                "completion_tokens": 0, "weight_version": "fixed", "input_token_logprobs": entries,
+                "output_token_logprobs": []}
+        return 200, {"text": "", "output_ids": [], "meta_info": meta}
+
+
 class InstantJudgeServer(_AsgiServer):
     """Answers every chat completion with ``\\boxed{1}`` immediately (benchmark baseline)."""
 
@@ -254,22 +291,40 @@ if __name__ == "__main__":  # pragma: no cover
 
 # ---- stream helpers for tests and benchmarks -------------------------------------------------
 
+def short_id(sample_id: str) -> str:
+    """``<session>:<turn_index>:<mode>`` of a sample id (drops the turn's request id; an id of
+    the older ``<session>:<turn_index>:<mode>`` form is returned as it is)."""
+    return sample_id.rsplit(":", 1)[0] if sample_id.count(":") >= 3 else sample_id
+
+
 def make_turn(session_id: str, turn_index: int, request: str = "question", answer: str = "answer",
               prompt_ids=(1, 2, 3, 4), response_ids=(5, 6, 7), temperature: float = 1.0,
-              policy_version: int = 0, tools=None):
-    """A main :class:`pipeline.events.Turn` with small token arrays and log-probs."""
+              policy_version: int = 0, tools=None, request_id: str | None = None, renderer=None, **fields):
+    """A main :class:`pipeline.events.Turn` with small token arrays and log-probs.
+
+    ``renderer`` (a :class:`pipeline.chat.ChatRenderer`): the prompt ids are the rendering of the
+    turn's messages and tools (as the engine would have used), not ``prompt_ids``. ``fields``
+    override any other Turn field (``finish_reason``, ``chat_options``, ``logprob_processors`` ...).
+    """
     from pipeline import events
+    from pipeline.sampling import effective_temperature
 
     response_ids = list(response_ids)
-    return events.Turn(session_id=session_id, turn_index=turn_index, request_id=f"{session_id}-{turn_index}",
-                       created_at=events.now_ms(), policy_version=policy_version, model="test",
-                       messages=[{"role": "system", "content": "You are helpful."},
-                                 {"role": "user", "content": request}], tools=tools,
-                       sampling={"temperature": temperature}, prompt_token_ids=list(prompt_ids),
-                       response_token_ids=response_ids,
-                       response_logprobs=[-0.125 * (i + 1) for i in range(len(response_ids))],
-                       response={"content": answer, "reasoning_content": None, "tool_calls": None},
-                       finish_reason="stop")
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": request}]
+    if renderer is not None:
+        from pipeline.chat import PromptSpec
+
+        prompt_ids = renderer.render_spec(PromptSpec.from_request(
+            {**fields.get("chat_options", {}), "messages": messages, "tools": tools}))
+    base = dict(session_id=session_id, turn_index=turn_index, request_id=request_id or f"{session_id}-{turn_index}",
+                created_at=events.now_ms(), policy_version=policy_version, model="test", messages=messages,
+                tools=tools, sampling={"temperature": temperature}, prompt_token_ids=list(prompt_ids),
+                response_token_ids=response_ids,
+                response_logprobs=[-0.125 * (i + 1) for i in range(len(response_ids))],
+                response={"content": answer, "reasoning_content": None, "tool_calls": None},
+                finish_reason="stop", logprob_temperature=effective_temperature(temperature))
+    base.update(fields)
+    return events.Turn(**base)
 
 
 def make_next_state(session_id: str, after: int, text: str | None, role: str = "user", name: str | None = None):
@@ -371,26 +426,29 @@ def scripted_stream(n_sessions: int, turns: int, seed: int = 0, window: int = 8,
 
     from pipeline import events
 
+    from pipeline.judge.samples import sample_id
+
     rng = random.Random(seed)
     per_session, expected = [], {}
     for i in range(n_sessions):
         sid = f"{prefix}{i}"
-        evs, judged_any = [], False
+        evs = []
         for k in range(turns):
-            evs.append(make_turn(sid, k, request=f"request {k} of {sid}", response_ids=[10 + k, 20 + i % 50, 30]))
+            t = make_turn(sid, k, request=f"request {k} of {sid}", response_ids=[10 + k, 20 + i % 50, 30])
+            evs.append(t)
+            sample = sample_id(t, "rl")
             last = k == turns - 1
             if last or (i % 3 == 1 and k == 0):
-                expected[f"{sid}:{k}:rl"] = (None, 0)  # never judged (no next state): no reward
+                expected[sample] = (None, 0)  # never judged (no next state): no reward
                 continue
             if i % 3 == 2 and k == 1:
                 evs.append(make_next_state(sid, k, None))
-                expected[f"{sid}:{k}:rl"] = (None, 0)  # an empty next state is not judged
+                expected[sample] = (None, 0)  # an empty next state is not judged
                 continue
             v = (i + 2 * k) % 3 - 1
             item = f"\\boxed{{{v}}}" if not vote_delay_s else f"!sleep {vote_delay_s} \\boxed{{{v}}}"
             evs.append(make_next_state(sid, k, f"reply {k} <<score: {item}>>"))
-            expected[f"{sid}:{k}:rl"] = (float(v), 1 if (v != 0 or not judged_any) else 0)
-            judged_any = True
+            expected[sample] = (float(v), 1 if (v != 0 or k == 0) else 0)  # at-least-one: turn 0
         evs.append(events.SessionEnd(session_id=sid))
         per_session.append(evs)
     out, open_, pending = [], [], list(reversed(per_session))

@@ -21,7 +21,15 @@ Per request (main turn of a known session):
    ``X-Session-Done``; the response's last body message waits until these events are committed
    to the proxy's disk buffer (:class:`pipeline.proxy.publisher.DurableSend`, a group commit of
    well under a millisecond), so an answered request is never lost by a crash of the proxy.
-   Publishing itself only appends to :class:`pipeline.proxy.publisher.EventPublisher`.
+   Publishing itself only appends to :class:`pipeline.proxy.publisher.EventPublisher`. The turn
+   records the prompt options (``chat_options``) and the distribution its log-probs are of
+   (``logprob_temperature``, ``logprob_processors``; :mod:`pipeline.sampling`).
+
+A generation that does not finish (the engine aborts it, the client disconnects, the engine
+stream breaks or times out) is recorded with ``finish_reason: "abort"`` (the judge never trains
+it as an answer) and counted in ``pipeline_proxy_unfinished_generations_total{cause}``; the
+client gets an OpenAI-style error (503 ``generation_aborted``, or that body as the last SSE
+event of a stream), never ``finish_reason: "abort"``.
 """
 
 from __future__ import annotations
@@ -40,16 +48,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline import events
+from pipeline.chat import chat_options
 from pipeline.config import Config
 from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
-from pipeline.proxy.errors import ProxyError, bad_request, error_body, upstream_error
+from pipeline.proxy.errors import ProxyError, bad_request, error_body, generation_aborted, upstream_error
 from pipeline.proxy.publisher import DurableSend, EventPublisher
 from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, policy_version, repair_logprob_bytes,
                                    strip_response)
 from pipeline.proxy.sessions import SessionTable
 from pipeline.proxy.upstream import Upstream, sse_batches
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
+from pipeline.sampling import effective_temperature, logprob_processors
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +72,31 @@ _DONE = b"data: [DONE]\n\n"
 
 class _ClientGone(Exception):
     """The client disconnected before its request body arrived."""
+
+
+def _is_abort_chunk(data: bytes) -> bool:
+    """Does an SSE chunk end a choice with the non-OpenAI ``finish_reason: "abort"``?"""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+                                         for c in obj.get("choices") or ())
+
+
+def _continued_prefix(user_view: dict) -> str | None:
+    """The text of the trailing assistant message a ``continue_final_message`` request continued
+    (the start of the turn's reply), or None."""
+    msgs = user_view.get("messages") or []
+    if not (user_view.get("chat_options") or {}).get("continue_final_message") or not msgs:
+        return None
+    last = msgs[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else None
 
 
 class ProxyApp:
@@ -95,7 +130,9 @@ class ProxyApp:
         self._caps: tuple[bool, bool] | None = None  # engine streams chat token ids, sends raw log-prob bytes
         self._model_files: tuple[Any, dict] | None = None  # (TokenBytes or None, chat defaults) of the served model
         self._model_files_lock = asyncio.Lock()
-        self._rid_prefix = os.urandom(4).hex() + "-"  # request ids: <process prefix>-<counter> (no syscall per request)
+        # request ids: <random process prefix>-<counter> (no syscall per request); 64 random bits so
+        # two proxy processes (replicas, restarts) never issue the same id: sample ids derive from it
+        self._rid_prefix = os.urandom(8).hex() + "-"
         self._seq = 0
         self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
         self._client = None  # EngineClient for the SGLang streaming path, created on first use
@@ -324,7 +361,8 @@ class ProxyApp:
             if meta.session_id is None:
                 turn_index = 0
             else:
-                mt = self.sessions.begin(sid, req["messages"])
+                mt = self.sessions.begin(sid, req["messages"],
+                                         continue_final=req.get("continue_final_message") is True)
                 turn_index = mt.turn_index
                 if mt.next_state is not None:
                     self._publish(events.NextState(session_id=sid, messages=mt.next_state,
@@ -341,7 +379,7 @@ class ProxyApp:
         if req.get("temperature") is None and self.pc.default_temperature is not None:
             req["temperature"] = self.pc.default_temperature  # the log-probs refer to it: make it explicit
         user_view = {"messages": req["messages"], "tools": req.get("tools"), "model": req.get("model"),
-                     "sampling": {k: req[k] for k in SAMPLING_KEYS if k in req}}
+                     "sampling": {k: req[k] for k in SAMPLING_KEYS if k in req}, "chat_options": chat_options(req)}
         if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
             req["logprobs"] = True
             req["return_token_ids"] = True
@@ -350,8 +388,8 @@ class ProxyApp:
             send.before_final = lambda: self._end(sid, reason)
         try:
             if stream:
-                on_done = (lambda rec: self._record(rec, meta, sid, turn_index, rid, created, user_view)) \
-                    if record else None
+                on_done = (lambda rec, cause=None: self._record(rec, meta, sid, turn_index, rid, created, user_view,
+                                                                cause)) if record else None
                 status = await self._stream(req, keep, extra, t0, receive, send, on_done)
             else:
                 repair = keep[0] and not (await self._engine_caps())[1]
@@ -373,8 +411,31 @@ class ProxyApp:
         self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms()), sid)
         self.sessions.end(sid)
 
+    @staticmethod
+    def _distribution(rec: Recorded, sampling: dict) -> tuple[float, list[str]]:
+        """(effective temperature, logprob processors) of a turn's log-probs: what the engine
+        reported (``metadata.sampling_params``: the CPU engine), else the request under SGLang's
+        rules (greedy -> 1.0; an unset temperature is 1.0 after ``proxy.default_temperature``)."""
+        sp = rec.sampling_params
+        if sp is not None and isinstance(sp.get("temperature"), (int, float)):
+            try:
+                return effective_temperature(sp["temperature"]), logprob_processors(sp)
+            except ValueError:
+                pass
+        try:
+            temp = effective_temperature(sampling.get("temperature"))
+        except ValueError:
+            temp = 1.0
+        return temp, logprob_processors(sampling)
+
     def _record(self, rec: Recorded, meta: SessionMeta, sid: str, turn_index: int | None, rid: str, created: int,
-                user_view: dict) -> None:
+                user_view: dict, cause: str | None = None) -> None:
+        """Publish the turn of one answer. A generation that did not finish (``cause`` names why,
+        or the engine gave no OpenAI finish reason) is recorded with ``finish_reason`` ``abort``
+        (or its own non-OpenAI value) and does not become the session's latest completed turn."""
+        finished = cause is None and rec.finished
+        if not finished:
+            M.UNFINISHED.labels(cause or ("engine_abort" if rec.finish_reason == "abort" else "no_finish_reason")).inc()
         if not rec.complete:
             M.TURNS_WITHOUT_IDS.inc()
             log.warning("request %s: engine answer lacks token ids or log-probs (%d ids, %d log-probs, prompt %s);"
@@ -383,15 +444,19 @@ class ProxyApp:
             token_ids, logprobs = [], []
         else:
             token_ids, logprobs = rec.token_ids, rec.logprobs
+        temperature, processors = self._distribution(rec, user_view["sampling"])
+        reason = rec.finish_reason if finished else (
+            rec.finish_reason if isinstance(rec.finish_reason, str) and rec.finish_reason and cause is None else "abort")
         turn = events.Turn(
             session_id=sid, turn_type=meta.turn_type, turn_index=turn_index, request_id=rid, created_at=created,
             policy_version=self._version(rec.weight_version), model=user_view["model"] or rec.model,
             messages=user_view["messages"], tools=user_view["tools"], sampling=user_view["sampling"],
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
-            response=rec.response, finish_reason=rec.finish_reason if isinstance(rec.finish_reason, str) else None,
-            source="proxy")
-        if turn_index is not None and meta.session_id is not None:
-            self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"))
+            response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
+            logprob_temperature=temperature if logprobs else None, logprob_processors=processors)
+        if finished and turn_index is not None and meta.session_id is not None:
+            self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"),
+                                   prefix=_continued_prefix(user_view))
         self._publish(turn, sid)
         M.TURNS.labels(meta.turn_type).inc()
 
@@ -400,15 +465,20 @@ class ProxyApp:
         status, data = await self.upstream.call("POST", _CHAT, body)
         if status >= 400:
             raise self._engine_error(status, data)
-        if record or repair:
+        if record or repair or b'"abort"' in data:
             try:
                 resp = orjson.loads(data)
             except orjson.JSONDecodeError:
                 raise upstream_error("the engine returned a body that is not JSON") from None
             if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list):
                 raise upstream_error("the engine returned no 'choices'")
+            rec = from_response(resp)
             if record:
-                self._record(from_response(resp), meta, sid, turn_index, rid, created, user_view)
+                self._record(rec, meta, sid, turn_index, rid, created, user_view)
+            elif rec.finish_reason == "abort":
+                M.UNFINISHED.labels("engine_abort").inc()
+            if rec.finish_reason == "abort":  # not an OpenAI value: the client gets an error to retry
+                raise generation_aborted()
             if repair:
                 repair_logprob_bytes(resp, (await self._served_model())[0])
             strip_response(resp, *keep)
@@ -501,7 +571,7 @@ class ProxyApp:
 
             watcher = asyncio.ensure_future(watch())
             first = True
-            finished = False
+            finished = aborted = False
             try:
                 async for batch in sse_batches(resp):
                     parts = []
@@ -509,39 +579,66 @@ class ProxyApp:
                         if data == b"[DONE]":
                             finished = True
                             break
-                        parts.append(b"data: " + (recorder.feed(data) if recorder is not None else data) + b"\n\n")
+                        if recorder is not None:
+                            data = recorder.feed(data)
+                            aborted = recorder.aborted
+                        else:
+                            aborted = b'"abort"' in data and _is_abort_chunk(data)
+                        if aborted:  # never forwarded: the client gets an error event instead
+                            break
+                        parts.append(b"data: " + data + b"\n\n")
                     if parts:
                         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
                         if first:
                             first = False
                             M.TTFT.observe(time.perf_counter() - t0)
-                    if finished:
+                    if finished or aborted:
                         break
             except ProxyError as e:
                 if not gone.is_set():
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": b"data: " + e.body() + b"\n\n" + _DONE})
-                    await send({"type": "http.response.body", "body": b""})
+                    cause = "timeout" if e.status == 504 else "engine_error"
+                    if recorder is not None and recorder.rec.token_ids:
+                        on_done(recorder.finish(), cause)
+                    else:
+                        M.UNFINISHED.labels(cause).inc()
+                    await self._sse_error(send, e)
                     log.warning("stream broke: %s", e.message)
                     return 502
             if gone.is_set():
-                if recorder is not None:
-                    rec = recorder.finish()
-                    rec.finish_reason = "abort"  # what the user saw before leaving: recorded, marked
-                    if rec.token_ids:
-                        on_done(rec)
+                if recorder is not None and recorder.rec.token_ids:
+                    on_done(recorder.finish(), "client_disconnect")  # what the user saw before leaving
+                else:
+                    M.UNFINISHED.labels("client_disconnect").inc()
                 return 499
-            if recorder is not None and recorder.error is None:
-                on_done(recorder.finish())
+            cause = ("engine_abort" if aborted else
+                     "engine_error" if recorder is not None and recorder.error is not None else
+                     "truncated" if not finished and (recorder is None or recorder.rec.finish_reason is None) else None)
+            if recorder is not None:
+                rec = recorder.finish()
+                if cause is None or rec.token_ids:
+                    on_done(rec, cause)
+                elif cause is not None:
+                    M.UNFINISHED.labels(cause).inc()
+            elif cause is not None:
+                M.UNFINISHED.labels(cause).inc()
+            if cause in ("engine_abort", "truncated"):
+                await self._sse_error(send, generation_aborted(
+                    "the engine aborted the generation before it finished" if aborted else
+                    "the engine closed the stream before the generation finished"))
+                return 503 if aborted else 502
             await send({"type": "http.response.body", "body": _DONE, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
-            if not finished:
-                log.warning("the engine closed a stream without [DONE]")
-            return 502 if recorder is not None and recorder.error is not None else 200
+            return 502 if cause == "engine_error" else 200
         finally:
             if watcher is not None:
                 watcher.cancel()
             resp.release()
+
+    @staticmethod
+    async def _sse_error(send, e: ProxyError) -> None:
+        """End an SSE response with an OpenAI-style error event, then ``[DONE]``."""
+        await send({"type": "http.response.body", "more_body": True, "body": b"data: " + e.body() + b"\n\n" + _DONE})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, send, on_done) -> int:
         """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
@@ -570,21 +667,31 @@ class ProxyApp:
                     started = True
                     M.TTFT.observe(time.perf_counter() - t0)
                 out = recorder.feed(orjson.dumps(chunk))
+                if recorder.aborted:
+                    break
                 await send({"type": "http.response.body", "body": b"data: " + out + b"\n\n", "more_body": True})
         except EngineError as e:
             err = (upstream_error(str(e.message), 504) if isinstance(e, EngineTimeout) else
                    self._engine_error(e.status, orjson.dumps({"message": e.message})) if e.status else
                    upstream_error(f"the engine is unreachable or failed: {e.message}"))
+            if recorder.rec.token_ids:
+                on_done(recorder.finish(), "timeout" if err.status == 504 else "engine_error")
             if not started:
                 raise err from None
-            await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\n" + _DONE,
-                        "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            await self._sse_error(send, err)
             return 502
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
+        rec = recorder.finish()
+        if recorder.aborted or rec.finish_reason is None:
+            if on_done is not None and rec.token_ids:
+                on_done(rec, "engine_abort" if recorder.aborted else "truncated")
+            elif on_done is None:
+                M.UNFINISHED.labels("engine_abort" if recorder.aborted else "truncated").inc()
+            await self._sse_error(send, generation_aborted())
+            return 503
         if on_done is not None:
-            on_done(recorder.finish())
+            on_done(rec)
         await send({"type": "http.response.body", "body": _DONE})
         return 200
 

@@ -5,7 +5,10 @@ Every error the proxy answers has the shape the official ``openai`` client parse
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
 ``type`` is ``invalid_request_error`` for 4xx caused by the request, ``authentication_error``
-for 401, ``upstream_error`` for 502 and ``timeout_error`` for 504.
+for 401, ``upstream_error`` for 502, ``timeout_error`` for 504 and ``server_error`` for 503
+(weight-sync hold timed out, or ``generation_aborted``: the engine aborted the generation; a
+stream cut off that way ends with this body as its last ``data:`` event instead of a
+``finish_reason``, never with the non-OpenAI ``finish_reason: "abort"``).
 """
 
 from __future__ import annotations
@@ -55,3 +58,9 @@ def upstream_error(message: str, status: int = 502) -> ProxyError:
     """A 502 (engine failed or unreachable) or 504 (engine timed out)."""
     return ProxyError(status, message, type_="timeout_error" if status == 504 else "upstream_error",
                       code="engine_timeout" if status == 504 else "engine_error")
+
+
+def generation_aborted(detail: str = "the engine aborted the generation before it finished") -> ProxyError:
+    """A 503 for a generation that did not finish (engine abort, pause, shutdown): the client
+    should retry. The same body is sent as an SSE ``error`` event when a stream was cut off."""
+    return ProxyError(503, f"{detail}; retry the request", "server_error", code="generation_aborted")

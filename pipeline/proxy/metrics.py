@@ -24,6 +24,10 @@ WITHOUT_SESSION = Counter("pipeline_proxy_requests_without_session_total",
 TURNS = Counter("pipeline_proxy_turns_total", "Turn events queued for publishing", ["turn_type"])
 TURNS_WITHOUT_IDS = Counter("pipeline_proxy_turns_without_token_ids_total",
                             "Turns whose engine response lacked token ids or log-probs")
+UNFINISHED = Counter("pipeline_proxy_unfinished_generations_total",
+                     "Generations that did not finish (recorded with finish_reason abort, never trained as an "
+                     "answer): engine_abort, client_disconnect, engine_error, timeout, truncated, no_finish_reason",
+                     ["cause"])
 EVENTS_BUFFERED = Gauge("pipeline_proxy_events_buffered",
                         "Events accepted but not yet acknowledged by the broker (disk buffer + memory)")
 EVENTS_DROPPED = Counter("pipeline_proxy_events_dropped_total", "Events given up (never delivered)",

@@ -7,7 +7,9 @@ SGLANG_API.md 2.2/2.4) ``choices[0].token_ids``, ``choices[0].prompt_token_ids``
 ``metadata.weight_version``. Streamed chunks of our engine (vLLM-style extension) carry
 ``token_ids`` deltas per choice, ``prompt_token_ids`` in the first chunk (top level or per
 choice) and per-chunk ``logprobs.content``. Nothing is re-tokenized: what the engine sampled is
-what is recorded.
+what is recorded. The CPU engine also reports its effective sampling parameters
+(``metadata.sampling_params``: greedy normalised, generation-config defaults applied), recorded
+so the turn says which temperature its log-probs are of.
 
 :class:`StreamRecorder` also removes the fields the proxy added and the user did not ask for
 from each chunk before it is forwarded.
@@ -18,6 +20,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import orjson
+
+from pipeline.events import FINISHED
+
+
+
+def _metadata_sampling(md: Any) -> dict | None:
+    sp = md.get("sampling_params") if isinstance(md, dict) else None
+    return sp if isinstance(sp, dict) else None
 
 
 def policy_version(raw: Any, fallback: int) -> int:
@@ -47,7 +57,8 @@ def _logprob_values(lp: Any) -> list[float]:
 class Recorded:
     """The parts of one engine answer a turn needs (filled by the functions below)."""
 
-    __slots__ = ("prompt_ids", "token_ids", "logprobs", "response", "finish_reason", "weight_version", "model")
+    __slots__ = ("prompt_ids", "token_ids", "logprobs", "response", "finish_reason", "weight_version", "model",
+                 "sampling_params")
 
     def __init__(self) -> None:
         self.prompt_ids: list[int] | None = None
@@ -57,6 +68,12 @@ class Recorded:
         self.finish_reason: str | None = None
         self.weight_version: Any = None
         self.model: str = ""
+        self.sampling_params: dict | None = None  # the engine's effective parameters, when it reports them
+
+    @property
+    def finished(self) -> bool:
+        """The generation ended by its own rule (an OpenAI finish reason, not ``abort``/none)."""
+        return self.finish_reason in FINISHED
 
     @property
     def complete(self) -> bool:
@@ -88,6 +105,7 @@ def from_response(resp: dict) -> Recorded:
     r.prompt_ids = list(pids) if isinstance(pids, list) else None
     md = resp.get("metadata")
     r.weight_version = md.get("weight_version") if isinstance(md, dict) else None
+    r.sampling_params = _metadata_sampling(md)
     if r.weight_version is None:
         r.weight_version = meta.get("weight_version")
     return r
@@ -178,6 +196,12 @@ class StreamRecorder:
         self.error: Any = None
         self.chunks = 0
 
+    @property
+    def aborted(self) -> bool:
+        """The engine ended the generation with ``finish_reason: "abort"`` (not an OpenAI value:
+        the proxy turns it into an error for the client)."""
+        return self.rec.finish_reason == "abort"
+
     def feed(self, data: bytes) -> bytes:
         """Record one SSE ``data`` payload; return the payload to forward (maybe rewritten)."""
         self.chunks += 1
@@ -204,6 +228,8 @@ class StreamRecorder:
         md = obj.get("metadata")
         if isinstance(md, dict) and md.get("weight_version") is not None:
             rec.weight_version = md["weight_version"]
+        if _metadata_sampling(md) is not None:
+            rec.sampling_params = _metadata_sampling(md)
         for c in obj.get("choices") or ():
             if not isinstance(c, dict):
                 continue

@@ -76,6 +76,8 @@ class Reply:
         status: HTTP status to answer with instead (an error body is sent).
         break_after: streaming only: drop the connection after this many chunks.
         delay_s: wait this long before answering (tests of time-outs).
+        cut: streaming only: end the response cleanly after the content, without a finish
+            chunk or ``[DONE]`` (an engine that closed the stream early).
     """
 
     content: str = "ok"
@@ -85,6 +87,7 @@ class Reply:
     status: int = 200
     break_after: int | None = None
     delay_s: float = 0.0
+    cut: bool = False
 
 
 def _tokens(text: str, size: int = 3) -> list[str]:
@@ -282,6 +285,8 @@ class ScriptedUpstream:
             else:
                 delta = {"tool_calls": [{"index": k, "function": {"arguments": text}}]}
             out.append(chunk(delta, **extra))
+        if reply.cut:
+            return out
         out.append(chunk({}, finish_reason=self._finish(reply), metadata={"weight_version": self.weight_version}))
         if usage:
             out.append(b"data: " + orjson.dumps(dict(base, choices=[], usage={

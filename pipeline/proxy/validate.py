@@ -26,7 +26,7 @@ SESSION_FIELDS = ("session_id", "turn_type", "session_done")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
                  "seed", "n", "logit_bias", "min_tokens", "ignore_eos", "tool_choice", "response_format",
-                 "parallel_tool_calls")
+                 "parallel_tool_calls", "regex", "ebnf", "json_schema", "structural_tag")
 _SESSION_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

@@ -1,11 +1,11 @@
 """``choice`` backend: score the three answers instead of sampling votes.
 
-The PRM prompt is rendered with the judge model's chat template (tokenizer from
-``judge.tokenizer``, default ``engine.model``) and each candidate answer ``\\boxed{1}``,
+The PRM prompt is rendered by :class:`pipeline.chat.ChatRenderer` with the judge model's chat
+template (tokenizer from ``judge.tokenizer``, default ``engine.model``) and each candidate answer ``\\boxed{1}``,
 ``\\boxed{0}``, ``\\boxed{-1}`` is appended as token ids. One ``POST /generate`` per candidate with
 ``max_new_tokens=0``, ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = prompt
-length) returns log p(candidate token | prefix) for exactly the candidate's tokens (SGLang
-semantics, SGLANG_API.md §1.4); the candidate with the highest summed log-prob (nats) is the
+length) returns log p(candidate token | prefix) for exactly the candidate's tokens (SGLang's
+``logprob_start_len`` semantics); the candidate with the highest summed log-prob (nats) is the
 score. No sampling, so no parse failures, and a fraction of the tokens of m sampled votes.
 A candidate whose request fails after retries scores -inf; all failed gives 0 (one failed vote).
 Hints (OPD) are sampled votes, as in the ``llm`` backend.
@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 
+from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Verdict
 from pipeline.judge.backends.llm import CallFailed, LLMBackend
@@ -27,22 +28,6 @@ log = logging.getLogger(__name__)
 CANDIDATES = ((1, "\\boxed{1}"), (0, "\\boxed{0}"), (-1, "\\boxed{-1}"))
 
 
-def load_tokenizer(name: str, cache_dir: str | None = None):
-    """A Hugging Face tokenizer for a model name (``pipeline.models``) or HF folder."""
-    from transformers import AutoTokenizer
-
-    from pipeline.models import resolve_model
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(name, cache_dir)))
-
-
-def render_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template plus the generation prompt."""
-    kwargs = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 class ChoiceBackend(LLMBackend):
     """Log-prob scoring of the candidates ``\\boxed{1|0|-1}`` through ``/generate``."""
 
@@ -51,6 +36,7 @@ class ChoiceBackend(LLMBackend):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.tokenizer = load_tokenizer(self.jc.tokenizer or config.engine.model, config.engine.cache_dir)
+        self.renderer = ChatRenderer(self.tokenizer)
         self.cand_ids = [(v, list(self.tokenizer.encode(t, add_special_tokens=False))) for v, t in CANDIDATES]
 
     async def _logprob(self, prompt_ids: list[int], cand: list[int]) -> float:
@@ -71,7 +57,7 @@ class ChoiceBackend(LLMBackend):
         return float(sum(lps[-len(cand):]))
 
     async def score(self, inp: JudgeInput) -> Verdict:
-        prompt = await asyncio.to_thread(render_ids, self.tokenizer, prm_messages(inp))
+        prompt = await asyncio.to_thread(self.renderer.render_spec, PromptSpec(prm_messages(inp)))
         lps = await asyncio.gather(*(self._logprob(prompt, ids) for _, ids in self.cand_ids))
         if all(lp == -math.inf for lp in lps):
             metrics.count_vote(None)
