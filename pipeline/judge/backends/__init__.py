@@ -2,7 +2,7 @@
 
 - ``llm``: m sampled ``\\boxed{}`` votes from an OpenAI-compatible endpoint (production default);
 - ``choice``: log-prob scoring of ``\\boxed{1|0|-1}`` with ``/generate`` (SGLang API);
-- ``embedding``: MiniLM prototype classifier of the next state (CPU, single-machine default);
+- ``embedding``: tool-result structure + MiniLM classifier of the next state (CPU, single-machine default);
 - ``constant``: instant +1 (benchmarks only);
 - ``package.module:ClassName`` (or ``package.module.ClassName``): a :class:`Backend` subclass,
   constructed with the process :class:`pipeline.config.Config`.
