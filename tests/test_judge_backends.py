@@ -104,11 +104,10 @@ def test_embedding_abstains_rather_than_guess(embedding_backend):
 
 def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embedding_backend):
     c = kafka_config
-    c.judge.group_id = f"{c.topics.prefix}judge"
-    c.engine.model = "tiny-random"
     correction = "That's incorrect, 17 times 23 is 391."  # classified -1 (corrective)
     with ScriptedJudgeServer() as teacher:
-        c.engine.teacher_url = teacher.url
+        c = c.replace(judge={"group_id": f"{c.topics.prefix}judge"},
+                      engine={"model": "tiny-random", "teacher_url": teacher.url})
         renderer = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the prompt ids
         publish(c, [make_turn("e", 0, request="What is 17*23?", answer="381", renderer=renderer),
                     make_next_state("e", 0, correction),
@@ -130,12 +129,9 @@ def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
     rows = load_rows(FIXTURE)[::10]  # 4 rows: 3 scoring passes each on the CPU
     c = kafka_config
     with running_engine("smollm2-135m", threads=2) as url:
-        c.engine.url = url
-        c.engine.model = "smollm2-135m"
-        c.judge.url = url
-        c.judge.backend = "choice"
-        c.judge.group_id = f"{c.topics.prefix}judge"
-        c.judge.vote_timeout_s = 120
+        c = c.replace(engine={"url": url, "model": "smollm2-135m"},
+                      judge={"url": url, "backend": "choice", "group_id": f"{c.topics.prefix}judge",
+                             "vote_timeout_s": 120})
 
         async def direct():
             backend = ChoiceBackend(c)

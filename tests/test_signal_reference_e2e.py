@@ -338,16 +338,14 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
         turns = {(e.session_id, e.turn_index): e for e in read_events(
             c, "turns", lambda out: sum(isinstance(e, events.SessionEnd) for e in out) == n_sessions)
             if isinstance(e, events.Turn)}
-        c.judge.backend = "llm"
-        c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 10.0, 0, 0.05
-        c.judge.votes, c.judge.hint_min_chars = 3, HINT_MIN_CHARS
-        c.engine.model, c.engine.teacher_url = "tiny-random", eng
+        c = c.replace(judge={"backend": "llm", "vote_timeout_s": 10.0, "retries": 0, "retry_backoff_s": 0.05,
+                             "votes": 3, "hint_min_chars": HINT_MIN_CHARS},
+                      engine={"model": "tiny-random", "teacher_url": eng})
         total = sum(len(w) for w in want.values())
         with contextlib.ExitStack() as judges:
             for mode in MODES:
-                cm = c.model_copy(deep=True)
-                cm.judge.url, cm.judge.mode = servers[mode].url, mode
-                cm.judge.group_id = f"{c.topics.prefix}judge-{mode}"
+                cm = c.replace(judge={"url": servers[mode].url, "mode": mode,
+                                      "group_id": f"{c.topics.prefix}judge-{mode}"})
                 judges.enter_context(JudgeThread(cm))
             judged = read_events(c, "samples", total, timeout_s=60, settle_s=1.0)
         assert len(judged) == total, sorted(s.sample_id for s in judged)
@@ -361,8 +359,8 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
                     eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.accepted_hint),
                     list(t.response_token_ids), fx.effective_temperature)
     # read them as the trainer does: its source, one batch of every trainable sample
-    c.trainer.model = "tiny-random"
-    c.trainer.rollout_batch_size = sum(e[2] for w in want.values() for e in w.values())
+    c = c.replace(trainer={"model": "tiny-random",
+                           "rollout_batch_size": sum(e[2] for w in want.values() for e in w.values())})
     source = SampleSource(c)
     stop = threading.Event()
     timer = threading.Timer(60, stop.set)
