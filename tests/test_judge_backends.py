@@ -22,7 +22,7 @@ from judge_overlap import overlaps
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.chat import ChatRenderer, load_tokenizer
-from pipeline.judge.backends.embedding import EmbeddingBackend, load_examples
+from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
 from pipeline.judge.testing import (JudgeThread, ScriptedJudgeServer, make_next_state, make_turn, publish, read_events,
                                     short_id)
@@ -60,7 +60,7 @@ def test_embedding_agreement_with_labelled_next_states(embedding_backend, path, 
 
 def test_dev_set_is_not_what_the_judge_learns_from():
     """The development set measures generalisation only if the examples do not contain it."""
-    examples = [e["text"] for e in load_examples()]
+    examples = [e["text"] for e in training_examples()]
     rows = load_rows(DEV)
     texts = [m["content"] for r in rows for m in r["next_state"]]
     assert not [(examples[i], rows[j]["id"], kind) for i, j, kind in overlaps(examples, texts)]
