@@ -78,7 +78,9 @@ class RequestTimeoutExplained(logging.Filter):
                           "and sending it again, nothing is lost (a broker slowed by its storage on a busy machine; "
                           "raise kafka.request_timeout_ms if this repeats)")
             return True
-        if any(type(a).__name__ == "RequestTimedOutError" or a == "RequestTimedOutError" for a in args):
+        # compare names only: kafka-python's own objects (requests, versions) may not compare with a str
+        if any(type(a).__name__ == "RequestTimedOutError" or (isinstance(a, str) and a == "RequestTimedOutError")
+               for a in args):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"  # said by the line above
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
