@@ -26,11 +26,12 @@ import uuid
 import httpx
 import orjson
 import pytest
-from sglang_style import SglangStyleEngine
+from tests.support.engine import running_engine
+from tests.support.proxy import running_proxy
+from tests.support.servers import serve_app
+from tests.support.sglang_style import SglangStyleEngine
 
-from pipeline.engine.testing import running_engine
 from pipeline.models import resolve_model
-from pipeline.proxy.testing import running_proxy, serve_app
 from pipeline.proxy.validate import CHAT_FIELDS
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",

@@ -7,7 +7,7 @@ bad records to ``control``: bytes that are not msgpack, a valid event of another
 control event of an unknown schema version and a tombstone. Each follower must dead-letter
 every one of them (with its stage name, the error and the source offset) and finish the sync:
 the syncer answers ``applied``, the trainer's wait sees it, the proxy sees ``resume``.
-The engine is a stand-in (:class:`ScriptedUpstream` already serving version 1, so the syncer
+The engine is a stand-in (:class:`StandInEngine` already serving version 1, so the syncer
 answers without loading weights).
 """
 
@@ -22,9 +22,9 @@ from kafka import KafkaProducer
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.proxy.control import ControlFollower
-from pipeline.proxy.testing import ScriptedUpstream, serve_app
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from conftest import read_all
+from tests.support.servers import serve_app, StandInEngine
 
 
 def _until(cond, timeout_s: float = 30.0) -> bool:
@@ -64,7 +64,7 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
     follower = ControlFollower(cfg, states.append).start()
     syncer = None
     try:
-        with serve_app(ScriptedUpstream(weight_version="1")) as engine_url:
+        with serve_app(StandInEngine(weight_version="1")) as engine_url:
             cfg.syncer.engine_url = engine_url
             pub = WeightPublisher(cfg)
             result = {}

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from pipeline.client import EngineClient
-from pipeline.engine.testing import running_engine
+from tests.support.engine import running_engine
 
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
 

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from pipeline.orchestrate.front import Backend, Front, parse_backends
-from pipeline.proxy.testing import serve_app
+from tests.support.servers import serve_app
 
 
 class Dropper:

@@ -1,4 +1,4 @@
-"""The proxy over real HTTP and a real broker, in front of ``ScriptedUpstream`` (a stand-in engine).
+"""The proxy over real HTTP and a real broker, in front of ``StandInEngine`` (a stand-in engine).
 
 What is checked: events on ``turns`` (order, partition, exact token ids / log-probs / prompt ids
 as the upstream returned them), user-facing answers (extras stripped, tool-call deltas and the
@@ -16,14 +16,16 @@ import httpx
 import orjson
 import pytest
 
-from pipeline.proxy.testing import Reply, ScriptedUpstream, read_events, running_proxy, serve_app
+from tests.support.proxy import running_proxy
+from tests.support.servers import Reply, serve_app, StandInEngine
+from tests.support.topics import read_events, read_records
 
 CHAT = "/v1/chat/completions"
 
 
 @contextlib.contextmanager
 def stack(config, script=None, **proxy):
-    up = ScriptedUpstream(script)
+    up = StandInEngine(script)
     with serve_app(up) as up_url, running_proxy(config, up_url, **proxy) as (url, app):
         yield url, app, up
 
@@ -37,7 +39,9 @@ def _sse(resp: httpx.Response) -> list:
 
 
 def _turns(config, n):
-    evs = read_events(config, want=n, timeout_s=15)
+    """``(partition, offset, key, event)`` of the first ``n`` records of ``turns``."""
+    evs = [(r.partition, r.offset, r.key, r.event) for r in read_records(config, config.topics.name("turns"), n,
+                                                                          timeout_s=15)]
     assert len(evs) == n, [e[3].TYPE for e in evs]
     return evs
 
@@ -326,7 +330,7 @@ def test_openai_client_assembles_tool_calls_from_forwarded_deltas(kafka_config):
 
 
 def test_client_leaving_mid_stream_records_the_partial_turn_and_session_end_route(kafka_config):
-    up = ScriptedUpstream(lambda req: Reply(content="word " * 200), token_interval_s=0.02)
+    up = StandInEngine(lambda req: Reply(content="word " * 200), token_interval_s=0.02)
     with serve_app(up) as up_url, running_proxy(kafka_config, up_url) as (url, app):
         with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": "long"}], "stream": True},
                           headers={"X-Session-Id": "leaver"}) as s:
@@ -340,7 +344,7 @@ def test_client_leaving_mid_stream_records_the_partial_turn_and_session_end_rout
         assert r.status_code == 200 and r.json() == {"session_id": "leaver", "ended": True}
         assert httpx.post(url + "/v1/sessions/bad%20id/end").status_code == 400
         evs = read_events(kafka_config, want=2, timeout_s=15)
-    turn, end = (e for *_, e in evs)
+    turn, end = evs
     assert turn.TYPE == "turn" and turn.finish_reason == "abort"
     assert 3 <= len(turn.response_token_ids) < len(up.answers[0]["token_ids"])
     assert turn.response_token_ids == up.answers[0]["token_ids"][:len(turn.response_token_ids)]
@@ -356,4 +360,4 @@ def test_default_temperature_is_sent_and_recorded(kafka_config):
         assert [r["temperature"] for r in up.requests] == [0.6, 0.9]
         app.publisher.wait_idle(10)
         evs = read_events(kafka_config, want=3)
-    assert [e.sampling.get("temperature") for *_, e in evs if e.TYPE == "turn"] == [0.6, 0.9]
+    assert [e.sampling.get("temperature") for e in evs if e.TYPE == "turn"] == [0.6, 0.9]

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.broker import free_port
+from pipeline.procutil import free_port
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
 from pipeline.orchestrate.up import Stack, parse_replicas, replica_names, status_line
 

@@ -16,8 +16,8 @@ import pytest
 from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.config import load_config
-from pipeline.engine.testing import running_engine
-from pipeline.trainer.testing import shifted_export
+from tests.support.engine import running_engine
+from tests.support.trainer import shifted_export
 
 TOKENS = list(range(200, 230))
 

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 
 from pipeline import events
-from pipeline.broker import free_port
+from pipeline.procutil import free_port
 from pipeline.bus import EventProducer
 from conftest import scrape
 

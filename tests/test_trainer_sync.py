@@ -69,10 +69,10 @@ async def _score(url, tokens, start):
 
 
 def test_training_step_raises_positive_response_logprob_on_the_engine(kafka_config, tmp_path):
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
     from pipeline.syncer import Syncer
     from pipeline.trainer.stage import TrainerStage
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     cfg = _config(kafka_config, tmp_path)
     cfg.syncer.engine_id = "engine-0"
@@ -131,7 +131,7 @@ def test_sync_times_out_reports_failed_and_resumes(kafka_config, tmp_path):
 
 def test_syncer_verifies_checksum_retries_and_reports_failed(kafka_config, tmp_path):
     from pipeline.syncer import Syncer
-    from pipeline.trainer.dist import free_port
+    from pipeline.procutil import free_port
     from pipeline.trainer.model import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 
     folder = tmp_path / "v000003"

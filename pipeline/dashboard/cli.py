@@ -43,7 +43,7 @@ def build(config):
 def run(args, config) -> int:
     import uvicorn
 
-    from pipeline.broker import free_port
+    from pipeline.procutil import free_port
 
     d = config.dashboard
     if args.host:

@@ -44,7 +44,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.broker import free_port, kafka_answers, port_free
+from pipeline.broker import kafka_answers
+from pipeline.procutil import free_port, port_free
 from pipeline.config import Config, redacted
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
 

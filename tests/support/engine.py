@@ -1,8 +1,8 @@
-"""Start a real engine for tests and local tools: ``running_engine(model) -> base_url``.
+"""Start a real engine (ours, on the CPU) for tests and benchmarks: ``running_engine(model) -> base_url``.
 
-Usage (any helper's tests)::
+Usage::
 
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     def test_something():
         with running_engine("tiny-random") as url:          # in this process, ~1-3 s
@@ -24,12 +24,13 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess as sp
 import sys
 import threading
 import time
 from typing import Iterator
+
+from tests.support.servers import listening_socket
 
 
 @contextlib.contextmanager
@@ -56,10 +57,7 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
     state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
                         weight_version=weight_version, seed=seed, threads=threads)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
+    sock = listening_socket("127.0.0.1", backlog=128)
     port = sock.getsockname()[1]
     server = make_server(state, api_key=api_key)
     errors: list[BaseException] = []

@@ -1,0 +1,36 @@
+"""The real proxy served in a thread for tests: :func:`running_proxy`."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+from tests.support.servers import serve_app
+
+
+@contextlib.contextmanager
+def running_proxy(config, engine_url: str, *, follow_control: bool = False, publisher=None,
+                  **proxy_settings: Any) -> Iterator[tuple[str, Any]]:
+    """Serve a :class:`pipeline.proxy.app.ProxyApp` for ``engine_url``; yield ``(base_url, app)``.
+
+    ``proxy_settings`` override fields of ``config.proxy`` (on a copy), e.g. ``api_keys=["k"]``.
+    Without ``buffer_dir`` the proxy gets a fresh temporary buffer folder (removed afterwards).
+    """
+    from pipeline.proxy.app import ProxyApp
+
+    cfg = config.model_copy(deep=True)
+    tmp = None
+    if "buffer_dir" not in proxy_settings and publisher is None:  # each proxy its own durable buffer
+        tmp = tempfile.mkdtemp(prefix="proxy-buffer-")
+        cfg.proxy.buffer_dir = tmp
+    for k, v in proxy_settings.items():
+        setattr(cfg.proxy, k, v)
+    try:
+        app = ProxyApp(cfg, engine_url=engine_url, publisher=publisher, follow_control=follow_control)
+        with serve_app(app) as url:
+            yield url, app
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
