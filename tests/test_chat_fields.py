@@ -26,13 +26,13 @@ import uuid
 import httpx
 import orjson
 import pytest
+
+from pipeline.models import resolve_model
+from pipeline.chatbody import CHAT_FIELDS
 from tests.support.engine import running_engine
 from tests.support.proxy import running_proxy
 from tests.support.servers import serve_app
 from tests.support.sglang_style import SglangStyleEngine
-
-from pipeline.models import resolve_model
-from pipeline.proxy.validate import CHAT_FIELDS
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",

@@ -24,7 +24,7 @@ from pipeline.config import load_config
 from pipeline.proxy.control import ControlFollower
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from conftest import read_all
-from tests.support.servers import serve_app, StandInEngine
+from tests.support.servers import StandInEngine, serve_app
 
 
 def _until(cond, timeout_s: float = 30.0) -> bool:

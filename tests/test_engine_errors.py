@@ -7,6 +7,7 @@ import pytest
 
 from tests.support.engine import running_engine
 
+
 MSG = [{"role": "user", "content": "hi"}]
 LONG = "word " * 400  # > the 128-token context configured below
 

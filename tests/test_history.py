@@ -25,9 +25,9 @@ from pipeline.history.archive import Archiver, archive_topic
 from pipeline.history.store import ArchiveError, partition_files, read_archive
 from pipeline.simulate.feedback import THANKS_BRIEF, TOO_LONG
 from pipeline.topics import apply_topics, load_topics
-from tests.support.topics import publish, read_records
 
 from conftest import make_config
+from tests.support.topics import publish, read_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "examples" / "conversations.jsonl"
 
@@ -119,7 +119,6 @@ def judge_samples(config, backend, n_turns: int) -> dict[str, events.Sample]:
 
 
 def test_archive_stop_broker_new_broker_replay_same_events_and_samples(tmp_path):
-    pytest.importorskip("pipeline.judge.app")
     from pipeline.judge.backends import make_backend
 
     stream = conversation_stream(14, seed=3)

@@ -20,7 +20,7 @@ from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
 from pipeline.judge.prompts import inject_hint
 from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
 from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, serve_app, StandInEngine, StandInJudge
+from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
 from tests.support.topics import publish, read_events
 
 CHAT = "/v1/chat/completions"

@@ -15,8 +15,9 @@ from prometheus_client import REGISTRY
 
 from tests.support.judge import JudgeThread, short_id
 from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, serve_app, StandInEngine, StandInJudge
+from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
 from tests.support.topics import read_events
+
 
 CHAT = "/v1/chat/completions"
 VOTE_UP = "<<score: \\boxed{1}>>"

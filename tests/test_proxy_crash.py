@@ -28,7 +28,7 @@ from pipeline.procutil import free_port
 from pipeline.config import load_config
 from pipeline.proxy.buffer import DB_NAME
 from pipeline.topics import apply_topics, load_topics
-from tests.support.servers import serve_app, StandInEngine
+from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events
 
 CHAT = "/v1/chat/completions"

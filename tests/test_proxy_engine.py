@@ -15,6 +15,7 @@ from tests.support.engine import running_engine
 from tests.support.proxy import running_proxy
 from tests.support.topics import read_events, read_records
 
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
@@ -80,7 +81,7 @@ def test_openai_client_stream_and_non_stream_with_tools_and_exact_ids(engine_url
     assert t1.response_token_ids == s_ids and t1.prompt_token_ids == s_prompt
     assert t1.response_logprobs == pytest.approx(s_lps, abs=1e-6)
     assert t1.response["content"] == text and t1.turn_index == 1
-    plain_turn = [e for *_, k, e in evs if k == "oa-2"][0]
+    plain_turn = [r.event for r in recs if r.key == "oa-2"][0]
     assert len(plain_turn.response_token_ids) == len(plain_turn.response_logprobs) > 0
 
 

@@ -17,8 +17,9 @@ import orjson
 import pytest
 
 from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, serve_app, StandInEngine
+from tests.support.servers import Reply, StandInEngine, serve_app
 from tests.support.topics import read_events, read_records
+
 
 CHAT = "/v1/chat/completions"
 
@@ -150,7 +151,9 @@ def test_anonymous_reject_and_skip(kafka_config):
 
 
 def test_concurrent_requests_of_one_session_get_unique_indices(kafka_config):
-    with stack(kafka_config) as (url, app, up):
+    """24 requests of one session in flight at once (each held 0.3 s by the engine): every turn gets
+    its own index, and the engine saw them overlap."""
+    with stack(kafka_config, lambda req: Reply(content="a", delay_s=0.3)) as (url, app, up):
         async def go():
             async with httpx.AsyncClient() as c:
                 rs = await asyncio.gather(*[c.post(url + CHAT, json={"messages": [{"role": "user", "content": "q"}]},
@@ -158,6 +161,7 @@ def test_concurrent_requests_of_one_session_get_unique_indices(kafka_config):
             return rs
         rs = asyncio.run(go())
         assert all(r.status_code == 200 for r in rs)
+        assert up.peak_in_flight >= 2, "the requests never overlapped: nothing concurrent was tested"
         assert sorted(int(r.headers["x-turn-index"]) for r in rs) == list(range(24))
         assert app.publisher.wait_idle(10)
         evs = _turns(kafka_config, 24)

@@ -21,7 +21,7 @@ from pipeline.config import load_config
 from pipeline.proxy.publisher import EventPublisher
 from pipeline.topics import apply_topics, load_topics
 from tests.support.proxy import running_proxy
-from tests.support.servers import serve_app, StandInEngine
+from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events, read_records
 
 CHAT = "/v1/chat/completions"

@@ -11,7 +11,7 @@ from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.proxy import metrics as M
 from tests.support.proxy import running_proxy
-from tests.support.servers import serve_app, StandInEngine
+from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events
 
 CHAT = "/v1/chat/completions"

@@ -17,7 +17,7 @@ from pipeline.orchestrate.front import Backend, Front
 from test_front import running_front
 from tests.support.judge import JudgeThread
 from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, serve_app, StandInEngine
+from tests.support.servers import Reply, StandInEngine, serve_app
 from tests.support.topics import read_events
 
 SESSIONS, TURNS = 3, 4

@@ -67,22 +67,9 @@ def _wait(pred, timeout_s=30.0, what="condition"):
 
 
 def _control(cfg, want: int, timeout_s: float = 15.0) -> list[events.Control]:
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
+    from tests.support.topics import read_events
 
-    from pipeline.bus import consumer_kwargs
-
-    c = KafkaConsumer(**consumer_kwargs(cfg, None))
-    tp = TopicPartition(cfg.topics.name("control"), 0)
-    c.assign([tp])
-    c.seek(tp, 0)
-    out: list[events.Control] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(out) < want:
-        for recs in c.poll(timeout_ms=200).values():
-            out.extend(events.decode(r.value) for r in recs)
-    c.close()
-    return out
+    return read_events(cfg, "control", want, timeout_s, settle_s=0.2)
 
 
 def _publish(cfg, version: int, folder, sha: str, wait: bool = True):

@@ -23,22 +23,9 @@ def _config(kafka_config, tmp_path, **trainer):
 
 
 def _control_log(config, timeout_s: float = 10.0, want: int = 1) -> list[events.Control]:
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
+    from tests.support.topics import read_events
 
-    from pipeline.bus import consumer_kwargs
-
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    tp = TopicPartition(config.topics.name("control"), 0)
-    c.assign([tp])
-    c.seek(tp, 0)
-    out: list[events.Control] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(out) < want:
-        for recs in c.poll(timeout_ms=200).values():
-            out.extend(events.decode(r.value) for r in recs)
-    c.close()
-    return out
+    return read_events(config, "control", want, timeout_s, settle_s=0.2)
 
 
 def _produce(config, samples):

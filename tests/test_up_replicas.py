@@ -20,7 +20,7 @@ from pipeline import events
 from pipeline.config import load_config
 from pipeline.orchestrate.supervisor import RestartPolicy
 from pipeline.orchestrate.up import start_stack, status_line
-from tests.support.servers import serve_app, StandInEngine
+from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events
 
 

@@ -20,7 +20,6 @@ process-wide thread setting). Both bind 127.0.0.1 on a free port and shut down c
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -30,7 +29,7 @@ import threading
 import time
 from typing import Iterator
 
-from tests.support.servers import listening_socket
+from tests.support.servers import serve_server
 
 
 @contextlib.contextmanager
@@ -57,34 +56,13 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
     state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
                         weight_version=weight_version, seed=seed, threads=threads)
-    sock = listening_socket("127.0.0.1", backlog=128)
-    port = sock.getsockname()[1]
-    server = make_server(state, api_key=api_key)
-    errors: list[BaseException] = []
-
-    def _serve() -> None:
-        try:
-            asyncio.run(server.serve(sockets=[sock]))
-        except BaseException as e:  # noqa: BLE001 - surfaced to the caller below
-            errors.append(e)
-
-    thread = threading.Thread(target=_serve, name=f"engine-http-{port}", daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while not server.started:
-            if errors or not thread.is_alive():
-                raise RuntimeError(f"engine server failed to start: {errors[:1]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("engine server did not start in time")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        with serve_server(make_server(state, api_key=api_key), backlog=128, start_timeout_s=start_timeout_s,
+                          config_loop=False) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(15)
         state.shutting_down = True
         state.worker.stop()
-        sock.close()
 
 
 @contextlib.contextmanager

@@ -73,29 +73,47 @@ def serve_app(app, host: str = "127.0.0.1", *, loop: str = "auto", http: str = "
     """
     import uvicorn
 
-    sock = listening_socket(host)
-    port = sock.getsockname()[1]
     cfg = uvicorn.Config(app, log_level="warning", access_log=False, loop=loop, http=http, lifespan="auto",
                          timeout_graceful_shutdown=5)
-    server = uvicorn.Server(cfg)
+    with serve_server(uvicorn.Server(cfg), host, start_timeout_s=start_timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_server(server, host: str = "127.0.0.1", *, start_timeout_s: float = 30.0, backlog: int = 1024,
+                 config_loop: bool = True) -> Iterator[str]:
+    """Run a configured ``uvicorn.Server`` in a daemon thread on a free port of ``host``; yield its
+    base URL; on exit ask it to stop and join it.
+
+    ``config_loop``: run it as ``server.run`` does (the event loop its config names, e.g. uvloop);
+    False: a plain ``asyncio.run`` loop.
+
+    Raises:
+        RuntimeError: the server did not start (its start-up failed or timed out).
+    """
+    sock = listening_socket(host, backlog)
+    port = sock.getsockname()[1]
     errors: list[BaseException] = []
 
     def _run() -> None:
         try:
-            server.run(sockets=[sock])
-        except BaseException as e:  # surfaced below
+            if config_loop:
+                server.run(sockets=[sock])
+            else:
+                asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
-    t = threading.Thread(target=_run, name=f"asgi-{port}", daemon=True)
+    t = threading.Thread(target=_run, name=f"http-{port}", daemon=True)
     t.start()
-    deadline = time.monotonic() + start_timeout_s
-    while not server.started:
-        if errors or not t.is_alive():
-            raise RuntimeError(f"server failed to start: {errors[:1]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("server did not start in time")
-        time.sleep(0.01)
     try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if errors or not t.is_alive():
+                raise RuntimeError(f"server failed to start: {errors[:1]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start in time")
+            time.sleep(0.01)
         yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
@@ -478,13 +496,17 @@ class StandInJudge(StandInServer):
             changes nothing.
         instant: answer every chat call with ``\\boxed{1}`` at once, without reading the prompt
             (benchmark baseline).
+        generate_script: ``/generate`` answers with ``generate_script(body)`` as they are (a
+            malformed answer, for tests of what the teacher refuses).
 
     Attributes:
         generate_bodies: every ``/generate`` request body.
     """
 
-    def __init__(self, hang_s: float = 30.0, tokenizer=None, teacher_logits=None, instant: bool = False) -> None:
+    def __init__(self, hang_s: float = 30.0, tokenizer=None, teacher_logits=None, instant: bool = False,
+                 generate_script: Callable[[dict], dict] | None = None) -> None:
         super().__init__()
+        self.generate_script = generate_script
         self.hang_s = hang_s
         self.tokenizer = tokenizer
         self.teacher_logits = None if teacher_logits is None else [float(x) for x in teacher_logits]
@@ -507,7 +529,12 @@ class StandInJudge(StandInServer):
             status, payload = await self._chat(req)
         elif path == "/generate":
             self.generate_bodies.append(req)
-            status, payload = self._fixed_logits(req) if self.teacher_logits is not None else self._generate(req)
+            if self.generate_script is not None:
+                status, payload = 200, self.generate_script(req)
+            elif self.teacher_logits is not None:
+                status, payload = self._fixed_logits(req)
+            else:
+                status, payload = self._generate(req)
         else:
             status, payload = 404, {"error": {"message": f"no route {path}"}}
         await send_json(send, status, payload)
