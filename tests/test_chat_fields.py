@@ -1,6 +1,6 @@
 """Every chat field the proxy accepts is honoured on every path exactly as on the engine's own
 chat path, or refused with a 4xx that names it. Table-driven over the proxy's schema
-(:data:`pipeline.proxy.validate.CHAT_FIELDS`): a field added to the schema without a case here
+(:data:`pipeline.chatbody.CHAT_FIELDS`): a field added to the schema without a case here
 fails :func:`test_every_accepted_field_has_a_case`.
 
 Paths: the proxy in front of our CPU engine (which streams token ids on chat: the request is

@@ -25,15 +25,7 @@ from pipeline.proxy.control import ControlFollower
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from conftest import read_all
 from tests.support.servers import StandInEngine, serve_app
-
-
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from tests.support.waiting import until
 
 
 def _bad_control_values() -> list[tuple[bytes | None, str]]:
@@ -71,7 +63,7 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
             trainer = threading.Thread(target=lambda: result.setdefault("report", pub.sync(1, str(folder), sha)))
             trainer.start()
             # the sync is under way: the proxy saw the pause (pause and weights are on control)
-            assert _until(lambda: any(s.paused for s in states)), states
+            assert until(lambda: any(s.paused for s in states)), states
             bad = _bad_control_values()
             raw = KafkaProducer(bootstrap_servers=cfg.kafka.bootstrap_servers)
             bad_offsets = [raw.send(control, value=v, key=b"r", partition=0).get(10).offset for v, _ in bad]
@@ -84,7 +76,7 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
             report = result["report"]
             assert report.ok and report.applied == ["engine-0"], report  # the trainer's wait went on
             assert syncer.applied == [1]                                  # the syncer went on
-            assert _until(lambda: states and not states[-1].paused)       # the proxy went on: resume seen
+            assert until(lambda: states and not states[-1].paused)       # the proxy went on: resume seen
             assert states[-1].applied_version == 1 and states[-1].epoch == 1
             assert follower.records >= len(bad) + 4  # pause, weights, the bad ones, applied, resume
     finally:

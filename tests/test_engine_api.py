@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.client import EngineClient
 from tests.support.engine import running_engine
+from tests.support.waiting import sse_events
 
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -30,15 +31,6 @@ def gen(http, **body):
     r = http.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def sse_events(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            payload = line[6:]
-            out.append(payload if payload == "[DONE]" else orjson.loads(payload))
-    return out
 
 
 # ---- /generate --------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
-from pipeline.procutil import free_port
 from pipeline.bus import EventProducer
+from pipeline.procutil import free_port
 from conftest import scrape
 from tests.support.judge import check_samples, scripted_stream
 from tests.support.servers import StandInJudge

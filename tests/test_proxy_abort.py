@@ -17,18 +17,11 @@ from tests.support.judge import JudgeThread, short_id
 from tests.support.proxy import running_proxy
 from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
 from tests.support.topics import read_events
+from tests.support.waiting import sse_events
 
 
 CHAT = "/v1/chat/completions"
 VOTE_UP = "<<score: \\boxed{1}>>"
-
-
-def _sse(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            out.append(line[6:] if line[6:] == "[DONE]" else orjson.loads(line[6:]))
-    return out
 
 
 def _unfinished(cause: str) -> float:
@@ -116,7 +109,7 @@ def test_every_cut_off_stream_ends_in_an_error_and_an_unfinished_turn(kafka_conf
         with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": how}], "stream": True},
                           headers={"X-Session-Id": f"s-{how}"}, timeout=30) as s:
             assert s.status_code == 200
-            chunks = _sse(s)
+            chunks = sse_events(s)
         app.publisher.wait_idle(10)
         turns = [e for e in read_events(c, want=1, timeout_s=5) if e.TYPE == "turn"]
     assert chunks[-1] == "[DONE]" and "error" in chunks[-2]

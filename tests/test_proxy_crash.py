@@ -24,12 +24,13 @@ import pytest
 
 from pipeline import events
 from pipeline.broker import EmbeddedBroker
-from pipeline.procutil import free_port
 from pipeline.config import load_config
+from pipeline.procutil import free_port
 from pipeline.proxy.buffer import DB_NAME
 from pipeline.topics import apply_topics, load_topics
 from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events
+from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -69,16 +70,6 @@ class ProxyProcess:
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
         return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
-
-
-def _await(predicate, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _buffered_turns(buffer_dir) -> set[str]:
@@ -125,7 +116,7 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
             p = ProxyProcess(engine_url, broker.bootstrap, buffer_dir, prefix)
             procs.append(p)
             warm, _ = _talk(p.url, 1, 1)  # publishing works: the warm-up turn reaches Kafka
-            _await(lambda: p.metric("pipeline_proxy_events_delivered_total") >= 2, "warm-up delivery")
+            wait_for(lambda: p.metric("pipeline_proxy_events_delivered_total") >= 2, "warm-up delivery")
             delivered_before = p.metric("pipeline_proxy_events_delivered_total")
 
             if outage == "broker_down":
@@ -136,7 +127,7 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
             answered, n_events = _talk(p.url, 4, 3)  # N = 12 answered requests, 28 events
             # proof that the proxy is killed with its events unpublished: all buffered, none
             # delivered since the outage, and every answered turn in the buffer file on disk
-            _await(lambda: p.metric("pipeline_proxy_events_buffered") == n_events, "every event buffered")
+            wait_for(lambda: p.metric("pipeline_proxy_events_buffered") == n_events, "every event buffered")
             assert p.metric("pipeline_proxy_events_delivered_total") == delivered_before
             assert _buffered_turns(buffer_dir) == set(answered)
 
@@ -150,7 +141,7 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
 
             p2 = ProxyProcess(engine_url, broker.bootstrap, buffer_dir, prefix)  # same buffer folder
             procs.append(p2)
-            _await(lambda: p2.metric("pipeline_proxy_events_buffered") == 0, "the restarted proxy drained", 60)
+            wait_for(lambda: p2.metric("pipeline_proxy_events_buffered") == 0, "the restarted proxy drained", 60)
             evs = read_events(config, timeout_s=30, settle_s=2.0)
             p2.proc.send_signal(signal.SIGTERM)
             assert p2.proc.wait(30) in (0, -15)

@@ -19,6 +19,7 @@ import pytest
 from tests.support.proxy import running_proxy
 from tests.support.servers import Reply, StandInEngine, serve_app
 from tests.support.topics import read_events, read_records
+from tests.support.waiting import sse_events
 
 
 CHAT = "/v1/chat/completions"
@@ -29,14 +30,6 @@ def stack(config, script=None, **proxy):
     up = StandInEngine(script)
     with serve_app(up) as up_url, running_proxy(config, up_url, **proxy) as (url, app):
         yield url, app, up
-
-
-def _sse(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            out.append(line[6:] if line[6:] == "[DONE]" else orjson.loads(line[6:]))
-    return out
 
 
 def _turns(config, n):
@@ -68,7 +61,7 @@ def test_conversation_events_carry_exactly_what_the_engine_returned(kafka_config
         with httpx.stream("POST", url + CHAT, json={"model": "m", "messages": msgs, "stream": True},
                           headers={**h, "X-Session-Done": "true"}) as s:
             assert s.status_code == 200 and s.headers["x-turn-index"] == "1"
-            chunks = _sse(s)
+            chunks = sse_events(s)
         assert chunks[-1] == "[DONE]"
         text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks[:-1] if c["choices"])
         assert text == "It is sunny."
@@ -100,7 +93,7 @@ def test_stream_forwards_tool_call_deltas_with_indices_and_usage_when_asked(kafk
         req = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True,
                "stream_options": {"include_usage": True}, "logprobs": True}
         with httpx.stream("POST", url + CHAT, json=req, headers={"X-Session-Id": "s"}) as s:
-            chunks = _sse(s)
+            chunks = sse_events(s)
         deltas = [tc for c in chunks[:-1] if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
         assert {d["index"] for d in deltas} == {0, 1}
         args = {i: "".join(d["function"].get("arguments") or "" for d in deltas if d["index"] == i) for i in (0, 1)}
@@ -112,7 +105,7 @@ def test_stream_forwards_tool_call_deltas_with_indices_and_usage_when_asked(kafk
         assert lps == up.answers[0]["logprobs"]
         req.pop("stream_options")
         with httpx.stream("POST", url + CHAT, json=req, headers={"X-Session-Id": "s2"}) as s:
-            chunks = _sse(s)
+            chunks = sse_events(s)
         assert all(c["choices"] for c in chunks[:-1])  # no usage chunk unless asked
 
 
@@ -282,7 +275,7 @@ def test_engine_failures_map_to_502_504_and_4xx(kafka_config):
         with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": "break"}], "stream": True},
                           headers={"X-Session-Id": "f-break"}) as s:
             assert s.status_code == 200
-            chunks = _sse(s)
+            chunks = sse_events(s)
         assert "error" in chunks[-2] and chunks[-1] == "[DONE]"
         assert httpx.get(url + "/readyz").status_code == 200
     with running_proxy(kafka_config, _closed_port_url()) as (url, app):

@@ -45,9 +45,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker import kafka_answers
-from pipeline.procutil import free_port, port_free
 from pipeline.config import Config, redacted
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
+from pipeline.procutil import free_port, port_free
 
 log = logging.getLogger(__name__)
 HELP = "Start broker, engine(s), proxy, judge, trainer and syncer as processes; Ctrl-C stops all."
