@@ -76,9 +76,9 @@ def majority_vote(votes: Sequence[int | None]) -> float:
 def rl_signals(vote: float | None) -> tuple[float | None, int]:
     """``rl`` mode: (reward, loss_mask) of a turn; ``vote`` None = no next state (never judged).
 
-    The at-least-one rule (a session's first judged turn trained with reward 0 when it would
-    otherwise have no trained turn) is decided by the judge over the session and is not modelled
-    here: pass its result as ``vote = 0`` and set the mask yourself.
+    The at-least-one rule (OpenClaw-RL: a session's first judged turn trained with reward 0 when
+    the session has no trained turn yet; here: the session's turn 0, see pipeline/judge/join.py)
+    is not modelled here: pass its result as ``vote = 0`` and set the mask yourself.
     """
     if vote is None:
         return None, 0

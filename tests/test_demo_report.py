@@ -46,8 +46,10 @@ def _report():
         "topics": {"samples_by_policy_version": {"0": {"samples": 16, "reward_mean": -0.5, "positive": 4},
                                                  "1": {"samples": 16, "reward_mean": 0.25, "positive": 10}}},
         "trainer": {"per_step": [
-            {"step": 1, "policy_version": 1, "reward_mean": -0.5, "kl": 0.0, "ppo_kl": 0.001, "logprob_abs_diff": 2e-6},
-            {"step": 2, "policy_version": 2, "reward_mean": 0.25, "kl": 0.01, "ppo_kl": 0.003, "logprob_abs_diff": 3e-6}]},
+            {"step": 1, "policy_version": 1, "reward_mean": -0.5, "kl": 0.0, "ppo_kl": 0.001, "logprob_abs_diff": 0.1,
+             "logprob_abs_diff_current": 2e-6, "logprob_abs_diff_stale": 0.2},
+            {"step": 2, "policy_version": 2, "reward_mean": 0.25, "kl": 0.01, "ppo_kl": 0.003, "logprob_abs_diff": 0.15,
+             "logprob_abs_diff_current": 3e-6, "logprob_abs_diff_stale": 0.3}]},
     }
 
 
@@ -81,10 +83,12 @@ def test_success_curve_shows_n_intervals_target_values_and_words_axis(tmp_path):
     health = [a for a in fig.axes if a not in (success_ax, words_ax)]
     assert [a.get_title().split(" ")[0] for a in health] == ["batch", "KL", "|train"]
     steps = report["trainer"]["per_step"]
-    for ax, key in zip(health, ("reward_mean", "kl", "logprob_abs_diff")):
+    for ax, key in zip(health, ("reward_mean", "kl", "logprob_abs_diff_stale")):
         assert list(ax.lines[0].get_xdata()) == [1, 2]
         assert list(ax.lines[0].get_ydata()) == pytest.approx([r[key] for r in steps])
     assert list(health[1].lines[1].get_ydata()) == pytest.approx([0.001, 0.003])
+    # the engine/trainer mismatch on own-version samples, beside the drift on stale ones
+    assert list(health[2].lines[1].get_ydata()) == pytest.approx([2e-6, 3e-6])
     plot(report, tmp_path / "report.png")
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -136,7 +136,7 @@ def test_k8s_manifest_is_valid_by_the_kubernetes_api_schema(doc):
 
 def test_k8s_strict_validation_rejects_unknown_and_mistyped_fields():
     deployment = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "proxy.yaml").read_text())
-                      if d and d["kind"] == "Deployment")
+                      if d and d["kind"] == "StatefulSet")
     typo = copy.deepcopy(deployment)
     typo["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -145,6 +145,24 @@ def test_k8s_strict_validation_rejects_unknown_and_mistyped_fields():
     wrong["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(wrong, K8S_VERSION, strict=True)
+
+
+def test_proxy_event_buffer_is_on_a_persistent_volume():
+    """The proxy's durable event buffer must outlive its container: a named volume in compose,
+    a per-pod PersistentVolumeClaim (StatefulSet) in Kubernetes, at the configured buffer_dir."""
+    prod = yaml.safe_load((DEPLOY / "config" / "production.yaml").read_text())
+    path = prod["proxy"]["buffer_dir"]
+    assert path.startswith("/")
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    mounts = compose["services"]["proxy"]["volumes"]
+    named = [m.split(":")[0] for m in mounts if m.split(":")[1] == path]
+    assert named and named[0] in compose["volumes"]
+    sts = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "proxy.yaml").read_text())
+               if d and d["kind"] == "StatefulSet")
+    claims = {c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]}
+    mounted = {m["name"] for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+               if m["mountPath"] == path}
+    assert mounted and mounted <= claims
 
 
 def test_kustomization_lists_existing_files():

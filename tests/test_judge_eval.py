@@ -181,8 +181,9 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
 
 def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     """OPD in the stream: accepted hints with their length, rejections by reason, backend failures."""
-    from tests.support.servers import StandInJudge
+    from pipeline.chat import ChatRenderer, load_tokenizer
     from tests.support.judge import make_next_state, make_turn
+    from tests.support.servers import StandInJudge
 
     class Failing(LabelEcho):
         async def hint(self, inp):
@@ -201,8 +202,10 @@ def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     hint = "hint: use kilometres"
     with StandInJudge() as teacher:
         c.engine.teacher_url = teacher.url
-        publish(c, [make_turn("h", 0), make_next_state("h", 0, hint), make_turn("h", 1),
-                    make_next_state("h", 1, "thanks"), make_turn("h", 2), make_next_state("h", 2, "boom"),
+        rend = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the turn's prompt ids
+        publish(c, [make_turn("h", 0, renderer=rend), make_next_state("h", 0, hint), make_turn("h", 1, renderer=rend),
+                    make_next_state("h", 1, "thanks"), make_turn("h", 2, renderer=rend),
+                    make_next_state("h", 2, "boom"),
                     events.SessionEnd(session_id="h")])
         with JudgeThread(c, mode="opd", backend=Failing(c)):
             got = read_events(c, "samples", 1, timeout_s=30, settle_s=1.0)

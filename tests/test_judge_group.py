@@ -29,7 +29,10 @@ def test_two_judges_one_leaves_no_loss_no_reorder(kafka_config, tmp_path):
     with StandInJudge() as server:
         cmd = [sys.executable, "-m", "pipeline", "judge", "--mode", "rl", "--backend", "llm", "--url", server.url,
                "--group-id", f"{c.topics.prefix}judge", "--bootstrap", c.kafka.bootstrap_servers,
-               "--log-level", "INFO", "--set", f"topics.prefix={c.topics.prefix}"]
+               "--log-level", "INFO", "--set", f"topics.prefix={c.topics.prefix}",
+               # B takes over mid-session: a next state whose turn A settled waits for it this long
+               # in event time (the stream here spans seconds, not minutes)
+               "--set", "judge.reorder_lateness_s=1"]
         logs = [tmp_path / "a.log", tmp_path / "b.log"]
         ports = [free_port(), free_port()]
         procs = [subprocess.Popen(cmd + ["--set", f"metrics_port={port}"], stdout=open(p, "wb"), stderr=subprocess.STDOUT)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline import events
 from pipeline.bus import Record
-from pipeline.judge.join import FLUSH, JUDGE, RELEASE, Joiner
+from pipeline.judge.join import FLUSH, JUDGE, Joiner
 
 TP = ("turns", 0)
 
@@ -81,24 +81,30 @@ def test_session_end_flushes_waiting_turn():
     assert not j.sessions and j.waiting == 0
 
 
-def test_at_least_one_holds_turn_zero_until_first_judged_turn():
+def test_at_least_one_is_turn_zero_and_nothing_is_held():
+    """The rule is decided from the turn record alone (turn 0): a turn 0 without a next state is
+    settled (and acknowledged) at once, and a later judged turn is not promoted."""
     j, s = Joiner(300, at_least_one=True), Stream()
     t0 = s.rec(turn("a", 0))
     j.on_record(t0)
     t1 = s.rec(turn("a", 1))  # turn 1 arrives without a next state for turn 0
     ack, jobs = j.on_record(t1)
-    assert not ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "no_next_state", [])]
+    assert not ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "no_next_state", [t0])]
     ack, jobs = j.on_record(s.rec(ns("a", 1)))
-    assert jobs[0].candidate and jobs[0].acks == [t1, t0]  # turn 0 released with the first judged turn
+    assert not jobs[0].candidate and jobs[0].acks == [t1]
+    j2, s2 = Joiner(300, at_least_one=True), Stream()
+    j2.on_record(s2.rec(turn("b", 0)))
+    _, jobs = j2.on_record(s2.rec(ns("b", 0)))
+    assert jobs[0].candidate
 
 
-def test_open_rule_released_at_session_end_without_waiting_turn():
+def test_empty_next_state_of_turn_zero_is_settled_at_once():
     j, s = Joiner(300, at_least_one=True), Stream()
     t0 = s.rec(turn("a", 0))
     j.on_record(t0)
-    j.on_record(s.rec(ns("a", 0, text=None)))  # empty next state: flushed, rule still open
-    ack, jobs = j.on_record(s.rec(end("a")))
-    assert [(x.kind, x.acks) for x in jobs] == [(RELEASE, [t0])]
+    ack, jobs = j.on_record(s.rec(ns("a", 0, text=None)))  # empty next state: flushed
+    assert [(x.kind, x.acks) for x in jobs] == [(FLUSH, [t0])]
+    assert j.on_record(s.rec(end("a"))) == (True, [])
 
 
 def test_session_first_met_mid_way_counts_as_trained():

@@ -43,7 +43,10 @@ def judge_cmd(bootstrap, prefix, group, url, metrics_port):
     return [sys.executable, "-m", "pipeline", "judge", "--mode", "rl", "--backend", "llm", "--url", url,
             "--group-id", group, "--bootstrap", bootstrap, "--log-level", "WARNING",
             "--set", f"topics.prefix={prefix}", "--set", "judge.vote_timeout_s=5", "--set", "judge.retries=1",
-            "--set", "judge.drain_timeout_s=5", "--set", f"metrics_port={metrics_port}"]
+            "--set", "judge.drain_timeout_s=5", "--set", f"metrics_port={metrics_port}",
+            # the restarted judge resumes mid-session: a next state whose turn the killed one settled
+            # waits for it this long in event time (the stream here spans seconds, not minutes)
+            "--set", "judge.reorder_lateness_s=1"]
 
 
 def start(cmd, log):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pipeline import events
 from pipeline.bus import Record
 from pipeline.judge.backends.base import Verdict
-from pipeline.judge.join import FLUSH, RELEASE, Joiner
+from pipeline.judge.join import FLUSH, Joiner
 from pipeline.judge.samples import opd_sample, rl_flush_sample, rl_sample
 from pipeline.judge.teacher import TeacherOutput
 
@@ -150,8 +150,6 @@ def _vote(job) -> int:
 
 def _sample(job, mode: str):
     """The sample a job produces (deterministic stand-in judge: the vote is in the next state)."""
-    if job.kind == RELEASE:
-        return None
     if job.kind == FLUSH:
         return rl_flush_sample(job.turn, "replay", job.decided_at) if mode == "rl" else None
     v = _vote(job)

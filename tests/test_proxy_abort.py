@@ -78,7 +78,7 @@ def test_engine_abort_mid_stream_is_an_error_for_the_client_and_never_trained(ka
     with StandInJudge() as server, _judge(c, server):
         got = {short_id(s.sample_id): s for s in read_events(c, "samples", 2, timeout_s=30)}
     cut = got["cut:0:rl"]
-    assert (cut.loss_mask, cut.reward) == (0, 0.0)  # not trained, although its next state says +1
+    assert (cut.loss_mask, cut.reward) == (0, None)  # not trained (no reward), although its next state says +1
 
 
 def test_non_stream_abort_is_a_503_and_the_turn_is_marked(kafka_config):

@@ -15,7 +15,7 @@ from pipeline import events
 from pipeline.judge.backends.constant import ConstantBackend
 from pipeline.orchestrate.front import Backend, Front
 from test_front import running_front
-from tests.support.judge import JudgeThread
+from tests.support.judge import JudgeThread, short_id
 from tests.support.proxy import running_proxy
 from tests.support.servers import Reply, StandInEngine, serve_app
 from tests.support.topics import read_events
@@ -73,7 +73,7 @@ def test_turns_of_one_session_through_two_proxies_are_all_recorded_and_judged(ka
 
     with JudgeThread(kafka_config, mode="rl", backend=ConstantBackend(kafka_config), group_id="judge-replicas"):
         samples = read_events(kafka_config, "samples", SESSIONS * TURNS, timeout_s=60)
-    got = {s.sample_id: s for s in samples}
+    got = {short_id(s.sample_id): s for s in samples}
     assert len(got) == SESSIONS * TURNS
     for sid in served:
         for k in range(TURNS - 1):

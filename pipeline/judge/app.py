@@ -39,7 +39,7 @@ from pipeline import events
 from pipeline.bus import BufferFull, ConsumerApp, EventProducer
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
-from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
+from pipeline.judge.join import FLUSH, Job, Joiner
 from pipeline.judge.prompts import JudgeInput
 from pipeline.judge.reorder import Reorderer
 from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample
@@ -302,16 +302,13 @@ class JudgeApp:
         """The job's outputs are delivered: acknowledge its records (worker loop)."""
         for r in job.acks:
             self.consumer.ack(r)
-        if job.kind != RELEASE:
-            metrics.LATENCY.observe(time.monotonic() - job.joined_at)
+        metrics.LATENCY.observe(time.monotonic() - job.joined_at)
         if not link.delivered.done():
             link.delivered.set_result(None)
         self._job_done()
 
     # ---- scoring ---------------------------------------------------------------------------
     async def _compute(self, job: Job) -> list[tuple[str, events.Event]]:
-        if job.kind == RELEASE:
-            return []
         turn, at = job.turn, job.decided_at
         if job.kind == FLUSH:
             metrics.FLUSHED.labels(job.reason).inc()

@@ -27,25 +27,23 @@ judges in a group, decides the same:
   it reads that record back. A next state already in the log before the end (a lagging judge)
   is therefore judged, and a replay sees the same ends in the same places.
 
-At-least-one rule (Binary RL; OpenClaw-RL's guarantee that every session trains on at least one
+At-least-one rule (Binary RL; OpenClaw-RL's guarantee that a session trains on at least one
 sample), in the form implemented here:
 
-    The *first judged turn* of a session -- the main turn with the lowest index that is joined
-    with a next state -- is always trained: when its vote is 0 (a tie, all-neutral votes or all
-    votes failed) it is emitted with reward 0 and loss_mask 1. Later judged turns follow the
-    plain rule (loss_mask 0 when the vote is 0). Turns without a next state are never trained.
-    A session is known from its start when the judge first meets it at turn_index 0; a session
-    first met at a later turn (after an idle time-out, or a stream not starting at 0) counts as
-    already having its trained sample.
+    A session's turn 0, when it is joined with a next state, is always trained: when its vote
+    is 0 (a tie, all-neutral votes or all votes failed) it is emitted with reward 0 and
+    loss_mask 1. Every other judged turn follows the plain rule (loss_mask 0 when the vote is
+    0). Turns without a next state are never trained.
 
-The decision is made when the turn is joined (before the vote is known), in stream order, so it
-does not depend on how fast votes come back or on when ``SessionEnd`` arrives (OpenClaw-RL
-counts trained samples in async tasks and drops the counter at session end, so the outcome
-depends on timing). It survives restarts: while a session's rule is still open (its turn 0 was
-settled without a next state and no turn has been judged yet) the turn-0 record stays
-unacknowledged, so the committed offset cannot pass it and a replay rebuilds the same state. In
-every other case a replay that starts after turn 0 finds the rule already closed, which is what
-the "first met at a later turn" clause says.
+OpenClaw-RL promotes the first judged turn of a session that has no trained sample yet; the two
+differ only when turn 0 gets no next state (an aborted generation, an empty next state) and a
+later turn is judged 0. The promoted sample has reward 0, so it adds nothing to a GRPO
+advantage (only KL and entropy terms). Tying the rule to turn 0 makes the decision a function of
+the turn record alone: it does not depend on how fast votes come back, on when ``SessionEnd``
+arrives (OpenClaw-RL counts trained samples in async tasks and resets the counter at session
+end, so its outcome depends on timing), nor on where a restarted judge resumes reading (a judge
+that resumes in the middle of a session, after records of it were committed, decides exactly as
+the first one did: replays give identical samples).
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ from dataclasses import dataclass, field
 
 from pipeline import events
 
-JUDGE, FLUSH, RELEASE = "judge", "flush", "release"
+JUDGE, FLUSH = "judge", "flush"
 #: request ids remembered to recognise duplicate turn records
 MAX_REMEMBERED_TURNS = 100_000
 
@@ -75,10 +73,9 @@ def event_time(rec) -> int:
 class Job:
     """Work started by the join.
 
-    ``kind``: ``judge`` (turn + next state), ``flush`` (turn without next state; ``reason`` says
-    why) or ``release`` (no output; acknowledges ``acks`` once the session's earlier output is
-    delivered). ``acks`` are records to acknowledge once this job's output is delivered.
-    ``candidate``: the at-least-one rule applies (first judged turn of the session).
+    ``kind``: ``judge`` (turn + next state) or ``flush`` (turn without next state; ``reason`` says
+    why). ``acks`` are records to acknowledge once this job's output is delivered.
+    ``candidate``: the at-least-one rule applies (the session's turn 0).
     ``decided_at``: event time (ms) of the record that started the job (the sample's
     ``created_at``). ``joined_at``: monotonic seconds when the job was created (latency metric only).
     """
@@ -99,12 +96,10 @@ class Job:
 @dataclass
 class _Session:
     tp: tuple
-    judged_any: bool
     last_ts: int  # newest record timestamp of the session (ms)
     last_seen: float  # this process's monotonic clock when its latest record was read
     last_index: int = -1  # latest main turn index
     waiting: object = None  # (record, turn)
-    hold: object = None  # turn-0 record held open by the at-least-one rule
     idle_proposed: bool = False  # an idle end was published for the current state
 
 
@@ -147,7 +142,7 @@ class Joiner:
                 self.duplicates += 1
                 return True, jobs  # the same turn record again (a producer retry, a replayed copy)
             if st is None:
-                st = _Session(rec.tp, judged_any=ev.turn_index > 0, last_ts=rec.timestamp_ms, last_seen=now)
+                st = _Session(rec.tp, last_ts=rec.timestamp_ms, last_seen=now)
                 self.sessions[sid] = st
             elif st.waiting is not None and ev.turn_index <= st.waiting[1].turn_index:
                 self.stale += 1
@@ -185,21 +180,16 @@ class Joiner:
         else:
             st.waiting = None
             self.waiting -= 1
-            candidate = self.at_least_one and not st.judged_any
-            st.judged_any = True
-            acks = [wrec]
-            if st.hold is not None:
-                acks.append(st.hold)
-                st.hold = None
+            candidate = self.at_least_one and turn.turn_index == 0
             jobs.append(Job(JUDGE, sid, st.tp, turn=turn, record=wrec, next_state=list(ev.messages),
-                            candidate=candidate, acks=acks, decided_at=at, joined_at=now))
+                            candidate=candidate, acks=[wrec], decided_at=at, joined_at=now))
         self._maybe_forget(sid, st)
         return True, jobs
 
     def idle_sessions(self, now_ms: int, ready=lambda tp: True) -> list[tuple[str, tuple, int]]:
         """Sessions to propose an idle end for: ``(session_id, tp, latest main turn index)``.
 
-        A session qualifies when it holds a waiting or held turn, no end was proposed since its
+        A session qualifies when it holds a waiting turn, no end was proposed since its
         latest record, its newest record timestamp is ``idle_timeout_s`` older than ``now_ms``
         and this process read that record ``idle_timeout_s`` ago or more (a skewed producer
         clock cannot close a live session early), and ``ready(tp)`` (the caller has read its
@@ -213,7 +203,7 @@ class Joiner:
         for sid, st in self.sessions.items():  # least recently seen first
             if now - st.last_seen < self.idle_s:
                 break
-            if st.idle_proposed or (st.waiting is None and st.hold is None):
+            if st.idle_proposed or st.waiting is None:
                 continue
             if now_ms - st.last_ts < self.idle_ms or not ready(st.tp):
                 continue
@@ -251,30 +241,17 @@ class Joiner:
         wrec, turn = st.waiting
         st.waiting = None
         self.waiting -= 1
-        acks = [wrec]
-        if self.at_least_one and not st.judged_any and st.hold is None:
-            acks = []  # hold this (first) turn's record until the rule closes
-            st.hold = wrec
-        return Job(FLUSH, sid, st.tp, turn=turn, record=wrec, reason=reason, acks=acks, decided_at=at, joined_at=now)
+        return Job(FLUSH, sid, st.tp, turn=turn, record=wrec, reason=reason, acks=[wrec], decided_at=at,
+                   joined_at=now)
 
     def _close(self, sid: str, reason: str, now: float, at: int) -> list[Job]:
         st = self.sessions.pop(sid)
         jobs = []
         if st.waiting is not None:
-            job = self._flush(sid, st, reason, now, at)
-            jobs.append(job)
-        if st.hold is not None:
-            if jobs and st.hold not in jobs[-1].acks:
-                jobs[-1].acks.append(st.hold)
-            elif not jobs:
-                jobs.append(Job(RELEASE, sid, st.tp, reason=reason, acks=[st.hold], decided_at=at, joined_at=now))
-            st.hold = None
+            jobs.append(self._flush(sid, st, reason, now, at))
         return jobs
 
     def _maybe_forget(self, sid: str, st: _Session) -> None:
-        # nothing waiting and nothing held: a later turn recreates the state (turn_index > 0
-        # then means "already has its trained sample", which is true here)
-        if st.waiting is None and st.hold is None and st.judged_any:
-            self.sessions.pop(sid, None)
-        elif st.waiting is None and st.hold is None and not self.at_least_one:
+        # nothing waiting: a later record of the session recreates the state
+        if st.waiting is None:
             self.sessions.pop(sid, None)

@@ -73,7 +73,7 @@ def rollout_log_probs(turn: events.Turn) -> list[float] | None:
     return lps if len(lps) == len(turn.response_token_ids) and (lps or turn.source != "import") else None
 
 
-def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask: int, decided_at: int,
+def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask: int, decided_at: int | None = None,
                 votes=(), hint: str | None = None, teacher=None, judge: str = "") -> events.Sample:
     """One sample for ``turn``.
 
@@ -82,7 +82,8 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask
         teacher: a :class:`pipeline.judge.teacher.TeacherOutput` (the OPD signal: R log-probs,
             optional R*k top-k), or None.
         loss_mask: 1 to train; forced to 0 for an empty response.
-        decided_at: the event time (ms) of the record that decided the sample.
+        decided_at: the event time (ms) of the record that decided the sample (default: the
+            turn's own event time).
     Raises:
         pipeline.events.MalformedEvent: loss_mask 1 without any signal, or arrays of the wrong length.
     """
@@ -95,7 +96,8 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask
         tokens=list(turn.prompt_token_ids) + resp, response_length=r, rollout_log_probs=rollout_log_probs(turn),
         rollout_temperature=rollout_temperature(turn), reward=None if reward is None else float(reward),
         loss_mask=int(loss_mask) if r else 0, votes=list(votes), hint=hint, judge=judge,
-        created_at=int(decided_at), turn_created_at=turn.created_at, source=turn.source)
+        created_at=int(turn.created_at if decided_at is None else decided_at), turn_created_at=turn.created_at,
+        source=turn.source)
     if teacher is not None:
         s.teacher_log_probs = list(teacher.log_probs)
         if teacher.topk_ids:
@@ -106,27 +108,27 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask
     return s
 
 
-def rl_sample(turn, verdict, candidate: bool, judge: str, decided_at: int) -> events.Sample:
+def rl_sample(turn, verdict, candidate: bool, judge: str, decided_at: int | None = None) -> events.Sample:
     """Binary RL sample of a judged turn (``verdict``: :class:`Verdict`); reward = the vote."""
     mask = 1 if (verdict.score != 0 or candidate) else 0
     return make_sample(turn, "rl", reward=verdict.score, loss_mask=mask, votes=verdict.votes,
                        judge=judge, decided_at=decided_at)
 
 
-def rl_flush_sample(turn, judge: str, decided_at: int) -> events.Sample:
+def rl_flush_sample(turn, judge: str, decided_at: int | None = None) -> events.Sample:
     """Binary RL sample of a turn that was not judged (no next state, or its generation did not
     finish): no reward, loss_mask 0 (accounting only)."""
     return make_sample(turn, "rl", reward=None, loss_mask=0, judge=judge, decided_at=decided_at)
 
 
-def opd_sample(turn, hint: str, teacher, votes, judge: str, decided_at: int) -> events.Sample:
+def opd_sample(turn, hint: str, teacher, votes, judge: str, decided_at: int | None = None) -> events.Sample:
     """OPD sample: teacher log-probs under the hint, no reward."""
     return make_sample(turn, "opd", reward=None, loss_mask=1, votes=votes, hint=hint, teacher=teacher, judge=judge,
                        decided_at=decided_at)
 
 
 def combine_sample(turn, score: int, hint: str | None, teacher, votes, judge: str,
-                   decided_at: int) -> events.Sample | None:
+                   decided_at: int | None = None) -> events.Sample | None:
     """Combine sample, or None when there is neither teacher log-probs nor a ±1 vote.
 
     ``teacher`` is the hinted teacher output (None when there is no hint, the teacher failed or

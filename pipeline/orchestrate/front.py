@@ -11,7 +11,8 @@ aiohttp's, on both sides; this module only chooses a backend and copies bytes.
   which replica answered, also on the front's own 502.
 - **Failover.** A backend whose connection is refused (its process is down) is skipped and the
   same request goes to the next one: it never reached the refused backend, so this is always
-  safe. With ``retry="any"`` a request whose backend failed *before its response started* (reset,
+  safe. With ``retry="connect"`` every request opens its own connection (no pooled connection
+  to a dead backend whose reset would be ambiguous). With ``retry="any"`` a request whose backend failed *before its response started* (reset,
   timeout) is also tried on the next one — for backends where a repeat has no side effect (an
   inference engine: generation records nothing). The default, ``retry="connect"``, answers such a
   request 502: a proxy that died mid-request may already have recorded the turn, and a silent
@@ -128,7 +129,11 @@ class Front:
         return app
 
     async def _startup(self, _app) -> None:
-        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+        # retry="connect" (proxies): a fresh connection per request, so a backend that died shows as
+        # a refused connection (safe to fail over) rather than a reset of a pooled one (ambiguous:
+        # answered 502). A loopback connect costs tens of microseconds.
+        conn = aiohttp.TCPConnector(limit=0, force_close=True) if self.retry == "connect" else \
+            aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
         self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
                                               skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
         if self.health_interval_s > 0 and any(b.health_url for b in self.backends):

@@ -106,7 +106,7 @@ def scripted_stream(n_sessions: int, turns: int, seed: int = 0, window: int = 8,
     per_session, expected = [], {}
     for i in range(n_sessions):
         sid = f"{prefix}{i}"
-        evs, judged_any = [], False
+        evs = []
         for k in range(turns):
             t = make_turn(sid, k, request=f"request {k} of {sid}", response_ids=[10 + k, 20 + i % 50, 30])
             evs.append(t)
@@ -122,8 +122,7 @@ def scripted_stream(n_sessions: int, turns: int, seed: int = 0, window: int = 8,
             v = (i + 2 * k) % 3 - 1
             item = f"\\boxed{{{v}}}" if not vote_delay_s else f"!sleep {vote_delay_s} \\boxed{{{v}}}"
             evs.append(make_next_state(sid, k, f"reply {k} <<score: {item}>>"))
-            expected[sample] = (float(v), 1 if (v != 0 or not judged_any) else 0)
-            judged_any = True
+            expected[sample] = (float(v), 1 if (v != 0 or k == 0) else 0)  # at-least-one: turn 0
         evs.append(events.SessionEnd(session_id=sid))
         per_session.append(evs)
     out, open_, pending = [], [], list(reversed(per_session))
