@@ -596,6 +596,7 @@ def main() -> int:
     print(f"chaos: starting the scaled-out stack in {run_dir} ...", flush=True)
     stack = start_stack(config, run_dir, replicas={"proxy": 2, "judge": 2, "engine": 2}, dashboard=False,
                         restart=RestartPolicy(backoff_s=0.5, max_backoff_s=5.0, stable_s=10.0, max_fast_failures=6))
+    config = stack.config
     print(f"chaos: stack up in {tl.now():.0f} s; front {stack.proxy_url}", flush=True)
     tl.t0 = time.monotonic()
     stop_sup, fatal = threading.Event(), []

@@ -105,7 +105,7 @@ def bench_cpu(args) -> None:
             p.flush(30)
             p.close()
             with running_engine(name, subprocess=True, threads=1) as url:
-                cfg.syncer.engine_url = url
+                cfg = cfg.replace(syncer={"engine_url": url})
                 syncer = Syncer(cfg)
                 t = threading.Thread(target=syncer.run, daemon=True)
                 t.start()

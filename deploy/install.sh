@@ -31,3 +31,4 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
   fi
 fi
 echo "environment ready: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
+echo "the 'pipeline' command is .venv/bin/pipeline: 'source .venv/bin/activate' puts it on the PATH"

@@ -97,7 +97,17 @@ def weed_binary() -> str:
 
 
 def kafka_answers(bootstrap: str, timeout_ms: int = 2000) -> bool:
-    """One metadata request to ``bootstrap``: True when it succeeds (a readiness probe)."""
+    """One metadata request to ``bootstrap``: True when it succeeds (a readiness probe).
+
+    A port that refuses connections is answered False at once, without a Kafka client: a
+    client bootstrapping against a broker that is still starting retries with back-off for
+    about 30 s (whatever ``timeout_ms``) and logs every refused connection as an error.
+    """
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_ms / 1000).close()
+    except (OSError, ValueError):
+        return False
     from kafka import KafkaAdminClient
 
     try:
@@ -482,7 +492,7 @@ def run(args, config) -> int:
     if args.apply_topics:
         from pipeline.topics import apply_topics, load_topics
 
-        config.kafka.bootstrap_servers = broker.bootstrap
+        config = config.replace(kafka={"bootstrap_servers": broker.bootstrap})
         for line in apply_topics(config, load_topics(config.topics.file)).lines():
             print(line)
     store = f", object store {broker.store.started_in_s:.1f} s" if broker.store is not None else ""

@@ -100,10 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     if level != "DEBUG":  # kafka-python logs every connection at INFO
         for noisy in ("kafka", "httpx", "httpcore", "matplotlib"):  # chatty at INFO
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    from pipeline.bus.settings import explain_kafka_client_logs
+
+    explain_kafka_client_logs()
     try:
         rc = module.run(args, config)
     except KeyboardInterrupt:
         return 130
+    except ConfigError as e:  # a flag that makes the configuration invalid
+        print(f"pipeline {name}: configuration error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # a broker that never answers is a clear one-line error, not a traceback
         from kafka.errors import BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError
 

@@ -466,7 +466,7 @@ class EngineClient:
         One prefill-only ``/generate`` call: ``max_new_tokens=0, return_logprob=true,
         logprob_start_len=start-1``. SGLang returns entries for positions ``start .. L-1`` then
         (for ``logprob_start_len == 0``, i.e. ``start == 1``) with a ``null`` pad entry for t_0 in
-        front; this method keeps the last ``L - start`` entries and checks
+        front (docs/sglang-api.md §1.4); this method keeps the last ``L - start`` entries and checks
         that their token ids equal ``input_ids[start:]``, so either alignment is handled.
 
         Args:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextvars
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
 
 from pipeline.errors import PipelineError
@@ -29,36 +29,63 @@ class ConfigError(PipelineError, ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are an error (catches typos)."""
+    """Base of every config section: unknown keys are an error (catches typos), values are
+    validated, and a loaded section is frozen (derive a changed copy with :meth:`Config.replace`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _d(default: Any, description: str, **kw: Any) -> Any:
+    """A field with its default, its ``--explain`` text and its range (pydantic ``Field``)."""
+    if callable(default):  # a class or function: a factory of the default (mutable defaults)
+        return Field(default_factory=default, description=description, **kw)
+    return Field(default, description=description, **kw)
 
 
 class KafkaConfig(Section):
     """Kafka client settings shared by every stage (passed to kafka-python)."""
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    client_id: str = "pipeline"
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: str | None = None  # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER
-    sasl_plain_username: str | None = None
-    sasl_plain_password: SecretStr | None = None
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_check_hostname: bool = True
-    # Tansu (the embedded broker) needs short group timeouts (ENVIRONMENT.md); Apache Kafka's
-    # group.min.session.timeout.ms is 6000 by default, so production configs raise these.
-    session_timeout_ms: int = Field(2000, gt=0)
-    heartbeat_interval_ms: int = Field(300, gt=0)
-    max_poll_records: int = Field(500, ge=1)
-    max_poll_interval_ms: int = 300_000
-    compression_type: Literal["none", "gzip", "lz4", "zstd", "snappy"] = "lz4"
-    linger_ms: int = 2
-    producer_buffer_bytes: int = 32 * 1024 * 1024
-    max_block_ms: int = 2000
-    request_timeout_ms: int = 15_000
-    max_request_size: int = 64 * 1024 * 1024
+    bootstrap_servers: str = _d("127.0.0.1:9092", "comma-separated host:port list of Kafka brokers")
+    client_id: str = _d("pipeline", "client id prefix the broker sees (logs, quotas)")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = _d(
+        "PLAINTEXT", "transport security to the brokers")
+    sasl_mechanism: str | None = _d(None, "SASL mechanism: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER")
+    sasl_plain_username: str | None = _d(None, "SASL user name")
+    sasl_plain_password: SecretStr | None = _d(None, "SASL password (secret: environment only)")
+    ssl_cafile: str | None = _d(None, "CA bundle (PEM) that signs the brokers' certificates")
+    ssl_certfile: str | None = _d(None, "client certificate (PEM) for mutual TLS")
+    ssl_keyfile: str | None = _d(None, "private key (PEM) of ssl_certfile")
+    ssl_check_hostname: bool = _d(True, "check that a broker's certificate names its host")
+    # The defaults suit the embedded Tansu broker, whose group joins stall with long timeouts
+    # (docs/environment.md §6); Apache Kafka refuses session timeouts below 6000 ms by default.
+    session_timeout_ms: int = _d(2000, "consumer-group session timeout (ms): a member silent this long is "
+                                 "removed and its partitions reassigned; Apache Kafka needs >= 6000",
+                                 ge=100, le=3_600_000)
+    heartbeat_interval_ms: int = _d(300, "consumer-group heartbeat period (ms); below session_timeout_ms",
+                                    ge=10, le=3_600_000)
+    max_poll_records: int = _d(500, "records returned by one consumer poll at most", ge=1)
+    max_poll_interval_ms: int = _d(300_000, "longest gap (ms) between two polls before a consumer leaves its "
+                                   "group", ge=1000)
+    compression_type: Literal["none", "gzip", "lz4", "zstd", "snappy"] = _d(
+        "lz4", "compression of produced record batches")
+    linger_ms: int = _d(2, "how long (ms) a producer gathers records into one batch", ge=0, le=60_000)
+    max_block_ms: int = _d(2000, "how long (ms) a send may block waiting for metadata or buffer space",
+                           ge=0)
+    request_timeout_ms: int = _d(30_000, "time-out (ms) of one request to a broker (kafka-python's and Kafka's "
+                                 "default); past it the connection is reopened and the request sent again; "
+                                 "kafka-python needs it below 540000", ge=1000, lt=540_000)
+    max_request_size: int = _d(64 * 1024 * 1024, "largest produce request and fetch (bytes): bounds the size of "
+                               "one record", ge=1024)
+
+    @model_validator(mode="after")
+    def _check(self) -> "KafkaConfig":
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
+                             f"session_timeout_ms ({self.session_timeout_ms}): a member would be dropped "
+                             "from its group between two heartbeats")
+        if self.security_protocol.startswith("SASL") and not self.sasl_mechanism:
+            raise ValueError(f"security_protocol {self.security_protocol} needs sasl_mechanism")
+        return self
 
     def client_kwargs(self) -> dict[str, Any]:
         """kafka-python keyword arguments common to producers, consumers and admin clients."""
@@ -81,9 +108,9 @@ class KafkaConfig(Section):
 class TopicsConfig(Section):
     """Where topic definitions come from and how logical names map to broker topic names."""
 
-    file: str = str(ROOT / "topics.yaml")
-    prefix: str = ""  # prepended to every topic name (namespacing, tests)
-    dlq_suffix: str = ".dlq"
+    file: str = _d(str(ROOT / "topics.yaml"), "YAML file declaring every topic (partitions, retention, schema)")
+    prefix: str = _d("", "prepended to every topic name (namespacing, tests)")
+    dlq_suffix: str = _d(".dlq", "appended to a topic's name to form its dead-letter topic", min_length=1)
 
     def name(self, logical: str) -> str:
         """Physical topic name of a logical topic (``turns`` -> ``<prefix>turns``)."""
@@ -97,199 +124,267 @@ class TopicsConfig(Section):
 class EngineConfig(Section):
     """The policy inference engine (our CPU server, or SGLang) and how clients reach it."""
 
-    url: str = "http://127.0.0.1:30000"
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=0, le=65535)
-    model: str = "smollm2-135m"  # smollm2-135m | tiny-random | <HF folder>
-    served_model_name: str | None = None
-    cache_dir: str = "~/.cache/openclaw-pipeline"
-    context_length: int = Field(2048, ge=16)
-    max_batch_size: int = Field(16, ge=1)
-    threads: int | None = None
-    seed: int = 0
-    request_timeout_s: float = 300.0
-    teacher_url: str | None = None  # OPD teacher engine; None: same as url
-    # added by the engine stage
-    weight_version: str = "0"  # initial policy version reported by the engine
-    api_key: SecretStr | None = None  # if set, the engine requires "Authorization: Bearer <key>"
+    url: str = _d("http://127.0.0.1:30000", "base URL of the policy engine (SGLang or `pipeline engine`)")
+    host: str = _d("127.0.0.1", "`pipeline engine`: listen address")
+    port: int = _d(30000, "`pipeline engine`: listen port (0: any free port)", ge=0, le=65535)
+    model: str = _d("smollm2-135m", "`pipeline engine`: smollm2-135m, tiny-random or a HF folder")
+    served_model_name: str | None = _d(None, "model name reported by /v1/models (None: the model's)")
+    cache_dir: str = _d("~/.cache/openclaw-pipeline", "where converted model folders are kept")
+    context_length: int = _d(2048, "longest prompt plus reply (tokens)", ge=16)
+    max_batch_size: int = _d(16, "requests decoded together at most", ge=1)
+    threads: int | None = _d(None, "torch threads of the CPU engine (None: torch's default)", ge=1)
+    seed: int = _d(0, "sampling seed of requests that give none")
+    request_timeout_s: float = _d(300.0, "time-out (s) of one engine call made by our clients", gt=0)
+    teacher_url: str | None = _d(None, "OPD teacher engine (None: the same as url)")
+    weight_version: str = _d("0", "policy version the engine reports before its first weight update")
+    api_key: SecretStr | None = _d(None, "if set, the engine requires `Authorization: Bearer <key>` "
+                                   "(secret: environment only)")
 
 
 class ProxyConfig(Section):
     """The OpenAI-compatible front door."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    max_body_bytes: int = 4 * 1024 * 1024
-    default_turn_type: Literal["main", "side"] = "main"
-    sync_hold_timeout_s: float = 30.0
-    # durable event buffer (pipeline/proxy/buffer.py): every answered turn is on disk before its
-    # response completes. One folder per proxy (locked); None keeps events in memory only (tests).
-    buffer_dir: str | None = "proxy-buffer"
-    buffer_max_bytes: int = Field(1 << 30, ge=1 << 20)
-    buffer_fsync: bool = False  # fsync each group commit (power-loss safe); default: safe against a crash
-    buffer_max_events: int = 10_000  # in memory when the disk buffer refuses events (full, I/O error)
-    engine_timeout_s: float = 300.0
-    # requests without X-Session-Id: record (one-turn session + session_end), skip (serve only), reject (400)
-    anonymous: Literal["record", "skip", "reject"] = "record"
-    sync_strict: bool = False  # 503 instead of serving when a weight-sync hold times out
-    sync_max_pause_s: float = 600.0  # a pause older than this is ignored (trainer died mid-sync)
-    follow_control: bool = True
-    publish_delivery_timeout_ms: int = 30_000
-    shutdown_flush_s: float = 10.0
-    max_sessions: int = 100_000
-    session_idle_s: float = 3600.0
-    max_connections: int = 512  # keep-alive pool to the engine
-    kafka_client: Literal["auto", "librdkafka", "kafka-python"] = "auto"  # auto: librdkafka when installed
-    publish_linger_ms: int = 10  # events are gathered this long into one produce window
-    # sent (and recorded) when a request has no temperature: set it when the served model's
-    # generation_config has a default temperature other than 1.0 (the log-probs depend on it)
-    default_temperature: float | None = None
-    # the served model's tokenizer and generation_config (name or HF folder; None: engine.model),
-    # read only in front of an SGLang engine: raw log-prob bytes, chat defaults on the streamed path
-    tokenizer: str | None = None
+    host: str = _d("127.0.0.1", "listen address")
+    port: int = _d(8000, "listen port (0: any free port)", ge=0, le=65535)
+    api_keys: list[SecretStr] = _d(list, "accepted bearer keys; empty: no authentication (secret: environment only)")
+    max_body_bytes: int = _d(4 * 1024 * 1024, "largest request body (bytes); larger ones get 413", ge=1024)
+    default_turn_type: Literal["main", "side"] = _d("main", "turn type of a request without X-Turn-Type")
+    sync_hold_timeout_s: float = _d(30.0, "during a weight sync new requests wait at most this long (s)", ge=0)
+    buffer_dir: str | None = _d("proxy-buffer", "durable event buffer: every answered turn is on disk here "
+                                "before its response completes (one folder per proxy, locked); None: "
+                                "memory only (tests)")
+    buffer_max_bytes: int = _d(1 << 30, "size bound of the disk buffer (bytes)", ge=1 << 20)
+    buffer_fsync: bool = _d(False, "fsync each group commit (survives power loss; default: survives a crash)")
+    buffer_max_events: int = _d(10_000, "events kept in memory while the disk buffer refuses them (full, "
+                                "I/O error)", ge=1)
+    engine_timeout_s: float = _d(300.0, "time-out (s) of one forwarded engine call", gt=0)
+    anonymous: Literal["record", "skip", "reject"] = _d(
+        "record", "requests without X-Session-Id: record (one-turn session), skip (serve only) or reject (400)")
+    sync_strict: bool = _d(False, "answer 503 instead of serving when a weight-sync hold times out")
+    sync_max_pause_s: float = _d(600.0, "a pause older than this (s) is ignored (the trainer died mid-sync)",
+                                 gt=0)
+    follow_control: bool = _d(True, "read `control` to hold requests during weight syncs")
+    publish_delivery_timeout_ms: int = _d(30_000, "time-out (ms) of one event's delivery to Kafka", ge=1000)
+    shutdown_flush_s: float = _d(10.0, "at shutdown, wait this long (s) for events to reach Kafka", ge=0)
+    max_sessions: int = _d(100_000, "sessions whose state is kept (least recently used dropped first)", ge=1)
+    session_idle_s: float = _d(3600.0, "a session idle this long (s) is forgotten by the proxy; keep it at or "
+                               "above judge.idle_timeout_s", gt=0)
+    max_connections: int = _d(512, "keep-alive connection pool to the engine", ge=1)
+    kafka_client: Literal["auto", "librdkafka", "kafka-python"] = _d(
+        "auto", "Kafka client of the event publisher (auto: librdkafka when installed)")
+    publish_linger_ms: int = _d(10, "events are gathered this long (ms) into one produce window", ge=0)
+    default_temperature: float | None = _d(
+        None, "sent (and recorded) when a request gives no temperature: set it when the served model's "
+        "generation_config has a default other than 1.0 (the log-probs depend on it)", ge=0)
+    tokenizer: str | None = _d(None, "the served model's tokenizer and generation_config (name or HF folder; "
+                               "None: engine.model), read only in front of an SGLang engine")
 
 
 class JudgeConfig(Section):
     """The judge stage: join, scoring backend, votes, hints."""
 
-    group_id: str = "judge"
-    mode: Literal["rl", "opd", "combine"] = "rl"
-    backend: str = "embedding"  # llm | choice | embedding | <module:Class>
-    url: str | None = None  # judge endpoint for llm/choice; None: engine.url
-    model: str = "default"
-    votes: int = Field(3, ge=1)
-    temperature: float = 0.6
-    max_tokens: int = 512
-    vote_timeout_s: float = 60.0
-    retries: int = 2
-    idle_timeout_s: float = 300.0  # idle sessions get a session_end (idle_timeout) record; keep < proxy.session_idle_s
-    # several proxies: a record that overtook an earlier one of its session waits this long in event time
-    reorder_lateness_s: float = Field(60.0, gt=0)
-    max_in_flight: int = Field(256, ge=1)
-    teacher_top_k: int = 0
-    # added by the judge stage
-    api_key: SecretStr | None = None  # bearer token of the judge endpoint (env only)
-    retry_backoff_s: float = 0.5  # first back-off of a failed vote; doubles per retry
-    hint_min_chars: int = 10  # an OPD hint counts when it is longer than this
-    tokenizer: str | None = None  # judge model tokenizer (choice backend); None: engine.model
-    embedding_threads: int | None = 1  # torch threads of the embedding backend
-    teacher_timeout_s: float = 300.0  # one teacher /generate scoring call
-    max_uncommitted_records: int = 200_000  # consumer pauses its partitions above this
-    drain_timeout_s: float = 30.0  # at shutdown, wait this long for judge jobs in flight
-    # consumer fetch wait: Tansu holds an empty fetch this long (latency), and answers a fetch that
-    # reads its durable (s3) storage only within it: at 10 ms a judge after a broker restart read
-    # ~1 record/s (bench/chaos.py), at 100 ms all of them
-    fetch_max_wait_ms: int = Field(100, ge=1)
+    group_id: str = _d("judge", "consumer group of the judges (replicas share it)")
+    mode: Literal["rl", "opd", "combine"] = _d("rl", "training signal: rl (votes -> reward), opd (hint -> "
+                                               "teacher log-probs) or combine (both)")
+    backend: str = _d("embedding", "llm, choice, embedding, constant, or your class as module:Class")
+    url: str | None = _d(None, "judge endpoint of the llm/choice backends (None: engine.url)")
+    model: str = _d("default", "model name sent to the judge endpoint")
+    votes: int = _d(3, "PRM votes per turn (majority decides)", ge=1, le=64)
+    temperature: float = _d(0.6, "sampling temperature of the votes", ge=0, le=10)
+    max_tokens: int = _d(512, "longest vote or hint reply (tokens)", ge=1)
+    vote_timeout_s: float = _d(60.0, "time-out (s) of one vote call", gt=0)
+    retries: int = _d(2, "retries of a vote call that failed transiently (connection, time-out, 429/5xx)", ge=0)
+    idle_timeout_s: float = _d(300.0, "a session without records for this long (event time, s) gets a "
+                               "session_end (idle_timeout)", ge=0)
+    reorder_lateness_s: float = _d(60.0, "several proxies: a record that overtook an earlier one of its session "
+                                   "waits this long (event time, s)", gt=0)
+    max_in_flight: int = _d(256, "turns being judged at once", ge=1)
+    teacher_top_k: int = _d(0, "OPD: also record the teacher's top-k log-probs per token (0: off)", ge=0, le=1024)
+    api_key: SecretStr | None = _d(None, "bearer key of the judge endpoint (secret: environment only)")
+    retry_backoff_s: float = _d(0.5, "first back-off (s) of a failed vote; doubles per retry, plus jitter", ge=0)
+    hint_min_chars: int = _d(10, "an OPD hint counts when it is longer than this (characters)", ge=0)
+    tokenizer: str | None = _d(None, "judge model tokenizer (choice backend; None: engine.model)")
+    embedding_threads: int | None = _d(1, "torch threads of the embedding backend (None: torch's default)", ge=1)
+    teacher_timeout_s: float = _d(300.0, "time-out (s) of one teacher scoring call", gt=0)
+    max_uncommitted_records: int = _d(200_000, "the consumer pauses its partitions above this many records "
+                                      "read but not committed", ge=1)
+    drain_timeout_s: float = _d(30.0, "at shutdown, wait this long (s) for judge jobs in flight", ge=0)
+    # Tansu answers a fetch that reads its durable storage only within this wait: at 10 ms a judge
+    # after a broker restart read about one record per second (docs/environment.md §6).
+    fetch_max_wait_ms: int = _d(100, "how long (ms) the broker may hold an empty fetch; below "
+                                "kafka.request_timeout_ms", ge=1)
 
 
 class TrainerConfig(Section):
     """The trainer stage: batches, loss, model, checkpoints, weight sync."""
 
-    group_id: str = "trainer"
-    model: str = "smollm2-135m"
-    rollout_batch_size: int = Field(16, ge=1)
-    micro_batch_size: int = Field(4, ge=1)
-    steps_per_batch: int = Field(1, ge=1)
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    normalize_advantages: bool = False
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    eps_clip_c: float | None = None
-    kl_coef: float = 0.0
-    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    entropy_coef: float = 0.0
-    loss_agg: Literal["sum_of_sample_mean", "token_mean"] = "sum_of_sample_mean"
-    tis_cap: float | None = None
-    max_staleness: int | None = 4
-    stale_policy: Literal["drop", "downweight"] = "drop"
-    tp: int = Field(1, ge=1)
-    checkpoint_dir: str = "runs/trainer"
-    checkpoint_every: int = Field(1, ge=1)
-    export_dir: str = "runs/weights"
-    engines: list[str] = Field(default_factory=lambda: ["engine-0"])
-    sync_timeout_s: float = 300.0
-    metrics_file: str | None = None
-    run_id: str = "default"
-    # added by the trainer stage
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
-    export_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: the training dtype
-    micro_batch_tokens: int = 0  # >0: also cap padded tokens per micro-batch (memory bound)
-    count_masked_samples: bool = False  # loss_mask=0 samples count toward rollout_batch_size
-    old_log_probs: Literal["rollout", "recompute"] = "rollout"  # behaviour log-probs of the PPO ratio
-    tis_floor: float = 0.0  # lower clamp of the truncated IS weight (tis_cap: upper; None = off)
-    stale_decay: float = 0.5  # downweight: weight = stale_decay ** (staleness - max_staleness)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-8
-    threads: int | None = None  # torch threads (None: torch default)
-    seed: int = 1234
-    keep_checkpoints: int = 2
-    keep_exports: int = 3  # exported weight folders kept (older ones are deleted after a sync)
-    max_steps: int | None = None  # stop after this many trainer steps (batches); None: run forever
-    dedup_window: int = 100_000  # remembered sample_ids for de-duplication (kept in checkpoints)
-    poll_timeout_s: float = 1.0
-    log_sample_ids: bool = True  # write each step's sample_ids to the metrics log
-    progress: bool = True  # tqdm progress bar on the console
-    # no checkpoint although exports / synced.json / a `latest` pointer show this run trained before:
-    # refuse (default), fresh (base model, as a new higher version), newest_export (its weights)
-    missing_checkpoint: Literal["refuse", "fresh", "newest_export"] = "refuse"
+    group_id: str = _d("trainer", "consumer group of the trainer")
+    model: str = _d("smollm2-135m", "policy to train: smollm2-135m, tiny-random or a HF folder")
+    rollout_batch_size: int = _d(16, "samples per trainer batch (one policy version)", ge=1)
+    micro_batch_size: int = _d(4, "samples per forward/backward pass (memory bound)", ge=1)
+    steps_per_batch: int = _d(1, "optimizer steps over each batch", ge=1)
+    lr: float = _d(1e-6, "learning rate", gt=0, le=1)
+    weight_decay: float = _d(0.0, "AdamW weight decay (never on norms and biases)", ge=0)
+    clip_grad: float = _d(1.0, "global gradient-norm clip (0: off)", ge=0)
+    w_rl: float = _d(1.0, "weight of the RL (GRPO) advantage in the combined advantage", ge=0)
+    w_opd: float = _d(1.0, "weight of the OPD advantage (teacher - rollout log-prob)", ge=0)
+    normalize_advantages: bool = _d(False, "subtract the batch mean reward (over samples with a reward)")
+    eps_clip: float = _d(0.2, "PPO clip range below 1", gt=0, lt=1)
+    eps_clip_high: float = _d(0.28, "PPO clip range above 1 (asymmetric clip)", gt=0)
+    eps_clip_c: float | None = _d(None, "dual-clip constant c > 1 for negative advantages (None: off)", gt=1)
+    kl_coef: float = _d(0.0, "weight of the KL penalty to the reference policy", ge=0)
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = _d("low_var_kl", "KL estimator")
+    entropy_coef: float = _d(0.0, "weight of the entropy bonus", ge=0)
+    loss_agg: Literal["sum_of_sample_mean", "token_mean"] = _d(
+        "sum_of_sample_mean", "loss aggregation: mean per sample then sum, or mean over all tokens")
+    tis_cap: float | None = _d(None, "truncated importance-sampling weight cap (None: off)", gt=0)
+    max_staleness: int | None = _d(4, "samples older than this many policy versions are stale (None: never)",
+                                   ge=0)
+    stale_policy: Literal["drop", "downweight"] = _d("drop", "what happens to a stale sample")
+    tp: int = _d(1, "tensor-parallel size (torchrun ranks per model replica)", ge=1)
+    checkpoint_dir: str = _d("runs/trainer", "checkpoints (weights, optimizer, consumed offsets)")
+    checkpoint_every: int = _d(1, "checkpoint every this many batches", ge=1)
+    export_dir: str = _d("runs/weights", "exported HF weight folders the engines load")
+    engines: list[str] = _d(lambda: ["engine-0"], "engine ids whose `applied` a weight sync waits for "
+                            "(empty: publish without waiting)")
+    sync_timeout_s: float = _d(300.0, "a weight sync waits this long (s) for the engines, then resumes", gt=0)
+    metrics_file: str | None = _d(None, "JSONL file of per-step metrics (None: none)")
+    run_id: str = _d("default", "run name: syncers apply weights of their run only")
+    dtype: Literal["auto", "float32", "bfloat16"] = _d("auto", "training dtype (auto: fp32 on CPU, bf16 on CUDA)")
+    export_dtype: Literal["auto", "float32", "bfloat16"] = _d("auto", "dtype of exported weights (auto: the "
+                                                              "training dtype)")
+    micro_batch_tokens: int = _d(0, "also cap padded tokens per micro-batch (0: no cap)", ge=0)
+    count_masked_samples: bool = _d(False, "loss_mask=0 samples count toward rollout_batch_size")
+    old_log_probs: Literal["rollout", "recompute"] = _d(
+        "rollout", "behaviour log-probs of the PPO ratio: the engine's, or recomputed by the trainer")
+    tis_floor: float = _d(0.0, "lower clamp of the truncated IS weight (below tis_cap)", ge=0)
+    stale_decay: float = _d(0.5, "downweight: weight = stale_decay ** (staleness - max_staleness)", gt=0, le=1)
+    adam_beta1: float = _d(0.9, "Adam beta1", ge=0, lt=1)
+    adam_beta2: float = _d(0.98, "Adam beta2", ge=0, lt=1)
+    adam_eps: float = _d(1e-8, "Adam epsilon", gt=0)
+    threads: int | None = _d(None, "torch threads (None: torch's default)", ge=1)
+    seed: int = _d(1234, "seed of initialisation and dropout")
+    keep_checkpoints: int = _d(2, "checkpoints kept (older ones deleted)", ge=1)
+    keep_exports: int = _d(3, "exported weight folders kept (older ones deleted after a sync)", ge=1)
+    max_steps: int | None = _d(None, "stop after this many batches (0: set up, publish, stop; None: run forever)",
+                               ge=0)
+    dedup_window: int = _d(100_000, "sample_ids remembered for de-duplication (kept in checkpoints)", ge=1)
+    poll_timeout_s: float = _d(1.0, "one poll of `samples` waits at most this long (s)", gt=0)
+    log_sample_ids: bool = _d(True, "write each step's sample_ids to the metrics log")
+    progress: bool = _d(True, "progress bar on the console")
+    missing_checkpoint: Literal["refuse", "fresh", "newest_export"] = _d(
+        "refuse", "no checkpoint although exports show this run trained before: refuse, start fresh (base "
+        "model, as a new higher version) or start from the newest export")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.w_rl == 0 and self.w_opd == 0:
+            raise ValueError("w_rl and w_opd are both 0: every advantage would be 0 and nothing would be learned")
+        if self.tis_cap is not None and self.tis_floor >= self.tis_cap:
+            raise ValueError(f"tis_floor ({self.tis_floor}) must be below tis_cap ({self.tis_cap})")
+        if self.stale_policy == "downweight" and self.max_staleness is None:
+            raise ValueError("stale_policy=downweight needs max_staleness (with None no sample is ever stale)")
+        return self
 
 
 class SyncerConfig(Section):
     """One syncer per engine replica."""
 
-    group_id: str | None = None  # default: syncer-<engine_id>
-    engine_id: str = "engine-0"
-    engine_url: str | None = None  # None: engine.url
-    retries: int = 3
-    retry_backoff_s: float = 2.0
-    # added by the syncer
-    run_id: str | None = None  # apply weights of this run only; None: trainer.run_id
-    apply_timeout_s: float = 300.0  # one /update_weights_from_disk call (waits for in-flight requests)
-    check_interval_s: float = Field(5.0, gt=0)  # how often the engine's served version is compared to the published
-    ready_port: int | None = Field(None, ge=0, le=65535)  # GET /readyz: 200 once the engine serves the published version
+    group_id: str | None = _d(None, "consumer group (None: syncer-<engine_id>)")
+    engine_id: str = _d("engine-0", "this replica's id in applied/failed reports (one of trainer.engines)")
+    engine_url: str | None = _d(None, "the engine it updates (None: engine.url)")
+    retries: int = _d(3, "retries of an apply that failed transiently (connection, time-out, 5xx)", ge=0)
+    retry_backoff_s: float = _d(2.0, "first back-off (s) between tries; doubles per retry, plus jitter", ge=0)
+    run_id: str | None = _d(None, "apply weights of this run only (None: trainer.run_id)")
+    apply_timeout_s: float = _d(300.0, "time-out (s) of one /update_weights_from_disk call (it waits for "
+                                "requests in flight)", gt=0)
+    check_interval_s: float = _d(5.0, "how often (s) the engine's served version is compared with the "
+                                 "published one", gt=0)
+    ready_port: int | None = _d(None, "serve GET /readyz here: 200 once the engine serves the published "
+                                "version (None: off)", ge=0, le=65535)
 
 
 class DashboardConfig(Section):
     """``pipeline dashboard``: the web view of the topics and the stages' metrics."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    show_text: bool = False  # serve conversation text (requests, replies, next states, hints)
-    start: Literal["beginning", "now"] = "beginning"  # where its topic reader starts
-    metrics_urls: dict[str, str] = Field(default_factory=dict)  # stage -> Prometheus /metrics URL
-    scrape_interval_s: float = Field(2.0, gt=0)
-    push_interval_s: float = Field(1.0, gt=0)  # live-update period of the browser stream
-    max_sessions: int = Field(10_000, ge=1)  # sessions kept for the browser (oldest dropped)
-    max_errors: int = Field(50, ge=1)  # latest dead letters kept per DLQ topic
+    host: str = _d("127.0.0.1", "listen address")
+    port: int = _d(8080, "listen port (0: any free port)", ge=0, le=65535)
+    show_text: bool = _d(False, "serve conversation text (requests, replies, next states, hints)")
+    start: Literal["beginning", "now"] = _d("beginning", "where its topic reader starts")
+    metrics_urls: dict[str, str] = _d(dict, "stage name -> Prometheus /metrics URL to scrape")
+    scrape_interval_s: float = _d(2.0, "scrape period (s) of the stages' metrics", gt=0)
+    push_interval_s: float = _d(1.0, "live-update period (s) of the browser stream", gt=0)
+    max_sessions: int = _d(10_000, "sessions kept for the browser (oldest dropped)", ge=1)
+    max_errors: int = _d(50, "latest dead letters kept per DLQ topic", ge=1)
 
 
 class Config(BaseSettings):
-    """The effective configuration of one process (see the module docstring for precedence)."""
+    """The effective configuration of one process (see the module docstring for precedence).
 
-    model_config = SettingsConfigDict(env_prefix="PIPELINE_", env_nested_delimiter="__", extra="forbid")
+    Frozen once loaded: a stage that needs other values (a flag, a port chosen at start) derives
+    a validated copy with :meth:`replace`.
+    """
 
-    log_level: str = "INFO"
-    metrics_port: int | None = Field(None, ge=0, le=65535)
-    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
-    topics: TopicsConfig = Field(default_factory=TopicsConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
-    judge: JudgeConfig = Field(default_factory=JudgeConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    syncer: SyncerConfig = Field(default_factory=SyncerConfig)
-    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)
+    model_config = SettingsConfigDict(env_prefix="PIPELINE_", env_nested_delimiter="__", extra="forbid",
+                                      frozen=True)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = _d(
+        "INFO", "log level of every stage (DEBUG also shows library chatter)")
+    metrics_port: int | None = _d(None, "consumer stages: serve Prometheus /metrics on this port (None: off)",
+                                  ge=0, le=65535)
+    kafka: KafkaConfig = _d(KafkaConfig, "Kafka client settings")
+    topics: TopicsConfig = _d(TopicsConfig, "topic definitions and naming")
+    engine: EngineConfig = _d(EngineConfig, "the policy inference engine")
+    proxy: ProxyConfig = _d(ProxyConfig, "the OpenAI-compatible proxy")
+    judge: JudgeConfig = _d(JudgeConfig, "the judge stage")
+    trainer: TrainerConfig = _d(TrainerConfig, "the trainer stage")
+    syncer: SyncerConfig = _d(SyncerConfig, "the weight syncer of one engine replica")
+    dashboard: DashboardConfig = _d(DashboardConfig, "the web dashboard")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        if self.judge.idle_timeout_s > self.proxy.session_idle_s:
+            raise ValueError(f"judge.idle_timeout_s ({self.judge.idle_timeout_s:g}) is above proxy.session_idle_s "
+                             f"({self.proxy.session_idle_s:g}): the proxy would forget a session the judge still "
+                             "holds open, and a late reply would lose its turn")
+        if self.judge.fetch_max_wait_ms >= self.kafka.request_timeout_ms:
+            raise ValueError(f"judge.fetch_max_wait_ms ({self.judge.fetch_max_wait_ms}) must be below "
+                             f"kafka.request_timeout_ms ({self.kafka.request_timeout_ms}): every empty fetch "
+                             "would time out")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):  # noqa: D102
         return (init_settings, env_settings,
                 InitSettingsSource(settings_cls, init_kwargs=_YAML_DATA.get()))
+
+    def replace(self, **sections: Any) -> "Config":
+        """A validated copy with some values changed: ``config.replace(trainer={"lr": 1e-5},
+        log_level="DEBUG")``. Nested dicts are merged into the sections (other values are kept).
+
+        Raises:
+            ConfigError: a changed value is invalid, or the result breaks a cross-field rule.
+        """
+        data = _deep_merge(self.model_dump(), sections)
+        try:
+            return type(self).model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_messages(e)) from None
+
+
+def _messages(e: ValidationError) -> str:
+    out = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(out)
 
 
 #: (section, key) pairs that may only come from the environment (or programmatic use)
@@ -359,10 +454,42 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), bootstrap: 
     try:
         return Config(**flags)
     except ValidationError as e:
-        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ConfigError(msgs) from None
+        raise ConfigError(_messages(e)) from None
     finally:
         _YAML_DATA.reset(token)
+
+
+def _range(field) -> str:
+    """``>= 1``, ``0 < x <= 1``, ``one of a|b`` ... from a field's bounds or choices ('' when free)."""
+    if get_origin(field.annotation) is Literal:
+        return "one of " + "|".join(map(str, get_args(field.annotation)))
+    lo = hi = ""
+    for m in field.metadata:
+        for attr, sym, side in (("ge", ">=", "lo"), ("gt", ">", "lo"), ("le", "<=", "hi"), ("lt", "<", "hi")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                if side == "lo":
+                    lo = f"{sym} {v:g}" if isinstance(v, float) else f"{sym} {v}"
+                else:
+                    hi = f"{sym} {v:g}" if isinstance(v, float) else f"{sym} {v}"
+    if lo and hi:
+        return f"{lo.replace('>=', '').replace('>', '').strip()} {'<=' if lo.startswith('>=') else '<'} x {hi}"
+    return lo or hi
+
+
+def explain(config: Config) -> list[tuple[str, Any, str, str]]:
+    """Every setting as ``(dotted key, effective value, description, allowed range)``, in
+    declaration order; secrets masked. This is what ``pipeline config show --explain`` prints."""
+    data = redacted(config)
+    rows = []
+    for name, field in type(config).model_fields.items():
+        sub = getattr(field.annotation, "model_fields", None)
+        if sub is None:
+            rows.append((name, data[name], field.description or "", _range(field)))
+            continue
+        for key, f in sub.items():
+            rows.append((f"{name}.{key}", data[name][key], f.description or "", _range(f)))
+    return rows
 
 
 def redacted(config: Config) -> dict:

@@ -1,4 +1,4 @@
-"""Event contracts: every value on every topic (see DESIGN.md and topics.yaml).
+"""Event contracts: every value on every topic (see topics.yaml and docs/training-signal.md).
 
 Wire format: a msgpack map with ``type`` (event name) and ``v`` (the schema version of that event
 type: ``Event.V``; 2 for ``sample``, 1 for the others).

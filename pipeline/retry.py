@@ -15,7 +15,10 @@ Example::
 
 from __future__ import annotations
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+import time
+from typing import Callable
+
+from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from pipeline.errors import PipelineError
 
@@ -37,4 +40,14 @@ def retrying(attempts: int, backoff_s: float, max_backoff_s: float = 30.0) -> As
                          wait=wait_exponential_jitter(initial=backoff_s, max=max_backoff_s, jitter=backoff_s))
 
 
-__all__ = ["Transient", "retrying"]
+def retrying_sync(attempts: int, backoff_s: float, max_backoff_s: float = 30.0,
+                  sleep: Callable[[float], None] = time.sleep) -> Retrying:
+    """The blocking twin of :func:`retrying` (same waits, same rule: only :class:`Transient` is
+    retried). ``sleep(seconds)`` waits between tries; a sleep that raises (e.g. because the
+    caller is stopping) ends the loop with that exception."""
+    return Retrying(stop=stop_after_attempt(max(1, attempts)), reraise=True, sleep=sleep,
+                    retry=retry_if_exception_type(Transient),
+                    wait=wait_exponential_jitter(initial=backoff_s, max=max_backoff_s, jitter=backoff_s))
+
+
+__all__ = ["Transient", "retrying", "retrying_sync"]

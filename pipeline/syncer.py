@@ -7,8 +7,11 @@ assigned, never joined: one syncer per engine) and, for each ``weights`` event o
 1. verifies the sha256 of ``<location>/model.safetensors`` against the event (a torn or
    half-copied folder is never loaded);
 2. calls the engine's ``POST /update_weights_from_disk`` with ``model_path = location`` and
-   ``weight_version = str(policy_version)`` (through :class:`pipeline.client.EngineClient`),
-   retrying ``syncer.retries`` times with exponential back-off from ``syncer.retry_backoff_s``;
+   ``weight_version = str(policy_version)`` (through :class:`pipeline.client.EngineClient`).
+   Only a failure that can pass is retried (``syncer.retries`` times, exponential back-off from
+   ``syncer.retry_backoff_s`` plus jitter, :mod:`pipeline.retry`): the engine unreachable, a
+   time-out, a 5xx or 429. A refusal that another try cannot change fails at once: a missing
+   folder, a checksum mismatch, a 4xx (the engine refused these weights);
 3. publishes ``applied`` (engine_id, policy_version) or ``failed`` (with the last error).
 
 If the engine already reports that version (``/model_info`` ``weight_version``), nothing is
@@ -47,9 +50,11 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from pipeline import events
 from pipeline.config import Config
+from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline.syncer")
 
@@ -68,15 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, config: Config) -> int:
     """Apply the flags to ``config.syncer`` and run the :class:`Syncer` until SIGTERM/SIGINT."""
+    flags = {"engine_url": args.engine_url, "engine_id": args.engine_id, "group_id": args.group_id}
+    config = config.replace(syncer={k: v for k, v in flags.items() if v}
+                            | ({"ready_port": args.ready_port} if args.ready_port is not None else {}))
     s = config.syncer
-    if args.engine_url:
-        s.engine_url = args.engine_url
-    if args.engine_id:
-        s.engine_id = args.engine_id
-    if args.group_id:
-        s.group_id = args.group_id
-    if args.ready_port is not None:
-        s.ready_port = args.ready_port
     from pipeline.metrics import serve_metrics
 
     serve_metrics(config.metrics_port)
@@ -119,47 +119,91 @@ class Syncer:
         self._failures = 0  # consecutive failed re-applies (back-off: check_interval_s * 2**n, <= 300 s)
         self._retry_at = 0.0
         self._reported: tuple | None = None  # last unrepairable mismatch logged (log it once)
+        self._loop: asyncio.AbstractEventLoop | None = None  # see _engine_call
+        self._engine = None
 
     # ------------------------------------------------------------ engine side
 
-    async def _apply_async(self, location: str, version: int) -> str:
+    def _engine_call(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``await call(engine_client)`` on the syncer's own event loop, with its one engine client.
+
+        Both live as long as the syncer (closed by :meth:`close`): building an HTTP client loads
+        the TLS trust store, tens of ms of CPU that, every check interval, kept the Kafka client's
+        I/O thread waiting for the GIL (kafka-python's "task is blocking the event loop").
+        """
         from pipeline.client import EngineClient
 
-        api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
-        async with EngineClient(self.url, timeout_s=self.cfg.apply_timeout_s, api_key=api_key) as eng:
-            try:
-                if await eng.weight_version() == str(version):
-                    return "already serving"
-            except Exception:  # noqa: BLE001 - fall through to the update, which reports properly
-                pass
-            out = await eng.update_weights_from_disk(location, weight_version=str(version))
-            return str(out.get("message", "ok"))
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        if self._engine is None:
+            api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
+            self._engine = EngineClient(self.url, timeout_s=10.0, api_key=api_key)
+        return self._loop.run_until_complete(call(self._engine))
+
+    def close(self) -> None:
+        """Close the engine client and the event loop (:meth:`run` does it when it ends)."""
+        if self._loop is not None:
+            if self._engine is not None:
+                self._loop.run_until_complete(self._engine.aclose())
+            self._loop.close()
+        self._loop = self._engine = None
+
+    async def _apply_async(self, eng, location: str, version: int) -> str:
+        try:
+            if await eng.weight_version() == str(version):
+                return "already serving"
+        except Exception:  # noqa: BLE001 - fall through to the update, which reports properly
+            pass
+        out = await eng.update_weights_from_disk(location, weight_version=str(version),
+                                                 timeout_s=self.cfg.apply_timeout_s)
+        return str(out.get("message", "ok"))
 
     def apply(self, ev: events.Control) -> tuple[bool, str]:
-        """Verify and apply one ``weights`` event with retries. Returns ``(ok, message)``."""
+        """Verify and apply one ``weights`` event. Returns ``(ok, message)``; never raises.
+
+        Retried (``syncer.retries`` more tries, jittered exponential back-off): the engine
+        unreachable, a time-out, HTTP 5xx/429 (:attr:`pipeline.client.EngineError.retryable`).
+        Not retried: a missing folder, a checksum mismatch, a 4xx answer (the engine refused the
+        weights), any other error. :attr:`stop` ends the waits between tries.
+        """
+        from pipeline.client import EngineError
+        from pipeline.retry import Transient, retrying_sync
         from pipeline.trainer.checksum import verify_folder
 
-        delay = self.cfg.retry_backoff_s
-        last = ""
-        for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                if self.stop.wait(delay):
-                    return False, f"stopped while retrying: {last}"
-                delay *= 2
-            t0 = time.perf_counter()
-            try:
-                if not Path(ev.location).is_dir():
-                    raise FileNotFoundError(f"weights folder {ev.location} not found")
-                verify_folder(ev.location, ev.sha256)
-                msg = asyncio.run(self._apply_async(ev.location, ev.policy_version))
-                log.info("%s: v%d applied in %.2f s (%s)", self.engine_id, ev.policy_version,
-                         time.perf_counter() - t0, msg)
-                return True, msg
-            except Exception as e:  # noqa: BLE001 - every failure is retried, then reported
-                last = f"{type(e).__name__}: {e}"
-                log.warning("%s: apply of v%d failed (attempt %d/%d): %s", self.engine_id, ev.policy_version,
-                            attempt + 1, self.cfg.retries + 1, last)
-        return False, last
+        tries = self.cfg.retries + 1
+
+        def stoppable_sleep(seconds: float) -> None:
+            if self.stop.wait(seconds):
+                raise _Stopped()
+
+        try:
+            for attempt in retrying_sync(tries, self.cfg.retry_backoff_s, sleep=stoppable_sleep):
+                with attempt:
+                    n = attempt.retry_state.attempt_number
+                    t0 = time.perf_counter()
+                    if not Path(ev.location).is_dir():
+                        raise FileNotFoundError(f"weights folder {ev.location} not found")
+                    verify_folder(ev.location, ev.sha256)
+                    try:
+                        msg = self._engine_call(lambda eng: self._apply_async(eng, ev.location, ev.policy_version))
+                    except EngineError as e:
+                        if not e.retryable:
+                            raise
+                        log.warning("%s: apply of v%d failed (try %d/%d, will retry if tries are left): %s: %s",
+                                    self.engine_id, ev.policy_version, n, tries, type(e).__name__, e)
+                        raise Transient(f"{type(e).__name__}: {e}") from e
+                    log.info("%s: v%d applied in %.2f s (%s)", self.engine_id, ev.policy_version,
+                             time.perf_counter() - t0, msg)
+                    return True, msg
+        except _Stopped:
+            return False, "stopped while retrying"
+        except Transient as e:
+            return False, f"{e} (after {tries} tries)"
+        except Exception as e:  # noqa: BLE001 - a refusal another try cannot change: reported at once
+            log.warning("%s: apply of v%d refused, not retried: %s: %s", self.engine_id, ev.policy_version,
+                        type(e).__name__, e)
+            return False, f"{type(e).__name__}: {e}"
+        return False, "no try made"  # unreachable: the loop makes at least one try
 
     # ------------------------------------------------------------ Kafka side
 
@@ -171,18 +215,11 @@ class Syncer:
 
     # ------------------------------------------------------------ reconciliation
 
-    async def _served_async(self) -> str | None:
-        from pipeline.client import EngineClient
-
-        api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
-        async with EngineClient(self.url, timeout_s=10.0, api_key=api_key) as eng:
-            v = await eng.weight_version()
-            return None if v is None else str(v)
-
     def served_version(self) -> str | None:
         """The engine's ``/model_info`` ``weight_version`` now, or None when it does not answer."""
         try:
-            return asyncio.run(self._served_async())
+            v = self._engine_call(lambda eng: eng.weight_version())
+            return None if v is None else str(v)
         except Exception as e:  # noqa: BLE001 - an engine that is down has no version
             log.debug("%s: /model_info failed: %s", self.engine_id, e)
             return None
@@ -292,7 +329,6 @@ class Syncer:
 
         server = ThreadingHTTPServer((host, port), Handler)
         threading.Thread(target=server.serve_forever, name="syncer-readyz", daemon=True).start()
-        self._ready_server = server
         return server.server_address[1]
 
     def run(self) -> None:
@@ -313,6 +349,7 @@ class Syncer:
                                    group_id=self.group_id, dlq=True, stop=self.stop)
         except Exception:
             producer.close()
+            self.close()
             raise
         self.ready.set()
         log.info("syncer %s -> %s (group %s, run %s, published v%s, engine serves %s)", self.engine_id, self.url,
@@ -353,7 +390,7 @@ class Syncer:
                     (prom.SYNCER_APPLIED if ok else prom.SYNCER_FAILED).inc()
                     (self.applied if ok else self.failed).append(latest.policy_version)
                     self._publish(producer, "applied" if ok else "failed", latest, msg)
-                    self.served = str(latest.policy_version) if ok else self.served_version()
+                    self.served = self.served_version()  # what the engine says, not what the apply call claimed
                     self._observe()
                 consumer.commit(ends)
         except DeadLetterError as e:  # stopped while a dead letter was undeliverable: not committed past it
@@ -363,6 +400,11 @@ class Syncer:
                 consumer.close()
             finally:
                 producer.close()
+                self.close()
+
+
+class _Stopped(PipelineError):
+    """Raised by :meth:`Syncer.apply`'s back-off sleep when the syncer is stopping."""
 
 
 def last_published(config: Config, run_id: str, timeout_s: float = 60.0,

@@ -152,7 +152,7 @@ def _config_drift(admin, config: Config, specs: list[TopicSpec], report: ApplyRe
     try:
         res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, config.topics.name(s.name))
                                       for s in specs])
-    except Exception as e:  # Tansu does not implement DescribeConfigs (ENVIRONMENT.md)
+    except Exception as e:  # Tansu does not implement DescribeConfigs (docs/environment.md §6)
         report.notes.append(f"config drift not checked: the broker does not answer DescribeConfigs ({type(e).__name__})")
         return
     try:

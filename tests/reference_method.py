@@ -11,6 +11,9 @@ PPO as used by slime):
   dropped; the most frequent value wins; a tie for the top count, or no valid vote, gives 0.
 - **Binary RL sample** (``rl`` mode): reward = the vote; trained (loss mask 1) when the vote is
   non-zero; a turn without a next state carries no reward and is never trained.
+- **Hint selection**: of the m hint votes, a +1 vote whose stripped hint is longer than 10
+  characters is a candidate; the longest candidate is the accepted hint (ties: the first); no
+  candidate, no hint. A single candidate suffices, whatever the other votes say.
 - **OPD dispatch** (``opd`` mode): an accepted hint gives a sample with teacher log-probs and no
   reward; no hint, no sample.
 - **Combine dispatch** (``combine`` mode): a ±1 vote is an RL signal, a vote of 0 is none; an
@@ -71,6 +74,20 @@ def majority_vote(votes: Sequence[int | None]) -> float:
     if len(counts) > 1 and counts[0][1] == counts[1][1]:
         return 0.0
     return float(counts[0][0])
+
+
+def select_hint(answers: Sequence[tuple[int | None, str | None]], min_chars: int = 10) -> str | None:
+    """The accepted OPD hint of m hint votes ``(vote, hint text or None)``, or None.
+
+    A vote is a candidate when it is +1 and its stripped hint is longer than ``min_chars``; the
+    longest candidate wins (ties: the first). One candidate is enough, whatever the other votes.
+    """
+    best = None
+    for vote, hint in answers:
+        h = (hint or "").strip()
+        if vote == 1 and len(h) > min_chars and (best is None or len(h) > len(best)):
+            best = h
+    return best
 
 
 def rl_signals(vote: float | None) -> tuple[float | None, int]:

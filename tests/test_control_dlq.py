@@ -57,7 +57,7 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
     syncer = None
     try:
         with serve_app(StandInEngine(weight_version="1")) as engine_url:
-            cfg.syncer.engine_url = engine_url
+            cfg = cfg.replace(syncer={"engine_url": engine_url})
             pub = WeightPublisher(cfg)
             result = {}
             trainer = threading.Thread(target=lambda: result.setdefault("report", pub.sync(1, str(folder), sha)))

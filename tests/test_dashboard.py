@@ -100,8 +100,7 @@ def test_no_conversation_text_without_the_flag(kafka_config):
         assert MARK not in repr(d.state.sessions)
 
     # the same dashboard with the flag serves the text (so the check above can fail)
-    kafka_config.dashboard.show_text = True
-    with DashboardServer(kafka_config) as d:
+    with DashboardServer(kafka_config.replace(dashboard={"show_text": True})) as d:
         d.wait(_caught_up(expect))
         body = httpx.get(f"{d.url}/api/sessions/{SESSIONS[0]}", timeout=10).text
         for piece in ("reply 0", "thinking 0", "user part 0", "next 0", "result 0", "hint 0", "args", "tool doc"):

@@ -46,6 +46,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
                                 "idle_timeout_s": 5},
                          dashboard={"scrape_interval_s": 1.0, "push_interval_s": 0.5})
     stack = start_stack(config, run_dir, ready_timeout_s=300, durable_broker=False)
+    config = stack.config
     assert stack.dashboard_url and stack.supervisor.stages[-1].name == "dashboard"
     try:
         sim = subprocess.run(

@@ -22,7 +22,7 @@ from judge_overlap import overlaps
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.chat import ChatRenderer, load_tokenizer
-from pipeline.judge.backends.embedding import EmbeddingBackend, load_examples
+from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
 from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
 from tests.support.servers import StandInJudge
@@ -61,7 +61,7 @@ def test_embedding_agreement_with_labelled_next_states(embedding_backend, path, 
 
 def test_dev_set_is_not_what_the_judge_learns_from():
     """The development set measures generalisation only if the examples do not contain it."""
-    examples = [e["text"] for e in load_examples()]
+    examples = [e["text"] for e in training_examples()]
     rows = load_rows(DEV)
     texts = [m["content"] for r in rows for m in r["next_state"]]
     assert not [(examples[i], rows[j]["id"], kind) for i, j, kind in overlaps(examples, texts)]
@@ -105,11 +105,10 @@ def test_embedding_abstains_rather_than_guess(embedding_backend):
 
 def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embedding_backend):
     c = kafka_config
-    c.judge.group_id = f"{c.topics.prefix}judge"
-    c.engine.model = "tiny-random"
     correction = "That's incorrect, 17 times 23 is 391."  # classified -1 (corrective)
     with StandInJudge() as teacher:
-        c.engine.teacher_url = teacher.url
+        c = c.replace(judge={"group_id": f"{c.topics.prefix}judge"},
+                      engine={"model": "tiny-random", "teacher_url": teacher.url})
         renderer = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the prompt ids
         publish(c, [make_turn("e", 0, request="What is 17*23?", answer="381", renderer=renderer),
                     make_next_state("e", 0, correction),
@@ -131,12 +130,9 @@ def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
     rows = load_rows(FIXTURE)[::10]  # 4 rows: 3 scoring passes each on the CPU
     c = kafka_config
     with running_engine("smollm2-135m", threads=2) as url:
-        c.engine.url = url
-        c.engine.model = "smollm2-135m"
-        c.judge.url = url
-        c.judge.backend = "choice"
-        c.judge.group_id = f"{c.topics.prefix}judge"
-        c.judge.vote_timeout_s = 120
+        c = c.replace(engine={"url": url, "model": "smollm2-135m"},
+                      judge={"url": url, "backend": "choice", "group_id": f"{c.topics.prefix}judge",
+                             "vote_timeout_s": 120})
 
         async def direct():
             backend = ChoiceBackend(c)

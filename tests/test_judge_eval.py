@@ -149,8 +149,8 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
 
     rows = load_rows(FIXTURE)[::2]  # 20 turns, both roles
     c = kafka_config
-    c.judge.group_id = f"{c.topics.prefix}judge"
-    c.engine.model = "tiny-random"
+    c = c.replace(judge={"group_id": f"{c.topics.prefix}judge"})
+    c = c.replace(engine={"model": "tiny-random"})
     backend = LabelEcho(c)
     for i, r in enumerate(rows):  # scores: the label, except every third row flipped or zeroed
         r["next_state"] = [dict(m, content=f"score={(r['label'], -r['label'], 0)[i % 3]} {m['content']}")
@@ -192,8 +192,8 @@ def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
             return await super().hint(inp)
 
     c = kafka_config
-    c.judge.group_id = f"{c.topics.prefix}judge"
-    c.engine.model = "tiny-random"
+    c = c.replace(judge={"group_id": f"{c.topics.prefix}judge"})
+    c = c.replace(engine={"model": "tiny-random"})
     names = ("pipeline_judge_hint_requests_total", "pipeline_judge_hints_accepted_total",
              "pipeline_judge_hint_chars_sum")
     before = {n: _metric(n, {}) for n in names}
@@ -201,7 +201,7 @@ def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
            for r in ("judged_no_hint", "backend_error")}
     hint = "hint: use kilometres"
     with StandInJudge() as teacher:
-        c.engine.teacher_url = teacher.url
+        c = c.replace(engine={"teacher_url": teacher.url})
         rend = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the turn's prompt ids
         publish(c, [make_turn("h", 0, renderer=rend), make_next_state("h", 0, hint), make_turn("h", 1, renderer=rend),
                     make_next_state("h", 1, "thanks"), make_turn("h", 2, renderer=rend),

@@ -234,13 +234,11 @@ def test_two_groups_fast_and_throttled_with_a_restart_produce_identical_samples(
     evs, expected = scripted_stream(12, 4, seed=3, window=6, vote_delay_s=0.01)
     publish(c, evs)
     with StandInJudge() as server:
-        c.judge.backend, c.judge.url, c.judge.mode = "llm", server.url, "rl"
-        c.judge.vote_timeout_s, c.judge.retries = 5.0, 0
-        c.judge.group_id = f"{c.topics.prefix}fast"
+        c = c.replace(judge={"backend": "llm", "url": server.url, "mode": "rl", "vote_timeout_s": 5.0, "retries": 0,
+                             "group_id": f"{c.topics.prefix}fast"})
         with JudgeThread(c):
             read_events(c, "samples", len(expected), timeout_s=60, settle_s=0.2)
-        c.judge.group_id = f"{c.topics.prefix}slow"
-        c.judge.max_in_flight = 1
+        c = c.replace(judge={"group_id": f"{c.topics.prefix}slow", "max_in_flight": 1})
         with JudgeThread(c):  # throttled, stopped part-way
             read_events(c, "samples", len(expected) + len(expected) // 3, timeout_s=60, settle_s=0.0)
         with JudgeThread(c):  # restarted: resumes from the committed offsets

@@ -48,14 +48,10 @@ def judge_server(tokenizer):
 
 
 def configure(c, judge_url, mode="rl", teacher_url=None, group=None, **judge):
-    c.judge.backend, c.judge.url, c.judge.mode = "llm", judge_url, mode
-    c.judge.group_id = group or f"{c.topics.prefix}judge"
-    c.judge.vote_timeout_s, c.judge.retries, c.judge.retry_backoff_s = 5.0, 0, 0.05
-    c.engine.model = "tiny-random"
-    c.engine.teacher_url = teacher_url or judge_url
-    for k, v in judge.items():
-        setattr(c.judge, k, v)
-    return c
+    return c.replace(judge={"backend": "llm", "url": judge_url, "mode": mode,
+                            "group_id": group or f"{c.topics.prefix}judge", "vote_timeout_s": 5.0, "retries": 0,
+                            "retry_backoff_s": 0.05, **judge},
+                     engine={"model": "tiny-random", "teacher_url": teacher_url or judge_url})
 
 
 def samples_by_key(config, n, **kw):
@@ -181,7 +177,7 @@ def test_case6_reused_session_ids_never_share_a_sample_id_and_replays_reproduce_
     assert sorted(short_id(i) for i in ids) == ["reused:0:rl", "reused:0:rl", "reused:1:rl", "reused:1:rl"]
     assert sorted((s.turn_index, s.loss_mask) for s in first) == [(0, 1), (0, 1), (1, 0), (1, 0)]
     # a second judge group replaying the same records reproduces the same samples, byte for byte
-    c.judge.group_id = f"{c.topics.prefix}replay"
+    c = c.replace(judge={"group_id": f"{c.topics.prefix}replay"})
     with JudgeThread(c):
         both = read_events(c, "samples", 8)
     enc = {}

@@ -39,18 +39,9 @@ def server(tokenizer):
 
 
 def setup(config, server, **judge):
-    c = config
-    c.judge.backend = "llm"
-    c.judge.url = server.url
-    c.judge.group_id = f"{c.topics.prefix}judge"
-    c.judge.vote_timeout_s = 1.0
-    c.judge.retries = 1
-    c.judge.retry_backoff_s = 0.05
-    c.engine.teacher_url = server.url
-    c.engine.model = "tiny-random"
-    for k, v in judge.items():
-        setattr(c.judge, k, v)
-    return c
+    return config.replace(judge={"backend": "llm", "url": server.url, "group_id": f"{config.topics.prefix}judge",
+                                 "vote_timeout_s": 1.0, "retries": 1, "retry_backoff_s": 0.05, **judge},
+                          engine={"teacher_url": server.url, "model": "tiny-random"})
 
 
 def score(*items):
@@ -261,7 +252,7 @@ def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, server
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
     c = setup(kafka_config, server, mode="opd")
-    c.engine.teacher_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    c = c.replace(engine={"teacher_url": f"http://127.0.0.1:{dead.getsockname()[1]}"})
     h = hint("\\boxed{1} [HINT_START]Use the metric system please.[HINT_END]")
     publish(c, [make_turn("tf", 0, renderer=renderer), make_next_state("tf", 0, "in km " + h),
                 events.SessionEnd(session_id="tf")])

@@ -166,7 +166,7 @@ def test_masked_positions_do_not_matter(bad):
                                     entropy=inputs["ent"], entropy_coef=0.01, ref_log_probs=inputs["ref"],
                                     kl_coef=0.1, rollout_log_probs=inputs["rollout"], tis_cap=2.0, agg=agg)
         loss.backward()
-        return loss, stats, lp.grad, L.masked_mean(inputs["adv"], mask)
+        return loss, stats, lp.grad
 
     dirty = {k: _poison(v, mask, bad) for k, v in clean.items()}
     for agg in ("sum_of_sample_mean", "token_mean"):
@@ -175,7 +175,6 @@ def test_masked_positions_do_not_matter(bad):
         for k in want[1]:
             assert torch.isfinite(got[1][k]) and close(got[1][k], want[1][k]), (agg, k)
         assert torch.isfinite(got[2]).all() and close(got[2], want[2])  # no NaN reaches the model
-        assert torch.isfinite(got[3]) and close(got[3], want[3])
         for mode in ("sum_of_sample_mean", "token_mean"):
             assert close(L.aggregate(dirty["adv"], mask, mode), L.aggregate(clean["adv"], mask, mode))
 

@@ -35,9 +35,8 @@ def _finish_reasons(chunks) -> list:
 
 def _judge(config, server):
     c = config
-    c.judge.backend, c.judge.url, c.judge.mode = "llm", server.url, "rl"
-    c.judge.group_id = f"{c.topics.prefix}judge"
-    c.judge.vote_timeout_s, c.judge.retries = 5.0, 0
+    c = c.replace(judge={"backend": "llm", "url": server.url, "mode": "rl", "group_id": f"{c.topics.prefix}judge",
+                         "vote_timeout_s": 5.0, "retries": 0})
     return JudgeThread(c)
 
 

@@ -51,6 +51,36 @@ def test_retry_and_regenerate_publish_no_second_next_state_and_never_reuse_an_in
     assert d.turn_index == 3 and d.next_state is None
 
 
+def test_a_continued_assistant_message_is_this_turns_prefix_not_a_previous_turn():
+    """``continue_final_message``: the trailing assistant message is the start of this turn's own
+    reply. The user message before it is the previous turn's next state, the turn index follows
+    on, and the next request, which echoes prefix + continuation, finds the continued turn.
+    Was: the prefill counted as an answered turn: turn index 2 and turn 0's next state never
+    published (turn 0 never judged)."""
+    t = SessionTable()
+    t.begin("s", [_u("q1")])
+    t.complete("s", 0, "a1", None)
+    msgs = [_u("q1"), _a("a1"), _u("wrong, in metres please"), _a("Sure, it is")]
+    b = t.begin("s", msgs, continue_final=True)
+    assert (b.turn_index, b.after_turn_index, b.next_state) == (1, 0, [_u("wrong, in metres please")])
+    t.complete("s", 1, " 330 m.", None, prefix="Sure, it is")
+    # a prefill in a first request is not a turn either
+    first = SessionTable().begin("f", [_u("q"), _a("Once upon")], continue_final=True)
+    assert (first.turn_index, first.next_state) == (0, None)
+    # without continue_final_message a trailing assistant message is an ordinary earlier answer
+    other = SessionTable()
+    other.begin("o", [_u("q")])
+    other.complete("o", 0, "a", None)
+    assert other.begin("o", [_u("q"), _a("a")]).turn_index == 1
+    # the echoed full message (prefix + continuation) is recognised as turn 1 even when the
+    # session's latest completed turn is a later one: a regenerate (turn 2) the client discarded
+    r = t.begin("s", msgs, continue_final=True)
+    assert (r.turn_index, r.next_state) == (2, None)
+    t.complete("s", 2, " 400 m.", None, prefix="Sure, it is")
+    c = t.begin("s", msgs[:3] + [_a("Sure, it is 330 m."), _u("thanks")])
+    assert (c.turn_index, c.after_turn_index, c.next_state) == (3, 1, [_u("thanks")])
+
+
 def test_state_lost_indices_continue_from_the_assistant_count():
     t = SessionTable(max_sessions=1)
     t.begin("a", [_u("q")])

@@ -26,6 +26,15 @@ def test_majority_vote(votes, want):
     assert ref.majority_vote(votes) == want
 
 
+def test_hint_selection_by_hand():
+    assert ref.select_hint([(1, "a longer hint here"), (1, "the longest hint of all"), (-1, None)]) == \
+        "the longest hint of all"
+    assert ref.select_hint([(-1, None), (-1, None), (1, "  one is enough  ")]) == "one is enough"
+    assert ref.select_hint([(1, "ten chars!"), (1, "  padded   "), (None, "failed vote, long")]) is None
+    assert ref.select_hint([(1, "first of two"), (1, "second of 2")]) == "first of two"
+    assert ref.select_hint([]) is None
+
+
 def test_judge_dispatch():
     assert ref.rl_signals(None) == (None, 0) and ref.rl_signals(0) == (0.0, 0) and ref.rl_signals(-1) == (-1.0, 1)
     assert ref.combine_signals(1, True) == (1.0, True)

@@ -170,3 +170,25 @@ def test_holding_is_bounded_per_session_and_forgotten_with_a_revoked_partition()
                                                              created_at=1), 0))
     assert ro.held == 1
     assert ro.drop_partitions({("turns", 1)}) == 1 and ro.held == 0 and "u" not in ro.sessions
+
+
+def test_a_stalled_session_is_released_only_by_a_record_in_the_log():
+    """No newer record moves a quiet partition's watermark: after max_wait_s on its clock the
+    judge is told (once) to publish an idle end; nothing is released on the clock itself, and the
+    idle end, read back, releases the held records before it (so a replay releases them there too)."""
+    t = [0.0]
+    ro = Reorderer(lateness_s=60.0, max_wait_s=300.0, clock=lambda: t[0])
+    ns = events.NextState(session_id="s", messages=[{"role": "user", "content": "x"}], after_turn_index=3,
+                          created_at=10_000)
+    t4 = events.Turn(session_id="s", turn_index=4, created_at=10_500, response={"content": "y"})
+    assert ro.on_record(Record("turns", 0, 0, "s", ns, 0)) == []
+    assert ro.on_record(Record("turns", 0, 1, "s", t4, 0)) == []
+    t[0] = 299.0
+    assert ro.stalled() == []
+    t[0] = 301.0
+    assert ro.stalled(ready=lambda tp: False) == []  # partition not read to its end
+    assert ro.stalled() == [("s", ("turns", 0), 4)] and ro.stalled() == []  # proposed once
+    assert ro.held == 2  # nothing released on the clock
+    end = events.SessionEnd(session_id="s", reason="idle_timeout", created_at=10_000 + 301_000, turn_index=4)
+    assert [r.event for r in ro.on_record(Record("turns", 0, 2, "s", end, 0))] == [ns, t4, end]
+    assert ro.held == 0

@@ -7,17 +7,20 @@ real ``kill -9``; the clock of the back-off schedule is injected so no test wait
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pipeline.orchestrate.supervisor import RestartPolicy, Stage, StageFailed, StopOutcome, Supervisor, http_ok
+from pipeline.orchestrate.up import Stack, parse_replicas, replica_names, status_line, stop_summary
 from pipeline.procutil import free_port
-from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
-from pipeline.orchestrate.up import Stack, parse_replicas, replica_names, status_line
 from tests.support.waiting import wait_for
 
 
@@ -121,3 +124,55 @@ def test_stage_logs_are_appended_across_restarts(tmp_path):
     finally:
         sup.stop_all(timeout_s=5)
     assert Path(st.log_path).read_text().count("--backend") >= 2, "both runs' output kept"
+
+
+def _child(tmp_path, name: str, on_term: str) -> Stage:
+    """A stage process whose SIGTERM handler is ``on_term`` (Python source), started and ready."""
+    code = ("import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: ({on_term}))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return Stage(name, proc.args, tmp_path / f"{name}.log", proc=proc)
+
+
+def test_a_clean_stop_reads_as_stopped_and_only_real_failures_as_exit_codes(tmp_path):
+    port = free_port()
+    sup = Supervisor(tmp_path / "logs")
+    # a real stage (uvicorn re-raises the SIGTERM it handled: the process ends by the signal, -15)
+    front = sup.start("front", _front_args(port), ready=http_ok(f"http://127.0.0.1:{port}/_front/status"),
+                      timeout_s=120)
+    outcome = sup.stop(front, timeout_s=30)
+    assert outcome.clean and str(outcome) == "stopped" and outcome.code in (0, -signal.SIGTERM), outcome
+    assert str(sup.stop(_child(tmp_path, "exits0", "sys.exit(0)"), timeout_s=30)) == "stopped"
+    failed = sup.stop(_child(tmp_path, "exits3", "sys.exit(3)"), timeout_s=30)
+    assert not failed.clean and str(failed) == "failed (exit 3)"
+    killed = sup.stop(_child(tmp_path, "deaf", "None"), timeout_s=0.5)  # ignores SIGTERM
+    assert not killed.clean and str(killed) == f"killed (exit {-signal.SIGKILL})"
+    gone = _child(tmp_path, "gone", "sys.exit(0)")
+    gone.proc.kill()
+    gone.proc.wait()
+    assert str(sup.stop(gone)) == f"exited (exit {-signal.SIGKILL})"  # it had died before the stop
+
+
+def test_stop_summary_names_only_what_did_not_stop_cleanly():
+    line = stop_summary({"dashboard": StopOutcome(-15, "stopped"), "proxy": StopOutcome(-15, "stopped"),
+                         "engine": StopOutcome(0, "stopped"), "trainer": StopOutcome(-9, "killed"),
+                         "teacher": StopOutcome(None, "not started")})
+    assert line == "stopped cleanly: dashboard, proxy, engine, teacher | did not stop cleanly: trainer: killed (exit -9)"
+    assert "-15" not in stop_summary({"proxy": StopOutcome(-15, "stopped"), "engine": StopOutcome(-15, "stopped")})
+
+
+def test_broker_probe_answers_a_closed_port_at_once_and_quietly(caplog, monkeypatch):
+    """A broker still starting: the readiness probe says no without a Kafka client (one would
+    retry its bootstrap for ~30 s, logging each refused connection as an error)."""
+    import kafka
+
+    from pipeline.broker import kafka_answers
+
+    built, real = [], kafka.KafkaAdminClient
+    monkeypatch.setattr(kafka, "KafkaAdminClient", lambda *a, **k: built.append(a) or real(*a, **k))
+    with caplog.at_level(logging.WARNING):
+        assert kafka_answers(f"127.0.0.1:{free_port()}") is False
+    assert built == [] and not [r for r in caplog.records if r.name.startswith("kafka")]

@@ -69,8 +69,7 @@ def _publish(cfg, version: int, folder, sha: str, wait: bool = True):
     from pipeline.trainer.sync import WeightPublisher
 
     if not wait:
-        cfg = cfg.model_copy(deep=True)
-        cfg.trainer.engines = []
+        cfg = cfg.replace(trainer={"engines": []})
     pub = WeightPublisher(cfg)
     try:
         return pub.sync(version, str(folder), sha)
@@ -90,7 +89,7 @@ def test_restarted_engine_and_syncer_serve_the_published_version_before_traffic(
     cfg = _config(kafka_config, tmp_path)
     v1, sha1 = shifted_export(tmp_path / "weights", 1)
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         syncer, t = _start(cfg)
         try:
             assert syncer.ready.wait(30)
@@ -104,7 +103,7 @@ def test_restarted_engine_and_syncer_serve_the_published_version_before_traffic(
     with running_engine("tiny-random", threads=1) as url:
         base_version, base_scores = asyncio.run(_info(url))
         assert base_version == "0" and base_scores != trained_scores
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         syncer, t = _start(cfg)
         try:
             assert syncer.ready.wait(30), "the syncer never joined its group"
@@ -127,7 +126,7 @@ def test_engine_restarted_without_its_syncer_is_reconciled(kafka_config, tmp_pat
     cfg = _config(kafka_config, tmp_path)
     v1, sha1 = shifted_export(tmp_path / "weights", 1)
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         syncer, t = _start(cfg)
         try:
             assert syncer.ready.wait(30)
@@ -158,7 +157,7 @@ def test_engine_serving_an_unpublished_version_is_reconciled_and_readyz_says_so(
     v1, sha1 = shifted_export(tmp_path / "weights", 1)
     _publish(cfg, 1, v1, sha1, wait=False)
     with running_engine("tiny-random", threads=1, weight_version="7") as url:  # v7 was never published
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         from pipeline.syncer import Syncer
 
         syncer = Syncer(cfg)
@@ -189,7 +188,7 @@ def test_published_weights_that_cannot_be_served_are_never_silent(kafka_config, 
     _publish(cfg, 1, v1, sha1, wait=False)
     shutil.rmtree(v1)  # the published folder is gone (pruned, volume lost)
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         from pipeline.syncer import Syncer
 
         syncer = Syncer(cfg)
@@ -213,7 +212,7 @@ def test_syncer_restarted_during_a_sync_completes_it(kafka_config, tmp_path):
     cfg = _config(kafka_config, tmp_path)
     v2, sha2 = shifted_export(tmp_path / "weights", 2)
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         box: dict = {}
         trainer = threading.Thread(target=lambda: box.update(report=_publish(cfg, 2, v2, sha2)), daemon=True)
         trainer.start()  # pause + weights v2 published; no syncer is running
@@ -239,7 +238,7 @@ def test_control_aged_out_falls_back_to_the_trainers_record(kafka_config, tmp_pa
     got = last_published(cfg, "reconcile")
     assert (got.policy_version, got.location, got.sha256) == (3, str(v3), sha3)
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         syncer, t = _start(cfg)
         try:
             wait_for(lambda: _version(url) == "3", what="v3 from published.json")
@@ -260,7 +259,7 @@ def test_an_older_weights_event_is_never_applied_after_a_newer_one(kafka_config,
     p.close()
     assert last_published(cfg).policy_version == 2
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         syncer, t = _start(cfg)
         try:
             assert syncer.ready.wait(30)

@@ -62,10 +62,10 @@ def test_training_step_raises_positive_response_logprob_on_the_engine(kafka_conf
     from tests.support.trainer import megatron_runtime
 
     cfg = _config(kafka_config, tmp_path)
-    cfg.syncer.engine_id = "engine-0"
-    cfg.syncer.retry_backoff_s = 0.2
+    cfg = cfg.replace(syncer={"engine_id": "engine-0"})
+    cfg = cfg.replace(syncer={"retry_backoff_s": 0.2})
     with running_engine("tiny-random", threads=1) as url:
-        cfg.syncer.engine_url = url
+        cfg = cfg.replace(syncer={"engine_url": url})
         prompt = list(range(100, 130))
         good, good_lp = asyncio.run(_sample_from_engine(url, prompt, seed=1))
         bad, bad_lp = asyncio.run(_sample_from_engine(url, prompt, seed=2))
@@ -127,10 +127,10 @@ def test_syncer_verifies_checksum_retries_and_reports_failed(kafka_config, tmp_p
     good_sha = sha256_file(folder / WEIGHTS_FILE)
     (folder / CHECKSUM_FILE).write_text(f"{good_sha}  {WEIGHTS_FILE}\n")
     cfg = _config(kafka_config, tmp_path)
-    cfg.syncer.engine_id = "engine-9"
-    cfg.syncer.engine_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    cfg.syncer.retries = 2
-    cfg.syncer.retry_backoff_s = 0.05
+    cfg = cfg.replace(syncer={"engine_id": "engine-9"})
+    cfg = cfg.replace(syncer={"engine_url": f"http://127.0.0.1:{free_port()}"})  # nothing listens there
+    cfg = cfg.replace(syncer={"retries": 2})
+    cfg = cfg.replace(syncer={"retry_backoff_s": 0.05})
     syncer = Syncer(cfg)
     p = EventProducer(cfg, name="test")
     base = dict(epoch=3, policy_version=3, run_id="test-run", location=str(folder))

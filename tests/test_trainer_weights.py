@@ -123,7 +123,13 @@ def test_nonfinite_fields_name_every_bad_value():
     assert nonfinite_fields(_bad("teacher_-inf")) == ["teacher_log_probs[1]=-inf"]
     topk = _sample(4, kind="opd", teacher_log_probs=[-1.0] * 4, teacher_top_k=2, teacher_topk_ids=[1, 2] * 4,
                    teacher_topk_log_probs=[-0.1, float("nan"), -0.2, float("-inf")] + [-1.0] * 4)
-    assert nonfinite_fields(topk) == ["teacher_topk_log_probs[1]=nan (2 non-finite)"]
+    # -inf marks a top-k entry the teacher did not return (legal); NaN is not
+    assert nonfinite_fields(topk) == ["teacher_topk_log_probs[1]=nan"]
+    missing = _sample(6, kind="opd", teacher_log_probs=[-1.0] * 4, teacher_top_k=2, teacher_topk_ids=[1, 2] * 4,
+                      teacher_topk_log_probs=[-0.1, float("-inf")] * 4)
+    assert nonfinite_fields(missing) == []
+    missing.teacher_topk_log_probs[3] = float("inf")
+    assert nonfinite_fields(missing) == ["teacher_topk_log_probs[3]=inf"]
     temp = _sample(5, rollout_temperature=float("inf"))
     assert nonfinite_fields(temp) == ["rollout_temperature=inf"]
 

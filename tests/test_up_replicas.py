@@ -34,11 +34,12 @@ def _turn(url: str, sid: str, msgs: list, done: bool = False) -> httpx.Response:
 def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tmp_path):
     config = load_config(None, judge={"mode": "rl", "backend": "constant"})
     with serve_app(StandInEngine()) as engine_url:
-        config.engine.url = engine_url  # what `pipeline up --engine-url` does
+        config = config.replace(engine={"url": engine_url})  # what `pipeline up --engine-url` does
         stack = start_stack(config, tmp_path / "run", engine_url=engine_url, trainer=False, durable_broker=False,
                             dashboard=False,
                             replicas={"proxy": 2, "judge": 1, "engine": 1},
                             restart=RestartPolicy(backoff_s=0.2, stable_s=1.0), ready_timeout_s=180)
+        config = stack.config
         stop = threading.Event()
         watcher = threading.Thread(target=stack.supervisor.watch, kwargs=dict(stop=stop, interval_s=0.1), daemon=True)
         watcher.start()

@@ -272,7 +272,7 @@ class ConsumerApp:
             self._trackers[tp] = _Tracker(self._generation)
             # kafka-python keeps the fetch position of a partition that is revoked and assigned
             # back in the same (eager) rebalance; rewind it to what was unacknowledged at the
-            # revocation, or deferred records would never be re-delivered (added by the judge stage)
+            # revocation, or deferred records would never be re-delivered
             rewind = self._rewind.get(tp)
             if rewind is not None:
                 self._consumer.seek(tp, rewind)

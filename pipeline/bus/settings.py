@@ -1,7 +1,10 @@
-"""kafka-python keyword arguments derived from :class:`pipeline.config.KafkaConfig`."""
+"""kafka-python keyword arguments derived from :class:`pipeline.config.KafkaConfig`, and how
+its request time-outs are logged."""
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from pipeline.config import Config
@@ -49,3 +52,78 @@ def consumer_kwargs(config: Config, group_id: str | None, **extra: Any) -> dict[
     }
     kw.update(extra)
     return kw
+
+
+class RequestTimeoutExplained(logging.Filter):
+    """One clear line for a request the broker did not answer in time.
+
+    kafka-python reports one such time-out several times: a WARNING "Request timed out after N
+    ms. Closing connection.", then ERRORs naming ``RequestTimedOutError`` (the transport's
+    "Abort", the connection's "Connection lost", a producer's "Error sending produce request", a
+    consumer's "Fetch to node N failed", a "Metadata refresh: failed")
+    and a "retrying" warning, although it then reconnects and sends the request again
+    (idempotent producers, fetches and commits are safe to repeat) and the stage recovers by
+    itself. This filter rewrites the first line to say so and moves the others to DEBUG. The
+    usual cause is broker latency: the durable embedded broker reads and writes through an object
+    store that can stall on a saturated machine (docs/environment.md §6); seen in a CPU demo on a
+    machine shared with a full test run, where a trainer's fetch went unanswered for 30 s. A request that still fails
+    after its retries is reported by our own code (e.g. a producer's delivery failure).
+    Installed by :func:`explain_kafka_client_logs`.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if msg.endswith("Request timed out after %d ms. Closing connection.") and len(args) == 2:
+            record.msg = ("%s did not answer a request within %d ms (kafka.request_timeout_ms): reconnecting "
+                          "and sending it again, nothing is lost (a broker slowed by its storage on a busy machine; "
+                          "raise kafka.request_timeout_ms if this repeats)")
+            return True
+        if any(type(a).__name__ == "RequestTimedOutError" or a == "RequestTimedOutError" for a in args):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"  # said by the line above
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+class SlowStepExplained(logging.Filter):
+    """Says what kafka-python's "Task ... ran for N s ... It is blocking the event loop" means here.
+
+    kafka-python's I/O thread warns when one step of its event loop takes over 0.1 s of wall
+    time, suspecting a busy loop in its own code. Measured on a consumer like ours on a loaded
+    2-core machine, such steps used 1-3 ms of CPU: the rest of the time the thread waited for a
+    CPU or for the GIL (a machine with more busy processes than cores; other threads of the stage). Nothing is blocked for good:
+    that stage's Kafka traffic is late by that much. Below 1 s the line goes to DEBUG with that
+    explanation; from 1 s on it stays a WARNING, with the same explanation. Installed by
+    :func:`explain_kafka_client_logs` on ``kafka.net.selector``.
+    """
+
+    _RAN = re.compile(r"^Task .* ran for ([0-9.]+)s \(>[0-9.]+s threshold\)\. It is blocking the event loop")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = self._RAN.match(str(record.msg)) if not record.args else None
+        if m is None:
+            return True
+        took = float(m.group(1))
+        record.msg = ("one step of the Kafka client's I/O thread took %.2f s of wall time: it was waiting for a CPU "
+                      "or the GIL (a busy machine or a busy stage), not stuck; this stage's Kafka traffic was that "
+                      "much late")
+        record.args = (took,)
+        if took < 1.0:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+#: kafka-python's loggers that report a request time-out
+_TIMEOUT_LOGGERS = ("kafka.net.connection", "kafka.net.transport", "kafka.net.manager", "kafka.cluster",
+                    "kafka.producer.sender", "kafka.consumer.fetcher", "kafka.coordinator.base",
+                    "kafka.coordinator.consumer")
+
+
+def explain_kafka_client_logs() -> None:
+    """Install :class:`RequestTimeoutExplained` on kafka-python's loggers that report request
+    time-outs and :class:`SlowStepExplained` on its event loop's logger (idempotent)."""
+    for name, kind in [*((n, RequestTimeoutExplained) for n in _TIMEOUT_LOGGERS),
+                       ("kafka.net.selector", SlowStepExplained)]:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())

@@ -45,25 +45,20 @@ def run(args, config) -> int:
 
     from pipeline.procutil import free_port
 
-    d = config.dashboard
-    if args.host:
-        d.host = args.host
-    if args.port is not None:
-        d.port = args.port
-    if args.show_text:
-        d.show_text = True
-    if args.start:
-        d.start = args.start
-    urls = dict(d.metrics_urls)
+    flags = {"host": args.host, "port": args.port, "start": args.start, "show_text": args.show_text or None}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    urls = dict(config.dashboard.metrics_urls)
     for item in args.metrics:
         name, sep, url = item.partition("=")
         if not sep or not name or not url.startswith(("http://", "https://")):
             print(f"pipeline dashboard: --metrics wants STAGE=http://host:port/metrics, got {item!r}")
             return 2
         urls[name] = url
-    d.metrics_urls = urls
-    if d.port == 0:
-        d.port = free_port()
+    flags["metrics_urls"] = urls
+    if flags.get("port", config.dashboard.port) == 0:
+        flags["port"] = free_port()
+    config = config.replace(dashboard=flags)
+    d = config.dashboard
     state, follower, scraper, app = build(config)
     follower.start()
     scraper.start()

@@ -60,13 +60,6 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def _array(out: dict, name: str, values, arrays: bool) -> None:
-    values = list(values or [])
-    out[f"{name}_len"] = len(values)
-    if arrays:
-        out[name] = values
-
-
 def _vote(v: Any) -> int | None:
     """A recorded vote as 1, 0 or -1; anything else (None, a value outside the three) is a failed vote."""
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v in (1, 0, -1) else None

@@ -37,14 +37,12 @@ def run(args, config) -> int:
     from pipeline.engine.runtime import build_state, serve
     from pipeline.models import ModelNotFound
 
-    e = config.engine
     overrides = {"model": args.model, "host": args.host, "port": args.port, "threads": args.threads,
                  "weight_version": args.weight_version, "context_length": args.context_length,
                  "max_batch_size": args.max_batch_size, "served_model_name": args.served_model_name,
                  "cache_dir": args.cache_dir, "seed": args.seed}
-    for k, v in overrides.items():
-        if v is not None:
-            setattr(e, k, v)
+    config = config.replace(engine={k: v for k, v in overrides.items() if v is not None})
+    e = config.engine
     log = logging.getLogger("pipeline.engine")
     try:
         state = build_state(e.model, cache_dir=e.cache_dir, context_length=e.context_length,

@@ -1,6 +1,6 @@
 """Request bodies of the SGLang HTTP subset (pydantic; unknown fields are ignored like SGLang).
 
-Field names, types and defaults follow SGLang at commit 004c82e:
+Field names, types and defaults follow SGLang at commit 004c82e (docs/sglang-api.md):
 ``GenerateReqInput`` (``/generate``), ``ChatCompletionRequest`` (``/v1/chat/completions``),
 ``UpdateWeightFromDiskReqInput`` and the tokenize request. A body that fails these models is
 answered 400 with SGLang's validation error shape.

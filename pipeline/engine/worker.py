@@ -17,7 +17,7 @@ once; rows frozen by an ``in_place``/``retract`` pause then continue on the new 
 the new version (use the default ``abort`` pause, or none, to avoid mixed-policy responses).
 
 Log-probs: see :mod:`pipeline.engine.sampler` (softmax(logits/T) before top-p/top-k).
-Prompt log-probs follow SGLang's ``logprob_start_len`` alignment (SGLANG_API.md 1.4): with start
+Prompt log-probs follow SGLang's ``logprob_start_len`` alignment (docs/sglang-api.md §1.4): with start
 ``k >= 0`` the entries are log p(t_i | t_<i) for i = k+1 .. L-1, with a ``None`` pad entry for
 t_0 prepended when ``k == 0``; ``k == -1`` gives no prompt entries.
 """

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Iterable, Iterator
 
 import orjson
@@ -322,8 +322,8 @@ def run(args, config) -> int:
         print(f"pipeline replay: {e}", file=sys.stderr)
         return 2
     source_topic = args.source_topic or config.topics.name("turns")
-    source_config = config.model_copy(update={"kafka": config.kafka.model_copy(
-        update={"bootstrap_servers": args.source_bootstrap})}) if args.source_bootstrap else config
+    source_config = config.replace(kafka={"bootstrap_servers": args.source_bootstrap}) if args.source_bootstrap \
+        else config
     if args.reset_group:
         if args.archive:
             print("pipeline replay: --reset-group works on the source topic, not on --archive", file=sys.stderr)

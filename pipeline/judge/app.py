@@ -167,13 +167,11 @@ class JudgeApp:
         return ack
 
     def _tick(self) -> None:
-        """Release reordered records held too long, propose idle ends (published records, acted on
-        when read back), update gauges."""
-        for r in self.reorder.expire():
-            if self._join(r):
-                self.consumer.ack(r)
+        """Propose idle ends (published records, acted on when read back) for idle sessions and
+        for sessions whose reordered records wait too long; update gauges."""
         now = events.now_ms()
-        for sid, _tp, turn_index in self.joiner.idle_sessions(now, ready=self.consumer.caught_up):
+        stalled = self.reorder.stalled(ready=self.consumer.caught_up)  # their idle end releases them
+        for sid, _tp, turn_index in stalled + self.joiner.idle_sessions(now, ready=self.consumer.caught_up):
             end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=now, turn_index=turn_index)
             try:
                 self.producer.send(self.turns_topic, end, key=sid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 HELP = "pair turns with next states and emit scored samples (Binary RL, OPD, combine)"
 
@@ -40,13 +41,10 @@ def add_arguments(parser) -> None:
                              "(a judge consuming them reports pipeline_judge_labelled_* metrics)")
 
 
-def _apply(args, config) -> None:
-    jc = config.judge
-    for flag, attr in (("mode", "mode"), ("backend", "backend"), ("group_id", "group_id"), ("url", "url"),
-                       ("votes", "votes")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(jc, attr, value)
+def _apply(args, config):
+    """``config`` with the judge flags given on the command line (a validated copy)."""
+    flags = {name: getattr(args, name, None) for name in ("mode", "backend", "group_id", "url", "votes")}
+    return config.replace(judge={k: v for k, v in flags.items() if v is not None})
 
 
 def _eval(args, config) -> int:
@@ -88,11 +86,13 @@ def run(args, config) -> int:
     from pipeline.judge.backends import BackendError
     from pipeline.metrics import serve_metrics
 
-    try:
-        _apply(args, config)
-    except ValueError as e:  # pydantic validation of an assignment
-        print(f"pipeline judge: {e}")
-        return 2
+    config = _apply(args, config)  # a bad flag: ConfigError, reported by pipeline.cli
+    # The Kafka client's I/O thread gives up the GIL at every socket call and must win it back
+    # from the judging threads (CPU-bound Python), which hand it over only every switch
+    # interval: at the default 5 ms one I/O step could take 100+ ms of waiting (kafka-python
+    # warns "task ... is blocking the event loop"). At 1 ms such steps were 3-4x rarer in a
+    # consumer beside a CPU-bound thread (the cost: more GIL hand-overs per second).
+    sys.setswitchinterval(0.001)
     try:
         if args.eval:
             return _eval(args, config)

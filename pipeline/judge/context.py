@@ -234,3 +234,141 @@ def unrequested_target(request: str, response: str) -> str | None:
 def is_search_call(response: str) -> bool:
     """The assistant called a tool whose name says search (``web_search``, ``kb_lookup`` ...)."""
     return any(_SEARCH_TOOL.search(line.partition("(")[0]) for line in call_text(response).splitlines())
+
+
+# -- a success at the wrong thing, shown by the request itself (the judge scores it -1) ----------------------
+_TOKEN = re.compile(r"[\w./~-]*[A-Za-z][\w./~-]*")
+_CURRENCY = {"euro": "eur", "euros": "eur", "€": "eur", "dollar": "usd", "dollars": "usd", "$": "usd",
+             "pound": "gbp", "pounds": "gbp", "sterling": "gbp", "£": "gbp", "yen": "jpy", "¥": "jpy",
+             "franc": "chf", "francs": "chf", "rupee": "inr", "rupees": "inr", "yuan": "cny", "renminbi": "cny",
+             "krona": "sek", "kronor": "sek", "zloty": "pln", "real": "brl", "reais": "brl", "peso": "mxn",
+             "pesos": "mxn", "celsius": "c", "fahrenheit": "f", "kelvin": "k", "miles": "mi", "kilometres": "km",
+             "kilometers": "km", "km": "km", "mi": "mi", "kg": "kg", "kilograms": "kg", "pounds_mass": "lb",
+             "lb": "lb", "lbs": "lb", "metres": "m", "meters": "m", "feet": "ft", "ft": "ft", "inches": "in",
+             "cm": "cm", "centimetres": "cm", "centimeters": "cm"}
+_DIRECTION = re.compile(r"([\w€$£¥]+)\s+(?:to|into|in|->|→)\s+([\w€$£¥]+)", re.I)
+_FROM_KEYS = ("from", "source", "src", "from_currency", "base", "from_unit", "input", "old", "old_name")
+_TO_KEYS = ("to", "target", "dst", "dest", "destination", "to_currency", "quote", "to_unit", "output", "new", "new_name")
+_PRIVATE = re.compile(r"\b(?:privately|in private|direct(?:ly| message)|dm|via dm|in a dm|personal message|"
+                               r"only to|just to|one-on-one|1:1)\b", re.I)
+_WHOLE = re.compile(r"\b(?:whole|entire|full|all(?: the| of the)?|every|complete)\s+(?:test ?suite|suite|tests?|"
+                    r"project|repo(?:sitory)?|specs?)\b", re.I)
+_ONE_TEST = re.compile(r"(?:\btest_[\w-]+\.py\b|\b[\w-]+_test\.(?:py|go)\b|\b[\w-]+\.(?:spec|test)\.[jt]sx?\b|::|"
+                       r"\s-k\s|--run\s|-run\s|--grep\s|\bTest[A-Z]\w+\b)")
+_TEST_CMD = re.compile(r"\b(?:pytest|py\.test|unittest|go test|cargo test|npm (?:run )?test|jest|vitest|mocha|rspec|"
+                       r"phpunit|mvn test|gradle test|tox|nox|make test)\b")
+_COUNT_KEYS = {"people", "guests", "party_size", "partysize", "seats", "tickets", "quantity", "qty", "count",
+               "adults", "persons", "covers", "rooms", "nights", "copies", "units"}
+
+
+def _distance(a: str, b: str) -> int:
+    """Optimal-string-alignment edit distance (insertions, deletions, substitutions, adjacent swaps)."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if prev2 is not None and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def _parts(text: str) -> set[str]:
+    """Lower-case word parts of the names in a text (split at / . - _), 4 letters or more."""
+    return {p for tok in _TOKEN.findall(text.lower()) for p in re.split(r"[/._~-]+", tok) if len(p) >= 4 and p.isalpha()}
+
+
+def misspelt_target(request: str, response: str) -> str | None:
+    """A name in the tool call that is a near miss (1-2 edits, same first letter) of a name the
+    request gives, while the request's spelling is absent from the call (``./biuld`` for
+    ``./build``): the call acted on a typo."""
+    calls = call_text(response)
+    if not calls or not (request or "").strip():
+        return None
+    asked, called = _parts(request), _parts(" ".join(_call_args(calls)))
+    for c in sorted(called - asked):
+        for a in sorted(asked - called):
+            if c[0] == a[0] and abs(len(c) - len(a)) <= 1 and sorted(c) == sorted(a) and _distance(c, a) <= 2:
+                return f"the call names {c!r} where the request says {a!r}"
+    return None
+
+
+def _unit(word: str) -> str:
+    w = word.lower()
+    return _CURRENCY.get(w, w)
+
+
+def reversed_direction(request: str, response: str) -> str | None:
+    """The request says "A to B" (a conversion, a rename, a copy) and the call goes from B to A:
+    by ``from``/``to``-style arguments, or by the order of A and B in a ``mv``/``cp`` command."""
+    calls = call_text(response)
+    if not calls:
+        return None
+    items = _call_items(calls)
+    src = {_unit(v) for k, v in items if k in _FROM_KEYS}
+    dst = {_unit(v) for k, v in items if k in _TO_KEYS}
+    for m in _DIRECTION.finditer(request or ""):
+        a, b = _unit(m.group(1)), _unit(m.group(2))
+        if a == b:
+            continue
+        if src and dst and a in dst and b in src and a not in src and b not in dst:
+            return f"the request goes {a} to {b}, the call {b} to {a}"
+    for fa, fb in re.findall(r"\b(?:rename|move|copy|mv|cp)\s+(\S+\.\w+)\s+(?:to|as|into)\s+(\S+\.\w+)", request or "", re.I):
+        for _, v in items:
+            mm = re.search(r"\b(?:mv|cp)\s+(?:-\w+\s+)*(\S+)\s+(\S+)", v)
+            if mm and mm.group(1).endswith(fb.strip(".,")) and mm.group(2).endswith(fa.strip(".,")):
+                return f"the request renames {fa} to {fb}, the call the other way"
+    return None
+
+
+def public_instead_of_private(request: str, response: str) -> str | None:
+    """The request asks for a private message and the call posts to a channel (``#name``)."""
+    calls = call_text(response)
+    if not calls or not _PRIVATE.search(request or ""):
+        return None
+    for key, v in _call_items(calls):
+        if key in ("channel", "channel_id", "room", "to", "conversation") and v.strip().startswith("#"):
+            return f"a private message was asked, the call posts to {v.strip()[:40]}"
+    return None
+
+
+def narrower_scope(request: str, response: str) -> str | None:
+    """The request asks for the whole test suite and the call runs one test file or a filtered subset."""
+    calls = call_text(response)
+    if not calls or not _WHOLE.search(request or ""):
+        return None
+    for _, v in _call_items(calls):
+        if _TEST_CMD.search(v) and _ONE_TEST.search(v):
+            return "the whole suite was asked, the call runs a subset"
+    return None
+
+
+def wrong_count(request: str, response: str) -> str | None:
+    """A count argument (``people``, ``guests``, ``quantity`` ...) whose value the request never
+    states while the request states numbers (a table for 2 when 4 were asked)."""
+    calls = call_text(response)
+    if not calls:
+        return None
+    said = {n.lstrip("0") or "0" for n in _NUMBER.findall(request or "")}
+    words = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8",
+             "nine": "9", "ten": "10", "twelve": "12"}
+    said |= {n for w, n in words.items() if re.search(rf"\b{w}\b", request or "", re.I)}
+    if not said:
+        return None
+    for key, v in _call_items(calls):
+        if key in _COUNT_KEYS and re.fullmatch(r"\d+", v.strip()) and (v.strip().lstrip("0") or "0") not in said:
+            return f"{key}={v.strip()}, the request says {', '.join(sorted(said))[:30]}"
+    return None
+
+
+def wrong_action(request: str, response: str) -> str | None:
+    """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
+    target, a reversed direction, a public post for a private message, a narrower test run, a
+    wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
+    for check in (misspelt_target, reversed_direction, public_instead_of_private, narrower_scope, wrong_count):
+        why = check(request, response)
+        if why:
+            return why
+    return None

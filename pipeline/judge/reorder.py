@@ -30,8 +30,10 @@ of them (the awaited turn is then taken as lost upstream, or as settled before t
 started: a judge that restarts replays from its committed offset and may meet a next state whose
 turn it settled in its previous life). Release is a function of the records, so a replay decides
 the same. Two fallbacks keep a quiet partition live: more than ``max_held`` records held by one
-session, or ``max_wait_s`` on this process's clock (no newer record arrives to move the
-watermark). With one proxy nothing is ever held, and the join sees exactly the records it saw
+session are released in arrival order; and a session held for ``max_wait_s`` on this process's
+clock (no newer record arrives to move the watermark) is reported by :meth:`Reorderer.stalled`,
+for which the judge publishes an idle ``SessionEnd``: that record's event time moves the
+watermark when it is read back, so even this release is decided by a record in the log. With one proxy nothing is ever held, and the join sees exactly the records it saw
 before.
 """
 
@@ -59,6 +61,7 @@ class _State:
     held: list = field(default_factory=list)  # records held, arrival order
     since: float = 0.0  # monotonic time the oldest held record arrived
     held_at: int = 0  # event time (ms) of the oldest held record
+    proposed: bool = False  # an idle end was asked for (see Reorderer.stalled)
 
 
 class Reorderer:
@@ -67,7 +70,8 @@ class Reorderer:
     Args:
         lateness_s: event-time seconds a held record waits for the record it needs.
         max_held: records held per session before giving up and releasing them in arrival order.
-        max_wait_s: seconds (this process's clock) a session may hold records (<= 0: no limit).
+        max_wait_s: seconds (this process's clock) a session holds records before
+            :meth:`stalled` reports it (<= 0: never).
         clock: monotonic clock (seconds), injectable for tests.
     """
 
@@ -103,7 +107,7 @@ class Reorderer:
         self.sessions.move_to_end(sid)
         if self._blocked(st, ev):
             if not st.held:
-                st.since, st.held_at = self.clock(), event_time(rec)
+                st.since, st.held_at, st.proposed = self.clock(), event_time(rec), False
                 self.holding[sid] = st
             st.held.append(rec)
             self.held += 1
@@ -130,15 +134,25 @@ class Reorderer:
                 out += self._release_all(sid, st)
         return out
 
-    def expire(self) -> list:
-        """Records of sessions that held something for ``max_wait_s``, released in arrival order."""
+    def stalled(self, ready=lambda tp: True) -> list[tuple[str, tuple, int | None]]:
+        """Sessions that have held records for ``max_wait_s`` on this process's clock (no newer
+        record moved their partition's watermark), each returned once, when ``ready(tp)`` (the
+        caller has read the partition to its end): ``(session_id, tp, newest held turn index or
+        None)``.
+
+        Nothing is released here: the caller publishes an idle ``SessionEnd`` for each, and its
+        event time moves the watermark when it is read back, so the release is in the log and a
+        replay releases at the same place.
+        """
         if self.max_wait_s <= 0:
             return []
         now = self.clock()
         out = []
         for sid, st in list(self.holding.items()):
-            if st.held and now - st.since >= self.max_wait_s:
-                out += self._release_all(sid, st)
+            if st.held and not st.proposed and now - st.since >= self.max_wait_s and ready(st.tp):
+                st.proposed = True
+                turns = [r.event.turn_index for r in st.held if isinstance(r.event, events.Turn)]
+                out.append((sid, st.tp, max(turns) if turns else None))
         return out
 
     def drop_partitions(self, tps: set) -> int:

@@ -16,11 +16,12 @@
    KL and log-prob mismatch per trainer step), and a console summary. Each evaluation is also
    published on the ``metrics`` topic, where the dashboard shows it while the demo runs.
 
-Defaults are sized for a 2-core CPU machine (~10-15 minutes). ENVIRONMENT.md measured the
+Defaults are sized for a 2-core CPU machine (~10-15 minutes). docs/environment.md §7 gives the
 brevity property at 9% for the base model, rising to ~56-97% after 3-5 Binary-RL steps at
-lr 5e-5, and OPD with the hint "reply in at most 40 words" to ~53% in one step. Measured here
-with this command: Binary RL alone 9% -> 28% after 4 versions (noisy: no signal when a batch
-holds no success); combine 0% -> 38%, 69%, 56% at versions 1-3. The report's verdict compares
+lr 5e-5, and OPD with the hint "reply in at most 40 words" to ~53% in one step. One run each
+with this command and its default seeds: Binary RL alone 9% -> 28% after 4 versions (noisy: no
+signal when a batch holds no success); combine 0% -> 38%, 69%, 56% at versions 1-3. Runs with
+the same seeds differ (which replies share a decoding batch depends on timing). The report's verdict compares
 the last version's held-out success with version 0's.
 """
 
@@ -70,24 +71,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
 
 
-def demo_config(config: Config, args, run_dir: Path) -> None:
-    """Apply the demo's defaults on top of the loaded config (explicit flags win)."""
-    if args.model:
-        config.engine.model = args.model
-    config.trainer.model = config.engine.model
-    if args.judge_mode:
-        config.judge.mode = args.judge_mode
-    config.trainer.lr = args.lr
-    config.trainer.rollout_batch_size = args.batch_size
-    config.trainer.max_steps = args.steps  # exactly --steps updates; the last one is evaluated
-    config.trainer.normalize_advantages = True  # reward minus batch mean (GRPO-style baseline)
-    config.trainer.checkpoint_dir = str(run_dir / "checkpoints")
-    config.trainer.export_dir = str(run_dir / "weights")
-    config.trainer.metrics_file = str(run_dir / "trainer_metrics.jsonl")
-    config.trainer.progress = False
-    config.trainer.threads = 1  # the engine keeps the other core
-    config.engine.threads = 1
-    config.judge.idle_timeout_s = min(config.judge.idle_timeout_s, 60.0)
+def demo_config(config: Config, args, run_dir: Path) -> Config:
+    """``config`` with the demo's defaults on top (explicit flags win; a validated copy)."""
+    model = args.model or config.engine.model
+    return config.replace(
+        engine={"model": model, "threads": 1},  # one thread each: the engine keeps the other core
+        judge={**({"mode": args.judge_mode} if args.judge_mode else {}),
+               "idle_timeout_s": min(config.judge.idle_timeout_s, 60.0)},
+        trainer={"model": model, "lr": args.lr, "rollout_batch_size": args.batch_size,
+                 "max_steps": args.steps,  # exactly --steps updates; the last one is evaluated
+                 "normalize_advantages": True,  # reward minus batch mean (GRPO-style baseline)
+                 "checkpoint_dir": str(run_dir / "checkpoints"), "export_dir": str(run_dir / "weights"),
+                 "metrics_file": str(run_dir / "trainer_metrics.jsonl"), "progress": False, "threads": 1})
 
 
 class Simulator:
@@ -300,7 +295,7 @@ def figure(report: dict):
 def run(args, config: Config) -> int:
     report_dir = Path(args.report_dir)
     run_dir = report_dir / "run"
-    demo_config(config, args, run_dir)
+    config = demo_config(config, args, run_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -312,6 +307,7 @@ def run(args, config: Config) -> int:
     except StageFailed as e:
         print(f"pipeline demo: {e}", file=sys.stderr)
         return 1
+    config = stack.config
     print(f"[demo] ready after {time.monotonic() - t0:.0f} s: proxy {stack.proxy_url}"
           + (f"  dashboard {stack.dashboard_url}" if stack.dashboard_url else ""), flush=True)
     from pipeline.bus import EventProducer
@@ -419,7 +415,7 @@ def run(args, config: Config) -> int:
         "simulator": sim_summary,
         "evaluations": evaluations,
         "brevity_max_words": UserSettings().max_words,  # the users' and the evaluation's reply limit (default)
-        "exit_codes": {k: (0 if v == -15 else v) for k, v in codes.items()},  # -15: SIGTERM handled (uvicorn)
+        "stages_stopped": {k: str(v) for k, v in codes.items()},  # "stopped", or how a stage ended otherwise
         "notes": notes,
     }
     if len(evaluations) >= 2:

@@ -52,6 +52,32 @@ def http_ok(url: str) -> Callable[[], bool]:
 
 
 @dataclass(frozen=True)
+class StopOutcome:
+    """How a stage ended when the supervisor stopped it.
+
+    Attributes:
+        code: the process's exit status (negative: the signal that ended it), None if never started.
+        how: ``stopped`` (it ended on the SIGTERM, with status 0 or by the signal itself, as
+            uvicorn re-raises it), ``failed`` (it ended on the SIGTERM with another status),
+            ``killed`` (it ignored SIGTERM for ``timeout_s`` and was SIGKILLed), ``exited`` (it
+            had already exited before the stop) or ``not started``.
+    """
+
+    code: int | None
+    how: str
+
+    @property
+    def clean(self) -> bool:
+        """True when the stage stopped as asked."""
+        return self.how == "stopped"
+
+    def __str__(self) -> str:
+        if self.how in ("stopped", "not started"):
+            return self.how
+        return f"{self.how} (exit {self.code})"
+
+
+@dataclass(frozen=True)
 class RestartPolicy:
     """When and how fast :class:`Supervisor` restarts a stage whose process exited.
 
@@ -255,26 +281,30 @@ class Supervisor:
         """Restarts per stage name."""
         return {s.name: s.restarts for s in self.stages}
 
-    def stop(self, stage: Stage, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM the stage's process group, wait, then SIGKILL. Returns the exit code."""
+    def stop(self, stage: Stage, timeout_s: float = 30.0) -> StopOutcome:
+        """SIGTERM the stage's process group, wait up to ``timeout_s``, then SIGKILL what is left.
+        Returns how it ended (:class:`StopOutcome`)."""
         if stage.proc is None:
-            return None
+            return StopOutcome(None, "not started")
         stage.restart_at = None
+        how = "exited"
         if stage.alive:
             _signal_group(stage.proc, signal.SIGTERM)
             try:
-                stage.proc.wait(timeout_s)
+                code = stage.proc.wait(timeout_s)
+                how = "stopped" if code in (0, -signal.SIGTERM) else "failed"
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s: killing", stage.name, timeout_s)
+                how = "killed"
         _signal_group(stage.proc, signal.SIGKILL)  # stragglers in the group (e.g. torchrun workers)
         try:
             stage.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        return stage.proc.returncode
+        return StopOutcome(stage.proc.returncode, how)
 
-    def stop_all(self, timeout_s: float = 30.0) -> dict[str, int | None]:
-        """Stop every stage in reverse start order (no restarts from then on); exit codes by name."""
+    def stop_all(self, timeout_s: float = 30.0) -> dict[str, StopOutcome]:
+        """Stop every stage in reverse start order (no restarts from then on); how each ended, by name."""
         with self._lock:
             self.stopping = True
         codes = {}

@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker import kafka_answers
 from pipeline.config import Config, redacted
-from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, Supervisor, http_ok
+from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, StopOutcome, Supervisor, http_ok
 from pipeline.procutil import free_port, port_free
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class Stack:
         """Base URL users talk to: the front of the proxies, or the one proxy."""
         return self.front_url or f"http://{self.config.proxy.host}:{self.config.proxy.port}"
 
-    def stop(self) -> dict[str, int | None]:
-        """Stop every stage in reverse start order (the embedded broker last)."""
+    def stop(self) -> dict[str, StopOutcome]:
+        """Stop every stage in reverse start order (the embedded broker last); how each ended."""
         return self.supervisor.stop_all()
 
 
@@ -134,17 +134,15 @@ def replica_names(stage: str, n: int) -> list[str]:
     return [stage] if n == 1 else [f"{stage}-{i}" for i in range(n)]
 
 
-def _apply_defaults(config: Config, run_dir: Path, args) -> None:
-    if args.model:
-        config.engine.model = args.model
-        config.trainer.model = args.model
-    if args.judge_mode:
-        config.judge.mode = args.judge_mode
+def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
+    """``config`` with ``pipeline up``'s flags and the run folder's paths (a validated copy)."""
+    engine: dict = {"model": args.model} if args.model else {}
     if args.engine_url:
-        config.engine.url = args.engine_url
-    config.trainer.checkpoint_dir = str(run_dir / "checkpoints")
-    config.trainer.export_dir = str(run_dir / "weights")
-    config.trainer.metrics_file = str(run_dir / "trainer_metrics.jsonl")
+        engine["url"] = args.engine_url
+    return config.replace(
+        engine=engine, judge={"mode": args.judge_mode} if args.judge_mode else {},
+        trainer={**({"model": args.model} if args.model else {}), "checkpoint_dir": str(run_dir / "checkpoints"),
+                 "export_dir": str(run_dir / "weights"), "metrics_file": str(run_dir / "trainer_metrics.jsonl")})
 
 
 def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], int]:
@@ -173,7 +171,9 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
                 trainer: bool = True, ready_timeout_s: float = 600.0, durable_broker: bool = True,
                 replicas: dict[str, int] | None = None, restart: RestartPolicy | None = None,
                 dashboard: bool = True, dashboard_port: int | None = None) -> Stack:
-    """Start every stage for ``config`` (mutated: ports, URLs, paths) and wait until ready.
+    """Start every stage for ``config`` and wait until ready. The configuration the stages run
+    with (``config`` plus the broker address, ports, URLs and paths chosen here) is
+    ``stack.config``; ``config`` itself is not changed.
 
     ``durable_broker``: the embedded broker keeps its log in ``run_dir/broker`` (a later call on
     the same ``run_dir`` carries on from it); False: memory storage. ``replicas``: counts of
@@ -188,36 +188,43 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
     sup = Supervisor(run_dir / "logs", policy=restart)
     stack = Stack(config, run_dir, sup, replicas=reps)
+
+    def update(**sections) -> Config:
+        stack.config = config.replace(**sections)
+        return stack.config
+
     try:
         if not external_broker:
             bargs, bport = broker_stage_args(run_dir, durable_broker)
             bootstrap = f"127.0.0.1:{bport}"
             sup.start("broker", bargs, ready=lambda: kafka_answers(bootstrap), timeout_s=min(ready_timeout_s, 180.0))
-            config.kafka.bootstrap_servers = bootstrap
+            config = update(kafka={"bootstrap_servers": bootstrap})
             stack.broker_data_dir = run_dir / "broker" if durable_broker else None
         from pipeline.topics import apply_topics, load_topics
 
         apply_topics(config, load_topics(config.topics.file))
         engines = replica_names("engine", reps["engine"]) if engine_url is None else []
         if len(engines) > 1:
-            config.trainer.engines = [f"engine-{i}" for i in range(len(engines))]
+            config = update(trainer={"engines": [f"engine-{i}" for i in range(len(engines))]})
         for name in engines:
             stack.engine_urls[name] = f"http://127.0.0.1:{free_port()}"
         if engines:
-            config.engine.port = int(stack.engine_urls[engines[0]].rsplit(":", 1)[1])
-            config.engine.url = stack.engine_urls[engines[0]]
+            config = update(engine={"port": int(stack.engine_urls[engines[0]].rsplit(":", 1)[1]),
+                                    "url": stack.engine_urls[engines[0]]})
         engine_front_port = free_port() if len(engines) > 1 else None
         if engine_front_port:  # proxies, judge backends and the teacher's default see the engine front
-            config.engine.url = f"http://127.0.0.1:{engine_front_port}"
+            config = update(engine={"url": f"http://127.0.0.1:{engine_front_port}"})
+        teacher_port = None
         if config.judge.mode != "rl" and not config.engine.teacher_url:
-            config.engine.teacher_url = "pending"
+            teacher_port = free_port()
+            config = update(engine={"teacher_url": f"http://127.0.0.1:{teacher_port}"})
         proxies = replica_names("proxy", reps["proxy"])
         for name in proxies:
             stack.proxy_urls[name] = f"http://127.0.0.1:{free_port()}"
-        config.proxy.port = int(stack.proxy_urls[proxies[0]].rsplit(":", 1)[1])
+        config = update(proxy={"port": int(stack.proxy_urls[proxies[0]].rsplit(":", 1)[1])})
         buffered = config.proxy.buffer_dir is not None
         if buffered:  # the proxy's durable event buffer lives with the run
-            config.proxy.buffer_dir = str(run_dir / "proxy-buffer")
+            config = update(proxy={"buffer_dir": str(run_dir / "proxy-buffer")})
         cfg_path = run_dir / "config.yaml"
 
         def write_config() -> None:
@@ -240,11 +247,9 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
         for name in engines:
             port = int(stack.engine_urls[name].rsplit(":", 1)[1])
             stage(name, ["engine", "--model", config.engine.model, "--port", str(port)], "/health", port)
-        if config.engine.teacher_url == "pending":
-            tport = free_port()
-            config.engine.teacher_url = f"http://127.0.0.1:{tport}"
-            write_config()
-            stage("teacher", ["engine", "--model", config.engine.model, "--port", str(tport)], "/health", tport)
+        if teacher_port is not None:
+            stage("teacher", ["engine", "--model", config.engine.model, "--port", str(teacher_port)], "/health",
+                  teacher_port)
         syncer_ready: dict[str, str] = {}  # engine stage -> its syncer's /readyz (when the syncer serves one)
         if len(engines) > 1:
             readyz = "ready_port" in type(config.syncer).model_fields
@@ -280,8 +285,7 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
             else:
                 stage("syncer", ["syncer", "--engine", config.engine.url])
         if dashboard:  # reads the topics and every stage's metrics; serves no /metrics of its own
-            config.dashboard.port = dashboard_port or free_port()
-            config.dashboard.metrics_urls = dict(stack.metrics)
+            config = update(dashboard={"port": dashboard_port or free_port(), "metrics_urls": dict(stack.metrics)})
             write_config()
             stack.dashboard_url = f"http://{config.dashboard.host}:{config.dashboard.port}/"
             sup.start("dashboard", ["dashboard", "--config", str(cfg_path)],
@@ -328,7 +332,7 @@ def status_line(stack: Stack) -> str:
 
 def run(args, config: Config) -> int:
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    _apply_defaults(config, run_dir, args)
+    config = _apply_defaults(config, run_dir, args)
     replicas = args.replicas or (parse_replicas("proxy=2,judge=2,engine=2") if args.scale else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -342,6 +346,7 @@ def run(args, config: Config) -> int:
     except StageFailed as e:
         print(f"pipeline up: {e}", file=sys.stderr)
         return 1
+    config = stack.config
     storage = ("external" if args.external_broker else
                f"durable log in {stack.broker_data_dir}" if stack.broker_data_dir else "memory storage")
     print(f"ready: proxy {stack.proxy_url}/v1  engine {config.engine.url}  broker {config.kafka.bootstrap_servers}"
@@ -373,6 +378,16 @@ def run(args, config: Config) -> int:
         print(f"pipeline up: {fatal[0]}", file=sys.stderr, flush=True)
         rc = 1
     print("stopping ...", flush=True)
-    codes = stack.stop()
-    print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
+    print(stop_summary(stack.stop()), flush=True)
     return rc
+
+
+def stop_summary(outcomes: dict[str, StopOutcome]) -> str:
+    """One line for the end of ``pipeline up``: ``stopped cleanly: a, b`` and, for any stage that
+    did not stop as asked, ``name: killed (exit -9)`` / ``name: exited (exit 1)``."""
+    clean = [name for name, o in outcomes.items() if o.clean or o.how == "not started"]
+    other = [f"{name}: {o}" for name, o in outcomes.items() if not (o.clean or o.how == "not started")]
+    parts = [f"stopped cleanly: {', '.join(clean)}"] if clean else []
+    if other:
+        parts.append("did not stop cleanly: " + "; ".join(other))
+    return " | ".join(parts) or "nothing to stop"

@@ -84,6 +84,21 @@ def _is_abort_chunk(data: bytes) -> bool:
                                          for c in obj.get("choices") or ())
 
 
+def _continued_prefix(user_view: dict) -> str | None:
+    """The text of the trailing assistant message a ``continue_final_message`` request continued
+    (the start of the turn's reply), or None."""
+    msgs = user_view.get("messages") or []
+    if not (user_view.get("chat_options") or {}).get("continue_final_message") or not msgs:
+        return None
+    last = msgs[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else None
+
+
 class ProxyApp:
     """OpenAI-compatible proxy that records every turn on Kafka (see the module docstring).
 
@@ -346,7 +361,8 @@ class ProxyApp:
             if meta.session_id is None:
                 turn_index = 0
             else:
-                mt = self.sessions.begin(sid, req["messages"])
+                mt = self.sessions.begin(sid, req["messages"],
+                                         continue_final=req.get("continue_final_message") is True)
                 turn_index = mt.turn_index
                 if mt.next_state is not None:
                     self._publish(events.NextState(session_id=sid, messages=mt.next_state,
@@ -439,7 +455,8 @@ class ProxyApp:
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
             logprob_temperature=temperature if logprobs else None, logprob_processors=processors)
         if finished and turn_index is not None and meta.session_id is not None:
-            self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"))
+            self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"),
+                                   prefix=_continued_prefix(user_view))
         self._publish(turn, sid)
         M.TURNS.labels(meta.turn_type).inc()
 

@@ -32,17 +32,17 @@ def run(args, config) -> int:
 
     from pipeline.proxy.app import ProxyApp
 
-    pc = config.proxy
+    pc: dict = {}
     if args.host:
-        pc.host = args.host
+        pc["host"] = args.host
     if args.port is not None:
-        pc.port = args.port
-    if args.engine_url:
-        config.engine.url = args.engine_url
+        pc["port"] = args.port
     if args.buffer_dir:
-        pc.buffer_dir = args.buffer_dir
+        pc["buffer_dir"] = args.buffer_dir
     if args.no_control:
-        pc.follow_control = False
+        pc["follow_control"] = False
+    config = config.replace(proxy=pc, **({"engine": {"url": args.engine_url}} if args.engine_url else {}))
+    pc = config.proxy
     if logging.getLogger().level > logging.DEBUG:
         # kafka-python logs every failed reconnect; the publisher reports broker state changes itself
         logging.getLogger("kafka").setLevel(logging.CRITICAL)

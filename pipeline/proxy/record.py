@@ -1,7 +1,7 @@
 """What the engine returned, turned into the turn's record: ids, log-probs, message, version.
 
 Non-stream responses carry (when the proxy asked for them; SGLang >= 0.5.13 semantics, see
-SGLANG_API.md 2.2/2.4) ``choices[0].token_ids``, ``choices[0].prompt_token_ids``,
+docs/sglang-api.md §2.2, §2.4) ``choices[0].token_ids``, ``choices[0].prompt_token_ids``,
 ``choices[0].logprobs.content[i].logprob`` aligned with ``token_ids`` (or
 ``choices[0].meta_info.output_token_logprobs`` as ``[logprob, id, text]``) and
 ``metadata.weight_version``. Streamed chunks of our engine (vLLM-style extension) carry

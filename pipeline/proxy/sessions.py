@@ -21,6 +21,10 @@ Rules (documented defaults, see :mod:`pipeline.proxy`):
   next state is published once per previous turn by a given proxy (a retry or a "regenerate"
   through the same proxy does not publish a second one; through another proxy it may, and the
   judge ignores the copy).
+- A request with ``continue_final_message`` continues its trailing assistant message: that
+  message is the start of this turn's own reply, so it is neither counted nor taken as the
+  previous answer (the messages before it are the next state), and the continued turn is
+  recognised later by prefix + continuation, as clients echo it.
 - Side turns (``X-Turn-Type: side``) touch no state.
 
 State is bounded: at most ``max_sessions`` (least recently used dropped first) and sessions idle
@@ -120,9 +124,17 @@ class SessionTable:
         st.touched = now
         return st
 
-    def begin(self, session_id: str, messages: list, now: float | None = None) -> MainTurn:
-        """Assign the turn index of a main request and find its next state (atomic)."""
+    def begin(self, session_id: str, messages: list, now: float | None = None,
+              continue_final: bool = False) -> MainTurn:
+        """Assign the turn index of a main request and find its next state (atomic).
+
+        ``continue_final``: the request continues its trailing assistant message
+        (``continue_final_message``); that message is the start of this turn's reply, not an
+        earlier answer, and is left out of the rules.
+        """
         st = self._state(session_id, time.monotonic() if now is None else now)
+        if continue_final and messages and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]
         n_asst = 0
         last = -1
         for i, m in enumerate(messages):
@@ -147,8 +159,13 @@ class SessionTable:
             st.next_state_for.popitem(last=False)
         return MainTurn(index, new, after)
 
-    def complete(self, session_id: str, turn_index: int, content: Any, tool_calls: Any) -> None:
-        """Record that main turn ``turn_index`` answered with this content / tool calls."""
+    def complete(self, session_id: str, turn_index: int, content: Any, tool_calls: Any,
+                 prefix: str | None = None) -> None:
+        """Record that main turn ``turn_index`` answered with this content / tool calls.
+
+        ``prefix``: the assistant text the turn continued (``continue_final_message``); a client
+        echoes the whole message, prefix + continuation, so that is recognised too.
+        """
         st = self._s.get(session_id)
         if st is None:
             st = self._state(session_id, time.monotonic())
@@ -156,7 +173,9 @@ class SessionTable:
         if st.last_done is None or turn_index > st.last_done:
             st.last_done = turn_index
         st.prints[fingerprint(content, tool_calls)] = turn_index
-        if len(st.prints) > _FINGERPRINTS_KEPT:
+        if prefix:
+            st.prints[fingerprint(prefix + (content if isinstance(content, str) else ""), tool_calls)] = turn_index
+        while len(st.prints) > _FINGERPRINTS_KEPT:
             st.prints.popitem(last=False)
 
     def end(self, session_id: str) -> None:

@@ -21,8 +21,9 @@ from pipeline.chatbody import CHAT_FIELDS, ROLES, ChatBodyError, check_chat_body
 from pipeline.proxy.errors import ProxyError, bad_request
 
 SESSION_FIELDS = ("session_id", "turn_type", "session_done")
-#: request fields recorded as the turn's sampling parameters
-SAMPLING_KEYS = tuple(k for k, f in CHAT_FIELDS.items() if f.recorded)
+#: request fields recorded as the turn's sampling parameters: the table's ``recorded`` fields, and two
+#: SGLang extensions outside it (forwarded untouched) that constrain decoding (no OPD term then)
+SAMPLING_KEYS = tuple(k for k, f in CHAT_FIELDS.items() if f.recorded) + ("json_schema", "structural_tag")
 _SESSION_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

@@ -7,7 +7,7 @@ prompts are sent at once (bounded by ``concurrency``) so the engine decodes them
 Metrics, per reply (single-turn, no feedback):
 - ``success_rate``: the feedback policy's success (default ``brevity``: at most ``max_words``
   words and ``max_reply_tokens`` tokens, or a correct final number) — the reward's target;
-- ``brief_rate``: the brevity property alone (ENVIRONMENT.md measured 9% for the base model);
+- ``brief_rate``: the brevity property alone (9% for the base model, docs/environment.md §7);
 - ``accuracy``: GSM8K final number right — the guard metric (with ``words_per_reply``) that
   shows reward hacking (short nonsense) next to the reward.
 """

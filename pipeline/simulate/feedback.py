@@ -3,7 +3,7 @@
 Two policies (``--feedback``):
 
 - ``brevity`` (default): the reward-able property is one the 135M base model sometimes shows
-  (ENVIRONMENT.md, "Learning on the CPU": a reply within 64 tokens and at most 40 words, ~9% at
+  (docs/environment.md §7: a reply within 64 tokens and at most 40 words, ~9% at
   the start, learnable in ~5 Binary-RL steps). A brief reply, or a correct one, gets thanks and
   ends the session; a long one gets "Too long — answer in at most N words." A short wrong reply
   is *thanked* under this policy: correcting it would make brevity look bad to the judge, and the

@@ -113,7 +113,7 @@ def grade_reply(content: str, *, completion_tokens: int | None = None, finish_re
                 gold: Decimal | None = None, max_words: int = 40, max_tokens: int = 64) -> Grade:
     """Grade one assistant reply (see :class:`Grade`).
 
-    The brevity property follows ENVIRONMENT.md ("Learning on the CPU"): a reply that finishes
+    The brevity property follows docs/environment.md §7: a reply that finishes
     within ``max_tokens`` tokens and has at most ``max_words`` words; the 135M base model does
     this ~9% of the time on GSM8K prompts, so it is learnable by Binary RL.
     """

@@ -19,6 +19,13 @@ the rest, see ``python -m pipeline config``).
 from __future__ import annotations
 
 import argparse
+import logging
+import re
+import warnings
+
+# What megatron-core says at import and set-up on an install without Transformer Engine and
+# Apex: expected on the CPU (docs/environment.md §3), no news to a user.
+_EXPECTED_WARNINGS = re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
 
 HELP = "Megatron-core policy updates from sample batches; checkpoints with offsets; weight sync on control"
 
@@ -45,23 +52,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "export's weights with fresh optimizer moments (trainer.missing_checkpoint=newest_export)")
 
 
+def quiet_megatron() -> None:
+    """Keep megatron-core's set-up chatter out of the trainer's log unless it runs at DEBUG.
+
+    Above DEBUG: the ``megatron`` loggers show warnings and errors only (their INFO lines are
+    whole config dumps and the parameter list of every gradient bucket), and megatron's
+    "Transformer Engine / Apex is not installed" warnings go to the ``megatron`` logger at
+    DEBUG instead of stderr. Other warnings are shown as before. At DEBUG nothing is changed.
+    """
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if _EXPECTED_WARNINGS.search(str(message)) and "megatron" in str(filename):
+            logging.getLogger("megatron").debug("%s:%s: %s", filename, lineno, message)
+            return
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
 def run(args: argparse.Namespace, config) -> int:
     """Apply the flags to ``config.trainer`` and run :class:`pipeline.trainer.stage.TrainerStage`."""
-    t = config.trainer
-    for name in ("model", "max_steps", "rollout_batch_size", "micro_batch_size", "checkpoint_dir", "export_dir",
-                 "tp", "threads"):
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(t, name, value)
+    t: dict = {name: getattr(args, name) for name in ("model", "max_steps", "rollout_batch_size", "micro_batch_size",
+                                                     "checkpoint_dir", "export_dir", "tp", "threads")
+               if getattr(args, name, None) is not None}
     if args.engines is not None:
-        t.engines = [e for e in args.engines.split(",") if e]
+        t["engines"] = [e for e in args.engines.split(",") if e]
     if args.no_progress:
-        t.progress = False
+        t["progress"] = False
     if args.start_fresh:
-        t.missing_checkpoint = "fresh"
+        t["missing_checkpoint"] = "fresh"
     if args.from_newest_export:
-        t.missing_checkpoint = "newest_export"
+        t["missing_checkpoint"] = "newest_export"
     import sys
+
+    config = config.replace(trainer=t)
+    quiet_megatron()
 
     from pipeline.trainer.guards import NonFiniteWeights
     from pipeline.trainer.stage import CheckpointMissing, TrainerStage

@@ -18,8 +18,7 @@ nothing (the GPU path runs the same trainer code with fusions on). Torch functio
 thread-local, so Megatron code must run on the thread that called :func:`apply`.
 :func:`remove` undoes everything (tests use it so other tests in the process run unpatched).
 
-Approach proven by ``shared/reference/cpu_shim.py`` (megatron-core 0.16.1, torch 2.13 CPU);
-written again here as a reversible module.
+Measured with megatron-core 0.16.1 and torch 2.13 on the CPU (docs/environment.md §3).
 """
 
 from __future__ import annotations
@@ -88,11 +87,6 @@ def _sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
 def _patch(owner: object, name: str, value: object) -> None:
     _saved.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
-
-
-def is_applied() -> bool:
-    """True while the shim is active in this process."""
-    return _mode is not None
 
 
 def apply() -> bool:

@@ -32,22 +32,33 @@ class NonFiniteWeights(PipelineError, FloatingPointError):
     """The policy's parameters hold NaN or infinite values (they are never saved or served)."""
 
 
-def _first_bad(values: Any) -> tuple[int, float] | None:
-    """``(index, value)`` of the first non-finite number in a numeric sequence, else None."""
+#: fields where -inf is a legal value: a top-k entry the teacher did not return (no probability)
+NEG_INF_ALLOWED = frozenset({"teacher_topk_log_probs"})
+
+
+def _bad_mask(arr: np.ndarray, allow_neg_inf: bool) -> np.ndarray:
+    bad = ~np.isfinite(arr)
+    return bad & ~np.isneginf(arr) if allow_neg_inf else bad
+
+
+def _first_bad(values: Any, allow_neg_inf: bool = False) -> tuple[int, float] | None:
+    """``(index, value)`` of the first non-finite number in a numeric sequence (``-inf`` passes
+    when ``allow_neg_inf``), else None."""
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):  # not a numeric sequence (strings, dicts, ...)
         return None
     if arr.ndim != 1:
         return None
-    bad = np.flatnonzero(~np.isfinite(arr))
+    bad = np.flatnonzero(_bad_mask(arr, allow_neg_inf))
     return (int(bad[0]), float(arr[bad[0]])) if bad.size else None
 
 
 def nonfinite_fields(event: Any) -> list[str]:
     """Each numeric field of a dataclass event holding NaN/inf, as ``"name=value"`` or
     ``"name[i]=value"`` (first bad element, and how many), in field order; ``[]`` when all are
-    finite. ``None`` fields and non-numeric fields are skipped.
+    finite. ``None`` fields and non-numeric fields are skipped; ``-inf`` is legal in the fields of
+    :data:`NEG_INF_ALLOWED` (NaN and ``+inf`` are not).
     """
     out: list[str] = []
     for f in dataclasses.fields(event):
@@ -58,9 +69,10 @@ def nonfinite_fields(event: Any) -> list[str]:
             if not math.isfinite(v):
                 out.append(f"{f.name}={v}")
         elif isinstance(v, (list, tuple, np.ndarray)) and len(v):
-            first = _first_bad(v)
+            neg_ok = f.name in NEG_INF_ALLOWED
+            first = _first_bad(v, neg_ok)
             if first is not None:
-                n = int((~np.isfinite(np.asarray(v, dtype=np.float64))).sum())
+                n = int(_bad_mask(np.asarray(v, dtype=np.float64), neg_ok).sum())
                 out.append(f"{f.name}[{first[0]}]={first[1]}" + (f" ({n} non-finite)" if n > 1 else ""))
     return out
 

@@ -200,12 +200,6 @@ def aggregate(values: Tensor, mask: Tensor, mode: LossAgg = "sum_of_sample_mean"
     raise ValueError(f"unknown loss aggregation {mode!r} (sum_of_sample_mean, token_mean)")
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` over ``mask == 1`` (0 when the mask is empty), for metrics."""
-    m = mask.to(values.dtype)
-    return (_select(values, mask != 0) * m).sum() / m.sum().clamp(min=1.0)
-
-
 # ---------------------------------------------------------------- staleness
 
 

@@ -4,7 +4,7 @@ Why a hand-written mapping and not a library: ``mbridge`` (PyPI 0.15.1) does the
 needs ``transformers<5`` (we run 5.24), read SmolLM2's RoPE theta from the transformers-5 config
 as 10000 instead of 100000 without a warning, and does not copy the tokenizer; NVIDIA's
 megatron-bridge needs Transformer Engine (CUDA only). The mapping for the Llama family is short
-(measured in ENVIRONMENT.md: response log-probs equal to transformers' to 2.6e-6, export 0.4 s)
+(docs/environment.md §4: response log-probs equal to transformers' to 2.6e-6, export 0.4 s)
 and is checked by tests against transformers on every supported shape.
 
 Supported ``model_type``: ``llama`` (SmolLM2, Llama 2/3 incl. ``llama3`` RoPE scaling),
@@ -159,7 +159,7 @@ def _skip_init(tensor: torch.Tensor) -> None:
 def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, cuda: bool = False):
     """Megatron ``TransformerConfig`` for ``arch``.
 
-    CPU (``cuda=False``): fp32, every fusion off, CPU initialisation (ENVIRONMENT.md). GPU: the
+    CPU (``cuda=False``): fp32, every fusion off, CPU initialisation (docs/environment.md §3). GPU: the
     same model with the pure-PyTorch bias-activation (SwiGLU) and bias-dropout fusions on, and
     RoPE fusion when Transformer Engine is present (its attention is then TE's fused attention);
     the masked-softmax fusion stays off because it needs Megatron's compiled kernels, which a
@@ -182,6 +182,7 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
         output_layer_init_method=_skip_init, embedding_init_method=_skip_init,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda, apply_rope_fusion=te, persist_layer_norm=False,
+        cuda_graph_scope=[],  # no CUDA graphs; the default "full" is deprecated and warns
     )
 
 

@@ -5,7 +5,7 @@ global-norm gradient clipping that knows which parameters are tensor-parallel sh
 Megatron's ``DistributedDataParallel`` grad buffers. The same code then gives fp32 master
 weights for bf16 training on GPUs (the distributed ZeRO-1 optimizer is left off so that
 checkpoints stay plain per-rank state dicts); on the CPU it runs through
-:mod:`pipeline.trainer.cpu_shim` (measured in ENVIRONMENT.md: TP=2 and DP=2 reproduce the
+:mod:`pipeline.trainer.cpu_shim` (docs/environment.md §3: TP=2 and DP=2 reproduce the
 single-process parameters). A plain ``torch.optim.AdamW`` would need none of the shim's
 optimizer patches but would be wrong for bf16 parameters and for TP gradient norms.
 

@@ -20,13 +20,11 @@ def running_proxy(config, engine_url: str, *, follow_control: bool = False, publ
     """
     from pipeline.proxy.app import ProxyApp
 
-    cfg = config.model_copy(deep=True)
     tmp = None
     if "buffer_dir" not in proxy_settings and publisher is None:  # each proxy its own durable buffer
         tmp = tempfile.mkdtemp(prefix="proxy-buffer-")
-        cfg.proxy.buffer_dir = tmp
-    for k, v in proxy_settings.items():
-        setattr(cfg.proxy, k, v)
+        proxy_settings = {"buffer_dir": tmp, **proxy_settings}
+    cfg = config.replace(proxy=proxy_settings)
     try:
         app = ProxyApp(cfg, engine_url=engine_url, publisher=publisher, follow_control=follow_control)
         with serve_app(app) as url:

@@ -241,6 +241,8 @@ class StandInEngine(StandInServer):
         record: keep :attr:`requests`, :attr:`headers` and :attr:`answers`.
         always_extras: answer as if ``logprobs`` and ``return_token_ids`` were asked (benchmarks:
             every client gets the same bytes).
+        update_statuses: the HTTP statuses of successive ``POST /update_weights_from_disk`` calls
+            (then 200; the served ``weight_version`` does not change); ``calls`` counts them.
 
     Attributes:
         requests: every chat request body received (parsed).
@@ -252,9 +254,10 @@ class StandInEngine(StandInServer):
 
     def __init__(self, script: Callable[[dict], Reply | str] | None = None, weight_version: str | None = "0",
                  token_interval_s: float = 0.0, fixed: bool = False, record: bool = True,
-                 always_extras: bool = False) -> None:
+                 always_extras: bool = False, update_statuses=()) -> None:
         super().__init__()
         self.script = script or (lambda req: Reply())
+        self.update_statuses = list(update_statuses)
         self.weight_version = weight_version
         self.token_interval_s = token_interval_s
         self.fixed = fixed
@@ -319,6 +322,10 @@ class StandInEngine(StandInServer):
             await send_json(send, 200, {})
         elif path in ("/server_info", "/model_info"):
             await send_json(send, 200, {"chat_stream_token_ids": True, "weight_version": self.weight_version})
+        elif path == "/update_weights_from_disk" and scope["method"] == "POST":
+            status = self.update_statuses.pop(0) if self.update_statuses else 200
+            await send_json(send, status, {"success": status == 200,
+                                           "message": "ok" if status == 200 else f"refused ({status})"})
         else:
             await send_json(send, 404, {"object": "error", "message": f"no route {path}", "code": 404})
 

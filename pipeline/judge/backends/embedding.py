@@ -51,7 +51,7 @@ from pathlib import Path
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.context import call_query, is_search_call, target_mismatch, unrequested_target
+from pipeline.judge.context import call_query, is_search_call, target_mismatch, unrequested_target, wrong_action
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
@@ -63,15 +63,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples.jsonl"
 LABELS = (1, 0, -1)  # class index order of the heads' outputs
 KNN_K = 7
 KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
-MIN_CONFIDENCE = 0.5  # a sign from the models alone needs this probability ...
+MIN_CONFIDENCE = 0.5  # a sign from the models needs this probability ...
 MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
+USER_CUE_RESCUE = True  # an abstention of the models may take the cues' one-way sign ...
+CUE_RESCUE_MIN = 0.35  # ... when the models give that sign at least this
 L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 HINT_MAX_CHARS = 1000
-CUE_VETO = 0.6  # the cues' sign stands unless the models give the opposite sign this much
-CUE_VETO_PRAISE = 0.6  # the same for praise (irony hides here: lower is more careful)
-LONG_WORDS = 10  # a reply this long needs more than a weak praise word ("great", "nice") for +1
-MODELS_ALONE_NEGATIVE = 0.65  # a -1 from the models without a cue direction needs this probability
 MAX_TEXT_CHARS = 2000
 RECENT = 256
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
@@ -104,6 +102,14 @@ def load_examples(path: str | Path = EXAMPLES) -> list[dict]:
             raise ValueError(f"{path}:{n}: needs text, label in (1, 0, -1) and role in (user, tool)")
         rows.append(row)
     return rows
+
+
+def training_examples() -> list[dict]:
+    """Everything the classifier learns from: the hand-written examples plus the generated bank
+    (:func:`pipeline.judge.bank.generated_examples`)."""
+    from pipeline.judge.bank import generated_examples
+
+    return load_examples() + generated_examples()
 
 
 class Embedder:
@@ -239,7 +245,7 @@ class NextStateClassifier:
                  cache_dir: str | os.PathLike | None = None) -> None:
         torch = embedder.torch
         self.embedder, self.torch = embedder, torch
-        examples = load_examples() if examples is None else examples
+        examples = training_examples() if examples is None else examples
         self.banks = {}
         for role in ("user", "tool"):
             rows = [r for r in examples if r["role"] == role]
@@ -288,14 +294,8 @@ class NextStateClassifier:
             return Judgement(0, {}, "empty reply")
         p = self.proba(text, "user")
         cues = read_cues(text, response, request)
-        veto = CUE_VETO_PRAISE if cues.polarity == 1 else CUE_VETO
-        if cues.polarity and p[-cues.polarity] < veto:
-            label, why = cues.polarity, "cues, not vetoed by the models"
-        else:
-            label, why = self.decide(p), "models"
-            if label == -1 and p[-1] < MODELS_ALONE_NEGATIVE:
-                label = 0
-        # guards: each moves a score toward 0 (or a praise-then-complaint to -1), never flips a sign
+        label, why = self.decide(p), "models"
+        # the cues can only move the models' sign toward 0 (or a praise-then-complaint to -1)
         if label == 1 and cues.contrast_negative:
             tail = tail_clause(text)
             label = -1 if tail and self.decide(self.proba(tail, "user")) == -1 else 0
@@ -304,18 +304,9 @@ class NextStateClassifier:
             label, why = 0, "praise next to irony markers"
         elif label != 0 and cues.polarity == -label:
             label, why = 0, "cues contradict the models"
-        elif label == 1 and cues.negative_total:
-            label, why = 0, "praise mixed with complaint words"
-        elif label == 1 and not cues.positive:
-            label, why = 0, "no praise or progress word"
-        elif label == 1 and cues.trouble:
-            label, why = 0, "praise next to words of things going wrong"
-        elif label == 1 and not cues.strong_positive and len(text.split()) >= LONG_WORDS:
-            label, why = 0, "only weak praise words in a long reply"
-        elif label == 1 and cues.deferred:
-            label, why = 0, "praise, but the result is not checked yet"
-        elif label == -1 and cues.positive > cues.negative_total and not (cues.contrast_negative or cues.sarcasm):
-            label, why = 0, "complaint mixed with praise"
+        elif label == 0 and USER_CUE_RESCUE and cues.polarity and p[cues.polarity] >= CUE_RESCUE_MIN \
+                and p[-cues.polarity] <= MAX_OPPOSITE and not (cues.polarity == 1 and (cues.sarcasm or cues.trouble)):
+            label, why = cues.polarity, "cues, with the models leaning the same way"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
@@ -334,6 +325,9 @@ class NextStateClassifier:
             p = self.proba(text, "tool")
             label, why = max(0, self.decide(p)), f"tool result ({reading.reason})"
         if label == 1:
+            wrong = wrong_action(request, call)
+            if wrong:
+                return Judgement(-1, p, f"succeeded at the wrong thing ({wrong})")
             mismatch = target_mismatch(request, call) or unrequested_target(request, call)
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")

@@ -1,0 +1,49 @@
+"""Successes at the wrong thing (pipeline.judge.context.wrong_action), on requests and calls written
+for this test: each kind fires on its fault and stays silent on the matching correct call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.judge.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
+                                    wrong_action, wrong_count)
+
+
+def call(name: str, **args) -> str:
+    """An assistant output with one rendered tool call, as the judge sees it."""
+    return f"[tool calls]\n{name}({json.dumps(args)})"
+
+
+@pytest.mark.parametrize("check,request_,bad,good", [
+    (misspelt_target, "Remove the ./output directory", call("shell", cmd="rm -rf ./outptu"),
+     call("shell", cmd="rm -rf ./output")),
+    (misspelt_target, "Show the last lines of /var/log/postgres.log", call("sh", cmd="tail /var/log/postrges.log"),
+     call("sh", cmd="tail /var/log/postgres.log")),
+    (reversed_direction, "How much is 50 pounds in yen?", call("fx", **{"from": "JPY", "to": "GBP", "amount": 50}),
+     call("fx", **{"from": "GBP", "to": "JPY", "amount": 50})),
+    (reversed_direction, "Rename old.txt to new.txt", call("shell", cmd="mv new.txt old.txt"),
+     call("shell", cmd="mv old.txt new.txt")),
+    (public_instead_of_private, "Send Omar the password privately", call("chat_post", channel="#ops", text="pw"),
+     call("chat_dm", user="omar", text="pw")),
+    (narrower_scope, "Run the entire test suite please", call("shell", cmd="pytest tests/test_api.py"),
+     call("shell", cmd="pytest tests")),
+    (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"), call("shell", cmd="go test ./...")),
+    (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
+])
+def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
+    assert check(request_, bad), (request_, bad)
+    assert check(request_, good) is None, (request_, good)
+    assert wrong_action(request_, bad) and wrong_action(request_, good) is None
+
+
+@pytest.mark.parametrize("request_,response", [
+    ("List the files", call("shell", cmd="ls -la")),  # nothing named: nothing to compare
+    ("Convert this to JSON", call("convert", format="json")),
+    ("Book a table", call("book", people=2)),  # the request states no number
+    ("Deploy to staging", ""),  # no call
+    ("Run the tests for the parser", call("shell", cmd="pytest tests/test_parser.py")),  # a subset was asked
+])
+def test_silent_without_evidence(request_, response):
+    assert wrong_action(request_, response) is None
