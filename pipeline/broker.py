@@ -45,6 +45,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig

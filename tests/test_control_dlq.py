@@ -14,7 +14,6 @@ answers without loading weights).
 from __future__ import annotations
 
 import threading
-import time
 
 import msgpack
 from kafka import KafkaProducer

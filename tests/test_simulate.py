@@ -10,7 +10,6 @@ import sys
 from collections import defaultdict
 from decimal import Decimal
 
-import pytest
 
 from pipeline.simulate.datasets import load_gsm8k, load_mt_bench
 from pipeline.simulate.evaluate import evaluate

@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
