@@ -29,7 +29,8 @@ def call(name: str, **args) -> str:
      call("chat_dm", user="omar", text="pw")),
     (narrower_scope, "Run the entire test suite please", call("shell", cmd="pytest tests/test_api.py"),
      call("shell", cmd="pytest tests")),
-    (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"), call("shell", cmd="go test ./...")),
+    (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
+     call("shell", cmd="go test ./...")),
     (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
 ])
 def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):

@@ -81,7 +81,8 @@ FAILURE = {
                 "that's not the tone I asked for", "you left out the date", "it reads like an ad",
                 "this is way too long", "it's still too stiff"],
     "maths": ["that's not right, the answer should be 12", "you forgot to carry the 2", "the sign is wrong",
-              "my textbook says 0.25", "you divided instead of multiplying", "that's the formula for area, not perimeter",
+              "my textbook says 0.25", "you divided instead of multiplying",
+               "that's the formula for area, not perimeter",
               "the units don't match", "step three doesn't follow", "you dropped the constant",
               "the probability is bigger than 1", "that's the wrong derivative", "the total is off by 100"],
     "support": ["the link has expired, same as before", "I already tried restarting it", "still no refund",
@@ -165,6 +166,15 @@ POS_THEN_Q = ["{s}. one more thing: {q}", "{s}! {q}", "{s}, thanks. next, {q}", 
 USE = ["sending it now", "I'll go with this one", "using it as is", "posting it tonight", "printing it",
        "merging it", "that's going straight into the report", "copying it into my notes", "shipping it"]
 
+AFTER_POS = ["I was worried it would take all day", "I had been stuck on this for a week",
+             "I did not expect it to be that simple", "my colleague had no idea either"]
+AFTER_NEG = ["I have spent an hour on this already", "this is the third attempt", "I need this done today",
+             "I followed every step"]
+WHEN_POS = ["this morning", "last night", "right away", "after lunch"]
+DEFER_OPEN = ["thanks, ", "ok, ", "looks promising, ", "interesting, "]
+QUESTION_OPEN = ["ok, ", "hmm, ", "and ", "one thing: "]
+QUESTION_CLOSE = ["", "just curious", "asking for later"]
+
 # -- other languages: (+1, -1, 0) sentences written for this bank ---------------------------------------------
 LANG = {
     "de": (["danke, läuft jetzt", "perfekt, genau so wollte ich das", "hat funktioniert, vielen Dank!",
@@ -172,11 +182,13 @@ LANG = {
             "jetzt klappt es endlich", "genau richtig, danke dir", "top, hab's direkt verschickt",
             "die Rechnung stimmt, danke"],
            ["nein, das ist falsch", "funktioniert immer noch nicht", "das war nicht die Frage",
-            "jetzt kommt ein anderer Fehler", "zu lang, ich wollte drei Sätze", "das Ergebnis ist falsch, es muss 8 sein",
+            "jetzt kommt ein anderer Fehler", "zu lang, ich wollte drei Sätze",
+             "das Ergebnis ist falsch, es muss 8 sein",
             "leider geht es nicht, gleicher Fehler", "du hast die Hälfte vergessen", "schon wieder falsch",
             "danke, aber es stürzt immer noch ab"],
            ["ich probiere es heute Abend", "was bedeutet das genau?", "alles klar", "und wie geht das unter Windows?",
-            "muss ich noch testen", "andere Frage: wie spät ist es in Tokio?", "hm, na gut", "moment, ich schaue nach"]),
+            "muss ich noch testen", "andere Frage: wie spät ist es in Tokio?", "hm, na gut",
+             "moment, ich schaue nach"]),
     "fr": (["merci, ça marche", "parfait, c'est exactement ça", "nickel, les tests passent",
             "génial, je l'ai envoyé tel quel", "c'est juste, merci beaucoup", "top, ça fonctionne enfin",
             "le calcul est bon, merci", "super, ma prof a validé"],
@@ -268,8 +280,8 @@ def generated_examples(seed: int = 12, per_domain: int = 90) -> list[dict]:
                 add(f"{rng.choice(OPEN_POS)}{s}. {rng.choice(USE)}{rng.choice(CLOSE_POS)}", 1)
             else:
                 long = (f"{rng.choice(['So', 'OK so', 'Update:', 'Just to let you know,'])} I tried "
-                        f"{rng.choice(things)} {rng.choice(['this morning', 'last night', 'right away', 'after lunch'])}"
-                        f" and {s}. {rng.choice(['I was worried it would take all day', 'I had been stuck on this for a week', 'I did not expect it to be that simple', 'my colleague had no idea either'])}."
+                        f"{rng.choice(things)} {rng.choice(WHEN_POS)}"
+                        f" and {s}. {rng.choice(AFTER_POS)}."
                         f"{rng.choice(CLOSE_POS)}")
                 add(long, 1)
         for _ in range(per_domain):
@@ -289,7 +301,7 @@ def generated_examples(seed: int = 12, per_domain: int = 90) -> list[dict]:
             else:
                 long = (f"{rng.choice(['So', 'OK so', 'Update:', 'Well,'])} I tried {rng.choice(things)} "
                         f"{rng.choice(['this morning', 'twice', 'on a clean setup', 'exactly as you wrote'])} and "
-                        f"{f}. {rng.choice(['I have spent an hour on this already', 'this is the third attempt', 'I need this done today', 'I followed every step'])}."
+                        f"{f}. {rng.choice(AFTER_NEG)}."
                         f"{rng.choice(CLOSE_NEG)}")
                 add(long, -1)
         for _ in range(per_domain):
@@ -298,9 +310,9 @@ def generated_examples(seed: int = 12, per_domain: int = 90) -> list[dict]:
             if kind == "topic":
                 t = t.replace("{q}", rng.choice(FILL["q"]))
             elif kind == "defer" and rng.random() < 0.4:
-                t = f"{rng.choice(['thanks, ', 'ok, ', 'looks promising, ', 'interesting, '])}{t}"
+                t = f"{rng.choice(DEFER_OPEN)}{t}"
             elif kind == "question" and rng.random() < 0.3:
-                t = f"{rng.choice(['ok, ', 'hmm, ', 'and ', 'one thing: '])}{t} {rng.choice(['', 'just curious', 'asking for later'])}"
+                t = f"{rng.choice(QUESTION_OPEN)}{t} {rng.choice(QUESTION_CLOSE)}"
             add(t, 0)
     for lang, (pos, neg, neu) in LANG.items():
         for label, texts in ((1, pos), (-1, neg), (0, neu)):

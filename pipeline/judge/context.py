@@ -248,7 +248,8 @@ _CURRENCY = {"euro": "eur", "euros": "eur", "€": "eur", "dollar": "usd", "doll
              "cm": "cm", "centimetres": "cm", "centimeters": "cm"}
 _DIRECTION = re.compile(r"([\w€$£¥]+)\s+(?:to|into|in|->|→)\s+([\w€$£¥]+)", re.I)
 _FROM_KEYS = ("from", "source", "src", "from_currency", "base", "from_unit", "input", "old", "old_name")
-_TO_KEYS = ("to", "target", "dst", "dest", "destination", "to_currency", "quote", "to_unit", "output", "new", "new_name")
+_TO_KEYS = ("to", "target", "dst", "dest", "destination", "to_currency", "quote", "to_unit", "output", "new",
+            "new_name")
 _PRIVATE = re.compile(r"\b(?:privately|in private|direct(?:ly| message)|dm|via dm|in a dm|personal message|"
                                r"only to|just to|one-on-one|1:1)\b", re.I)
 _WHOLE = re.compile(r"\b(?:whole|entire|full|all(?: the| of the)?|every|complete)\s+(?:test ?suite|suite|tests?|"
@@ -257,6 +258,7 @@ _ONE_TEST = re.compile(r"(?:\btest_[\w-]+\.py\b|\b[\w-]+_test\.(?:py|go)\b|\b[\w
                        r"\s-k\s|--run\s|-run\s|--grep\s|\bTest[A-Z]\w+\b)")
 _TEST_CMD = re.compile(r"\b(?:pytest|py\.test|unittest|go test|cargo test|npm (?:run )?test|jest|vitest|mocha|rspec|"
                        r"phpunit|mvn test|gradle test|tox|nox|make test)\b")
+_RENAME = re.compile(r"\b(?:rename|move|copy|mv|cp)\s+(\S+\.\w+)\s+(?:to|as|into)\s+(\S+\.\w+)", re.I)
 _COUNT_KEYS = {"people", "guests", "party_size", "partysize", "seats", "tickets", "quantity", "qty", "count",
                "adults", "persons", "covers", "rooms", "nights", "copies", "units"}
 
@@ -277,7 +279,8 @@ def _distance(a: str, b: str) -> int:
 
 def _parts(text: str) -> set[str]:
     """Lower-case word parts of the names in a text (split at / . - _), 4 letters or more."""
-    return {p for tok in _TOKEN.findall(text.lower()) for p in re.split(r"[/._~-]+", tok) if len(p) >= 4 and p.isalpha()}
+    return {p for tok in _TOKEN.findall(text.lower()) for p in re.split(r"[/._~-]+", tok)
+            if len(p) >= 4 and p.isalpha()}
 
 
 def misspelt_target(request: str, response: str) -> str | None:
@@ -315,7 +318,7 @@ def reversed_direction(request: str, response: str) -> str | None:
             continue
         if src and dst and a in dst and b in src and a not in src and b not in dst:
             return f"the request goes {a} to {b}, the call {b} to {a}"
-    for fa, fb in re.findall(r"\b(?:rename|move|copy|mv|cp)\s+(\S+\.\w+)\s+(?:to|as|into)\s+(\S+\.\w+)", request or "", re.I):
+    for fa, fb in _RENAME.findall(request or ""):
         for _, v in items:
             mm = re.search(r"\b(?:mv|cp)\s+(?:-\w+\s+)*(\S+)\s+(\S+)", v)
             if mm and mm.group(1).endswith(fb.strip(".,")) and mm.group(2).endswith(fa.strip(".,")):

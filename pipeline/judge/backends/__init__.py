@@ -2,14 +2,14 @@
 
 - ``llm``: m sampled ``\\boxed{}`` votes from an OpenAI-compatible endpoint (production default);
 - ``choice``: log-prob scoring of ``\\boxed{1|0|-1}`` with ``/generate`` (SGLang API);
-- ``embedding``: MiniLM prototype classifier of the next state (CPU, single-machine default);
+- ``embedding``: tool-result structure + MiniLM classifier of the next state (CPU, single-machine default);
 - ``constant``: instant +1 (benchmarks only);
 - ``package.module:ClassName`` (or ``package.module.ClassName``): a :class:`Backend` subclass,
   constructed with the process :class:`pipeline.config.Config`.
 
 Agreement with the 40 labelled next states of ``tests/fixtures/judge_next_states.jsonl``
 (``pipeline judge --eval FILE --backend NAME``), measured on the CPU when this was written:
-``embedding`` 34/40 (user replies 21/25, tool results 13/15); SmolLM2-135M-Instruct as ``choice``
+``embedding`` 38/40; SmolLM2-135M-Instruct as ``choice``
 14/40 (it picks +1 every time: the base rate); as ``llm`` (3 votes, 96 tokens) 10/40, all three
 votes unparseable on 34 of 40 turns. A small CPU model is no judge; production uses a GPU judge.
 """

@@ -11,23 +11,25 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    transformers; mean pooling over the attention mask, then L2 normalisation, as
    sentence-transformers does for this model) and, for user replies, lexical cue counts
    (:mod:`pipeline.judge.cues`). Both are built at start-up from the labelled examples in
-   ``pipeline/judge/data/examples.jsonl`` (our own wording): a multinomial logistic-regression
-   head (softmax over 1 / 0 / -1, L2-regularised, fitted with L-BFGS; one head for user
-   replies, one for tool results) and a k-nearest-neighbour vote (cosine similarity, ``KNN_K``
-   neighbours of the same role, weighted by similarity); their class probabilities are
-   averaged (``KNN_WEIGHT``).
-3. **The decision** on a user reply. When the lexical cues point one way only (praise, or
-   complaint/correction, in 14 languages, with negation and contrast handled), that sign
-   stands unless the models give the opposite sign at least ``CUE_VETO``. Otherwise the
-   models' sign counts when its probability is at least ``MIN_CONFIDENCE`` and the opposite
-   sign's at most ``MAX_OPPOSITE``. Guards then move a score toward 0, never across: irony
-   markers or complaint words next to praise, a +1 without any praise or progress word, and
-   praise followed by a complaining contrast ("thanks, but ...", -1 only when that clause
-   alone reads -1).
+   ``pipeline/judge/data/examples.jsonl`` plus the generated bank of :mod:`pipeline.judge.bank`
+   (our own wording, :func:`training_examples`): a multinomial logistic-regression head
+   (softmax over 1 / 0 / -1, L2-regularised, fitted with L-BFGS; one head for user replies, one
+   for tool results) and a k-nearest-neighbour vote (cosine similarity, ``KNN_K`` neighbours of
+   the same role, weighted by similarity); their class probabilities are averaged
+   (``KNN_WEIGHT``).
+3. **The decision** on a user reply is the models': their sign when its probability is at least
+   ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``, else 0. The cues only
+   move it toward 0 (irony markers next to praise, a sign the cues contradict) or, for praise
+   followed by a complaining contrast ("thanks, but ..."), to -1 when that clause alone reads
+   -1. When the models abstain and the cues point one way only, the cues' sign is taken if the
+   models give it at least ``CUE_RESCUE_MIN`` (``USER_CUE_RESCUE``).
 
 The user's message, when there is one, decides (it is the user's verdict on the turn); tool
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
-models may say +1 or abstain, never -1: errors are read from structure. A tool success abstains
+models may say +1 or abstain, never -1: errors are read from structure. A tool success scores -1
+when the request's own words show it did the wrong thing (:func:`pipeline.judge.context.wrong_action`:
+misspelt target, reversed direction, public post for a private message, narrower test run,
+wrong count); it abstains
 when the call acted on something other than the user's request names (another file, person,
 ticket, number: :mod:`pipeline.judge.context`) or when a search's results are unrelated to its
 query. One vote, no parse failures.
