@@ -231,6 +231,7 @@ class ControlWatch(threading.Thread):
         self.config, self.tl = config, tl
         self.published: list[tuple[float, int]] = []  # (t, version) of each weights event, in log order
         self.resumed: set[int] = set()
+        self.seen = 0  # the next control offset to read (kept across reconnects: nothing counted twice)
         self.stop = threading.Event()
 
     def latest(self, t: float | None = None) -> int:
@@ -238,36 +239,25 @@ class ControlWatch(threading.Thread):
         return max(vs, default=0)
 
     def run(self) -> None:
-        from kafka import KafkaConsumer, TopicPartition
+        from pipeline.bus import Offset, Record, TopicReader
 
-        from pipeline import events
-        from pipeline.bus import consumer_kwargs
-
-        topic = self.config.topics.name("control")
         while not self.stop.is_set():
             try:
-                c = KafkaConsumer(**consumer_kwargs(self.config, None))
-                tp = TopicPartition(topic, 0)
-                c.assign([tp])
-                c.seek(tp, 0)
-                seen = 0
-                while not self.stop.is_set():
-                    for recs in c.poll(timeout_ms=200).values():
-                        for r in recs:
-                            if r.offset < seen:
-                                continue
-                            seen = r.offset + 1
-                            try:
-                                ev = events.decode(r.value)
-                            except events.EventError:
-                                continue
-                            if ev.action == "weights":
-                                self.published.append((self.tl.now(), ev.policy_version))
-                            elif ev.action == "resume":
-                                self.resumed.add(ev.policy_version)
-                c.close()
-            except Exception:  # noqa: BLE001 - the broker is being killed: reconnect
+                with TopicReader(self.config, self.config.topics.name("control"), start=Offset(self.seen),
+                                 partitions=[0], name="chaos-control-watch", accept=None) as reader:
+                    while not self.stop.is_set():
+                        for r in reader.poll(timeout_ms=200):
+                            if isinstance(r, Record):  # an undecodable record is passed over
+                                self.seen = r.offset + 1
+                                self._apply(r.event)
+            except Exception:  # noqa: BLE001 - the broker is being killed: reconnect where it was
                 time.sleep(0.5)
+
+    def _apply(self, ev) -> None:
+        if ev.action == "weights":
+            self.published.append((self.tl.now(), ev.policy_version))
+        elif ev.action == "resume":
+            self.resumed.add(ev.policy_version)
 
 
 class EngineWatch(threading.Thread):
@@ -330,10 +320,9 @@ def trainer_mid_step(stack, control: ControlWatch, metrics_file: Path, timeout_s
 
 
 def _records(path: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except OSError:
-        return []
+    from pipeline.jsonl import read_jsonl
+
+    return read_jsonl(path, strict=False, missing_ok=True)  # a line being written is skipped
 
 
 def _logged_steps(path: Path) -> int:
@@ -386,35 +375,13 @@ def chaos(stack, args, tl: Timeline, control: ControlWatch, stop: threading.Even
 # ---------------------------------------------------------------------------------------- counting
 
 def read_all(config, logical: str) -> list:
-    """Every record of a topic: ``(partition, offset, event or None)``."""
-    from kafka import KafkaConsumer, TopicPartition
+    """Every record of a topic up to its end: ``(partition, offset, event or None)`` (None: a
+    record that does not decode)."""
+    from pipeline.bus import Record, TopicReader
 
-    from pipeline import events
-    from pipeline.bus import consumer_kwargs
-
-    name = config.topics.name(logical)
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    try:
-        parts = c.partitions_for_topic(name) or set()
-        tps = [TopicPartition(name, p) for p in sorted(parts)]
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        ends = c.end_offsets(tps)
-        out = []
-        deadline = time.monotonic() + 60
-        pos = {tp: 0 for tp in tps}
-        while any(pos[tp] < ends[tp] for tp in tps) and time.monotonic() < deadline:
-            for tp, recs in c.poll(timeout_ms=500).items():
-                for r in recs:
-                    pos[tp] = r.offset + 1
-                    try:
-                        ev = events.decode(r.value)
-                    except events.EventError:
-                        ev = None
-                    out.append((r.partition, r.offset, ev))
-        return out
-    finally:
-        c.close()
+    with TopicReader(config, config.topics.name(logical), name="chaos-count", accept=None) as reader:
+        return [(r.partition, r.offset, r.event if isinstance(r, Record) else None)
+                for r in reader.read(idle_timeout_s=10.0)]
 
 
 def count(config, attempts: list[Attempt], tl: Timeline, control: ControlWatch, engines: EngineWatch,

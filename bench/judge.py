@@ -6,7 +6,7 @@
     latency (next state published -> sample read back by a consumer) at a paced rate below
     capacity. Targets on this machine: >= 2,000 turns/s, p50 <= 50 ms.
 (b) judge HTTP calls/s with m=3 votes (the ``llm`` backend) against an instant judge server
-    (:class:`InstantJudgeServer` in a subprocess), as a ratio of what a bare httpx client reaches
+    (``tests.support.servers.StandInJudge(instant=True)`` in a subprocess), as a ratio of what a bare httpx client reaches
     against the same server in the same run with the same concurrency (target >= 0.8); and, since
     the judge's client is aiohttp, also the ratio to a bare aiohttp client (the judge's own overhead).
 
@@ -31,17 +31,16 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the stand-in judge
 
-from kafka import KafkaConsumer, TopicPartition  # noqa: E402
-
-from pipeline import events  # noqa: E402
-from pipeline.bus import EventProducer, consumer_kwargs  # noqa: E402
+from pipeline.bus import EventProducer, Record, TopicReader  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.judge.samples import sample_id  # noqa: E402
-from pipeline.judge.testing import make_next_state, make_turn  # noqa: E402
 from pipeline.topics import apply_topics, load_topics  # noqa: E402
+from tests.support.judge import make_next_state, make_turn  # noqa: E402
 
 PROMPT = list(range(1000, 1300))  # 300 prompt tokens
 RESPONSE = list(range(2000, 2100))  # 100 response tokens
@@ -65,22 +64,15 @@ class SampleReader(threading.Thread):
         self.ready = threading.Event()
 
     def run(self) -> None:
-        name = self.config.topics.name("samples")
-        c = KafkaConsumer(**consumer_kwargs(self.config, None, fetch_max_wait_ms=5))
-        parts = None
-        while not parts:
-            parts = c.partitions_for_topic(name)
-            time.sleep(0.05)
-        tps = [TopicPartition(name, p) for p in parts]
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        self.ready.set()
-        while not self.stop_flag.is_set():
-            for recs in c.poll(timeout_ms=20).values():
+        with TopicReader(self.config, self.config.topics.name("samples"), name="bench-reader", wait_s=60,
+                         fetch_max_wait_ms=5) as reader:
+            self.ready.set()
+            while not self.stop_flag.is_set():
+                recs = reader.poll(timeout_ms=20)
                 now = time.perf_counter()
                 for r in recs:
-                    self.seen.setdefault(events.decode(r.value).sample_id, now)
-        c.close()
+                    if isinstance(r, Record):
+                        self.seen.setdefault(r.event.sample_id, now)
 
 
 def publish(config, evs, rate: float | None = None, sent_at: dict | None = None) -> None:
@@ -217,8 +209,9 @@ def bench_http(seconds: float, concurrency: int, votes: int = 3, rounds: int = 2
 
     from pipeline.judge.prompts import JudgeInput, prm_messages
 
-    srv = subprocess.Popen([sys.executable, "-m", "pipeline.judge.testing", "--instant"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
+    root = Path(__file__).resolve().parents[1]
+    srv = subprocess.Popen([sys.executable, "-m", "tests.support.servers", "instant-judge"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, cwd=root)
     try:
         port = int(srv.stdout.readline().split()[1])
         url = f"http://127.0.0.1:{port}"
@@ -243,8 +236,6 @@ def bench_http(seconds: float, concurrency: int, votes: int = 3, rounds: int = 2
 
 
 def bench_embedding(rounds: int = 2) -> None:
-    from pathlib import Path
-
     from pipeline.judge.backends.embedding import EmbeddingBackend
     from pipeline.judge.evaluate import load_rows, row_input
     from pipeline.judge.prompts import content_text

@@ -6,7 +6,7 @@
 One run starts, each in its own process:
 
 - a real broker (the embedded Tansu, topics created with a ``bench-`` prefix);
-- ``upstream``: :class:`pipeline.proxy.testing.ScriptedUpstream`, a stand-in OpenAI-compatible
+- ``upstream``: :class:`tests.support.servers.StandInEngine`, a stand-in OpenAI-compatible
   engine that answers instantly (the same ~6 KB answer with 67 token ids and log-probs for every
   request; streamed as 69 SSE chunks, ``--token-ms`` apart: 5 ms = 200 tokens/s per stream, a
   fast GPU engine; 1 ms is a stress test of the per-chunk cost);
@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,8 @@ sys.path.insert(0, str(ROOT))
 import orjson  # noqa: E402
 from fastapi import Request  # noqa: E402  (module level: the naive app's annotations are resolved here)
 
+from pipeline.procutil import free_port  # noqa: E402
+
 REPLY = ("Sure. The capital of France is Paris; it has been the seat of government for centuries and "
          "is known for the Louvre, the Eiffel Tower and its cafes. Anything else you would like to know?")
 SYSTEM = "You are a helpful assistant. " * 20
@@ -53,19 +54,13 @@ TURNS_PER_SESSION = 8
 
 
 # ---- servers (run as child processes of this script) --------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_upstream(port: int, token_ms: float) -> None:
     import uvicorn
 
-    from pipeline.proxy.testing import Reply, ScriptedUpstream
+    from tests.support.servers import Reply, StandInEngine
 
-    app = ScriptedUpstream(lambda req: Reply(content=REPLY), fixed=True, record=False, always_extras=True,
-                           token_interval_s=token_ms / 1000)
+    app = StandInEngine(lambda req: Reply(content=REPLY), fixed=True, record=False, always_extras=True,
+                        token_interval_s=token_ms / 1000)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -240,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(None, kafka={"bootstrap_servers": broker.bootstrap}, topics={"prefix": "bench-"})
         apply_topics(config, load_topics(config.topics.file))
-        up_port, naive_port, proxy_port = _free_port(), _free_port(), _free_port()
+        up_port, naive_port, proxy_port = free_port(), free_port(), free_port()
         up = f"http://127.0.0.1:{up_port}"
         procs.append(subprocess.Popen([py, __file__, "_upstream", str(up_port), str(args.token_ms)]))
         procs.append(subprocess.Popen([py, __file__, "_naive", str(naive_port), up, args.naive_stack]))
@@ -255,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                                       env=env, stdout=subprocess.DEVNULL))
         targets = {"direct": up, "naive": f"http://127.0.0.1:{naive_port}", "proxy": f"http://127.0.0.1:{proxy_port}"}
         if args.buffer != "memory":  # same proxy, events in memory only: the buffer's cost, measured in this run
-            mem_port = _free_port()
+            mem_port = free_port()
             procs.append(subprocess.Popen([py, "-m", "pipeline", "proxy", "--port", str(mem_port), "--engine-url", up,
                                            "--bootstrap", broker.bootstrap, "--set", "topics.prefix=bench-",
                                            "--set", "proxy.buffer_dir=null"], env=env, stdout=subprocess.DEVNULL))

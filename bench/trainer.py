@@ -78,12 +78,12 @@ def bench_cpu(args) -> None:
     from pipeline.broker import EmbeddedBroker
     from pipeline.bus import EventProducer
     from pipeline.config import load_config
-    from pipeline.engine.testing import running_engine
     from pipeline.models import resolve_model
     from pipeline.syncer import Syncer
     from pipeline.topics import apply_topics, load_topics
     from pipeline.trainer.stage import TrainerStage
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.engine import running_engine
+    from tests.support.trainer import megatron_runtime
 
     rows = []
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:

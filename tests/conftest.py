@@ -71,32 +71,11 @@ def kafka_config(broker_bootstrap, topic_prefix) -> Config:
 
 
 def read_all(config: Config, topic: str, want: int = 0, timeout_s: float = 30.0, idle_s: float = 0.5) -> list:
-    """Every record of a physical ``topic`` from the beginning as ``(partition, offset, event)``:
-    waits until ``want`` arrived (then ``idle_s`` more for extras) or ``timeout_s`` passed.
-    Reads strictly (a bad record fails the test): tests must see what is there."""
-    import time
+    """``(partition, offset, event)`` of every record of a physical ``topic`` from the beginning
+    (:func:`tests.support.topics.read_records`: strict, waits for ``want`` then ``idle_s`` more)."""
+    from tests.support.topics import read_records
 
-    from pipeline.bus import TopicMissing, TopicReader, Undecodable
-
-    try:
-        reader = TopicReader(config, topic, name="test-reader", accept=None, wait_s=min(timeout_s, 10.0))
-    except TopicMissing:
-        return []
-    out: list = []
-    with reader:
-        deadline = time.monotonic() + timeout_s
-        quiet_until = None
-        while time.monotonic() < deadline:
-            recs = reader.poll(timeout_ms=100)
-            bad = [r for r in recs if isinstance(r, Undecodable)]
-            assert not bad, f"unreadable records on {topic}: {bad}"
-            out.extend((r.partition, r.offset, r.event) for r in recs)
-            if len(out) >= want:
-                if recs or quiet_until is None:
-                    quiet_until = time.monotonic() + idle_s
-                elif time.monotonic() >= quiet_until:
-                    break
-    return out
+    return [(r.partition, r.offset, r.event) for r in read_records(config, topic, want, timeout_s, idle_s)]
 
 
 def scrape(port: int, **match) -> dict[str, float]:

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -16,19 +15,11 @@ import time
 from pathlib import Path
 
 import httpx
-from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
-
 from pipeline import events
-from pipeline.bus import EventProducer, consumer_kwargs
+from pipeline.bus import TopicReader
+from pipeline.procutil import free_port
 
 MARK = "SECRETTEXT"  # every conversation string below contains it; no view may serve it without the flag
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DashboardServer:
@@ -105,38 +96,11 @@ def marked_conversation(session_id: str, turns: int = 2) -> tuple[list, list]:
     return turn_events, samples
 
 
-def publish(config, topic: str, evs, key=None) -> None:
-    """Send events (or raw bytes) to a logical topic and wait for the broker."""
-    p = EventProducer(config, name="test")
-    try:
-        for ev in evs:
-            k = key if key is not None else getattr(ev, "session_id", None) or getattr(ev, "run_id", None)
-            p.send(config.topics.name(topic), ev, key=k)
-        p.flush(30)
-    finally:
-        p.close()
-
-
 def topic_records(config, logical: str) -> list:
-    """Every record of a topic, read with a plain kafka-python consumer (independent of the dashboard)."""
-    name = config.topics.name(logical)
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    try:
-        tps = [TopicPartition(name, p) for p in sorted(c.partitions_for_topic(name) or ())]
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        out, idle = [], time.monotonic()
-        while time.monotonic() - idle < 2.0:
-            got = c.poll(timeout_ms=200)
-            for recs in got.values():
-                out += recs
-            if got:
-                idle = time.monotonic()
-            elif all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in tps):
-                break
-        return out
-    finally:
-        c.close()
+    """Every record of a topic up to its end: :class:`pipeline.bus.Record` s and, for records
+    that do not decode, :class:`pipeline.bus.Undecodable` s."""
+    with TopicReader(config, config.topics.name(logical), name="test-reader", accept=None) as reader:
+        return list(reader.read(idle_timeout_s=2.0))
 
 
 # ---------------------------------------------------------------- headless Chromium over the DevTools protocol

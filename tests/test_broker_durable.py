@@ -2,7 +2,7 @@
 
 Real processes throughout: ``pipeline broker --data-dir`` (SeaweedFS + Tansu's s3 engine),
 ``pipeline up`` stages (broker, proxy, judge) started by :func:`start_stack`, a stand-in engine
-(:class:`ScriptedUpstream`, not a model) and real Kafka clients. States are awaited, not slept on.
+(:class:`StandInEngine`, not a model) and real Kafka clients. States are awaited, not slept on.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from kafka.structs import OffsetAndMetadata
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.orchestrate.up import start_stack
-from pipeline.proxy.testing import ScriptedUpstream, read_events, serve_app
+from tests.support.servers import StandInEngine, serve_app
+from tests.support.topics import read_events
 
 CHAT = "/v1/chat/completions"
 
@@ -81,8 +82,8 @@ def _converse(url: str, session: str, turns: int) -> list[str]:
 
 
 def _turns(config, want: int | None = None, topic: str = "turns") -> dict[str, events.Turn]:
-    evs = read_events(config, timeout_s=30, want=want, topic=topic, idle_s=2.0)
-    return {e.request_id: e for *_, e in evs if isinstance(e, events.Turn)}
+    evs = read_events(config, topic, want, timeout_s=30, settle_s=2.0)
+    return {e.request_id: e for e in evs if isinstance(e, events.Turn)}
 
 
 def _committed(config, group: str, topic: str) -> dict[int, int]:
@@ -102,7 +103,7 @@ def _committed(config, group: str, topic: str) -> dict[int, int]:
 def test_up_stopped_and_restarted_on_the_same_run_dir_keeps_every_turn_replayable(tmp_path):
     run_dir = tmp_path / "run"
     judge = {"mode": "rl", "backend": "constant", "idle_timeout_s": 3600}
-    with serve_app(ScriptedUpstream()) as engine_url:
+    with serve_app(StandInEngine()) as engine_url:
         config = load_config(None, judge=judge, engine={"url": engine_url})
         stack = start_stack(config, run_dir, engine_url=engine_url, trainer=False, ready_timeout_s=180)
         config = stack.config
@@ -140,8 +141,8 @@ def test_up_stopped_and_restarted_on_the_same_run_dir_keeps_every_turn_replayabl
                                   "--config", str(run_dir / "config.yaml"), "--no-progress", "--idle-timeout-s", "3"],
                                  capture_output=True, text=True, timeout=120)
             assert rep.returncode == 0, rep.stdout + rep.stderr
-            replayed = read_events(config2, timeout_s=30, want=len(answered) + 3, topic="replayed", idle_s=2.0)
-            assert {e.request_id for *_, e in replayed if isinstance(e, events.Turn)} == set(answered)
+            replayed = read_events(config2, "replayed", len(answered) + 3, timeout_s=30, settle_s=2.0)
+            assert {e.request_id for e in replayed if isinstance(e, events.Turn)} == set(answered)
         finally:
             stack.stop()
 
@@ -212,7 +213,8 @@ def test_broker_killed_minus_9_mid_produce_keeps_every_acknowledged_record(tmp_p
 
 def test_memory_broker_keeps_nothing_after_a_restart():
     """The contrast: memory storage (tests only) starts empty every time."""
-    from pipeline.broker import EmbeddedBroker, free_port
+    from pipeline.broker import EmbeddedBroker
+    from pipeline.procutil import free_port
     from pipeline.topics import apply_topics, load_topics
 
     port = free_port()

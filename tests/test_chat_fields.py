@@ -1,6 +1,6 @@
 """Every chat field the proxy accepts is honoured on every path exactly as on the engine's own
 chat path, or refused with a 4xx that names it. Table-driven over the proxy's schema
-(:data:`pipeline.proxy.validate.CHAT_FIELDS`): a field added to the schema without a case here
+(:data:`pipeline.chatbody.CHAT_FIELDS`): a field added to the schema without a case here
 fails :func:`test_every_accepted_field_has_a_case`.
 
 Paths: the proxy in front of our CPU engine (which streams token ids on chat: the request is
@@ -26,12 +26,13 @@ import uuid
 import httpx
 import orjson
 import pytest
-from sglang_style import SglangStyleEngine
 
-from pipeline.engine.testing import running_engine
 from pipeline.models import resolve_model
-from pipeline.proxy.testing import running_proxy, serve_app
-from pipeline.proxy.validate import CHAT_FIELDS
+from pipeline.chatbody import CHAT_FIELDS
+from tests.support.engine import running_engine
+from tests.support.proxy import running_proxy
+from tests.support.servers import serve_app
+from tests.support.sglang_style import SglangStyleEngine
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",

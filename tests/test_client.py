@@ -4,12 +4,12 @@ streaming paths (native token ids and the SGLang fallback via /v1/tokenize + /ge
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
-from pipeline.engine.testing import running_engine
+from pipeline.procutil import free_port
+from tests.support.engine import running_engine
 
 MSG = [{"role": "user", "content": "Name a fruit."}]
 
@@ -24,12 +24,6 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_errors_are_typed(url):
     async def main():
         async with EngineClient(url, 30) as c:
@@ -42,7 +36,7 @@ def test_errors_are_typed(url):
         async with EngineClient(url, 0.05) as c:
             with pytest.raises(EngineTimeout):
                 await c.generate([1, 2], sampling_params={"max_new_tokens": 1000, "ignore_eos": True})
-        async with EngineClient(f"http://127.0.0.1:{_free_port()}", 5) as c:
+        async with EngineClient(f"http://127.0.0.1:{free_port()}", 5) as c:
             with pytest.raises(EngineUnavailable) as ei:
                 await c.model_info()
             assert ei.value.retryable and ei.value.status is None

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from pipeline.broker import free_port
+from pipeline.procutil import free_port
 from pipeline.config import ConfigError, load_config
 from pipeline.topics import TopicsError, load_topics, render
 

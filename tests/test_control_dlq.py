@@ -7,14 +7,13 @@ bad records to ``control``: bytes that are not msgpack, a valid event of another
 control event of an unknown schema version and a tombstone. Each follower must dead-letter
 every one of them (with its stage name, the error and the source offset) and finish the sync:
 the syncer answers ``applied``, the trainer's wait sees it, the proxy sees ``resume``.
-The engine is a stand-in (:class:`ScriptedUpstream` already serving version 1, so the syncer
+The engine is a stand-in (:class:`StandInEngine` already serving version 1, so the syncer
 answers without loading weights).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import msgpack
 from kafka import KafkaProducer
@@ -22,18 +21,10 @@ from kafka import KafkaProducer
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.proxy.control import ControlFollower
-from pipeline.proxy.testing import ScriptedUpstream, serve_app
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from conftest import read_all
-
-
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from tests.support.servers import StandInEngine, serve_app
+from tests.support.waiting import until
 
 
 def _bad_control_values() -> list[tuple[bytes | None, str]]:
@@ -64,14 +55,14 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
     follower = ControlFollower(cfg, states.append).start()
     syncer = None
     try:
-        with serve_app(ScriptedUpstream(weight_version="1")) as engine_url:
+        with serve_app(StandInEngine(weight_version="1")) as engine_url:
             cfg = cfg.replace(syncer={"engine_url": engine_url})
             pub = WeightPublisher(cfg)
             result = {}
             trainer = threading.Thread(target=lambda: result.setdefault("report", pub.sync(1, str(folder), sha)))
             trainer.start()
             # the sync is under way: the proxy saw the pause (pause and weights are on control)
-            assert _until(lambda: any(s.paused for s in states)), states
+            assert until(lambda: any(s.paused for s in states)), states
             bad = _bad_control_values()
             raw = KafkaProducer(bootstrap_servers=cfg.kafka.bootstrap_servers)
             bad_offsets = [raw.send(control, value=v, key=b"r", partition=0).get(10).offset for v, _ in bad]
@@ -84,7 +75,7 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
             report = result["report"]
             assert report.ok and report.applied == ["engine-0"], report  # the trainer's wait went on
             assert syncer.applied == [1]                                  # the syncer went on
-            assert _until(lambda: states and not states[-1].paused)       # the proxy went on: resume seen
+            assert until(lambda: states and not states[-1].paused)       # the proxy went on: resume seen
             assert states[-1].applied_version == 1 and states[-1].epoch == 1
             assert follower.records >= len(bad) + 4  # pause, weights, the bad ones, applied, resume
     finally:

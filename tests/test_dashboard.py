@@ -16,7 +16,8 @@ from fastapi.routing import APIRoute
 from pipeline import events
 from pipeline.bus import Offset, Time, TopicReader
 from pipeline.dashboard import views
-from tests.dashboard_helpers import MARK, DashboardServer, marked_conversation, publish, topic_records
+from tests.dashboard_helpers import MARK, DashboardServer, marked_conversation, topic_records
+from tests.support.topics import publish
 
 SESSIONS = ("s-alpha", "s-beta")
 
@@ -28,20 +29,20 @@ def _fill(config) -> dict:
         t, s = marked_conversation(sid)
         turns += t
         samples += s
-    publish(config, "turns", turns)
-    publish(config, "samples", samples + [samples[0]])  # one duplicate delivery
-    publish(config, "control", [events.Control(action=a, epoch=1, policy_version=1, created_at=events.now_ms() + i,
+    publish(config, turns, "turns")
+    publish(config, samples + [samples[0]], "samples")  # one duplicate delivery
+    publish(config, [events.Control(action=a, epoch=1, policy_version=1, created_at=events.now_ms() + i,
                                                **({"location": "/w/v1", "sha256": "ab"} if a == "weights" else {}),
                                                **({"engine_id": "engine-0"} if a == "applied" else {}))
-                                for i, a in enumerate(["pause", "weights", "applied", "resume"])])
-    publish(config, "metrics", [
+                                for i, a in enumerate(["pause", "weights", "applied", "resume"])], "control")
+    publish(config, [
         events.TrainStep(step=1, policy_version=1, created_at=events.now_ms(), metrics={"loss": 0.5, "kl": 0.01},
                          sample_ids=[s.sample_id for s in samples], trained={samples[0].sample_id: 0.75}),
-        events.Evaluation(policy_version=1, n=8, metrics={"success_rate": 0.5})])
-    publish(config, "turns.dlq", [events.DeadLetter(source_topic=config.topics.name("turns"), partition=0, offset=3,
+        events.Evaluation(policy_version=1, n=8, metrics={"success_rate": 0.5})], "metrics")
+    publish(config, [events.DeadLetter(source_topic=config.topics.name("turns"), partition=0, offset=3,
                                                     error="MalformedEvent: turn.session_id is missing", stage="judge",
-                                                    raw=f"{MARK} raw".encode())])
-    publish(config, "turns", [b"\x01not msgpack"], key="s-alpha")
+                                                    raw=f"{MARK} raw".encode())], "turns.dlq")
+    publish(config, [b"\x01not msgpack"], "turns", key="s-alpha")
     return {"turns": 4, "next_states": 4, "session_ends": 2, "samples": 4, "duplicates": 1}
 
 
@@ -204,11 +205,11 @@ def test_reader_start_positions_and_no_group(kafka_config):
     admin = KafkaAdminClient(**admin_kwargs(kafka_config))
     groups_before = set(map(str, admin.list_groups()))
     topic = kafka_config.topics.name("turns")
-    publish(kafka_config, "turns", [events.SessionEnd(session_id="a", reason=str(i)) for i in range(6)])
+    publish(kafka_config, [events.SessionEnd(session_id="a", reason=str(i)) for i in range(6)], "turns")
     time.sleep(0.05)
     cut = events.now_ms()
     time.sleep(0.05)
-    publish(kafka_config, "turns", [events.SessionEnd(session_id="a", reason=str(i)) for i in range(6, 9)])
+    publish(kafka_config, [events.SessionEnd(session_id="a", reason=str(i)) for i in range(6, 9)], "turns")
 
     with TopicReader(kafka_config, [topic]) as r:
         everything = [rec.event.reason for rec in r.read()]
@@ -228,7 +229,7 @@ def test_reader_start_positions_and_no_group(kafka_config):
         t = threading.Thread(target=lambda: got.extend(rec.event.reason for rec in r.read(follow=True, stop=stop)))
         t.start()
         time.sleep(0.5)
-        publish(kafka_config, "turns", [events.SessionEnd(session_id="a", reason="new")])
+        publish(kafka_config, [events.SessionEnd(session_id="a", reason="new")], "turns")
         deadline = time.monotonic() + 10
         while not got and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -332,7 +333,7 @@ def test_dashboard_process_serves_and_stops_with_a_live_stream_open(kafka_config
         o = httpx.get(f"{url}/api/overview", timeout=5).json()
         assert o["traffic"]["turns"] == 0 and o["samples"]["total"] == 0  # --from now: the history is skipped
         assert o["stages"]["ghost"]["up"] is False and o["reader"]["start"] == "now"
-        publish(kafka_config, "turns", marked_conversation("s-late", turns=1)[0])
+        publish(kafka_config, marked_conversation("s-late", turns=1)[0], "turns")
         got = []
         opened = threading.Event()
 

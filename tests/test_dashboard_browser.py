@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import events
+from pipeline.bus import Record
 from pipeline.config import load_config
 from pipeline.orchestrate.up import start_stack
 from tests.dashboard_helpers import Browser, chromium_path, topic_records
@@ -28,13 +29,7 @@ SESSIONS = 4
 
 
 def decoded(records) -> list:
-    out = []
-    for r in records:
-        try:
-            out.append(events.decode(r.value))
-        except events.EventError:
-            pass
-    return out
+    return [r.event for r in records if isinstance(r, Record)]
 
 
 @pytest.mark.slow

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import orjson
 import pytest
 
 from pipeline.client import EngineClient
-from pipeline.engine.testing import running_engine
+from tests.support.engine import running_engine
+from tests.support.waiting import sse_events
 
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -30,15 +30,6 @@ def gen(http, **body):
     r = http.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def sse_events(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            payload = line[6:]
-            out.append(payload if payload == "[DONE]" else orjson.loads(payload))
-    return out
 
 
 # ---- /generate --------------------------------------------------------------------------------------
@@ -208,10 +199,14 @@ def test_chat_stream_rejects_sglang_non_stream_flags(http):
 def test_chat_n_choices_and_seed(http):
     body = {"messages": MSG, "max_tokens": 4, "n": 2, "seed": 7, "ignore_eos": True, "return_token_ids": True}
     a = http.post("/v1/chat/completions", json=body).json()
+    http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})  # moves the engine's generator
     b = http.post("/v1/chat/completions", json=body).json()
-    assert [c["index"] for c in a["choices"]] == [0, 1]
-    assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
+    c = http.post("/v1/chat/completions", json={**body, "seed": 8}).json()
+    assert [ch["index"] for ch in a["choices"]] == [0, 1]
+    assert [ch["token_ids"] for ch in a["choices"]] == [ch["token_ids"] for ch in b["choices"]]
     assert a["choices"][0]["token_ids"] != a["choices"][1]["token_ids"]  # sample j uses seed + j
+    # the seed is what decides: another seed, other tokens
+    assert [ch["token_ids"] for ch in c["choices"]] != [ch["token_ids"] for ch in a["choices"]]
 
 
 def test_chat_with_tools_is_accepted(http):
@@ -260,19 +255,35 @@ def test_concurrent_requests_do_not_corrupt_each_other(url):
 
     async def main():
         async with EngineClient(url, 120) as c:
-            outs = await asyncio.gather(*(
+            work = asyncio.ensure_future(asyncio.gather(*(
                 c.generate(p, sampling_params={"max_new_tokens": 8 + 3 * i, "ignore_eos": True, "temperature": 0.8},
-                           return_logprob=True) for i, p in enumerate(prompts)))
+                           return_logprob=True) for i, p in enumerate(prompts))))
+            peak = await _peak_running(url, work)
+            outs = await work
             scores = await asyncio.gather(*(c.score(p + o["output_ids"], len(p), temperature=0.8)
                                            for p, o in zip(prompts, outs)))
-            return outs, scores
+            return outs, scores, peak
 
-    outs, scores = asyncio.run(main())
+    outs, scores, peak = asyncio.run(main())
+    assert peak >= 2, "the requests never shared a decode batch: nothing concurrent was tested"
     for i, (p, o, s) in enumerate(zip(prompts, outs, scores)):
         assert o["meta_info"]["prompt_tokens"] == len(p)
         assert len(o["output_ids"]) == 8 + 3 * i
         lps = [e[0] for e in o["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(lps, s)) < 1e-4
+
+
+async def _peak_running(url: str, work: asyncio.Future) -> float:
+    """The most rows the engine's decode batch held (``pipeline_engine_running_requests``) while
+    ``work`` ran, sampled from ``/metrics``."""
+    peak = 0.0
+    async with httpx.AsyncClient(base_url=url, timeout=10) as h:
+        while not work.done():
+            for line in (await h.get("/metrics")).text.splitlines():
+                if line.startswith("pipeline_engine_running_requests "):
+                    peak = max(peak, float(line.split()[1]))
+            await asyncio.sleep(0.005)
+    return peak
 
 
 async def _until_engine_reports(url: str, gauge: str, timeout_s: float = 30.0) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pipeline.engine.testing import running_engine
+from tests.support.engine import running_engine
+
 
 MSG = [{"role": "user", "content": "hi"}]
 LONG = "word " * 400  # > the 128-token context configured below

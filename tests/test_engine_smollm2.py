@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipeline.client import EngineClient
-from pipeline.engine.testing import running_engine
+from tests.support.engine import running_engine
 
 pytestmark = pytest.mark.slow
 

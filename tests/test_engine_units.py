@@ -66,12 +66,29 @@ def test_sampler_top_p_and_top_k_restrict_support():
     assert seen_k <= {7, 8} and 8 in seen_k
 
 
+def _seeded_draws(seeds: list[int | None], engine_seed: int, steps: int = 12) -> list[list[int]]:
+    """``steps`` tokens per row from a flat distribution, one batch per step as the worker runs it:
+    each seeded row with its own generator (made once per request), the rest on the engine's."""
+    rows = [RowSpec(SamplingParams.from_dict({} if s is None else {"sampling_seed": s}, V), [], [],
+                    None if s is None else torch.Generator().manual_seed(s)) for s in seeds]
+    engine = torch.Generator().manual_seed(engine_seed)
+    out: list[list[int]] = [[] for _ in seeds]
+    for _ in range(steps):
+        for i, t in enumerate(sample_step(torch.zeros(len(rows), V), rows, engine).token_ids):
+            out[i].append(t)
+    return out
+
+
 def test_sampler_seed_is_per_request_and_reproducible():
-    logits = torch.zeros(2, V)
-    p = SamplingParams.from_dict({"sampling_seed": 42}, V)
-    a = [sample_step(logits.clone(), [RowSpec(p, [], [], torch.Generator().manual_seed(42))] * 2,
-                     torch.Generator()).token_ids for _ in range(2)]
-    assert a[0] == a[1]
+    """Same seed, same tokens, whatever the engine's own generator and the batch around it;
+    another seed, other tokens; an unseeded row follows the engine's generator."""
+    (a,) = _seeded_draws([42], engine_seed=1)
+    (a_again,) = _seeded_draws([42], engine_seed=2)  # the engine's generator must not matter
+    b, a_in_batch, free = _seeded_draws([7, 42, None], engine_seed=3)
+    assert a == a_again == a_in_batch  # per request: neighbours in the batch change nothing
+    assert b != a  # the seed is used: 12 draws from 1000 ids cannot coincide by chance
+    (free_other,) = _seeded_draws([None], engine_seed=4)
+    assert free != free_other and free != a
 
 
 def test_sampler_min_new_tokens_masks_stop_ids_and_penalties():

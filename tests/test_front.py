@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from pipeline.orchestrate.front import Backend, Front, parse_backends
-from pipeline.proxy.testing import serve_app
+from tests.support.servers import StandInServer, serve_app
+from tests.support.waiting import wait_for
 
 
 class Dropper:
@@ -51,33 +52,20 @@ class Dropper:
         self.sock.close()
 
 
-class StandIn:
+class StandIn(StandInServer):
     """A backend stand-in: ``/who`` answers its name; ``/stream`` sends one chunk, waits for
     :attr:`go`, sends a second; ``/healthz`` answers :attr:`health`."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
         self.go = threading.Event()
         self.health = 200
         self.seen_headers: list[dict] = []
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                while True:
-                    m = await receive()
-                    await send({"type": m["type"] + ".complete"})
-                    if m["type"] == "lifespan.shutdown":
-                        return
-            return
+    async def handle(self, scope, body: bytes, send, receive) -> None:
         path = scope["path"]
         self.seen_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
         if path == "/stream":
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream"), (b"connection", b"keep-alive")]})
@@ -205,10 +193,10 @@ def test_unhealthy_backend_leaves_the_rotation_and_comes_back(two):
     front = Front(parse_backends([ua, ub], "/healthz"), health_interval_s=0.05)
     with running_front(front) as url:
         b.health = 503
-        _wait(lambda: not front.backends[1].healthy)
+        wait_for(lambda: not front.backends[1].healthy)
         assert {httpx.get(f"{url}/who", timeout=10).text[0] for _ in range(4)} == {"a"}
         b.health = 200
-        _wait(lambda: front.backends[1].healthy)
+        wait_for(lambda: front.backends[1].healthy)
         assert {httpx.get(f"{url}/who", timeout=10).text[0] for _ in range(4)} == {"a", "b"}
 
 
@@ -219,12 +207,3 @@ def test_hop_by_hop_headers_are_not_forwarded(two):
                                          "Keep-Alive": "timeout=5"}, timeout=10)
     h = a.seen_headers[-1]
     assert h["x-session-id"] == "s1" and "keep-alive" not in h and h.get("connection", "") != "keep-alive, x-secret-hop"
-
-
-def _wait(cond, timeout_s: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)

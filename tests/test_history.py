@@ -20,13 +20,14 @@ from kafka.structs import TopicPartition
 
 from pipeline import events
 from pipeline.broker import EmbeddedBroker
-from pipeline.bus import EventProducer, consumer_kwargs
+from pipeline.bus import consumer_kwargs
 from pipeline.history.archive import Archiver, archive_topic
 from pipeline.history.store import ArchiveError, partition_files, read_archive
 from pipeline.simulate.feedback import THANKS_BRIEF, TOO_LONG
 from pipeline.topics import apply_topics, load_topics
 
 from conftest import make_config
+from tests.support.topics import publish, read_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "examples" / "conversations.jsonl"
 
@@ -65,33 +66,10 @@ def conversation_stream(n_sessions: int, seed: int = 0, prefix: str = "h") -> li
     return [events.decode(events.encode(e)) for e in out]  # float32 log-probs, as consumers see them
 
 
-def publish(config, evs, topic="turns"):
-    p = EventProducer(config, name="test")
-    for ev in evs:
-        p.send(config.topics.name(topic), ev, key=ev.session_id)
-    p.close()
-    assert p.failed == 0
-
-
 def read_topic(config, name: str, expect: int, timeout_s: float = 30.0) -> list[tuple[int, int, str, events.Event]]:
     """(partition, offset, key, event) of a physical topic, from the beginning, waiting for ``expect``."""
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    try:
-        deadline = time.monotonic() + timeout_s
-        parts = None
-        while not parts and time.monotonic() < deadline:
-            parts = c.partitions_for_topic(name) or None
-            time.sleep(0 if parts else 0.1)
-        c.assign([TopicPartition(name, p) for p in sorted(parts or [])])
-        out = []
-        while len(out) < expect and time.monotonic() < deadline:
-            for tp, recs in c.poll(timeout_ms=200).items():
-                out += [(tp.partition, r.offset, r.key.decode(), events.decode(r.value)) for r in recs]
-        for tp, recs in c.poll(timeout_ms=300).items():  # anything beyond what was expected
-            out += [(tp.partition, r.offset, r.key.decode(), events.decode(r.value)) for r in recs]
-        return sorted(out, key=lambda x: (x[0], x[1]))
-    finally:
-        c.close()
+    recs = read_records(config, name, expect, timeout_s, settle_s=0.3)
+    return sorted(((r.partition, r.offset, r.key, r.event) for r in recs), key=lambda x: (x[0], x[1]))
 
 
 def by_session(evs) -> dict[str, list[events.Event]]:
@@ -132,7 +110,8 @@ def run_cli(*args, timeout=180):
 
 
 def judge_samples(config, backend, n_turns: int) -> dict[str, events.Sample]:
-    from pipeline.judge.testing import JudgeThread, read_events
+    from tests.support.judge import JudgeThread
+    from tests.support.topics import read_events
 
     with JudgeThread(config, mode="rl", backend=backend, group_id="judge-test"):
         got = read_events(config, "samples", n_turns, timeout_s=90)
@@ -140,7 +119,6 @@ def judge_samples(config, backend, n_turns: int) -> dict[str, events.Sample]:
 
 
 def test_archive_stop_broker_new_broker_replay_same_events_and_samples(tmp_path):
-    pytest.importorskip("pipeline.judge.app")
     from pipeline.judge.backends import make_backend
 
     stream = conversation_stream(14, seed=3)

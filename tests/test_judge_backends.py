@@ -24,8 +24,9 @@ from pipeline.config import load_config
 from pipeline.chat import ChatRenderer, load_tokenizer
 from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
-from pipeline.judge.testing import (JudgeThread, ScriptedJudgeServer, make_next_state, make_turn, publish, read_events,
-                                    short_id)
+from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
+from tests.support.servers import StandInJudge
+from tests.support.topics import publish, read_events
 
 FIXTURE = Path(__file__).parent / "fixtures" / "judge_next_states.jsonl"
 DEV = Path(__file__).parent / "fixtures" / "judge_dev_next_states.jsonl"
@@ -105,7 +106,7 @@ def test_embedding_abstains_rather_than_guess(embedding_backend):
 def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embedding_backend):
     c = kafka_config
     correction = "That's incorrect, 17 times 23 is 391."  # classified -1 (corrective)
-    with ScriptedJudgeServer() as teacher:
+    with StandInJudge() as teacher:
         c = c.replace(judge={"group_id": f"{c.topics.prefix}judge"},
                       engine={"model": "tiny-random", "teacher_url": teacher.url})
         renderer = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the prompt ids
@@ -122,7 +123,7 @@ def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embe
 @pytest.mark.slow
 def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
     from pipeline.client import EngineClient
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
     from pipeline.judge.backends.choice import ChoiceBackend
     from pipeline.judge.teacher import Teacher
 

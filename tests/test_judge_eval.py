@@ -22,7 +22,8 @@ from pipeline import events
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.evaluate import Tally, evaluate, load_rows, report, row_conversation, row_role
 from pipeline.judge.parse import hint_rejection
-from pipeline.judge.testing import JudgeThread, publish, read_events
+from tests.support.judge import JudgeThread
+from tests.support.topics import publish, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "judge_next_states.jsonl"
@@ -181,7 +182,8 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
 def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     """OPD in the stream: accepted hints with their length, rejections by reason, backend failures."""
     from pipeline.chat import ChatRenderer, load_tokenizer
-    from pipeline.judge.testing import ScriptedJudgeServer, make_next_state, make_turn
+    from tests.support.judge import make_next_state, make_turn
+    from tests.support.servers import StandInJudge
 
     class Failing(LabelEcho):
         async def hint(self, inp):
@@ -198,7 +200,7 @@ def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     rej = {r: _metric("pipeline_judge_hints_rejected_total", {"reason": r})
            for r in ("judged_no_hint", "backend_error")}
     hint = "hint: use kilometres"
-    with ScriptedJudgeServer() as teacher:
+    with StandInJudge() as teacher:
         c = c.replace(engine={"teacher_url": teacher.url})
         rend = ChatRenderer(load_tokenizer("tiny-random"))  # the teacher checks the turn's prompt ids
         publish(c, [make_turn("h", 0, renderer=rend), make_next_state("h", 0, hint), make_turn("h", 1, renderer=rend),

@@ -13,10 +13,12 @@ import sys
 import threading
 import time
 
-from pipeline.broker import free_port
 from pipeline.bus import EventProducer
-from pipeline.judge.testing import ScriptedJudgeServer, check_samples, read_events, scripted_stream
+from pipeline.procutil import free_port
 from conftest import scrape
+from tests.support.judge import check_samples, scripted_stream
+from tests.support.servers import StandInJudge
+from tests.support.topics import read_events
 
 N_SESSIONS, TURNS = 40, 5
 
@@ -24,7 +26,7 @@ N_SESSIONS, TURNS = 40, 5
 def test_two_judges_one_leaves_no_loss_no_reorder(kafka_config, tmp_path):
     c = kafka_config
     evs, expected = scripted_stream(N_SESSIONS, TURNS, seed=7, window=12, vote_delay_s=0.02)
-    with ScriptedJudgeServer() as server:
+    with StandInJudge() as server:
         cmd = [sys.executable, "-m", "pipeline", "judge", "--mode", "rl", "--backend", "llm", "--url", server.url,
                "--group-id", f"{c.topics.prefix}judge", "--bootstrap", c.kafka.bootstrap_servers,
                "--log-level", "INFO", "--set", f"topics.prefix={c.topics.prefix}",

@@ -2,7 +2,7 @@
 it, and check that every turn's sample is there exactly once after de-duplication by sample_id.
 
 The judge runs as a real subprocess (``python -m pipeline judge``) against the test broker and
-a :class:`ScriptedJudgeServer` (stand-in judge endpoint; each vote answers after 20 ms). The
+a :class:`StandInJudge` (stand-in judge endpoint; each vote answers after 20 ms). The
 stream is published in three parts, one per judge incarnation. Each kill waits for observable
 proof that the judge is in the middle of its work (a random number of records consumed, part of
 them committed to the group on the broker, records polled but not yet acknowledged on its
@@ -21,19 +21,21 @@ import time
 
 import pytest
 
-from pipeline.broker import free_port
+from pipeline.procutil import free_port
 from pipeline.bus import EventProducer, TopicReader
 from pipeline.config import load_config
-from pipeline.judge.testing import ScriptedJudgeServer, check_samples, read_events, scripted_stream
 from pipeline.topics import apply_topics, load_topics
 from conftest import scrape
+from tests.support.judge import check_samples, scripted_stream
+from tests.support.servers import StandInJudge
+from tests.support.topics import read_events
 
 N_SESSIONS, TURNS = 36, 5
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ScriptedJudgeServer() as s:
+    with StandInJudge() as s:
         yield s
 
 

@@ -10,7 +10,7 @@ from pipeline.judge.backends.base import Verdict
 from pipeline.judge.parse import best_hint, last_boxed, majority_vote, parse_hint, parse_score
 from pipeline.judge.prompts import JudgeInput, hint_messages, inject_hint, prm_messages
 from pipeline.judge.samples import combine_sample, rl_flush_sample, rl_sample, sample_id
-from pipeline.judge.teacher import TeacherError, TeacherOutput, parse_teacher_answer
+from pipeline.judge.teacher import TeacherError, TeacherOutput
 
 
 @pytest.mark.parametrize("text,want", [
@@ -129,19 +129,63 @@ def test_combine_sample_cases():
         events.decode(events.encode(s))
 
 
-def test_parse_teacher_answer_alignment_and_topk():
+def test_teacher_scores_through_the_client_aligned_with_top_k_and_refuses_bad_answers():
+    """The teacher's scoring is EngineClient.score_result over real HTTP: the last R entries are the
+    response, top-k flattened row-major (missing: id 0, -inf); too few entries, a null log-prob,
+    misaligned ids and a failing endpoint are TeacherErrors."""
+    import asyncio
+    import math
+
+    from pipeline.chat import load_tokenizer
+    from pipeline.config import load_config
+    from pipeline.judge.teacher import Teacher
+    from tests.support.servers import StandInJudge
+
     entries = [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 13, None]]
     tops = [[[-0.1, 11, None], [-2.0, 99, None]], [[-0.2, 12, None]], None]
-    out = parse_teacher_answer({"meta_info": {"input_token_logprobs": entries, "input_top_logprobs": tops}},
-                               [12, 13], top_k=2)
-    assert out.log_probs == pytest.approx([-0.2, -0.3])  # the last R entries are the response
-    assert out.topk_ids == [12, 0, 0, 0] and out.topk_log_probs[0] == pytest.approx(-0.2)
-    with pytest.raises(TeacherError):
-        parse_teacher_answer({"meta_info": {"input_token_logprobs": entries[:1]}}, [12, 13])
-    with pytest.raises(TeacherError):
-        parse_teacher_answer({"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None]]}}, [1, 2])
-    with pytest.raises(TeacherError, match="aligned"):
-        parse_teacher_answer({"meta_info": {"input_token_logprobs": entries}}, [13, 12])
+    answer: list = []
+
+    def meta(**mi):
+        return {"text": "", "output_ids": [], "meta_info": {"weight_version": "t", **mi}}
+
+    async def score(url, response):
+        config = load_config(None, engine={"url": url}, judge={"teacher_top_k": 2, "retries": 1,
+                                                               "retry_backoff_s": 0.01})
+        teacher = Teacher(config, tokenizer=load_tokenizer("tiny-random"))
+        await teacher.start()
+        try:
+            return await teacher.score([11], response, 1.0)
+        finally:
+            await teacher.aclose()
+
+    def generate(body):
+        if answer[0] == "fail":
+            raise RuntimeError("a failing teacher")  # uvicorn answers 500
+        return answer[0]
+
+    with StandInJudge(generate_script=generate) as srv:
+        answer[:] = [meta(input_token_logprobs=entries, input_top_logprobs=tops)]
+        out = asyncio.run(score(srv.url, [12, 13]))
+        (body,) = srv.generate_bodies
+        assert body["input_ids"] == [11, 12, 13] and body["logprob_start_len"] == 0 and body["top_logprobs_num"] == 2
+        assert body["sampling_params"] == {"max_new_tokens": 0, "temperature": 1.0}
+        assert out.log_probs == pytest.approx([-0.2, -0.3])  # the last R entries are the response
+        assert out.topk_ids == [12, 0, 0, 0] and out.topk_log_probs[0] == pytest.approx(-0.2)
+        assert all(math.isinf(x) for x in out.topk_log_probs[1:])
+        answer[:] = [meta(input_token_logprobs=entries[:1])]
+        with pytest.raises(TeacherError):
+            asyncio.run(score(srv.url, [12, 13]))
+        answer[:] = [meta(input_token_logprobs=[[None, 11, None], [None, 12, None], [-1.0, 13, None]])]
+        with pytest.raises(TeacherError):
+            asyncio.run(score(srv.url, [12, 13]))
+        answer[:] = [meta(input_token_logprobs=entries)]
+        with pytest.raises(TeacherError, match="aligned"):
+            asyncio.run(score(srv.url, [13, 12]))
+        before = srv.calls["/generate"]
+        answer[:] = ["fail"]
+        with pytest.raises(TeacherError, match="500"):
+            asyncio.run(score(srv.url, [12, 13]))
+        assert srv.calls["/generate"] - before == 2  # retried once (judge.retries = 1), then given up
 
 
 def test_backend_names_and_import_paths():

@@ -34,7 +34,7 @@ from pipeline.judge.teacher import TeacherOutput
 # ---- 1. null hint, real engine --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_url():
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     with running_engine("tiny-random", threads=1, context_length=512) as url:
         yield url
@@ -226,12 +226,14 @@ def test_replaying_the_same_records_fast_slow_or_after_a_restart_gives_identical
 
 # ---- 3. through the broker ----------------------------------------------------------------------------
 def test_two_groups_fast_and_throttled_with_a_restart_produce_identical_samples(kafka_config):
-    from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, publish, read_events, scripted_stream
+    from tests.support.servers import StandInJudge
+    from tests.support.judge import JudgeThread, scripted_stream
+    from tests.support.topics import publish, read_events
 
     c = kafka_config
     evs, expected = scripted_stream(12, 4, seed=3, window=6, vote_delay_s=0.01)
     publish(c, evs)
-    with ScriptedJudgeServer() as server:
+    with StandInJudge() as server:
         c = c.replace(judge={"backend": "llm", "url": server.url, "mode": "rl", "vote_timeout_s": 5.0, "retries": 0,
                              "group_id": f"{c.topics.prefix}fast"})
         with JudgeThread(c):

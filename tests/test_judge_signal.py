@@ -1,7 +1,7 @@
 """Issue 11, judge side: cases 1, 2, 5, 6, 7 (case 8: tests/test_proxy_abort.py), each with its
 right value, through the real topics (broker), the real proxy and, where the engine matters, the
-real CPU engine (tiny-random). ``ScriptedJudgeServer`` (stand-in judge, answers scripted in the
-next-state text) and ``FixedLogitsServer`` (stand-in teacher with fixed logits) are not models.
+real CPU engine (tiny-random). ``StandInJudge`` (stand-in judge, answers scripted in the
+next-state text; with ``teacher_logits``, a stand-in teacher with fixed logits) is not a model.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import pytest
 from pipeline import events
 from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
 from pipeline.judge.prompts import inject_hint
-from pipeline.judge.testing import (FixedLogitsServer, JudgeThread, ScriptedJudgeServer, make_next_state, make_turn,
-                                    publish, read_events, short_id)
-from pipeline.proxy.testing import Reply, ScriptedUpstream, running_proxy, serve_app
+from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
+from tests.support.proxy import running_proxy
+from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
+from tests.support.topics import publish, read_events
 
 CHAT = "/v1/chat/completions"
 UP = "<<score: \\boxed{1}>>"
@@ -42,7 +43,7 @@ def renderer(tokenizer):
 
 @pytest.fixture(scope="module")
 def judge_server(tokenizer):
-    with ScriptedJudgeServer(tokenizer=tokenizer) as s:
+    with StandInJudge(tokenizer=tokenizer) as s:
         yield s
 
 
@@ -65,7 +66,7 @@ def test_case1_teacher_scores_at_the_rollout_temperature(kafka_config, judge_ser
     """Sampled at T=0.6, a hint that changes nothing (the stand-in teacher's logits ignore the
     prompt): logits [2, 1, 0], token 0 -> teacher -0.2026 = rollout -0.2026, OPD advantage 0
     (scored at T=1 it would be -0.4076, advantage -0.2050)."""
-    with FixedLogitsServer((2.0, 1.0, 0.0)) as teacher:
+    with StandInJudge(teacher_logits=(2.0, 1.0, 0.0)) as teacher:
         c = configure(kafka_config, judge_server.url, mode="combine", teacher_url=teacher.url)
         ids = [0, 1, 0, 2]
         rollout = [teacher.log_prob(t, 0.6) for t in ids]  # what the engine reported at T=0.6
@@ -87,7 +88,7 @@ def test_case2_teacher_prompt_is_the_student_prompt_with_the_hint(kafka_config, 
     """An OPD turn whose request has tools (and tool_choice, chat_template_kwargs), served by the
     real engine through the proxy: the teacher's prompt ids are the student's with the hint
     inserted, nothing else changed (the tools the student saw, no default system prompt)."""
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="opd")
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -128,7 +129,7 @@ def test_case2_teacher_prompt_is_the_student_prompt_with_the_hint(kafka_config, 
 # ---- case 5: greedy turns are trained at the temperature of their log-probs -------------------------
 def test_case5_greedy_turns_carry_the_engines_effective_temperature(kafka_config, judge_server):
     from pipeline.client import EngineClient
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="rl")
     with running_engine("tiny-random", threads=1, context_length=1024) as eng, running_proxy(c, eng) as (url, app):
@@ -159,7 +160,7 @@ def test_case5_greedy_turns_carry_the_engines_effective_temperature(kafka_config
 # ---- case 6: a reused session id is a new conversation with its own sample ids ------------------------
 def test_case6_reused_session_ids_never_share_a_sample_id_and_replays_reproduce_them(kafka_config, judge_server):
     c = configure(kafka_config, judge_server.url, mode="rl")
-    up = ScriptedUpstream(lambda req: Reply(content="ok"))
+    up = StandInEngine(lambda req: Reply(content="ok"))
     with serve_app(up) as up_url, running_proxy(c, up_url) as (url, app):
         for conv in ("first", "second"):
             msgs = [{"role": "user", "content": f"{conv} conversation"}]
@@ -213,7 +214,7 @@ def test_options_that_shape_the_log_probs_are_recorded_and_the_teacher_refuses_t
     reproduce: the turn says so, and a combine sample keeps its reward but gets no OPD term."""
     from prometheus_client import REGISTRY
 
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="combine")
     before = REGISTRY.get_sample_value("pipeline_judge_teacher_unsupported_total",

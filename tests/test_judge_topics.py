@@ -1,6 +1,6 @@
 """Topic-level integration tests of the judge: real broker, real HTTP judge endpoint.
 
-The judge endpoint is :class:`ScriptedJudgeServer`, a stand-in (not a model) whose answers are
+The judge endpoint is :class:`StandInJudge`, a stand-in (not a model) whose answers are
 scripted by ``<<score: ...>>`` / ``<<hint: ...>>`` directives inside the next-state text.
 """
 
@@ -15,8 +15,9 @@ from prometheus_client import REGISTRY
 from pipeline import events
 from pipeline.bus import EventProducer, consumer_kwargs
 from pipeline.chat import ChatRenderer, load_tokenizer
-from pipeline.judge.testing import (JudgeThread, ScriptedJudgeServer, fake_logprob, make_next_state, make_turn,
-                                    publish, read_events, short_id)
+from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
+from tests.support.servers import StandInJudge, fake_logprob
+from tests.support.topics import publish, read_events
 
 B1, BM1, B0 = "\\boxed{1}", "\\boxed{-1}", "\\boxed{0}"
 
@@ -33,7 +34,7 @@ def renderer(tokenizer):
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    with ScriptedJudgeServer(hang_s=5.0, tokenizer=tokenizer) as s:
+    with StandInJudge(hang_s=5.0, tokenizer=tokenizer) as s:
         yield s
 
 
@@ -246,9 +247,10 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka_config, server):
 
 
 def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, server, renderer):
-    from pipeline.judge.testing import free_socket
+    import socket
 
-    dead = free_socket()  # bound, never listening: connections are refused
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
     c = setup(kafka_config, server, mode="opd")
     c = c.replace(engine={"teacher_url": f"http://127.0.0.1:{dead.getsockname()[1]}"})
     h = hint("\\boxed{1} [HINT_START]Use the metric system please.[HINT_END]")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import httpx
 import orjson
 import pytest
-from sglang_style import SglangStyleEngine
 
-from pipeline.engine.testing import running_engine
 from pipeline.models import resolve_model
-from pipeline.proxy.testing import running_proxy, serve_app
+from tests.support.engine import running_engine
+from tests.support.proxy import running_proxy
+from tests.support.servers import serve_app
+from tests.support.sglang_style import SglangStyleEngine
 
 EMOJI = " \U0001F602"  # " 😂": b" \xf0\x9f\x98" + b"\x82" in SmolLM2's tokenizer
 

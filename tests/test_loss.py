@@ -141,11 +141,42 @@ def test_aggregate_over_micro_batches_sums_to_the_batch():
         assert close(parts, whole, 1e-6)
 
 
-def test_masked_positions_do_not_matter():
-    v = T([[1.0, 1e9], [2.0, float("nan")]])
-    v = torch.nan_to_num(v, nan=123.0)
-    m = T([[1, 0], [1, 0]])
-    assert close(L.aggregate(v, m, "token_mean"), 1.5)
+def _poison(x, mask, bad):
+    """``x`` with ``bad`` (NaN, inf or -inf) at every masked-out position."""
+    return torch.where(mask.bool(), x, torch.full_like(x, bad))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e30])
+def test_masked_positions_do_not_matter(bad):
+    """Whatever sits at a masked-out position (padding, prompt, loss_mask 0: NaN, inf, huge), the
+    loss, every statistic and the gradient are finite and exactly those of clean inputs (NaN x 0 is
+    NaN: masking must select, not multiply)."""
+    g = torch.Generator().manual_seed(0)
+    n, length = 3, 6
+    mask = T([[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    clean = {k: -torch.rand(n, length, generator=g) for k in ("lp", "old", "ref", "rollout", "teacher")}
+    clean["adv"] = torch.randn(n, length, generator=g)
+    clean["ent"] = torch.rand(n, length, generator=g)
+
+    def run(inputs: dict):
+        lp = inputs["lp"].clone().requires_grad_(True)
+        adv = L.combine_advantages(L.grpo_advantages(T([1.0, -1.0, 0.5]), mask),
+                                   L.opd_advantages(inputs["teacher"], inputs["old"], mask)) + inputs["adv"]
+        loss, stats = L.policy_loss(lp, inputs["old"], adv, mask, eps_clip=0.2, eps_clip_c=3.0,
+                                    entropy=inputs["ent"], entropy_coef=0.01, ref_log_probs=inputs["ref"],
+                                    kl_coef=0.1, rollout_log_probs=inputs["rollout"], tis_cap=2.0, agg=agg)
+        loss.backward()
+        return loss, stats, lp.grad
+
+    dirty = {k: _poison(v, mask, bad) for k, v in clean.items()}
+    for agg in ("sum_of_sample_mean", "token_mean"):
+        want, got = run(clean), run(dirty)
+        assert torch.isfinite(got[0]) and close(got[0], want[0]), (agg, got[0], want[0])
+        for k in want[1]:
+            assert torch.isfinite(got[1][k]) and close(got[1][k], want[1][k]), (agg, k)
+        assert torch.isfinite(got[2]).all() and close(got[2], want[2])  # no NaN reaches the model
+        for mode in ("sum_of_sample_mean", "token_mean"):
+            assert close(L.aggregate(dirty["adv"], mask, mode), L.aggregate(clean["adv"], mask, mode))
 
 
 def test_empty_batches_give_zero_not_nan():

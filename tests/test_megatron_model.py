@@ -9,7 +9,7 @@ import torch
 
 from pipeline.models import resolve_model
 from pipeline.trainer import model as M
-from pipeline.trainer.testing import megatron_runtime
+from tests.support.trainer import megatron_runtime
 
 
 @pytest.fixture(scope="module")

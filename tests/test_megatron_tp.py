@@ -17,7 +17,7 @@ import pytest
 
 def test_tp2_tiny_matches_transformers_and_exports(tmp_path):
     from pipeline.models import resolve_model
-    from pipeline.trainer.dist import free_port
+    from pipeline.procutil import free_port
 
     path = resolve_model("tiny-random")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -35,7 +35,7 @@ def test_tp2_tiny_matches_transformers_and_exports(tmp_path):
 
     from pipeline.config import load_config
     from pipeline.trainer.policy import PolicyTrainer
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=1) as par:
         pt = PolicyTrainer(load_config(None, trainer=_TRAIN).trainer, path, par)
@@ -61,7 +61,7 @@ def test_trainer_stage_under_torchrun_tp2(kafka_config, tmp_path):
     import json
 
     from pipeline.bus import EventProducer
-    from pipeline.trainer.dist import free_port
+    from pipeline.procutil import free_port
     from pipeline.trainer.model import verify_folder
 
     p = EventProducer(kafka_config, name="test")

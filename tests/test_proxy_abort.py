@@ -3,7 +3,7 @@
 The client gets an OpenAI-style error (never ``finish_reason: "abort"``), the turn is recorded
 with ``finish_reason: "abort"`` and counted, and the judge never scores it as an answer. Real
 broker, real HTTP; the engine is the real CPU engine (tiny-random) where it aborts, else
-``ScriptedUpstream`` (a stand-in engine) to script the other ways a generation is cut off.
+``StandInEngine`` (a stand-in engine) to script the other ways a generation is cut off.
 """
 
 from __future__ import annotations
@@ -13,19 +13,15 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 
-from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, read_events as read_topic, short_id
-from pipeline.proxy.testing import Reply, ScriptedUpstream, read_events, running_proxy, serve_app
+from tests.support.judge import JudgeThread, short_id
+from tests.support.proxy import running_proxy
+from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
+from tests.support.topics import read_events
+from tests.support.waiting import sse_events
+
 
 CHAT = "/v1/chat/completions"
 VOTE_UP = "<<score: \\boxed{1}>>"
-
-
-def _sse(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            out.append(line[6:] if line[6:] == "[DONE]" else orjson.loads(line[6:]))
-    return out
 
 
 def _unfinished(cause: str) -> float:
@@ -46,7 +42,7 @@ def _judge(config, server):
 
 def test_engine_abort_mid_stream_is_an_error_for_the_client_and_never_trained(kafka_config):
     """A stream the real engine aborts after a few tokens; the user continues the session."""
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     c = kafka_config
     before = _unfinished("engine_abort")
@@ -75,18 +71,18 @@ def test_engine_abort_mid_stream_is_an_error_for_the_client_and_never_trained(ka
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         assert app.publisher.wait_idle(10)
     assert _unfinished("engine_abort") == before + 1
-    turns = [e for *_, e in read_events(c, want=4, timeout_s=15) if e.TYPE == "turn"]
+    turns = [e for e in read_events(c, want=4, timeout_s=15) if e.TYPE == "turn"]
     assert [(t.turn_index, t.finish_reason) for t in turns] == [(0, "abort"), (1, "length")]
     assert 0 < len(turns[0].response_token_ids) < 1900
-    with ScriptedJudgeServer() as server, _judge(c, server):
-        got = {short_id(s.sample_id): s for s in read_topic(c, "samples", 2, timeout_s=30)}
+    with StandInJudge() as server, _judge(c, server):
+        got = {short_id(s.sample_id): s for s in read_events(c, "samples", 2, timeout_s=30)}
     cut = got["cut:0:rl"]
     assert (cut.loss_mask, cut.reward) == (0, None)  # not trained (no reward), although its next state says +1
 
 
 def test_non_stream_abort_is_a_503_and_the_turn_is_marked(kafka_config):
     c = kafka_config
-    up = ScriptedUpstream(lambda req: Reply(content="half an ans", finish_reason="abort"))
+    up = StandInEngine(lambda req: Reply(content="half an ans", finish_reason="abort"))
     with serve_app(up) as up_url, running_proxy(c, up_url) as (url, app):
         r = httpx.post(url + CHAT, json={"messages": [{"role": "user", "content": "q"}]},
                        headers={"X-Session-Id": "na"})
@@ -95,7 +91,7 @@ def test_non_stream_abort_is_a_503_and_the_turn_is_marked(kafka_config):
         r = httpx.post(url + CHAT, json={"messages": [{"role": "user", "content": "q"}]})  # no session: not recorded
         assert r.status_code == 503
         app.publisher.wait_idle(10)
-        evs = [e for *_, e in read_events(c, want=3, timeout_s=10) if e.TYPE == "turn"]
+        evs = [e for e in read_events(c, want=3, timeout_s=10) if e.TYPE == "turn"]
     assert evs and all(t.finish_reason == "abort" for t in evs)
 
 
@@ -106,15 +102,15 @@ def test_every_cut_off_stream_ends_in_an_error_and_an_unfinished_turn(kafka_conf
              "engine_error": Reply(content="abcdefghijkl", break_after=3),
              "timeout": Reply(content="abcdefghijkl"),
              "truncated": Reply(content="abcdefghijkl", cut=True)}[how]
-    up = ScriptedUpstream(lambda req: reply, token_interval_s=0.6 if how == "timeout" else 0.0)
+    up = StandInEngine(lambda req: reply, token_interval_s=0.6 if how == "timeout" else 0.0)
     before = _unfinished(how)
     with serve_app(up) as up_url, running_proxy(c, up_url, engine_timeout_s=0.3) as (url, app):
         with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": how}], "stream": True},
                           headers={"X-Session-Id": f"s-{how}"}, timeout=30) as s:
             assert s.status_code == 200
-            chunks = _sse(s)
+            chunks = sse_events(s)
         app.publisher.wait_idle(10)
-        turns = [e for *_, e in read_events(c, want=1, timeout_s=5) if e.TYPE == "turn"]
+        turns = [e for e in read_events(c, want=1, timeout_s=5) if e.TYPE == "turn"]
     assert chunks[-1] == "[DONE]" and "error" in chunks[-2]
     assert "abort" not in _finish_reasons(chunks)
     assert _unfinished(how) == before + 1

@@ -1,7 +1,7 @@
 """kill -9 of the proxy right after it answered N requests: all N turns reach Kafka after a restart.
 
 The proxy runs as its own process (``pipeline proxy --buffer-dir``) in front of a stand-in engine
-(:class:`ScriptedUpstream`, not a model). Before the kill the test proves the events were not
+(:class:`StandInEngine`, not a model). Before the kill the test proves the events were not
 published: the broker is down (or frozen with SIGSTOP, so a window is in flight), the proxy's
 metrics say every event is buffered and none delivered, and the buffer file holds every
 answered turn. States are awaited, never slept on.
@@ -23,11 +23,14 @@ import httpx
 import pytest
 
 from pipeline import events
-from pipeline.broker import EmbeddedBroker, free_port
+from pipeline.broker import EmbeddedBroker
 from pipeline.config import load_config
+from pipeline.procutil import free_port
 from pipeline.proxy.buffer import DB_NAME
-from pipeline.proxy.testing import ScriptedUpstream, read_events, serve_app
 from pipeline.topics import apply_topics, load_topics
+from tests.support.servers import StandInEngine, serve_app
+from tests.support.topics import read_events
+from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -67,16 +70,6 @@ class ProxyProcess:
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
         return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
-
-
-def _await(predicate, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _buffered_turns(buffer_dir) -> set[str]:
@@ -119,11 +112,11 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
     buffer_dir = tmp_path / "proxy-buffer"
     procs = []
     try:
-        with serve_app(ScriptedUpstream()) as engine_url:
+        with serve_app(StandInEngine()) as engine_url:
             p = ProxyProcess(engine_url, broker.bootstrap, buffer_dir, prefix)
             procs.append(p)
             warm, _ = _talk(p.url, 1, 1)  # publishing works: the warm-up turn reaches Kafka
-            _await(lambda: p.metric("pipeline_proxy_events_delivered_total") >= 2, "warm-up delivery")
+            wait_for(lambda: p.metric("pipeline_proxy_events_delivered_total") >= 2, "warm-up delivery")
             delivered_before = p.metric("pipeline_proxy_events_delivered_total")
 
             if outage == "broker_down":
@@ -134,7 +127,7 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
             answered, n_events = _talk(p.url, 4, 3)  # N = 12 answered requests, 28 events
             # proof that the proxy is killed with its events unpublished: all buffered, none
             # delivered since the outage, and every answered turn in the buffer file on disk
-            _await(lambda: p.metric("pipeline_proxy_events_buffered") == n_events, "every event buffered")
+            wait_for(lambda: p.metric("pipeline_proxy_events_buffered") == n_events, "every event buffered")
             assert p.metric("pipeline_proxy_events_delivered_total") == delivered_before
             assert _buffered_turns(buffer_dir) == set(answered)
 
@@ -148,8 +141,8 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
 
             p2 = ProxyProcess(engine_url, broker.bootstrap, buffer_dir, prefix)  # same buffer folder
             procs.append(p2)
-            _await(lambda: p2.metric("pipeline_proxy_events_buffered") == 0, "the restarted proxy drained", 60)
-            evs = read_events(config, timeout_s=30, idle_s=2.0)
+            wait_for(lambda: p2.metric("pipeline_proxy_events_buffered") == 0, "the restarted proxy drained", 60)
+            evs = read_events(config, timeout_s=30, settle_s=2.0)
             p2.proc.send_signal(signal.SIGTERM)
             assert p2.proc.wait(30) in (0, -15)
     finally:
@@ -159,7 +152,7 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
         if broker.proc is not None and broker.proc.poll() is None:
             os.kill(broker.proc.pid, signal.SIGCONT)
         broker.stop()
-    turns = [e for *_, e in evs if isinstance(e, events.Turn)]
+    turns = [e for e in evs if isinstance(e, events.Turn)]
     got = {t.request_id for t in turns}
     assert set(answered) <= got, f"{len(set(answered) - got)} answered turns never reached Kafka"
     # at-least-once: a re-sent event is an exact copy, so the downstream de-duplicates by request_id
@@ -167,10 +160,10 @@ def test_proxy_killed_minus_9_right_after_answering_loses_no_turn(tmp_path, outa
     for t in turns:
         by_rid.setdefault(t.request_id, []).append(t)
     assert all(all(x == ts[0] for x in ts) for ts in by_rid.values())
-    ends = {e.session_id for *_, e in evs if isinstance(e, events.SessionEnd)}
+    ends = {e.session_id for e in evs if isinstance(e, events.SessionEnd)}
     assert ends >= {f"S{s}" for s in range(4)}  # the session_end of each X-Session-Done answer too
     # per session, first occurrences are in order: turn 0, next_state, turn 1, ...
     for s in range(4):
-        seq = [(e.TYPE, getattr(e, "turn_index", None)) for *_, e in evs if getattr(e, "session_id", "") == f"S{s}"]
+        seq = [(e.TYPE, getattr(e, "turn_index", None)) for e in evs if getattr(e, "session_id", "") == f"S{s}"]
         first = list(dict.fromkeys(seq))
         assert [x for x in first if x[0] == "turn"] == [("turn", 0), ("turn", 1), ("turn", 2)]

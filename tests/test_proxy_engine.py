@@ -11,8 +11,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pipeline.engine.testing import running_engine
-from pipeline.proxy.testing import read_events, running_proxy
+from tests.support.engine import running_engine
+from tests.support.proxy import running_proxy
+from tests.support.topics import read_events, read_records
+
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",
@@ -69,9 +71,9 @@ def test_openai_client_stream_and_non_stream_with_tools_and_exact_ids(engine_url
         assert "unknown role" in str(e.value)
 
         assert app.publisher.wait_idle(10)
-        evs = read_events(kafka_config, want=5)
-    turns = [e for *_, k, e in evs if e.TYPE == "turn" and k == "oa-1"]
-    assert [e.TYPE for *_, k, e in evs if k == "oa-1"] == ["turn", "next_state", "turn", "session_end"]
+        recs = read_records(kafka_config, kafka_config.topics.name("turns"), 5)
+    turns = [r.event for r in recs if r.event.TYPE == "turn" and r.key == "oa-1"]
+    assert [r.event.TYPE for r in recs if r.key == "oa-1"] == ["turn", "next_state", "turn", "session_end"]
     t0, t1 = turns
     assert t0.response_token_ids == ids and t0.prompt_token_ids == prompt_ids
     assert t0.response_logprobs == pytest.approx(lps, abs=1e-6)
@@ -79,7 +81,7 @@ def test_openai_client_stream_and_non_stream_with_tools_and_exact_ids(engine_url
     assert t1.response_token_ids == s_ids and t1.prompt_token_ids == s_prompt
     assert t1.response_logprobs == pytest.approx(s_lps, abs=1e-6)
     assert t1.response["content"] == text and t1.turn_index == 1
-    plain_turn = [e for *_, k, e in evs if k == "oa-2"][0]
+    plain_turn = [r.event for r in recs if r.key == "oa-2"][0]
     assert len(plain_turn.response_token_ids) == len(plain_turn.response_logprobs) > 0
 
 
@@ -97,6 +99,6 @@ def test_stream_through_engine_client_path_used_for_sglang(engine_url, kafka_con
                 ids += (c.model_extra or {}).get("token_ids") or []
                 text += c.delta.content or ""
         assert app.publisher.wait_idle(10)
-        (turn,) = [e for *_, e in read_events(kafka_config, want=1)]
+        (turn,) = read_events(kafka_config, want=1)
     assert turn.response_token_ids == ids and len(ids) == len(turn.response_logprobs) > 0
     assert turn.response["content"] == text

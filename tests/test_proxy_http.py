@@ -1,4 +1,4 @@
-"""The proxy over real HTTP and a real broker, in front of ``ScriptedUpstream`` (a stand-in engine).
+"""The proxy over real HTTP and a real broker, in front of ``StandInEngine`` (a stand-in engine).
 
 What is checked: events on ``turns`` (order, partition, exact token ids / log-probs / prompt ids
 as the upstream returned them), user-facing answers (extras stripped, tool-call deltas and the
@@ -16,28 +16,26 @@ import httpx
 import orjson
 import pytest
 
-from pipeline.proxy.testing import Reply, ScriptedUpstream, read_events, running_proxy, serve_app
+from tests.support.proxy import running_proxy
+from tests.support.servers import Reply, StandInEngine, serve_app
+from tests.support.topics import read_events, read_records
+from tests.support.waiting import sse_events
+
 
 CHAT = "/v1/chat/completions"
 
 
 @contextlib.contextmanager
 def stack(config, script=None, **proxy):
-    up = ScriptedUpstream(script)
+    up = StandInEngine(script)
     with serve_app(up) as up_url, running_proxy(config, up_url, **proxy) as (url, app):
         yield url, app, up
 
 
-def _sse(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            out.append(line[6:] if line[6:] == "[DONE]" else orjson.loads(line[6:]))
-    return out
-
-
 def _turns(config, n):
-    evs = read_events(config, want=n, timeout_s=15)
+    """``(partition, offset, key, event)`` of the first ``n`` records of ``turns``."""
+    evs = [(r.partition, r.offset, r.key, r.event) for r in read_records(config, config.topics.name("turns"), n,
+                                                                          timeout_s=15)]
     assert len(evs) == n, [e[3].TYPE for e in evs]
     return evs
 
@@ -63,7 +61,7 @@ def test_conversation_events_carry_exactly_what_the_engine_returned(kafka_config
         with httpx.stream("POST", url + CHAT, json={"model": "m", "messages": msgs, "stream": True},
                           headers={**h, "X-Session-Done": "true"}) as s:
             assert s.status_code == 200 and s.headers["x-turn-index"] == "1"
-            chunks = _sse(s)
+            chunks = sse_events(s)
         assert chunks[-1] == "[DONE]"
         text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks[:-1] if c["choices"])
         assert text == "It is sunny."
@@ -95,7 +93,7 @@ def test_stream_forwards_tool_call_deltas_with_indices_and_usage_when_asked(kafk
         req = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True,
                "stream_options": {"include_usage": True}, "logprobs": True}
         with httpx.stream("POST", url + CHAT, json=req, headers={"X-Session-Id": "s"}) as s:
-            chunks = _sse(s)
+            chunks = sse_events(s)
         deltas = [tc for c in chunks[:-1] if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
         assert {d["index"] for d in deltas} == {0, 1}
         args = {i: "".join(d["function"].get("arguments") or "" for d in deltas if d["index"] == i) for i in (0, 1)}
@@ -107,7 +105,7 @@ def test_stream_forwards_tool_call_deltas_with_indices_and_usage_when_asked(kafk
         assert lps == up.answers[0]["logprobs"]
         req.pop("stream_options")
         with httpx.stream("POST", url + CHAT, json=req, headers={"X-Session-Id": "s2"}) as s:
-            chunks = _sse(s)
+            chunks = sse_events(s)
         assert all(c["choices"] for c in chunks[:-1])  # no usage chunk unless asked
 
 
@@ -146,7 +144,9 @@ def test_anonymous_reject_and_skip(kafka_config):
 
 
 def test_concurrent_requests_of_one_session_get_unique_indices(kafka_config):
-    with stack(kafka_config) as (url, app, up):
+    """24 requests of one session in flight at once (each held 0.3 s by the engine): every turn gets
+    its own index, and the engine saw them overlap."""
+    with stack(kafka_config, lambda req: Reply(content="a", delay_s=0.3)) as (url, app, up):
         async def go():
             async with httpx.AsyncClient() as c:
                 rs = await asyncio.gather(*[c.post(url + CHAT, json={"messages": [{"role": "user", "content": "q"}]},
@@ -154,6 +154,7 @@ def test_concurrent_requests_of_one_session_get_unique_indices(kafka_config):
             return rs
         rs = asyncio.run(go())
         assert all(r.status_code == 200 for r in rs)
+        assert up.peak_in_flight >= 2, "the requests never overlapped: nothing concurrent was tested"
         assert sorted(int(r.headers["x-turn-index"]) for r in rs) == list(range(24))
         assert app.publisher.wait_idle(10)
         evs = _turns(kafka_config, 24)
@@ -274,7 +275,7 @@ def test_engine_failures_map_to_502_504_and_4xx(kafka_config):
         with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": "break"}], "stream": True},
                           headers={"X-Session-Id": "f-break"}) as s:
             assert s.status_code == 200
-            chunks = _sse(s)
+            chunks = sse_events(s)
         assert "error" in chunks[-2] and chunks[-1] == "[DONE]"
         assert httpx.get(url + "/readyz").status_code == 200
     with running_proxy(kafka_config, _closed_port_url()) as (url, app):
@@ -326,7 +327,7 @@ def test_openai_client_assembles_tool_calls_from_forwarded_deltas(kafka_config):
 
 
 def test_client_leaving_mid_stream_records_the_partial_turn_and_session_end_route(kafka_config):
-    up = ScriptedUpstream(lambda req: Reply(content="word " * 200), token_interval_s=0.02)
+    up = StandInEngine(lambda req: Reply(content="word " * 200), token_interval_s=0.02)
     with serve_app(up) as up_url, running_proxy(kafka_config, up_url) as (url, app):
         with httpx.stream("POST", url + CHAT, json={"messages": [{"role": "user", "content": "long"}], "stream": True},
                           headers={"X-Session-Id": "leaver"}) as s:
@@ -340,7 +341,7 @@ def test_client_leaving_mid_stream_records_the_partial_turn_and_session_end_rout
         assert r.status_code == 200 and r.json() == {"session_id": "leaver", "ended": True}
         assert httpx.post(url + "/v1/sessions/bad%20id/end").status_code == 400
         evs = read_events(kafka_config, want=2, timeout_s=15)
-    turn, end = (e for *_, e in evs)
+    turn, end = evs
     assert turn.TYPE == "turn" and turn.finish_reason == "abort"
     assert 3 <= len(turn.response_token_ids) < len(up.answers[0]["token_ids"])
     assert turn.response_token_ids == up.answers[0]["token_ids"][:len(turn.response_token_ids)]
@@ -356,4 +357,4 @@ def test_default_temperature_is_sent_and_recorded(kafka_config):
         assert [r["temperature"] for r in up.requests] == [0.6, 0.9]
         app.publisher.wait_idle(10)
         evs = read_events(kafka_config, want=3)
-    assert [e.sampling.get("temperature") for *_, e in evs if e.TYPE == "turn"] == [0.6, 0.9]
+    assert [e.sampling.get("temperature") for e in evs if e.TYPE == "turn"] == [0.6, 0.9]

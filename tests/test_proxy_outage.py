@@ -15,11 +15,14 @@ import time
 import httpx
 import pytest
 from pipeline import events
-from pipeline.broker import EmbeddedBroker, free_port
+from pipeline.broker import EmbeddedBroker
+from pipeline.procutil import free_port
 from pipeline.config import load_config
 from pipeline.proxy.publisher import EventPublisher
-from pipeline.proxy.testing import ScriptedUpstream, read_events, running_proxy, serve_app
 from pipeline.topics import apply_topics, load_topics
+from tests.support.proxy import running_proxy
+from tests.support.servers import StandInEngine, serve_app
+from tests.support.topics import read_events, read_records
 
 CHAT = "/v1/chat/completions"
 
@@ -59,7 +62,7 @@ def converse(url: str, session: str, turns: int, history: list | None = None, do
             assert r.status_code == 200, r.text
             if i % 2 == 1:  # streamed: the client assembles the message from the deltas
                 assert r.text.rstrip().endswith("data: [DONE]")
-                msgs = msgs + [{"role": "assistant", "content": "ok"}]  # ScriptedUpstream's default reply
+                msgs = msgs + [{"role": "assistant", "content": "ok"}]  # StandInEngine's default reply
             else:
                 msgs = msgs + [r.json()["choices"][0]["message"]]
             msgs = msgs + [{"role": "user", "content": f"more {i}"}]
@@ -77,21 +80,21 @@ def _first_occurrences(evs: list) -> list:
     return out
 
 
-def _by_session(evs) -> dict:
+def _by_session(recs) -> dict:
     out: dict = {}
-    for _, _, key, ev in evs:
-        out.setdefault(key, []).append(ev)
+    for r in recs:
+        out.setdefault(r.key, []).append(r.event)
     return out
 
 
 @pytest.mark.parametrize("client", ["librdkafka", "kafka-python"])
 def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_after(client):
-    with own_broker() as (broker, config), serve_app(ScriptedUpstream()) as up_url, \
+    with own_broker() as (broker, config), serve_app(StandInEngine()) as up_url, \
             running_proxy(config, up_url, publish_delivery_timeout_ms=3000, kafka_client=client) as (url, app):
         hist_a = converse(url, "A", 2)
         assert app.publisher.wait_idle(15)
         before = read_events(config, want=3)
-        assert [e.TYPE for *_, e in before] == ["turn", "next_state", "turn"]
+        assert [e.TYPE for e in before] == ["turn", "next_state", "turn"]
         published_before = app.publisher.stats()["delivered"]
 
         crash(broker)
@@ -107,7 +110,7 @@ def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_
         restart(broker, config)
         assert app.publisher.wait_idle(60), app.publisher.stats()
         stats = app.publisher.stats()
-        after = read_events(config, timeout_s=30, idle_s=2.0)
+        after = read_records(config, config.topics.name("turns"), timeout_s=30, settle_s=2.0)
     assert stats["dropped_total"] == 0
     assert stats["delivered"] - published_before >= 12
     # delivery is at-least-once: a window whose acknowledgement was lost in the crash may arrive twice
@@ -122,7 +125,7 @@ def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_
 
 def test_durable_buffer_keeps_everything_a_memory_only_proxy_counts_every_drop(tmp_path):
     # two proxies, each with its own buffer: a durable one (default) and a memory-only one (buffer_dir=None)
-    with own_broker() as (broker, config), serve_app(ScriptedUpstream()) as up_url, \
+    with own_broker() as (broker, config), serve_app(StandInEngine()) as up_url, \
             running_proxy(config, up_url, buffer_max_events=3, buffer_dir=str(tmp_path / "buf"),
                           publish_delivery_timeout_ms=3000) as (url_disk, app_disk), \
             running_proxy(config, up_url, buffer_max_events=3, buffer_dir=None,
@@ -140,7 +143,7 @@ def test_durable_buffer_keeps_everything_a_memory_only_proxy_counts_every_drop(t
         restart(broker, config)
         assert app_disk.publisher.wait_idle(60) and app_drop.publisher.wait_idle(60)
         drop_stats = app_drop.publisher.stats()
-        evs = read_events(config, timeout_s=30, idle_s=2.0)
+        evs = read_records(config, config.topics.name("turns"), timeout_s=30, settle_s=2.0)
     sessions = {k: _first_occurrences(v) for k, v in _by_session(evs).items()}
     s = sessions["S"]
     assert [e.TYPE for e in s] == ["turn"] + ["next_state", "turn"] * 4  # all of them, in order
@@ -172,8 +175,8 @@ def test_a_full_disk_buffer_falls_back_to_memory_and_counts_exactly(tmp_path):
         restart(broker, config)
         assert pub.wait_idle(60), pub.stats()
         pub.close()
-        evs = read_events(config, timeout_s=30, idle_s=2.0)
-    got = list(dict.fromkeys(e.after_turn_index for *_, e in evs))  # first occurrences (at-least-once)
+        evs = read_events(config, timeout_s=30, settle_s=2.0)
+    got = list(dict.fromkeys(e.after_turn_index for e in evs))  # first occurrences (at-least-once)
     assert got == list(range(st["on_disk"] + 20))  # the disk prefix then the memory part, in order
 
 
@@ -192,9 +195,9 @@ def test_undelivered_events_survive_a_restart_in_the_disk_buffer(tmp_path):
         pub2.publish(topic, events.SessionEnd(session_id="x5", reason="header", created_at=5), "x5")
         assert pub2.wait_idle(30)
         pub2.close()
-        evs = read_events(config, timeout_s=30, idle_s=2.0)
-    assert [e.session_id for *_, e in evs if e.session_id == "x0"] == ["x0"]
-    got = {e.session_id: e.created_at for *_, e in evs}
+        evs = read_events(config, timeout_s=30, settle_s=2.0)
+    assert [e.session_id for e in evs if e.session_id == "x0"] == ["x0"]
+    got = {e.session_id: e.created_at for e in evs}
     assert got == {f"x{i}": i for i in range(6)}
 
 

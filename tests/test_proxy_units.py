@@ -91,7 +91,9 @@ def test_state_lost_indices_continue_from_the_assistant_count():
     assert (r.after_turn_index, r.next_state) == (1, [_u("q3")])
 
 
-def test_concurrent_requests_of_one_session_get_distinct_indices():
+def test_overlapping_requests_of_one_session_get_distinct_indices():
+    """50 requests of one session begun before any of them ended (the proxy's event loop runs one
+    ``begin`` at a time; real concurrency over HTTP: tests/test_proxy_http.py)."""
     t = SessionTable()
     got = [t.begin("s", [_u("q")]).turn_index for _ in range(50)]
     assert got == list(range(50))

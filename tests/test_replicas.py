@@ -13,10 +13,12 @@ import httpx
 
 from pipeline import events
 from pipeline.judge.backends.constant import ConstantBackend
-from pipeline.judge.testing import JudgeThread, read_events, short_id
 from pipeline.orchestrate.front import Backend, Front
-from pipeline.proxy.testing import Reply, ScriptedUpstream, running_proxy, serve_app
 from test_front import running_front
+from tests.support.judge import JudgeThread, short_id
+from tests.support.proxy import running_proxy
+from tests.support.servers import Reply, StandInEngine, serve_app
+from tests.support.topics import read_events
 
 SESSIONS, TURNS = 3, 4
 
@@ -45,7 +47,7 @@ def test_turns_of_one_session_through_two_proxies_are_all_recorded_and_judged(ka
         n[0] += 1
         return Reply(content=f"answer {n[0]}")
 
-    with serve_app(ScriptedUpstream(script)) as engine_url, \
+    with serve_app(StandInEngine(script)) as engine_url, \
             running_proxy(kafka_config, engine_url, publish_linger_ms=400) as (slow, _), \
             running_proxy(kafka_config, engine_url, publish_linger_ms=0) as (fast, _):
         with running_front(Front([Backend(slow), Backend(fast)], health_interval_s=0)) as url:

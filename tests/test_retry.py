@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from pipeline.judge.backends.llm import CallFailed, HttpJudge
-from pipeline.proxy.testing import serve_app
 from pipeline.retry import Transient, retrying
+from tests.support.servers import serve_app
 
 
 def test_only_transient_failures_are_retried():

@@ -7,7 +7,7 @@ the same engine), the trainer's own ``samples`` reader
 (:class:`pipeline.trainer.source.SampleSource`) and the Megatron-core
 :meth:`PolicyTrainer.advantages` (and ``train_batch`` for the PPO objective), under two trainer
 configurations (``normalize_advantages``, ``old_log_probs`` and the combine weights each off and
-on). The judge LLM is ``ScriptedJudgeServer``, a stand-in (not a model) whose votes and hints the
+on). The judge LLM is ``StandInJudge``, a stand-in (not a model) whose votes and hints the
 test writes into each next state.
 
 The expected advantages are computed independently, with ``tests/reference_method.py``, from:
@@ -65,7 +65,9 @@ import pytest
 import reference_method as ref
 from conftest import make_config
 from pipeline import events
-from pipeline.judge.testing import JudgeThread, ScriptedJudgeServer, read_events
+from tests.support.judge import JudgeThread
+from tests.support.servers import StandInJudge
+from tests.support.topics import read_events
 
 TOL = 1e-6
 CHAT = "/v1/chat/completions"
@@ -300,7 +302,7 @@ MODES = ("rl", "opd", "combine")
 
 @pytest.fixture(scope="module")
 def runtime():
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=2) as par:
         yield par
@@ -315,9 +317,9 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
 
     from transformers import AutoTokenizer
 
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
     from pipeline.models import resolve_model
-    from pipeline.proxy.testing import running_proxy
+    from tests.support.proxy import running_proxy
     from pipeline.topics import apply_topics, load_topics
     from pipeline.trainer.source import SampleSource
 
@@ -327,7 +329,7 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     want = {mode: expected_samples(mode) for mode in MODES}
     with contextlib.ExitStack() as up:
         # one stand-in judge per mode: each answers its own calls in the scripted order
-        servers = {mode: up.enter_context(ScriptedJudgeServer()) for mode in MODES}
+        servers = {mode: up.enter_context(StandInJudge()) for mode in MODES}
         eng = up.enter_context(running_engine("tiny-random", threads=1, context_length=1024))
         url, app = up.enter_context(running_proxy(c, eng))
         for sid in dict.fromkeys(fx.session for fx in PROXIED):

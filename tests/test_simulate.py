@@ -1,5 +1,5 @@
-"""Simulated users against a real HTTP server: a scripted stand-in (ScriptedChatServer) for the
-conversation logic, and the real CPU engine (tiny-random) when its test helper exists."""
+"""Simulated users against a real HTTP server: a scripted stand-in (StandInEngine) for the
+conversation logic, and the real CPU engine (tiny-random)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,40 @@ import sys
 from collections import defaultdict
 from decimal import Decimal
 
-import pytest
 
 from pipeline.simulate.datasets import load_gsm8k, load_mt_bench
 from pipeline.simulate.evaluate import evaluate
 from pipeline.simulate.feedback import THANKS_BRIEF, THANKS_CORRECT
 from pipeline.simulate.runner import SimulationPlan, simulate, summarize
-from pipeline.simulate.testing import ScriptedChatServer
 from pipeline.simulate.users import UserSettings
+from tests.support.engine import running_engine
+from tests.support.proxy import running_proxy
+from tests.support.servers import Reply, StandInEngine
+from tests.support.topics import read_records
 
 LONG = " ".join(["blah"] * 50)
 GOLD = {p.question: p for p in load_gsm8k("train") + load_gsm8k("heldout")}
 
 
-def _by_session(server: ScriptedChatServer) -> dict[str, list[dict]]:
+def _chat(reply, fail_first: int = 0, delay_s: float = 0.0, **kw) -> StandInEngine:
+    """A stand-in engine answering ``reply(messages)``; the first ``fail_first`` requests get a 503."""
+    def script(req: dict) -> Reply:
+        if len(srv.requests) <= fail_first:
+            return Reply(status=503)
+        return Reply(content=reply(req["messages"]), delay_s=delay_s)
+
+    srv = StandInEngine(script, **kw)
+    return srv
+
+
+def _requests(server: StandInEngine) -> list[dict]:
+    """``{"body", "headers"}`` of every request the stand-in received."""
+    return [{"body": b, "headers": h} for b, h in zip(server.requests, server.headers)]
+
+
+def _by_session(server: StandInEngine) -> dict[str, list[dict]]:
     out = defaultdict(list)
-    for r in server.requests:
+    for r in _requests(server):
         out[r["headers"].get("x-session-id")].append(r)
     return out
 
@@ -35,11 +53,11 @@ def _run(url, plan, settings, **kw):
 
 
 def test_gsm8k_brevity_session_too_long_then_thanks_then_closing(tmp_path):
-    def script(messages, headers):  # first reply long, then short; closing replies anything
+    def script(messages):  # first reply long, then short; closing replies anything
         return LONG if len(messages) == 1 else "It is 7."
 
     log = tmp_path / "sim.jsonl"
-    with ScriptedChatServer(script, weight_version="3") as srv:
+    with _chat(script, weight_version="3") as srv:
         out = _run(srv.url, SimulationPlan(sessions=3, seed=1, concurrency=2, session_prefix="s"),
                    UserSettings(max_words=40), log_path=log)
     sessions = _by_session(srv)
@@ -68,10 +86,10 @@ def test_gsm8k_brevity_session_too_long_then_thanks_then_closing(tmp_path):
 
 
 def test_gsm8k_correctness_policy_hints_steps_and_stops_at_max_turns():
-    def script(messages, headers):  # always short and wrong
+    def script(messages):  # always short and wrong
         return "It is 123456789."
 
-    with ScriptedChatServer(script) as srv:
+    with _chat(script) as srv:
         out = _run(srv.url, SimulationPlan(sessions=2, seed=0, session_prefix="c"),
                    UserSettings(feedback="correctness", max_turns=2))
     for reqs in _by_session(srv).values():
@@ -85,11 +103,11 @@ def test_gsm8k_correctness_policy_hints_steps_and_stops_at_max_turns():
 
 
 def test_gsm8k_right_answer_is_thanked_at_once():
-    def script(messages, headers):
+    def script(messages):
         p = GOLD.get(messages[0]["content"])
         return f"So the answer is {p.answer.final}." if p else "ok"
 
-    with ScriptedChatServer(script) as srv:
+    with _chat(script) as srv:
         out = _run(srv.url, SimulationPlan(sessions=4, seed=2), UserSettings(feedback="correctness"))
     for reqs in _by_session(srv).values():
         assert len(reqs) == 2 and reqs[1]["body"]["messages"][-1]["content"] in THANKS_CORRECT
@@ -98,7 +116,7 @@ def test_gsm8k_right_answer_is_thanked_at_once():
 
 def test_mt_bench_second_turn_is_the_real_follow_up_and_ends_the_session():
     questions = {q.turns[0]: q for q in load_mt_bench()}
-    with ScriptedChatServer(lambda m, h: f"reply {len(m)}") as srv:
+    with _chat(lambda m: f"reply {len(m)}") as srv:
         out = _run(srv.url, SimulationPlan(dataset="mt_bench", sessions=5, seed=0), UserSettings(max_tokens=32))
     sessions = _by_session(srv)
     assert len(sessions) == 5
@@ -113,7 +131,7 @@ def test_mt_bench_second_turn_is_the_real_follow_up_and_ends_the_session():
 
 
 def test_concurrency_bound_and_retry_on_503():
-    with ScriptedChatServer(lambda m, h: "Fine.", fail_first=1, delay_s=0.05) as srv:
+    with _chat(lambda m: "Fine.", fail_first=1, delay_s=0.05) as srv:
         out = _run(srv.url, SimulationPlan(sessions=6, concurrency=3), UserSettings())
     assert out["sessions_failed"] == 0 and out["sessions"] == 6
     assert len(srv.requests) == 6 * 2 + 1  # one 503 answered, then retried
@@ -121,18 +139,18 @@ def test_concurrency_bound_and_retry_on_503():
 
 
 def test_unreachable_proxy_fails_sessions_without_raising():
-    from pipeline.broker import free_port
+    from pipeline.procutil import free_port
 
     out = _run(f"http://127.0.0.1:{free_port()}", SimulationPlan(sessions=2), UserSettings(),)
     assert out["sessions_failed"] == 2 and "cannot reach" in out["errors"][0]
-    with ScriptedChatServer(lambda m, h: "late", delay_s=2.0) as srv:  # slower than the client's timeout
+    with _chat(lambda m: "late", delay_s=2.0) as srv:  # slower than the client's timeout
         out = _run(srv.url, SimulationPlan(sessions=2), UserSettings(), timeout_s=0.3)
     assert out["sessions_failed"] == 2 and "ReadTimeout" in out["errors"][0]
 
 
 def test_cli_writes_log_and_json_summary(tmp_path):
     log = tmp_path / "log.jsonl"
-    with ScriptedChatServer(lambda m, h: "Short answer: 5") as srv:
+    with _chat(lambda m: "Short answer: 5") as srv:
         p = subprocess.run([sys.executable, "-m", "pipeline", "simulate", "--proxy-url", srv.url, "--sessions", "2",
                             "--log", str(log), "--no-progress", "--max-words", "10", "--seed", "4"],
                            capture_output=True, text=True, timeout=120)
@@ -150,7 +168,7 @@ def test_cli_sigterm_stops_a_long_run_and_still_reports(tmp_path):
     import time
 
     log = tmp_path / "log.jsonl"
-    with ScriptedChatServer(lambda m, h: "Fine.", delay_s=0.05) as srv:
+    with _chat(lambda m: "Fine.", delay_s=0.05) as srv:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", "simulate", "--proxy-url", srv.url, "--sessions",
                                  "100000", "--concurrency", "2", "--log", str(log), "--no-progress"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -175,23 +193,22 @@ def test_evaluate_sends_heldout_prompts_without_session_headers():
     held = load_gsm8k("heldout")
     right = {p.question for p in held[::2]}
 
-    def script(messages, headers):
+    def script(messages):
         p = GOLD[messages[-1]["content"]]
         return f"The answer is {p.answer.final}." if p.question in right else LONG
 
-    with ScriptedChatServer(script, weight_version="7") as srv:
+    with _chat(script, weight_version="7") as srv:
         out = evaluate(srv.url, max_tokens=48, concurrency=8)
     assert len(srv.requests) == 32
-    assert all("x-session-id" not in r["headers"] and "x-turn-type" not in r["headers"] for r in srv.requests)
-    assert {r["body"]["messages"][-1]["content"] for r in srv.requests} == {p.question for p in held}
+    assert all("x-session-id" not in h and "x-turn-type" not in h for h in srv.headers)
+    assert {r["messages"][-1]["content"] for r in srv.requests} == {p.question for p in held}
     assert out["n"] == 32 and out["accuracy"] == 0.5 and out["success_rate"] == 0.5 and out["brief_rate"] == 0.5
     assert out["words_per_reply"] == (4 + 50) / 2 and out["policy_versions"] == ["7"]
     assert Decimal(out["accuracy"]) == Decimal("0.5")
 
 
 def test_against_real_engine_tiny_random(tmp_path):
-    testing = pytest.importorskip("pipeline.engine.testing")
-    with testing.running_engine("tiny-random", threads=1) as url:
+    with running_engine("tiny-random", threads=1) as url:
         out = _run(url, SimulationPlan(sessions=2, concurrency=2), UserSettings(max_tokens=24, max_turns=2))
         ev = evaluate(url, load_gsm8k("heldout")[:4], max_tokens=16, concurrency=4)
     assert out["sessions_failed"] == 0, out["errors"]
@@ -204,22 +221,20 @@ def test_against_real_engine_tiny_random(tmp_path):
 def test_sessions_through_the_real_proxy_and_engine_become_turn_events(kafka_config, tmp_path):
     """Simulator -> proxy -> engine (tiny-random): the feedback is each turn's next state, the
     closing request is the last turn, then session_end (the header rule of the simulator)."""
-    engine_testing = pytest.importorskip("pipeline.engine.testing")
-    proxy_testing = pytest.importorskip("pipeline.proxy.testing")
     from pipeline import events
 
     log = tmp_path / "sim.jsonl"
-    with engine_testing.running_engine("tiny-random", threads=1) as engine_url, \
-            proxy_testing.running_proxy(kafka_config, engine_url) as (proxy_url, _app):
+    with running_engine("tiny-random", threads=1) as engine_url, \
+            running_proxy(kafka_config, engine_url) as (proxy_url, _app):
         out = _run(proxy_url, SimulationPlan(sessions=3, concurrency=3, session_prefix="e2e"),
                    UserSettings(max_tokens=16, max_turns=2, max_words=8), log_path=log)
         assert out["sessions_failed"] == 0, out["errors"]
-        got = proxy_testing.read_events(kafka_config, timeout_s=30, want=out["requests"] + 2 * 3)
+        got = read_records(kafka_config, kafka_config.topics.name("turns"), out["requests"] + 2 * 3, timeout_s=30)
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     per = defaultdict(list)
-    for _p, _o, key, ev in got:
-        assert key == ev.session_id
-        per[ev.session_id].append(ev)
+    for rec in got:
+        assert rec.key == rec.event.session_id
+        per[rec.event.session_id].append(rec.event)
     assert sorted(per) == ["e2e-00000", "e2e-00001", "e2e-00002"]
     for sid, evs in per.items():
         mine = [r for r in rows if r["session_id"] == sid]

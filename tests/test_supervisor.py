@@ -18,23 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.broker import free_port
 from pipeline.orchestrate.supervisor import RestartPolicy, Stage, StageFailed, StopOutcome, Supervisor, http_ok
 from pipeline.orchestrate.up import Stack, parse_replicas, replica_names, status_line, stop_summary
+from pipeline.procutil import free_port
+from tests.support.waiting import wait_for
 
 
 def _front_args(port: int) -> list[str]:
     return ["front", "--port", str(port), "--backend", "http://127.0.0.1:9"]
-
-
-def _until(cond, timeout_s: float = 60.0, step_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, "state not reached"
-        time.sleep(step_s)
 
 
 def test_a_killed_stage_is_restarted_with_the_same_arguments_and_counted(tmp_path):
@@ -46,12 +37,12 @@ def test_a_killed_stage_is_restarted_with_the_same_arguments_and_counted(tmp_pat
         first_pid, argv = st.pid, list(st.argv)
         time.sleep(0.6)  # a run longer than stable_s: not a fast failure
         os.kill(first_pid, signal.SIGKILL)
-        lines = _until(lambda: sup.check())
+        lines = wait_for(lambda: sup.check())
         assert "exited with -9" in lines[0] and "restart #1 in 0.0 s" in lines[0], lines
-        _until(lambda: sup.check() is not None and st.alive and st.pid != first_pid)
+        wait_for(lambda: sup.check() is not None and st.alive and st.pid != first_pid)
         assert st.argv == argv and st.restarts == 1 and st.exits == [-9]
         assert "restarts 1" in status_line(Stack(config=None, run_dir=tmp_path, supervisor=sup))
-        _until(lambda: (sup.check(), st.state == "up")[1], timeout_s=120)
+        wait_for(lambda: (sup.check(), st.state == "up")[1], timeout_s=120)
         assert httpx.get(f"http://127.0.0.1:{port}/_front/status", timeout=5).status_code == 200, "serves again"
     finally:
         sup.stop_all(timeout_s=5)
@@ -63,7 +54,7 @@ def test_fast_failures_back_off_exponentially_then_stop_with_the_log_tail(tmp_pa
     sup = Supervisor(tmp_path / "logs", policy=pol)
     # exits at once with a usage error (missing --backend): a stage that cannot start
     st = sup.start("broken", ["front", "--port", str(free_port())])
-    _until(lambda: not st.alive)
+    wait_for(lambda: not st.alive)
     delays, now = [], 10_000.0
     st.started_at = now
     try:
@@ -74,7 +65,7 @@ def test_fast_failures_back_off_exponentially_then_stop_with_the_log_tail(tmp_pa
             now = st.restart_at
             sup.check(now=now)  # restarts it
             assert st.proc is not None
-            _until(lambda: not st.alive)
+            wait_for(lambda: not st.alive)
             st.started_at = now
         assert delays == [1.0, 2.0, 3.0], "doubling from backoff_s, capped at max_backoff_s"
         assert st.restarts == 3
@@ -89,13 +80,13 @@ def test_a_stable_run_resets_the_back_off(tmp_path):
     pol = RestartPolicy(backoff_s=1.0, stable_s=5.0, max_fast_failures=2)
     sup = Supervisor(tmp_path / "logs", policy=pol)
     st = sup.start("broken", ["front", "--port", str(free_port())])
-    _until(lambda: not st.alive)
+    wait_for(lambda: not st.alive)
     try:
         st.started_at = 0.0
         sup.check(now=1.0)  # ran 1 s: fast failure 1 -> back-off 1 s
         assert st.fast_failures == 1 and st.restart_at == 2.0
         sup.check(now=2.0)
-        _until(lambda: not st.alive)
+        wait_for(lambda: not st.alive)
         st.started_at = 2.0
         sup.check(now=100.0)  # ran 98 s: stable, restarted at once; no stop although max_fast_failures is 2
         assert st.fast_failures == 0 and st.restarts == 2 and st.restart_at is None, "restarted without delay"
@@ -126,10 +117,10 @@ def test_stage_logs_are_appended_across_restarts(tmp_path):
     sup = Supervisor(tmp_path / "logs", policy=RestartPolicy(backoff_s=0.0, stable_s=1000.0, max_fast_failures=3))
     st = sup.start("broken", ["front", "--port", str(free_port())])
     try:
-        _until(lambda: not st.alive)
+        wait_for(lambda: not st.alive)
         sup.check()  # back-off 0: restarted within this pass
         assert st.restarts == 1
-        _until(lambda: not st.alive)
+        wait_for(lambda: not st.alive)
     finally:
         sup.stop_all(timeout_s=5)
     assert Path(st.log_path).read_text().count("--backend") >= 2, "both runs' output kept"

@@ -16,8 +16,9 @@ import pytest
 from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.config import load_config
-from pipeline.engine.testing import running_engine
-from pipeline.trainer.testing import shifted_export
+from tests.support.engine import running_engine
+from tests.support.trainer import shifted_export
+from tests.support.waiting import wait_for
 
 TOKENS = list(range(200, 230))
 
@@ -57,32 +58,10 @@ def _version(url) -> str | None:
     return asyncio.run(_info(url))[0]
 
 
-def _wait(pred, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _control(cfg, want: int, timeout_s: float = 15.0) -> list[events.Control]:
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
+    from tests.support.topics import read_events
 
-    from pipeline.bus import consumer_kwargs
-
-    c = KafkaConsumer(**consumer_kwargs(cfg, None))
-    tp = TopicPartition(cfg.topics.name("control"), 0)
-    c.assign([tp])
-    c.seek(tp, 0)
-    out: list[events.Control] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(out) < want:
-        for recs in c.poll(timeout_ms=200).values():
-            out.extend(events.decode(r.value) for r in recs)
-    c.close()
-    return out
+    return read_events(cfg, "control", want, timeout_s, settle_s=0.2)
 
 
 def _publish(cfg, version: int, folder, sha: str, wait: bool = True):
@@ -160,7 +139,7 @@ def test_engine_restarted_without_its_syncer_is_reconciled(kafka_config, tmp_pat
                     await eng.update_weights_from_disk(str(resolve_model("tiny-random")), weight_version="0")
 
             asyncio.run(back_to_base())
-            _wait(lambda: _version(url) == "1", what="the syncer to re-apply v1")
+            wait_for(lambda: _version(url) == "1", what="the syncer to re-apply v1")
             assert asyncio.run(_info(url))[1] == trained
             assert syncer.reconciles == 1 and syncer.in_sync.is_set()
             assert _gauge("pipeline_syncer_engine_weight_version") == 1.0
@@ -187,13 +166,13 @@ def test_engine_serving_an_unpublished_version_is_reconciled_and_readyz_says_so(
         t = threading.Thread(target=syncer.run, daemon=True)
         t.start()
         try:
-            _wait(lambda: _version(url) == "1", what="v7 -> v1")
-            _wait(lambda: _readyz(port)[0] == 200, what="/readyz 200")
+            wait_for(lambda: _version(url) == "1", what="v7 -> v1")
+            wait_for(lambda: _readyz(port)[0] == 200, what="/readyz 200")
             assert _readyz(port)[1] == {"engine_id": "engine-0", "served": "1", "published": 1, "in_sync": True}
             # a newer version that cannot be applied: loud (failed, behind 1), but the replica keeps
             # serving the published v1 it was confirmed on instead of dropping out of the service
             _publish(cfg, 2, tmp_path / "weights" / "v000002", "0" * 64, wait=False)
-            _wait(lambda: 2 in syncer.failed and not syncer.in_sync.is_set(), what="v2 failed")
+            wait_for(lambda: 2 in syncer.failed and not syncer.in_sync.is_set(), what="v2 failed")
             code, body = _readyz(port)
             assert code == 200 and body == {"engine_id": "engine-0", "served": "1", "published": 2, "in_sync": False}
             assert _gauge("pipeline_syncer_engine_versions_behind") == 1.0
@@ -237,7 +216,7 @@ def test_syncer_restarted_during_a_sync_completes_it(kafka_config, tmp_path):
         box: dict = {}
         trainer = threading.Thread(target=lambda: box.update(report=_publish(cfg, 2, v2, sha2)), daemon=True)
         trainer.start()  # pause + weights v2 published; no syncer is running
-        _wait(lambda: any(c.action == "weights" for c in _control(cfg, want=2, timeout_s=1)), what="weights v2")
+        wait_for(lambda: any(c.action == "weights" for c in _control(cfg, want=2, timeout_s=1)), what="weights v2")
         syncer, t = _start(cfg)
         try:
             trainer.join(60)
@@ -262,7 +241,7 @@ def test_control_aged_out_falls_back_to_the_trainers_record(kafka_config, tmp_pa
         cfg = cfg.replace(syncer={"engine_url": url})
         syncer, t = _start(cfg)
         try:
-            _wait(lambda: _version(url) == "3", what="v3 from published.json")
+            wait_for(lambda: _version(url) == "3", what="v3 from published.json")
         finally:
             _stop(syncer, t)
 
@@ -284,7 +263,7 @@ def test_an_older_weights_event_is_never_applied_after_a_newer_one(kafka_config,
         syncer, t = _start(cfg)
         try:
             assert syncer.ready.wait(30)
-            _wait(lambda: _version(url) == "2", what="v2")
+            wait_for(lambda: _version(url) == "2", what="v2")
             time.sleep(1.0)  # several check intervals and polls: it must stay on v2
             assert _version(url) == "2" and 1 not in syncer.applied
         finally:

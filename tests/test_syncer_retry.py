@@ -9,36 +9,13 @@ import socket
 import threading
 import time
 
-import orjson
 import pytest
 
 from pipeline import events
 from pipeline.config import load_config
-from pipeline.proxy.testing import serve_app
 from pipeline.syncer import Syncer
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
-
-
-class _EngineStandIn:
-    """ASGI stand-in for an engine: ``GET /model_info`` says v0; each ``POST
-    /update_weights_from_disk`` answers the next status of ``statuses`` (then 200)."""
-
-    def __init__(self, statuses):
-        self.statuses, self.updates = list(statuses), 0
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return
-        await receive()
-        if scope["path"] == "/update_weights_from_disk":
-            self.updates += 1
-            status = self.statuses.pop(0) if self.statuses else 200
-            body = {"success": status == 200, "message": "ok" if status == 200 else f"refused ({status})"}
-        else:
-            status, body = 200, {"weight_version": "0"}
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": orjson.dumps(body)})
+from tests.support.servers import StandInEngine, serve_app
 
 
 def _weights(tmp_path, corrupt: bool = False) -> events.Control:
@@ -66,10 +43,10 @@ def _syncer(url: str, retries: int = 3) -> Syncer:
     ([404], 1, False),
 ])
 def test_apply_retries_only_transient_answers(tmp_path, statuses, updates, ok):
-    engine = _EngineStandIn(statuses)
+    engine = StandInEngine(update_statuses=statuses)
     with serve_app(engine) as url:
         got, msg = _syncer(url, retries=3).apply(_weights(tmp_path))
-    assert (got, engine.updates) == (ok, updates), msg
+    assert (got, engine.calls["/update_weights_from_disk"]) == (ok, updates), msg
     if not ok:
         assert str(statuses[-1]) in msg
 
@@ -80,10 +57,10 @@ def test_checksum_mismatch_fails_at_once_without_calling_the_engine(tmp_path, ca
     checks = []
     real = checksum.verify_folder
     monkeypatch.setattr(checksum, "verify_folder", lambda *a: checks.append(a) or real(*a))
-    engine = _EngineStandIn([])
+    engine = StandInEngine()
     with serve_app(engine) as url, caplog.at_level(logging.WARNING, "pipeline.syncer"):
         ok, msg = _syncer(url, retries=5).apply(_weights(tmp_path, corrupt=True))
-    assert not ok and "sha256" in msg and engine.updates == 0
+    assert not ok and "sha256" in msg and engine.calls["/update_weights_from_disk"] == 0
     assert len(checks) == 1  # one try: a retry reads the same torn bytes
     assert [r.getMessage() for r in caplog.records if "refused, not retried" in r.getMessage()]
     assert not [r for r in caplog.records if "will retry" in r.getMessage()]
@@ -91,12 +68,12 @@ def test_checksum_mismatch_fails_at_once_without_calling_the_engine(tmp_path, ca
 
 def test_missing_folder_fails_at_once(tmp_path):
     ev = _weights(tmp_path)
-    engine = _EngineStandIn([])
+    engine = StandInEngine()
     with serve_app(engine) as url:
         syncer = Syncer(load_config(None, syncer={"engine_url": url, "retries": 5, "retry_backoff_s": 5.0}))
         t0 = time.monotonic()
         ok, msg = syncer.apply(_gone(ev, tmp_path))
-    assert not ok and "not found" in msg and engine.updates == 0
+    assert not ok and "not found" in msg and engine.calls["/update_weights_from_disk"] == 0
     assert time.monotonic() - t0 < 4  # no back-off wait: not retried
 
 
@@ -119,13 +96,14 @@ def test_unreachable_engine_is_retried_then_reported(tmp_path, caplog):
 
 
 def test_stop_ends_the_back_off(tmp_path):
-    engine = _EngineStandIn([503] * 10)
+    engine = StandInEngine(update_statuses=[503] * 10)
     with serve_app(engine) as url:
         syncer = Syncer(load_config(None, syncer={"engine_url": url, "retries": 5, "retry_backoff_s": 30.0}))
         threading.Timer(0.5, syncer.stop.set).start()
         t0 = time.monotonic()
         ok, msg = syncer.apply(_weights(tmp_path))
-    assert not ok and msg.startswith("stopped") and engine.updates == 1 and time.monotonic() - t0 < 10
+    assert not ok and msg.startswith("stopped") and time.monotonic() - t0 < 10
+    assert engine.calls["/update_weights_from_disk"] == 1
 
 
 def test_one_engine_client_for_the_syncers_life(tmp_path, monkeypatch):
@@ -136,12 +114,12 @@ def test_one_engine_client_for_the_syncers_life(tmp_path, monkeypatch):
     built = []
     real = client.EngineClient.__init__
     monkeypatch.setattr(client.EngineClient, "__init__", lambda self, *a, **k: built.append(a) or real(self, *a, **k))
-    engine = _EngineStandIn([503])
+    engine = StandInEngine(update_statuses=[503])
     with serve_app(engine) as url:
         syncer = _syncer(url)
         try:
             assert [syncer.served_version() for _ in range(5)] == ["0"] * 5
-            assert syncer.apply(_weights(tmp_path))[0] and engine.updates == 2
+            assert syncer.apply(_weights(tmp_path))[0] and engine.calls["/update_weights_from_disk"] == 2
             assert syncer.served_version() == "0"
         finally:
             syncer.close()

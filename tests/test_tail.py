@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from pipeline import events
-from tests.dashboard_helpers import MARK, marked_conversation, publish
+from tests.dashboard_helpers import MARK, marked_conversation
+from tests.support.topics import publish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +61,8 @@ def test_tail_decodes_filters_and_leaves_groups_alone(kafka_config, tmp_path):
     cfg = _cfg_file(kafka_config, tmp_path)
     a, _ = marked_conversation("s-a", turns=2)
     b, _ = marked_conversation("s-b", turns=1)
-    publish(kafka_config, "turns", a + b)
-    publish(kafka_config, "turns", [b"\xc1garbage"], key="s-a")
+    publish(kafka_config, a + b, "turns")
+    publish(kafka_config, [b"\xc1garbage"], "turns", key="s-a")
     # a stage's group with a committed position in the middle of the topic
     topic = kafka_config.topics.name("turns")
     group = f"{kafka_config.topics.prefix}judge"
@@ -93,7 +94,7 @@ def test_tail_decodes_filters_and_leaves_groups_alone(kafka_config, tmp_path):
     assert [r["offset"] for r in from_offset] == [r["offset"] for r in rows[2:]]
     later = events.now_ms()
     time.sleep(0.05)
-    publish(kafka_config, "turns", [events.SessionEnd(session_id="s-a", reason="late")])
+    publish(kafka_config, [events.SessionEnd(session_id="s-a", reason="late")], "turns")
     since = _tail(cfg, "turns", "--from", f"ms:{later}")
     assert [r["event"]["reason"] for r in since] == ["late"]
     assert _tail(cfg, "turns", "--session", "s-a", "-n", "2")[1]["event"]["type"] == "next_state"
@@ -109,7 +110,7 @@ def test_tail_follows_until_interrupted(kafka_config, tmp_path):
     import threading
 
     cfg = _cfg_file(kafka_config, tmp_path)
-    publish(kafka_config, "control", [events.Control(action="pause", epoch=1, policy_version=1)])  # before: not shown
+    publish(kafka_config, [events.Control(action="pause", epoch=1, policy_version=1)], "control")  # before: not shown
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "tail", "control", "--from", "now", "--follow",
                              "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -117,7 +118,7 @@ def test_tail_follows_until_interrupted(kafka_config, tmp_path):
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:
         assert "following" in proc.stderr.readline()  # assigned and positioned: what comes now is shown
-        publish(kafka_config, "control", [events.Control(action="resume", epoch=1, policy_version=1)])
+        publish(kafka_config, [events.Control(action="resume", epoch=1, policy_version=1)], "control")
         first = json.loads(lines.get(timeout=30))
         assert first["event"]["action"] == "resume"
     finally:

@@ -60,9 +60,9 @@ def test_dp2_uneven_batches_complete_and_match_single_process(tmp_path):
 
     from pipeline.config import load_config
     from pipeline.models import resolve_model
-    from pipeline.trainer.dist import free_port
+    from pipeline.procutil import free_port
     from pipeline.trainer.policy import PolicyTrainer
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     path = resolve_model("tiny-random")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

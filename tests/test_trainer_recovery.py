@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -57,28 +56,14 @@ def _produce_unchecked(config, samples):
 
 
 def _read(config, topic: str, want: int, timeout_s: float = 20.0) -> list[events.Event]:
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
+    from tests.support.topics import read_records
 
-    from pipeline.bus import consumer_kwargs
-
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    parts = sorted(c.partitions_for_topic(topic) or [0])
-    tps = [TopicPartition(topic, p) for p in parts]
-    c.assign(tps)
-    c.seek_to_beginning(*tps)
-    out: list[events.Event] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < want and time.monotonic() < deadline:
-        for recs in c.poll(timeout_ms=200).values():
-            out.extend(events.decode(r.value) for r in recs)
-    c.close()
-    return out
+    return [r.event for r in read_records(config, topic, want, timeout_s, settle_s=0.2)]
 
 
 def _trained_export(export_dir, version: int, shift: float = 0.01):
     """Export ``v<version>`` = base weights + ``shift``; returns its tensors."""
-    from pipeline.trainer.testing import shifted_export
+    from tests.support.trainer import shifted_export
 
     folder, _ = shifted_export(export_dir, version, shift)
     return _weights(folder)
@@ -86,7 +71,7 @@ def _trained_export(export_dir, version: int, shift: float = 0.01):
 
 @pytest.fixture(scope="module")
 def runtime():
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=1) as par:
         yield par

@@ -18,8 +18,9 @@ import time
 from collections import Counter
 
 from pipeline import events
-from pipeline.broker import free_port
 from pipeline.bus import EventProducer
+from pipeline.jsonl import read_jsonl
+from pipeline.procutil import free_port
 from conftest import scrape
 
 BATCH, OPT_STEPS = 3, 12  # samples per trainer step, optimizer steps per trainer step
@@ -37,15 +38,7 @@ def _produce(cfg, ids):
 
 
 def _records(path):
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_jsonl(path, strict=False, missing_ok=True)
 
 
 def _trainer(cfg, tmp_path, max_steps, port):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
-
 from pipeline import events
-from pipeline.bus import EventProducer, consumer_kwargs
+from pipeline.bus import EventProducer
 from pipeline.config import load_config
 from pipeline.trainer.source import DedupWindow, SampleSource
+from tests.support.topics import read_records
 
 
 def _cfg(kafka_config, **trainer):
@@ -32,18 +30,7 @@ def _produce(cfg, values):
 
 
 def _dlq(cfg, want):
-    c = KafkaConsumer(**consumer_kwargs(cfg, None))
-    tp = TopicPartition(cfg.topics.dlq("samples"), 0)
-    c.assign([tp])
-    c.seek(tp, 0)
-    out = []
-    for _ in range(50):
-        for recs in c.poll(timeout_ms=200).values():
-            out.extend(events.decode(r.value) for r in recs)
-        if len(out) >= want:
-            break
-    c.close()
-    return out
+    return [r.event for r in read_records(cfg, cfg.topics.dlq("samples"), want, timeout_s=10, settle_s=0.2)]
 
 
 def test_batches_count_trainable_samples_and_offsets_are_exact(kafka_config):

@@ -60,7 +60,7 @@ def test_split_bounds_samples_and_tokens():
 
 @pytest.fixture(scope="module")
 def runtime():
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=2) as par:
         yield par

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -23,22 +22,9 @@ def _config(kafka_config, tmp_path, **trainer):
 
 
 def _control_log(config, timeout_s: float = 10.0, want: int = 1) -> list[events.Control]:
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
+    from tests.support.topics import read_events
 
-    from pipeline.bus import consumer_kwargs
-
-    c = KafkaConsumer(**consumer_kwargs(config, None))
-    tp = TopicPartition(config.topics.name("control"), 0)
-    c.assign([tp])
-    c.seek(tp, 0)
-    out: list[events.Control] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(out) < want:
-        for recs in c.poll(timeout_ms=200).values():
-            out.extend(events.decode(r.value) for r in recs)
-    c.close()
-    return out
+    return read_events(config, "control", want, timeout_s, settle_s=0.2)
 
 
 def _produce(config, samples):
@@ -69,10 +55,10 @@ async def _score(url, tokens, start):
 
 
 def test_training_step_raises_positive_response_logprob_on_the_engine(kafka_config, tmp_path):
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
     from pipeline.syncer import Syncer
     from pipeline.trainer.stage import TrainerStage
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     cfg = _config(kafka_config, tmp_path)
     cfg = cfg.replace(syncer={"engine_id": "engine-0"})
@@ -131,7 +117,7 @@ def test_sync_times_out_reports_failed_and_resumes(kafka_config, tmp_path):
 
 def test_syncer_verifies_checksum_retries_and_reports_failed(kafka_config, tmp_path):
     from pipeline.syncer import Syncer
-    from pipeline.trainer.dist import free_port
+    from pipeline.procutil import free_port
     from pipeline.trainer.model import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 
     folder = tmp_path / "v000003"

@@ -43,7 +43,7 @@ def _bad(source: str) -> events.Sample:
 
 @pytest.fixture(scope="module")
 def runtime():
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=2) as par:
         yield par

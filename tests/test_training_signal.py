@@ -28,7 +28,7 @@ TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def runtime():
-    from pipeline.trainer.testing import megatron_runtime
+    from tests.support.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=2) as par:
         yield par
@@ -191,7 +191,7 @@ def test_greedy_turn_is_trained_at_the_temperature_of_its_log_probs(runtime, kaf
     import asyncio
 
     from pipeline.bus import EventProducer
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
     from pipeline.trainer.stage import TrainerStage
 
     with running_engine("tiny-random", threads=1) as url:

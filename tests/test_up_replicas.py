@@ -20,7 +20,8 @@ from pipeline import events
 from pipeline.config import load_config
 from pipeline.orchestrate.supervisor import RestartPolicy
 from pipeline.orchestrate.up import start_stack, status_line
-from pipeline.proxy.testing import ScriptedUpstream, read_events, serve_app
+from tests.support.servers import StandInEngine, serve_app
+from tests.support.topics import read_events
 
 
 def _turn(url: str, sid: str, msgs: list, done: bool = False) -> httpx.Response:
@@ -32,7 +33,7 @@ def _turn(url: str, sid: str, msgs: list, done: bool = False) -> httpx.Response:
 @pytest.mark.slow
 def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tmp_path):
     config = load_config(None, judge={"mode": "rl", "backend": "constant"})
-    with serve_app(ScriptedUpstream()) as engine_url:
+    with serve_app(StandInEngine()) as engine_url:
         config = config.replace(engine={"url": engine_url})  # what `pipeline up --engine-url` does
         stack = start_stack(config, tmp_path / "run", engine_url=engine_url, trainer=False, durable_broker=False,
                             dashboard=False,
@@ -70,8 +71,8 @@ def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tm
                 time.sleep(0.1)
             line = status_line(stack)
             assert "proxy-0:up(restarts 1)" in line and "| restarts 1" in line, line
-            got = read_events(config, timeout_s=60, want=None, idle_s=3.0)
-            turns = {e.request_id for _, _, _, e in got if isinstance(e, events.Turn)}
+            got = read_events(config, timeout_s=60, settle_s=3.0)
+            turns = {e.request_id for e in got if isinstance(e, events.Turn)}
             assert set(rids) <= turns, "every answered turn reached Kafka (proxy-0's through its restart)"
         finally:
             stop.set()

@@ -43,7 +43,7 @@ def build(config):
 def run(args, config) -> int:
     import uvicorn
 
-    from pipeline.broker import free_port
+    from pipeline.procutil import free_port
 
     flags = {"host": args.host, "port": args.port, "start": args.start, "show_text": args.show_text or None}
     flags = {k: v for k, v in flags.items() if v is not None}

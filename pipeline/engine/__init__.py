@@ -8,7 +8,6 @@ Modules (torch is imported only by the ones that run the model):
 - ``model``, ``sampler``, ``worker``: fp32 model loading, sampling/log-probs, the batching thread.
 - ``generation``, ``protocol``, ``server``, ``metrics``: the FastAPI app and its shapes.
 - ``runtime``: build + serve; ``cli``: ``python -m pipeline engine``.
-- ``testing``: ``running_engine(model) -> base_url`` for tests of any stage.
 
 The client for this engine and for SGLang is :mod:`pipeline.client`.
 """

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from pipeline.chatbody import CHAT_FIELDS
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -46,7 +48,9 @@ class ToolDef(_Body):
 
 
 class ChatBody(_Body):
-    """``POST /v1/chat/completions`` (SGLang ``ChatCompletionRequest`` subset).
+    """``POST /v1/chat/completions`` (SGLang ``ChatCompletionRequest`` subset): the types and
+    SGLang's defaults of exactly the fields of :data:`pipeline.chatbody.CHAT_FIELDS` (checked when
+    this module loads: a field added to or dropped from the table without this model fails the import).
 
     ``return_token_ids`` is also accepted with ``stream: true`` here (vLLM-style extension:
     per-chunk ``choices[i].token_ids`` deltas and ``prompt_token_ids`` on the first chunk);
@@ -105,6 +109,11 @@ class ChatBody(_Body):
             if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
                 raise ValueError("tool_choice object must be {'type': 'function', 'function': {'name': ...}}")
         return v
+
+
+_drift = set(ChatBody.model_fields) ^ set(CHAT_FIELDS)
+if _drift:  # pragma: no cover - a developer's error, caught by any test that imports the engine
+    raise ImportError(f"ChatBody and pipeline.chatbody.CHAT_FIELDS differ in {sorted(_drift)}")
 
 
 class UpdateWeightsBody(_Body):

@@ -6,6 +6,5 @@
   classifier, or a user's class);
 - :mod:`pipeline.judge.teacher`: OPD teacher log-probs on the student's exact response ids;
 - :mod:`pipeline.judge.samples`: the samples of each mode;
-- :mod:`pipeline.judge.app`: the consumer-group process (``python -m pipeline judge``);
-- :mod:`pipeline.judge.testing`: stand-in judge servers for tests and benchmarks.
+- :mod:`pipeline.judge.app`: the consumer-group process (``python -m pipeline judge``).
 """

@@ -24,7 +24,6 @@ The shipped development set is ``tests/fixtures/judge_next_states.jsonl``.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections import Counter
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.jsonl import JsonlError, read_jsonl
 from pipeline.judge.prompts import JudgeInput, render_tool_calls
 
 LABELS = (1, 0, -1)
@@ -54,16 +54,10 @@ def load_rows(path: str | Path) -> list[dict]:
     """
     rows, ids = [], set()
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise EvalFileError(f"{path}: {e.strerror or e}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EvalFileError(f"{path}:{n}: not JSON: {e}") from None
+        numbered = read_jsonl(path, numbered=True)
+    except JsonlError as e:
+        raise EvalFileError(str(e)) from None
+    for n, row in numbered:
         if not isinstance(row, dict) or row.get("label") not in LABELS or not isinstance(row.get("next_state"), list):
             raise EvalFileError(f"{path}:{n}: needs label in (1, 0, -1) and a next_state list")
         row.setdefault("id", f"line-{n}")

@@ -10,7 +10,8 @@ template, a request sent as raw ``input_ids``, an engine that renders differentl
 would not see "the student's context plus the hint", and the turn gets no teacher
 (:class:`TeacherUnsupported`, reason ``prompt_mismatch``).
 
-The student's exact response ids are appended, never re-tokenized. One ``POST /generate`` with
+The student's exact response ids are appended, never re-tokenized. One ``POST /generate``
+(:meth:`pipeline.client.EngineClient.score_result`, the one scoring call of the package) with
 ``input_ids``, ``sampling_params = {max_new_tokens: 0, temperature: T}``,
 ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = hinted prompt length) returns
 ``input_token_logprobs`` for positions P .. P+R-1 (SGLang's ``logprob_start_len`` semantics),
@@ -39,10 +40,11 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.chat import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
+from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
 from pipeline.errors import PipelineError
-from pipeline.judge.backends.llm import CallFailed, HttpJudge
 from pipeline.judge.prompts import inject_hint
 from pipeline.judge.samples import rollout_temperature
+from pipeline.retry import Transient, retrying
 
 log = logging.getLogger(__name__)
 
@@ -72,42 +74,18 @@ class TeacherOutput:
     topk_log_probs: list = field(default_factory=list)
 
 
-def parse_teacher_answer(answer, response_ids: list[int], top_k: int = 0) -> TeacherOutput:
-    """Pull the log-probs of ``response_ids`` (the last R input entries, and top-k) out of a
-    ``/generate`` answer.
-
-    Raises:
-        TeacherError: fewer entries than response tokens, a null log-prob among them, or entry
-            token ids that differ from ``response_ids`` (misaligned).
-    """
-    n_response = len(response_ids)
-    if isinstance(answer, list):
-        answer = answer[0] if answer else {}
-    meta = (answer or {}).get("meta_info") or {}
-    entries = meta.get("input_token_logprobs") or []
-    if len(entries) < n_response:
-        raise TeacherError(f"teacher returned {len(entries)} input log-probs for {n_response} response tokens")
-    tail = entries[len(entries) - n_response:] if n_response else []
-    lps = []
-    for e, want in zip(tail, response_ids):
-        if not isinstance(e, (list, tuple)) or not e or e[0] is None:
-            raise TeacherError("teacher returned a null log-prob inside the response")
-        if len(e) > 1 and e[1] is not None and int(e[1]) != int(want):
-            raise TeacherError(f"teacher log-probs are not aligned with the response ids ({e[1]} != {want})")
-        lps.append(float(e[0]))
-    out = TeacherOutput(lps)
-    if top_k > 0 and n_response:
-        tops = meta.get("input_top_logprobs") or []
-        tops = tops[len(tops) - n_response:] if len(tops) >= n_response else [None] * n_response
-        for row in tops:
-            row = [t for t in (row or []) if isinstance(t, (list, tuple)) and len(t) >= 2][:top_k]
-            for t in row:
-                out.topk_ids.append(int(t[1]))
-                out.topk_log_probs.append(float(t[0]) if t[0] is not None else -math.inf)
-            for _ in range(top_k - len(row)):
-                out.topk_ids.append(0)
-                out.topk_log_probs.append(-math.inf)
-    return out
+def flatten_top_k(top: list[list[tuple[int, float]]], n_response: int, top_k: int) -> tuple[list[int], list[float]]:
+    """The teacher's top-k per response position (``top``: rows of ``(token_id, log-prob)`` as
+    :meth:`pipeline.client.EngineClient.score_result` returns them) flattened row-major to
+    ``R*k`` ids and log-probs (nats); missing rows or entries are id 0 with log-prob -inf."""
+    ids: list[int] = []
+    lps: list[float] = []
+    rows = top if len(top) == n_response else [[]] * n_response
+    for row in rows:
+        row = list(row)[:top_k]
+        ids += [int(t) for t, _ in row] + [0] * (top_k - len(row))
+        lps += [float(lp) for _, lp in row] + [-math.inf] * (top_k - len(row))
+    return ids, lps
 
 
 class Teacher:
@@ -125,17 +103,16 @@ class Teacher:
         self.top_k = config.judge.teacher_top_k
         self.tokenizer = tokenizer or load_tokenizer(config.engine.model, config.engine.cache_dir)
         self.renderer = ChatRenderer(self.tokenizer)
-        self.http: HttpJudge | None = None
+        self.client: EngineClient | None = None
 
     async def start(self) -> None:
-        jc = self.config.judge
-        self.http = HttpJudge((self.config.engine.teacher_url or self.config.engine.url).rstrip("/"),
-                              jc.teacher_timeout_s, jc.retries, jc.retry_backoff_s,
-                              max_connections=max(8, jc.max_in_flight))
+        """Open the connection pool to the teacher endpoint (inside the loop that uses it)."""
+        self.client = EngineClient(self.config.engine.teacher_url or self.config.engine.url,
+                                   self.config.judge.teacher_timeout_s)
 
     async def aclose(self) -> None:
-        if self.http is not None:
-            await self.http.aclose()
+        if self.client is not None:
+            await self.client.aclose()
 
     def prompt_ids(self, turn, hint: str | None) -> list[int]:
         """Token ids ``[P]`` of the turn's prompt with ``hint`` injected (None: no hint, i.e. the
@@ -182,13 +159,25 @@ class Teacher:
         Raises:
             TeacherError: the endpoint failed after retries or answered with too few log-probs.
         """
-        body = {"input_ids": prompt + response,
-                "sampling_params": {"max_new_tokens": 0, "temperature": float(temperature)},
-                "return_logprob": True, "logprob_start_len": len(prompt) - 1}
-        if self.top_k > 0:
-            body["top_logprobs_num"] = self.top_k
+        if not response:
+            return TeacherOutput([])
+        jc = self.config.judge
         try:
-            answer = await self.http.post("/generate", body)
-        except CallFailed as e:
-            raise TeacherError(str(e)) from None
-        return parse_teacher_answer(answer, response, self.top_k)
+            async for attempt in retrying(jc.retries + 1, jc.retry_backoff_s):
+                with attempt:
+                    try:
+                        res = await self.client.score_result(prompt + response, len(prompt),
+                                                             temperature=float(temperature),
+                                                             top_logprobs_num=self.top_k)
+                    except (EngineTimeout, EngineUnavailable) as e:
+                        raise Transient(str(e)) from None
+                    except EngineError as e:
+                        if e.status is not None and e.retryable:  # 429 / 5xx (not a misaligned answer)
+                            raise Transient(str(e)) from None
+                        raise
+        except (Transient, EngineError) as e:
+            raise TeacherError(f"teacher scoring failed: {e}") from None
+        out = TeacherOutput(res.logprobs)
+        if self.top_k > 0:
+            out.topk_ids, out.topk_log_probs = flatten_top_k(res.top, len(response), self.top_k)
+        return out

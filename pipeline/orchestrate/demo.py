@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from pipeline.config import Config
+from pipeline.jsonl import read_jsonl
 from pipeline.orchestrate.up import Stack, scrape, start_stack
 from pipeline.orchestrate.supervisor import StageFailed
 
@@ -114,15 +115,7 @@ class Simulator:
 
     def records(self) -> list[dict]:
         """The JSON lines the simulator logged (one per reply)."""
-        if not self.log_path.exists():
-            return []
-        rows = []
-        for line in self.log_path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut by the stop
-        return rows
+        return read_jsonl(self.log_path, strict=False, missing_ok=True)  # a line cut by the stop is skipped
 
 
 def engine_version(url: str) -> str | None:

@@ -44,9 +44,10 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.broker import free_port, kafka_answers, port_free
+from pipeline.broker import kafka_answers
 from pipeline.config import Config, redacted
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, StopOutcome, Supervisor, http_ok
+from pipeline.procutil import free_port, port_free
 
 log = logging.getLogger(__name__)
 HELP = "Start broker, engine(s), proxy, judge, trainer and syncer as processes; Ctrl-C stops all."

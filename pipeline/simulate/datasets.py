@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.jsonl import read_jsonl
 from pipeline.simulate.grading import GSM8KAnswer, parse_gsm8k_answer
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -36,11 +36,6 @@ class MTBenchQuestion:
     turns: tuple[str, ...]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def load_gsm8k(split: str = "train") -> list[GSM8KProblem]:
     """GSM8K problems of a shipped split (``train``: 300, ``heldout``: 32), in file order.
 
@@ -50,13 +45,13 @@ def load_gsm8k(split: str = "train") -> list[GSM8KProblem]:
     if split not in GSM8K_SPLITS:
         raise ValueError(f"unknown GSM8K split {split!r}; choose from {GSM8K_SPLITS}")
     return [GSM8KProblem(id=r["id"], question=r["question"], answer=parse_gsm8k_answer(r["answer"]))
-            for r in _jsonl(DATA_DIR / "gsm8k" / f"{split}.jsonl")]
+            for r in read_jsonl(DATA_DIR / "gsm8k" / f"{split}.jsonl")]
 
 
 def load_mt_bench() -> list[MTBenchQuestion]:
     """All 80 MT-Bench questions, in file order."""
     return [MTBenchQuestion(id=f"mt-bench-{r['question_id']}", category=r["category"], turns=tuple(r["turns"]))
-            for r in _jsonl(DATA_DIR / "mt_bench" / "question.jsonl")]
+            for r in read_jsonl(DATA_DIR / "mt_bench" / "question.jsonl")]
 
 
 def pick(items: list, n: int, seed: int) -> list:

@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from pipeline.procutil import free_port
 from pipeline.trainer import cpu_shim
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0, read it back)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

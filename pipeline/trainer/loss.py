@@ -1,8 +1,9 @@
 """Advantages and losses of the trainer: small pure tensor functions (no model, no state).
 
 Shapes: ``n`` samples, ``L`` token positions per sample (padded); ``mask`` is ``[n, L]`` with 1
-on the positions that predict a response token with ``loss_mask = 1`` and 0 elsewhere. All
-log-probs are natural-log probabilities (nats) of the sampled token. Everything is written to
+on the positions that predict a response token with ``loss_mask = 1`` and 0 elsewhere. Masking
+selects (``torch.where``), never multiplies: whatever a masked-out position holds (padding, NaN,
+inf) changes no value and no gradient, since NaN x 0 is NaN. All log-probs are natural-log probabilities (nats) of the sampled token. Everything is written to
 follow OpenClaw-RL's use of slime (``slime/utils/ppo_utils.py`` and the policy loss in
 ``slime/backends/megatron_utils/loss.py``), re-derived here; each docstring names its source.
 """
@@ -19,6 +20,12 @@ LossAgg = Literal["sum_of_sample_mean", "token_mean"]
 
 
 # ---------------------------------------------------------------- advantages
+
+
+def _select(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` where ``keep`` (bool, broadcastable), exactly 0 elsewhere (a NaN or inf there is dropped,
+    and no gradient flows to it)."""
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def grpo_advantages(rewards: Tensor, mask: Tensor, normalize: bool = False, eps: float = 1e-6,
@@ -65,7 +72,7 @@ def opd_advantages(teacher_log_probs: Tensor, old_log_probs: Tensor, mask: Tenso
         ``[n, L]``: positive where the hinted teacher likes the token more than the policy did.
     Source: OpenClaw-RL hindsight OPD (token-level advantage = teacher minus student log-prob).
     """
-    adv = (teacher_log_probs - old_log_probs) * mask.to(teacher_log_probs.dtype)
+    adv = _select(teacher_log_probs - old_log_probs, mask != 0)
     if has_teacher is not None:
         adv = torch.where(has_teacher.to(adv.device, torch.bool)[:, None], adv, torch.zeros_like(adv))
     return adv
@@ -180,7 +187,7 @@ def aggregate(values: Tensor, mask: Tensor, mode: LossAgg = "sum_of_sample_mean"
     connected to the graph of ``values``.
     """
     m = mask.to(values.dtype)
-    v = values * m
+    v = _select(values, mask != 0) * m
     if sample_weights is not None:
         v = v * sample_weights.to(values.dtype)[:, None]
     if mode == "sum_of_sample_mean":
@@ -258,6 +265,11 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     """
     def agg_(x: Tensor) -> Tensor:
         return aggregate(x, mask, agg, sample_weights, num_samples, num_tokens)
+
+    keep = mask != 0  # masked-out positions are zeroed before any arithmetic (no NaN in the graph)
+    log_probs, old_log_probs, advantages = (_select(x, keep) for x in (log_probs, old_log_probs, advantages))
+    entropy, ref_log_probs, rollout_log_probs = (None if x is None else _select(x, keep)
+                                                 for x in (entropy, ref_log_probs, rollout_log_probs))
 
     pg, clipfrac, ppo_kl = ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
     zero = log_probs.sum() * 0.0

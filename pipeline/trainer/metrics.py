@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.jsonl import read_jsonl
+
 
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
@@ -32,15 +34,9 @@ class MetricsLog:
 
     def records(self) -> list[dict]:
         """Every record in the file (skipping a torn last line)."""
-        if not self.path or not self.path.exists():
+        if not self.path:
             return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return read_jsonl(self.path, strict=False, missing_ok=True)
 
     def reconcile(self, step: int, last_record: dict | None) -> None:
         """Make the log agree with a checkpoint at ``step`` (see the module docstring)."""

@@ -57,6 +57,7 @@ from pipeline.judge.context import call_query, is_search_call, target_mismatch, 
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
+from pipeline.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +98,9 @@ def load_examples(path: str | Path = EXAMPLES) -> list[dict]:
         ValueError: a line is not JSON or lacks a label in (1, 0, -1) or a role in (user, tool).
     """
     rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-        if row.get("label") not in LABELS or row.get("role") not in ("user", "tool") or "text" not in row:
+    for n, row in read_jsonl(path, numbered=True):
+        if not isinstance(row, dict) or row.get("label") not in LABELS or row.get("role") not in ("user", "tool") \
+                or "text" not in row:
             raise ValueError(f"{path}:{n}: needs text, label in (1, 0, -1) and role in (user, tool)")
         rows.append(row)
     return rows

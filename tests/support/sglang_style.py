@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import orjson
 
+from tests.support.servers import send_json, send_raw, StandInServer
+
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
@@ -35,31 +37,22 @@ def sglang_bytes(obj: Any) -> None:
                 alt["bytes"] = list(alt["token"].encode("utf-8"))
 
 
-class SglangStyleEngine:
+class SglangStyleEngine(StandInServer):
     """ASGI app in front of ``engine_url`` (see the module docstring). Create inside no loop."""
 
     def __init__(self, engine_url: str) -> None:
+        super().__init__()
         self.engine_url = engine_url.rstrip("/")
         self.requests: list[tuple[str, Any]] = []  # (path, parsed body) of every POST seen
         self._http: httpx.AsyncClient | None = None
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                m = await receive()
-                if m["type"] == "lifespan.startup":
-                    self._http = httpx.AsyncClient(timeout=120)
-                    await send({"type": "lifespan.startup.complete"})
-                elif m["type"] == "lifespan.shutdown":
-                    await self._http.aclose()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
+    async def startup(self) -> None:
+        self._http = httpx.AsyncClient(timeout=120)
+
+    async def shutdown(self) -> None:
+        await self._http.aclose()
+
+    async def handle(self, scope, body: bytes, send, receive) -> None:
         path, method = scope["path"], scope["method"]
         query = scope.get("query_string", b"").decode()
         url = self.engine_url + path + (f"?{query}" if query else "")
@@ -76,11 +69,11 @@ class SglangStyleEngine:
             info.pop("chat_stream_token_ids", None)
             info.pop("logprob_token_bytes", None)
             info["version"] = "sglang-style-stand-in"
-            return await self._json(send, r.status_code, info)
+            return await send_json(send, r.status_code, info)
         if path == "/v1/chat/completions" and isinstance(req, dict):
             if req.get("stream") and any(req.get(k) for k in ("return_token_ids", "return_prompt_token_ids",
                                                                "return_meta_info")):
-                return await self._json(send, 400, {"object": "error", "type": "BadRequestError", "param": None,
+                return await send_json(send, 400, {"object": "error", "type": "BadRequestError", "param": None,
                                                     "code": 400, "message": "return_token_ids, return_prompt_"
                                                     "token_ids and return_meta_info are not supported with "
                                                     "stream=true"})
@@ -88,10 +81,10 @@ class SglangStyleEngine:
                 return await self._chat_stream(url, body, send)
             r = await self._http.post(url, content=body, headers={"content-type": "application/json"})
             if r.status_code != 200:
-                return await self._raw(send, r.status_code, r.content)
+                return await send_raw(send, r.status_code, r.content)
             obj = r.json()
             sglang_bytes(obj)
-            return await self._json(send, 200, obj)
+            return await send_json(send, 200, obj)
         headers = {"content-type": "application/json"} if body else {}
         if isinstance(req, dict) and req.get("stream"):
             async with self._http.stream(method, url, content=body, headers=headers) as r:
@@ -101,12 +94,12 @@ class SglangStyleEngine:
                     await send({"type": "http.response.body", "body": part, "more_body": True})
             return await send({"type": "http.response.body", "body": b""})
         r = await self._http.request(method, url, content=body or None, headers=headers)
-        await self._raw(send, r.status_code, r.content, r.headers.get("content-type", "application/json"))
+        await send_raw(send, r.status_code, r.content, r.headers.get("content-type", "application/json").encode())
 
     async def _chat_stream(self, url: str, body: bytes, send) -> None:
         async with self._http.stream("POST", url, content=body, headers={"content-type": "application/json"}) as r:
             if r.status_code != 200:
-                return await self._raw(send, r.status_code, await r.aread())
+                return await send_raw(send, r.status_code, await r.aread())
             await send({"type": "http.response.start", "status": 200, "headers": _SSE})
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -118,11 +111,3 @@ class SglangStyleEngine:
                     data = orjson.dumps(obj).decode()
                 await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-
-    @staticmethod
-    async def _raw(send, status: int, data: bytes, ctype: str = "application/json") -> None:
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype.encode())]})
-        await send({"type": "http.response.body", "body": data})
-
-    async def _json(self, send, status: int, obj: Any) -> None:
-        await self._raw(send, status, orjson.dumps(obj))

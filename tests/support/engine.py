@@ -1,8 +1,8 @@
-"""Start a real engine for tests and local tools: ``running_engine(model) -> base_url``.
+"""Start a real engine (ours, on the CPU) for tests and benchmarks: ``running_engine(model) -> base_url``.
 
-Usage (any helper's tests)::
+Usage::
 
-    from pipeline.engine.testing import running_engine
+    from tests.support.engine import running_engine
 
     def test_something():
         with running_engine("tiny-random") as url:          # in this process, ~1-3 s
@@ -20,16 +20,16 @@ process-wide thread setting). Both bind 127.0.0.1 on a free port and shut down c
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess as sp
 import sys
 import threading
 import time
 from typing import Iterator
+
+from tests.support.servers import serve_server
 
 
 @contextlib.contextmanager
@@ -56,37 +56,13 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
     state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
                         weight_version=weight_version, seed=seed, threads=threads)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    server = make_server(state, api_key=api_key)
-    errors: list[BaseException] = []
-
-    def _serve() -> None:
-        try:
-            asyncio.run(server.serve(sockets=[sock]))
-        except BaseException as e:  # noqa: BLE001 - surfaced to the caller below
-            errors.append(e)
-
-    thread = threading.Thread(target=_serve, name=f"engine-http-{port}", daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while not server.started:
-            if errors or not thread.is_alive():
-                raise RuntimeError(f"engine server failed to start: {errors[:1]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("engine server did not start in time")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        with serve_server(make_server(state, api_key=api_key), backlog=128, start_timeout_s=start_timeout_s,
+                          config_loop=False) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(15)
         state.shutting_down = True
         state.worker.stop()
-        sock.close()
 
 
 @contextlib.contextmanager
