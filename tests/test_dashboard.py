@@ -330,7 +330,13 @@ def test_dashboard_process_serves_and_stops_with_a_live_stream_open(kafka_config
                 pass
             assert time.monotonic() < deadline, "dashboard not ready"
             time.sleep(0.1)
-        o = httpx.get(f"{url}/api/overview", timeout=5).json()
+        deadline = time.monotonic() + 60
+        while True:  # the first scrape of the stages' endpoints (it follows a listing of the broker's groups)
+            o = httpx.get(f"{url}/api/overview", timeout=5).json()
+            if "ghost" in o["stages"]:
+                break
+            assert time.monotonic() < deadline, "no scrape of the stages' endpoints"
+            time.sleep(0.2)
         assert o["traffic"]["turns"] == 0 and o["samples"]["total"] == 0  # --from now: the history is skipped
         assert o["stages"]["ghost"]["up"] is False and o["reader"]["start"] == "now"
         publish(kafka_config, marked_conversation("s-late", turns=1)[0], "turns")
