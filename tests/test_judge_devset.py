@@ -1,0 +1,89 @@
+"""The second, independently written development set of labelled next states.
+
+``pipeline/judge/data/dev_next_states.jsonl`` exists so that changes to the judge can be checked
+for generalisation on text nobody tuned on, while the held-out evaluation set
+(``eval_next_states.jsonl``) stays the bar. These tests check its shape (both next-state roles,
+all three labels, all five user categories, the fields each row needs) and that its next-state
+texts share no wording with what the CPU judge learns from (its examples and generated bank), with
+the evaluation set, nor with the labelled fixtures earlier tuning was measured on (no 8-word
+shingle, no equal normalised text, no near-duplicate). On an overlap the message names only
+development-set ids, never the other set's texts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from judge_overlap import overlaps
+from pipeline.judge.evaluate import load_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "pipeline" / "judge" / "data"
+DEV = DATA / "dev_next_states.jsonl"
+EVAL = DATA / "eval_next_states.jsonl"
+TUNED_ON = [ROOT / "tests" / "fixtures" / "judge_next_states.jsonl",
+            ROOT / "tests" / "fixtures" / "judge_dev_next_states.jsonl"]
+USER_CATEGORIES = {"coding", "writing", "maths", "support", "casual"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return load_rows(DEV)
+
+
+def _texts(rows):
+    return [m.get("content") or "" for r in rows for m in r["next_state"] if isinstance(m, dict)]
+
+
+def _owners(rows):
+    return [r["id"] for r in rows for m in r["next_state"] if isinstance(m, dict)]
+
+
+def test_dev_set_shape(rows):
+    assert len(rows) >= 200
+    assert {r["label"] for r in rows} == {1, 0, -1}
+    assert {r["role"] for r in rows} == {"user", "tool"}
+    assert {r["category"] for r in rows if r["role"] == "user"} == USER_CATEGORIES
+    for r in rows:
+        assert len(r["next_state"]) == 1 and r["next_state"][0]["role"] == r["role"], r["id"]
+        assert r["id"].startswith("dev-user-" if r["role"] == "user" else "dev-tool-"), r["id"]
+        assert isinstance(r["style"], list) and r["request"], r["id"]
+        if r["role"] == "tool":
+            assert r["category"] == "agentic-tool", r["id"]
+            call = r["tool_calls"][0]["function"]
+            json.loads(call["arguments"])  # arguments are a JSON string
+            assert r["next_state"][0]["name"] == call["name"], r["id"]
+    per_category = Counter(r["category"] for r in rows if r["role"] == "user")
+    assert min(per_category.values()) >= 20, per_category
+
+
+def test_dev_set_shares_no_text_with_the_judges_training_texts(rows):
+    from pipeline.judge.backends.embedding import training_examples
+
+    learned = [e["text"] for e in training_examples()]
+    found = overlaps(learned, _texts(rows))
+    owners = _owners(rows)
+    assert not found, "dev rows overlapping the judge's training texts: " + ", ".join(
+        sorted({f"{owners[j]} ({kind})" for _, j, kind in found}))
+
+
+def test_dev_set_shares_no_text_with_the_evaluation_set(rows):
+    held_out = _texts(load_rows(EVAL))
+    assert len(held_out) >= 200
+    found = overlaps(held_out, _texts(rows))
+    owners = _owners(rows)
+    assert not found, "dev rows overlapping the evaluation set: " + ", ".join(
+        sorted({f"{owners[j]} ({kind})" for _, j, kind in found}))
+
+
+@pytest.mark.parametrize("path", TUNED_ON, ids=lambda p: p.name)
+def test_dev_set_shares_no_text_with_the_sets_earlier_tuning_used(rows, path):
+    """Those fixtures steered earlier judge changes; text from them would not measure generalisation."""
+    found = overlaps(_texts(load_rows(path)), _texts(rows))
+    owners = _owners(rows)
+    assert not found, f"dev rows overlapping {path.name}: " + ", ".join(
+        sorted({f"{owners[j]} ({kind})" for _, j, kind in found}))
