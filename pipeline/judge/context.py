@@ -6,7 +6,7 @@ user's request next to the assistant's tool call shows the mismatch.
 
 - :func:`target_mismatch` compares the specific things each names (file names and paths, e-mail
   addresses and the names in them, @handles and #channels, ticket-style ids, identifiers such as
-  ``web-2`` or ``feature/login``, environments and branches, dates and times, numbers, names of
+  ``web-2``, branches such as ``feature/login``, environments and branches, dates and times, numbers, names of
   people or places, also read from the argument they are passed as) kind by kind: when both
   sides name things of one kind and none of them match, the call targeted something else.
 - :func:`unrequested_target` flags a target argument (path, recipient, branch ...) with a
@@ -32,6 +32,7 @@ _NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word insi
 _IDENT = re.compile(r"(?<![\w@#/.-])(?=[\w-]*[a-z])[a-z0-9]+(?:[-_/:.][a-z0-9]+)+(?![\w-])", re.I)
 _ENV = re.compile(r"\b(?:prod|production|staging|stage|dev|development|qa|sandbox|preview|live|main|master|develop|"
                   r"release|canary|beta|test|testing)\b", re.I)
+_BRANCHLIKE = re.compile(r"(?<![\w./-])(?:feature|feat|fix|bugfix|hotfix|release|chore|dev|topic|wip)/[\w./-]+", re.I)
 _WEEKDAY = re.compile(r"\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b", re.I)
 _MONTH = re.compile(r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b",
                     re.I)
@@ -110,6 +111,7 @@ def _things(text: str) -> dict[str, set[str]]:
     add("isodate", _ISODATE.findall(text))
     add("clock", _CLOCK.findall(text))
     add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
+    add("branch", _BRANCHLIKE.findall(without_emails))
     add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
     return found
 
@@ -128,8 +130,8 @@ def _call_things(calls: str) -> dict[str, set[str]]:
     return found
 
 
-KINDS = ("email", "file", "handle", "ticket", "name", "env", "weekday", "month", "isodate", "clock", "ampm", "ident",
-         "number")
+KINDS = ("email", "file", "handle", "ticket", "branch", "name", "env", "weekday", "month", "isodate", "clock", "ampm",
+         "ident", "number")
 
 
 def target_mismatch(request: str, response: str) -> str | None:
@@ -156,8 +158,42 @@ def target_mismatch(request: str, response: str) -> str | None:
             if any(re.search(r"(?<![^\W_])" + re.escape(w), called_text) for w in want):
                 continue
         elif want & got or any(w in called_text for w in want):
+            if kind == "file" and _swapped(want, got, called_text):
+                return f"file: the call names {', '.join(sorted(got - want))[:60]} where the request names " \
+                       f"{', '.join(sorted(w for w in want if w not in called_text))[:60]}"
             continue
         return f"{kind}: request names {', '.join(sorted(want))[:60]}, the call {', '.join(sorted(got))[:60]}"
+    ref = git_ref_mismatch(request, calls)
+    if ref:
+        return ref
+    return None
+
+
+def _swapped(want: set[str], got: set[str], called_text: str) -> bool:
+    """Some files match, but the call also names a file the request does not while a file the
+    request names is missing from the call (``mv draft.docx new.docx`` for "rename final.docx to
+    new.docx"): one of the targets was swapped for another."""
+    return bool(got - want) and any(w not in called_text for w in want)
+
+
+_GIT_REF_CMD = re.compile(r"\bgit\s+(?:-\S+\s+)*(push|checkout|switch|merge|rebase|branch|reset|pull|cherry-pick)\b([^;&|\n]*)")
+
+
+def git_ref_mismatch(request: str, calls: str) -> str | None:
+    """A git command (push, checkout, merge ...) on a branch other than the one the request
+    names (``feature/search`` asked, ``git push origin main`` called)."""
+    req_refs = {r.lower().rstrip(".,") for r in _BRANCHLIKE.findall(request or "")}
+    if not req_refs:
+        return None
+    for _, v in _call_items(calls):
+        for m in _GIT_REF_CMD.finditer(v):
+            args = [a for a in m.group(2).split() if not a.startswith("-")]
+            if m.group(1) in ("push", "pull") and args:
+                args = args[1:]  # the remote
+            refs = {a.split(":")[-1].lower() for a in args if a}
+            if refs and not refs & req_refs and not any(r in v.lower() for r in req_refs):
+                return f"git {m.group(1)}: request names {', '.join(sorted(req_refs))[:60]}, the call " \
+                       f"{', '.join(sorted(refs))[:60]}"
     return None
 
 
@@ -247,6 +283,8 @@ _CURRENCY = {"euro": "eur", "euros": "eur", "€": "eur", "dollar": "usd", "doll
              "lb": "lb", "lbs": "lb", "metres": "m", "meters": "m", "feet": "ft", "ft": "ft", "inches": "in",
              "cm": "cm", "centimetres": "cm", "centimeters": "cm"}
 _DIRECTION = re.compile(r"([\w€$£¥]+)\s+(?:to|into|in|->|→)\s+([\w€$£¥]+)", re.I)
+_HOW_MANY = re.compile(r"\bhow (?:many|much)\s+([\w€$£¥]+)\s+(?:is|are|in|for|make|equals?|would|do I get for)\s+"
+                       r"(?:[\d.,]+\s*)?(?:\w+\s+)?([\w€$£¥]+)", re.I)
 _FROM_KEYS = ("from", "source", "src", "from_currency", "base", "from_unit", "input", "old", "old_name")
 _TO_KEYS = ("to", "target", "dst", "dest", "destination", "to_currency", "quote", "to_unit", "output", "new",
             "new_name")
@@ -312,8 +350,10 @@ def reversed_direction(request: str, response: str) -> str | None:
     items = _call_items(calls)
     src = {_unit(v) for k, v in items if k in _FROM_KEYS}
     dst = {_unit(v) for k, v in items if k in _TO_KEYS}
-    for m in _DIRECTION.finditer(request or ""):
-        a, b = _unit(m.group(1)), _unit(m.group(2))
+    pairs = [(m.group(1), m.group(2)) for m in _DIRECTION.finditer(request or "")]
+    pairs += [(m.group(2), m.group(1)) for m in _HOW_MANY.finditer(request or "")]  # "how many B is N A": A to B
+    for a, b in pairs:
+        a, b = _unit(a), _unit(b)
         if a == b:
             continue
         if src and dst and a in dst and b in src and a not in src and b not in dst:

@@ -75,10 +75,16 @@ _HTTP = re.compile(
     r"Payload Too Large|Unsupported Media Type|Unprocessable (?:Entity|Content)|Too Many Requests|"
     r"Internal Server Error|Not Implemented|Bad Gateway|Service Unavailable|Gateway Time-?out)\b",
     re.I | re.M)
+# a search tool's output is a result listing: words in the hits ("failed", "cancelled") are content
+_SEARCH_CALL = re.compile(r"^\s*[\w.-]*(?:search|lookup|look_up|browse|google|bing|retriev|wiki)[\w.-]*\(", re.I | re.M)
 _SILENT_ON_ERROR_1 = re.compile(r"\b(?:grep|egrep|fgrep|rg|diff|cmp|test|\[)\b")
 _SILENT_OK = re.compile(
     r"(?:^|[\s\"'(=;&|])(?:mkdir|cp|mv|rm|rmdir|touch|chmod|chown|ln|cd|export|git (?:add|checkout|switch|stash|tag)|"
-    r"write_file|save_file|set_env|sleep|true)\b", re.I)
+    r"write_file|save_file|set_env|sleep|true|kill|pkill|rsync|scp|install|sed -i|crontab|"
+    # checkers and compilers that print nothing when all is well
+    r"(?:npx )?tsc|eslint|flake8|pyflakes|gofmt|go (?:vet|build)|javac|gcc|g\+\+|clang|shellcheck|"
+    r"rustfmt|systemctl (?:start|stop|restart|reload|enable|disable))\b"
+    r"|[^>]>>?\s*[\w./~-]+\s*[\"')]*$", re.I)  # or output redirected to a file
 
 # -- error and success signatures -------------------------------------------------------------
 _ERROR = re.compile("|".join([  # decide at any length: these do not occur in ordinary data
@@ -181,7 +187,26 @@ _LIST_KEYS = ("results", "items", "data", "hits", "rows", "records", "matches", 
               "values", "list", "events", "messages")
 
 
-def _json_reading(obj) -> ToolReading | None:
+_STREAM_KEYS = ("stdout", "output", "out")
+
+
+def _shell_json_reading(low: dict, code: int, key: str, call: str) -> ToolReading:
+    """A command result in JSON (``{"exit_code", "stdout", "stderr"}``) read like the same
+    result printed as text: an empty stdout is an empty output (+1 only for commands silent on
+    success), exit 1 of a match/compare command with nothing printed is "no match"."""
+    streams = [low[k] for k in _STREAM_KEYS if isinstance(low.get(k), str)]
+    errs = low.get("stderr") if isinstance(low.get("stderr"), str) else ""
+    empty = bool(streams) and not any(x.strip() for x in streams)
+    if code == 0:
+        if empty and not errs.strip() and not (call and _SILENT_OK.search(call)):
+            return ToolReading(0, f"JSON {key}=0 with an empty output")
+        return ToolReading(1, f"JSON {key}=0")
+    if code == 1 and call and _SILENT_ON_ERROR_1.search(call) and empty and not errs.strip():
+        return ToolReading(0, f"JSON {key}=1 of a match/compare command (no match)")
+    return ToolReading(-1, f"JSON {key}={code}")
+
+
+def _json_reading(obj, call: str = "") -> ToolReading | None:
     if isinstance(obj, list):
         return ToolReading(0, "empty JSON list") if not obj else None
     if not isinstance(obj, dict):
@@ -196,7 +221,7 @@ def _json_reading(obj) -> ToolReading | None:
             return ToolReading(1 if low[key] else -1, f"JSON {key}={str(low[key]).lower()}")
     for key in ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc"):
         if isinstance(low.get(key), int) and not isinstance(low.get(key), bool):
-            return ToolReading(1 if low[key] == 0 else -1, f"JSON {key}={low[key]}")
+            return _shell_json_reading(low, low[key], key, call)
     for key in ("status_code", "statuscode", "http_status", "code", "status"):
         v = low.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 100 <= v <= 599:
@@ -212,9 +237,10 @@ def _json_reading(obj) -> ToolReading | None:
             if s in _JSON_OK_STATUS:
                 return ToolReading(1, f"JSON {key}={v}")
     for key in _LIST_KEYS:
-        if key in low and isinstance(low[key], list):
+        if key in low and isinstance(low[key], list) and not low.get("next_page") and not low.get("has_more"):
             return ToolReading(0, f"JSON {key} empty") if not low[key] else ToolReading(1, f"JSON {key} returned")
-    for key in ("message", "msg", "detail", "details", "description", "reason", "error_description", "title"):
+    # status-like fields only: a title, name or description describes an object, not the outcome
+    for key in ("message", "msg", "detail", "details", "reason", "error_description"):
         v = low.get(key)
         if isinstance(v, str) and len(v) <= SHORT_CHARS and (_ERROR.search(v) or _WEAK_ERROR.search(v)):
             return ToolReading(-1, f"JSON {key} reports an error")
@@ -222,6 +248,11 @@ def _json_reading(obj) -> ToolReading | None:
         v = low.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v == 0 and len(low) <= 3:
             return ToolReading(0, f"JSON {key}=0")
+    if any(low.get(k) for k in ("next_page", "next_cursor", "has_more", "truncated")):
+        return ToolReading(0, "JSON page of a longer result (more pages)")
+    if any(k in low for k in ("id", "uuid", "number", "html_url", "url", "self", "href")) and not any(
+            isinstance(v, str) and v.strip().lower().replace(" ", "_") in _JSON_FAIL_STATUS for v in low.values()):
+        return ToolReading(1, "JSON object returned (an identified resource)")
     return None
 
 
@@ -297,7 +328,7 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
         except ValueError:
             obj = None
         if obj is not None:
-            reading = _json_reading(obj)
+            reading = _json_reading(obj, call)
             if reading is not None:
                 return reading
             if not _ERROR.search(_ZERO_COUNTS.sub(" ", s)):
@@ -310,11 +341,13 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
     if _TRANSIENT.search(s):
         return ToolReading(0, "transient failure of the environment (rate limit, overload)")
     cleaned = _ZERO_COUNTS.sub(" ", s)
+    searched = bool(call and _SEARCH_CALL.search(call))
     listing = _is_listing(s)
-    short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES
+    short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not searched
     no_results = bool(_NO_RESULTS.search(cleaned))
     error = None if listing else (_ERROR.search(cleaned) or (
         _WEAK_ERROR.search(cleaned) if short and not no_results else None))
+    listing = listing or (searched and not error)
     codes = [int(m) for m in _EXIT.findall(s)]
     if codes:
         code = codes[-1]

@@ -75,6 +75,10 @@ HINT_MAX_CHARS = 1000
 MAX_TEXT_CHARS = 2000
 RECENT = 256
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
+# kinds of target a user names exactly, so that a call naming another one of the kind acted on the
+# wrong thing (-1); other kinds (numbers, dates, names, identifiers) only make the judge abstain
+DISTINCT_KINDS = ("email", "file", "handle", "ticket", "branch", "env", "git push", "git checkout", "git switch", "git merge",
+                  "git rebase", "git branch", "git reset", "git pull", "git cherry-pick")
 _RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
                     "JSON matches returned", "JSON documents returned")
 
@@ -330,7 +334,10 @@ class NextStateClassifier:
             wrong = wrong_action(request, call)
             if wrong:
                 return Judgement(-1, p, f"succeeded at the wrong thing ({wrong})")
-            mismatch = target_mismatch(request, call) or unrequested_target(request, call)
+            mismatch = target_mismatch(request, call)
+            if mismatch and mismatch.split(":", 1)[0] in DISTINCT_KINDS:
+                return Judgement(-1, p, f"succeeded at another target than the request names ({mismatch})")
+            mismatch = mismatch or unrequested_target(request, call)
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)
