@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline.judge.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
-                                    wrong_action, wrong_count)
+                                    target_mismatch, wrong_action, wrong_count)
 
 
 def call(name: str, **args) -> str:
@@ -32,6 +32,10 @@ def call(name: str, **args) -> str:
     (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
      call("shell", cmd="go test ./...")),
     (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
+    (reversed_direction, "How many dollars is 80 euros?", call("fx", **{"from": "USD", "to": "EUR", "amount": 80}),
+     call("fx", **{"from": "EUR", "to": "USD", "amount": 80})),
+    (reversed_direction, "how much yen for 20 pounds", call("fx", **{"from": "JPY", "to": "GBP", "amount": 20}),
+     call("fx", **{"from": "GBP", "to": "JPY", "amount": 20})),
 ])
 def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     assert check(request_, bad), (request_, bad)
@@ -48,3 +52,32 @@ def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
 ])
 def test_silent_without_evidence(request_, response):
     assert wrong_action(request_, response) is None
+
+
+@pytest.mark.parametrize("request_,bad,good,kind", [
+    # one of two files swapped for another
+    ("Rename notes_old.md to notes.md", call("rename", src="notes_tmp.md", dst="notes.md"),
+     call("rename", src="notes_old.md", dst="notes.md"), "file"),
+    ("Copy q1.csv to q1_backup.csv", call("shell", cmd="cp q2.csv q1_backup.csv"),
+     call("shell", cmd="cp q1.csv q1_backup.csv"), "file"),
+    # git on another branch than the one named
+    ("Push my work on fix/cart-total to the remote", call("shell", cmd="git push origin main"),
+     call("shell", cmd="git push origin fix/cart-total"), "branch"),
+    ("Check out feature/search-v2 please", call("shell", cmd="git checkout feature/search"),
+     call("shell", cmd="git checkout feature/search-v2"), "branch"),
+    ("Merge release/1.4 into main", call("shell", cmd="git merge release/1.3"),
+     call("shell", cmd="git merge release/1.4"), "branch"),
+])
+def test_a_call_on_another_named_target(request_, bad, good, kind):
+    why = target_mismatch(request_, bad)
+    assert why and why.split(":", 1)[0] == kind, why
+    assert target_mismatch(request_, good) is None
+
+
+@pytest.mark.parametrize("request_,response", [
+    ("Push my commits", call("shell", cmd="git push origin main")),  # no branch named: nothing to compare
+    ("Push feature/a to the remote", call("shell", cmd="git push")),  # no branch in the call
+    ("Back up report.docx", call("shell", cmd="cp report.docx report.docx.bak")),  # an extra file, none missing
+])
+def test_no_mismatch_without_evidence(request_, response):
+    assert target_mismatch(request_, response) is None

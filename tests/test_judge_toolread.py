@@ -74,6 +74,24 @@ CASES = [
     ("def check(x):\n    if x < 0:\n        raise ValueError('invalid input')\n    return x\n" * 3, "", None),
     ("Monday 12°C cloudy", "", None),
     ("Saved 2 files.", "", 1),
+    # a command result given as JSON reads like the same result printed
+    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "find . -size +1G"})', 0),
+    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "npx tsc --noEmit"})', 1),
+    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "sort names.txt > sorted.txt"})', 1),
+    ('{"exit_code": 0, "stdout": "a.txt", "stderr": ""}', 'shell({"cmd": "ls"})', 1),
+    ('{"exit_code": 1, "stdout": "", "stderr": ""}', 'shell({"cmd": "grep -rn TODO src"})', 0),
+    ('{"exit_code": 1, "stdout": "", "stderr": "No such file"}', 'shell({"cmd": "grep -rn TODO srcx"})', -1),
+    ('{"exit_code": 2, "stdout": "", "stderr": ""}', 'shell({"cmd": "make"})', -1),
+    # search hits are content, even short ones with error words in them
+    ("1. Task groups - cancelled tasks and errors explained", 'web_search({"query": "task groups"})', 1),
+    ("Traceback (most recent call last):\n  File \"s.py\", line 1\nKeyError: 'q'", 'web_search({"query": "x"})', -1),
+    # JSON: titles describe an object; an identified resource is a success; a page is partial
+    ('{"number": 7, "title": "Login fails on Safari", "state": "open"}', "", 1),
+    ('{"id": "c_1", "description": "invalid rows are skipped"}', "", 1),
+    ('{"id": "c_1", "status": "failed"}', "", -1),
+    ('{"items": [{"n": 1}], "next_page": 2}', "", 0),
+    ('{"data": [{"n": 1}], "has_more": true}', "", 0),
+    ('{"message": "Not Found"}', "", -1),
 ]
 
 

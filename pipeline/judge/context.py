@@ -14,7 +14,10 @@ user's request next to the assistant's tool call shows the mismatch.
 - :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
   checks for relevance to the query and the request.
 
-All are heuristics that can only make the judge abstain (score 0); they never produce a sign.
+All are heuristics. A mismatch makes the judge abstain (score 0), except for the kinds of thing a
+user names exactly (e-mail, file, @handle/#channel, ticket, branch, environment): a call on
+another one of those succeeded at the wrong thing and scores -1 (see the embedding backend's
+``DISTINCT_KINDS``).
 """
 
 from __future__ import annotations
@@ -192,7 +195,7 @@ def git_ref_mismatch(request: str, calls: str) -> str | None:
                 args = args[1:]  # the remote
             refs = {a.split(":")[-1].lower() for a in args if a}
             if refs and not refs & req_refs and not any(r in v.lower() for r in req_refs):
-                return f"git {m.group(1)}: request names {', '.join(sorted(req_refs))[:60]}, the call " \
+                return f"branch: git {m.group(1)} on another branch; the request names {', '.join(sorted(req_refs))[:60]}, the call " \
                        f"{', '.join(sorted(refs))[:60]}"
     return None
 

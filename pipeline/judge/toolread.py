@@ -84,7 +84,7 @@ _SILENT_OK = re.compile(
     # checkers and compilers that print nothing when all is well
     r"(?:npx )?tsc|eslint|flake8|pyflakes|gofmt|go (?:vet|build)|javac|gcc|g\+\+|clang|shellcheck|"
     r"rustfmt|systemctl (?:start|stop|restart|reload|enable|disable))\b"
-    r"|[^>]>>?\s*[\w./~-]+\s*[\"')]*$", re.I)  # or output redirected to a file
+    r"|[^>2]>>?\s*[\w./~-]+\s*[\"'})\]]*\s*$", re.I | re.M)  # or output redirected to a file
 
 # -- error and success signatures -------------------------------------------------------------
 _ERROR = re.compile("|".join([  # decide at any length: these do not occur in ordinary data

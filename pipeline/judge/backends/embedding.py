@@ -77,8 +77,7 @@ RECENT = 256
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
 # kinds of target a user names exactly, so that a call naming another one of the kind acted on the
 # wrong thing (-1); other kinds (numbers, dates, names, identifiers) only make the judge abstain
-DISTINCT_KINDS = ("email", "file", "handle", "ticket", "branch", "env", "git push", "git checkout", "git switch", "git merge",
-                  "git rebase", "git branch", "git reset", "git pull", "git cherry-pick")
+DISTINCT_KINDS = ("email", "file", "handle", "ticket", "branch", "env")
 _RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
                     "JSON matches returned", "JSON documents returned")
 
