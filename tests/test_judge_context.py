@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline.judge.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
-                                    target_mismatch, wrong_action, wrong_count)
+                                    target_mismatch, wrong_action, wrong_conversion_target, wrong_count, wrong_date)
 
 
 def call(name: str, **args) -> str:
@@ -36,6 +36,24 @@ def call(name: str, **args) -> str:
      call("fx", **{"from": "EUR", "to": "USD", "amount": 80})),
     (reversed_direction, "how much yen for 20 pounds", call("fx", **{"from": "JPY", "to": "GBP", "amount": 20}),
      call("fx", **{"from": "GBP", "to": "JPY", "amount": 20})),
+    # another target language, currency or unit than the request names
+    (wrong_conversion_target, "Please translate the menu into German.", call("translate", text="x", target="it"),
+     call("translate", text="x", target="de")),
+    (wrong_conversion_target, "Übersetze das bitte ins Englische: 'Guten Tag'. Auf Englisch bitte.",
+     call("translate", text="Guten Tag", source="de", target="fr"), call("translate", text="Guten Tag", target="en-GB")),
+    (wrong_conversion_target, "what is 300 swiss francs in british pounds",
+     call("fx", **{"from": "CHF", "to": "EUR", "amount": 300}), call("fx", **{"from": "CHF", "to": "GBP", "amount": 300})),
+    (wrong_conversion_target, "Convert 45 euros to Japanese yen", call("fx", base="EUR", quote="USD", amount=45),
+     call("fx", base="EUR", quote="JPY", amount=45)),
+    (wrong_conversion_target, "How far is 10 miles in km?", call("units", value=10, **{"from": "mi", "to": "m"}),
+     call("units", value=10, **{"from": "mi", "to": "km"})),
+    # another calendar day than the request names
+    (wrong_date, "Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00"),
+     call("book", start="2025-07-03T09:00")),
+    (wrong_date, "schedule the review on March 14th", call("cal_add", date="2026-03-15"),
+     call("cal_add", date="2026-03-14")),
+    (wrong_date, "Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
+     call("reschedule", when="2025-11-02 10:00")),
 ])
 def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     assert check(request_, bad), (request_, bad)
@@ -49,6 +67,11 @@ def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     ("Book a table", call("book", people=2)),  # the request states no number
     ("Deploy to staging", ""),  # no call
     ("Run the tests for the parser", call("shell", cmd="pytest tests/test_parser.py")),  # a subset was asked
+    ("Translate 'hola' for me", call("translate", text="hola", target="en")),  # no target language named
+    ("Send the invoice to Maria in accounting", call("email", to="maria@example.com")),  # "to" a person
+    ("Book a room for next Tuesday", call("book", start="2025-07-08T10:00")),  # no calendar day named
+    ("Book it for 3 July or 4 July, whichever is free", call("book", start="2025-07-04")),
+    ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),
 ])
 def test_silent_without_evidence(request_, response):
     assert wrong_action(request_, response) is None
@@ -67,6 +90,9 @@ def test_silent_without_evidence(request_, response):
      call("shell", cmd="git checkout feature/search-v2"), "branch"),
     ("Merge release/1.4 into main", call("shell", cmd="git merge release/1.3"),
      call("shell", cmd="git merge release/1.4"), "branch"),
+    # a branch named at the end of a sentence: the full stop is not part of its name
+    ("Switch to release/3.1.", call("shell", cmd="git switch release/3.0"),
+     call("shell", cmd="git switch release/3.1"), "branch"),
 ])
 def test_a_call_on_another_named_target(request_, bad, good, kind):
     why = target_mismatch(request_, bad)

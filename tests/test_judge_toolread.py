@@ -92,6 +92,40 @@ CASES = [
     ('{"items": [{"n": 1}], "next_page": 2}', "", 0),
     ('{"data": [{"n": 1}], "has_more": true}', "", 0),
     ('{"message": "Not Found"}', "", -1),
+    # failures of the environment inside a JSON error object: the call is not at fault
+    ('{"error": {"code": 503, "message": "The model is overloaded"}}', "", 0),
+    ('{"error": {"status": "429", "message": "slow down"}}', "", 0),
+    ('{"status_code": 502, "error": "Bad Gateway"}', "", 0),
+    ('{"error": "Too many requests, please retry later"}', "", 0),
+    ('{"error": {"code": 404, "message": "no such repo"}}', "", -1),  # a client error stays a failure
+    ("<html><title>504 Gateway Time-out</title><body>upstream timed out</body></html>", "", 0),
+    # a flag that the thing happened; a false flag decides nothing alone
+    ('{"reservation": "T-88", "confirmed": true}', "", 1),
+    ('{"reservation": "T-88", "confirmed": false, "error": "slot taken"}', "", -1),
+    # progress that ended in a success; a container still starting
+    ("Waiting for rollout of api: 1 of 2 new replicas updated...\nrollout of api completed successfully", "", 1),
+    ("NAME        READY   STATUS              RESTARTS   AGE\nweb-5f7d   0/1     ContainerCreating   0          5s",
+     "", 0),
+    ("NAME        READY   STATUS    RESTARTS   AGE\nworker-9b   0/1     Init:0/2  0          40s", "", 0),
+    ("NAME        READY   STATUS             RESTARTS   AGE\napi-77c    0/1     CrashLoopBackOff   6          9m", "", -1),
+    # runs cut short, flaky passes
+    ("Copying shard 1/8 ... done\nCopying shard 2/8 ...\n(still running after 120 s; output so far)", "", 0),
+    ("tests/test_io.py::test_retry PASSED\n==== 3 passed, 2 rerun in 4.10s ====", "", 0),
+    # a test module that does not import: nothing ran, a failure (not a partial run)
+    ("_____ ERROR collecting tests/test_cli.py _____\nImportError: cannot import name 'main'\n"
+     "!!!!! Interrupted: 1 error during collection !!!!!", 'bash({"command": "pytest tests"})', -1),
+    ("ImportError while importing test module '/srv/tests/test_db.py'.", "", -1),
+    # OS errors in other locales
+    ("cp: 'a.txt' kann nicht angelegt werden: Keine Berechtigung", 'bash({"command": "cp a.txt /etc/"})', -1),
+    ("ls: impossible d'accéder à 'logs': Aucun fichier ou dossier de ce type", "", -1),
+    ("mkdir: no se puede crear el directorio «/opt/x»: Permiso denegado", "", -1),
+    ("cat: notes.txt: そのようなファイルやディレクトリはありません", "", -1),
+    ("rm: 无法删除 'x.log': 权限不够", "", -1),
+    ("Fehler: Verbindung zur Datenbank fehlgeschlagen", "", -1),
+    # a document read from a file: the errors it quotes are its content, not the read's outcome
+    ("## Known issues\n\nWhen the worker prints 'Permission denied' on start, check the socket owner.\n"
+     "A \"connection refused\" usually means the broker is down.", 'read_file({"path": "docs/ops.md"})', None),
+    ("Permission denied", 'read_file({"path": "docs/ops.md"})', -1),  # the read itself failed
 ]
 
 

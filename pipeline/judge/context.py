@@ -114,7 +114,7 @@ def _things(text: str) -> dict[str, set[str]]:
     add("isodate", _ISODATE.findall(text))
     add("clock", _CLOCK.findall(text))
     add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
-    add("branch", _BRANCHLIKE.findall(without_emails))
+    add("branch", [b.rstrip(".,;:") for b in _BRANCHLIKE.findall(without_emails)])  # not a sentence's full stop
     add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
     return found
 
@@ -369,6 +369,114 @@ def reversed_direction(request: str, response: str) -> str | None:
     return None
 
 
+_LANGUAGE = {  # language names (English and native, a few other spellings) -> ISO 639-1
+    "en": ("english", "anglais", "englisch", "inglés", "ingles", "inglese", "inglês", "engels", "angielski"),
+    "es": ("spanish", "español", "espanol", "espagnol", "spanisch", "spagnolo", "espanhol", "spaans", "hiszpański",
+           "castilian"),
+    "fr": ("french", "français", "francais", "französisch", "francés", "frances", "francese", "francês", "frans",
+           "francuski"),
+    "de": ("german", "deutsch", "allemand", "alemán", "aleman", "tedesco", "alemão", "duits", "niemiecki"),
+    "it": ("italian", "italiano", "italien", "italienisch", "italiaans", "włoski"),
+    "pt": ("portuguese", "português", "portugues", "portugais", "portugiesisch", "portoghese", "portugués",
+           "portugees", "portugalski"),
+    "nl": ("dutch", "nederlands", "néerlandais", "niederländisch", "holandés", "olandese", "holenderski"),
+    "pl": ("polish", "polski", "polonais", "polnisch", "polaco", "polacco"),
+    "ru": ("russian", "русский", "russe", "russisch", "ruso", "russo", "rosyjski"),
+    "ja": ("japanese", "日本語", "japonais", "japanisch", "japonés", "giapponese", "japonês", "japans"),
+    "zh": ("chinese", "mandarin", "中文", "汉语", "chinois", "chinesisch", "chino", "cinese", "chinês"),
+    "ko": ("korean", "한국어", "coréen", "koreanisch", "coreano"),
+    "ar": ("arabic", "arabe", "arabisch", "árabe", "arabo"),
+    "tr": ("turkish", "türkçe", "turc", "türkisch", "turco"),
+    "sv": ("swedish", "svenska", "suédois", "schwedisch", "sueco", "svedese"),
+    "hi": ("hindi",), "uk": ("ukrainian", "українська"), "el": ("greek", "ελληνικά"), "cs": ("czech", "čeština"),
+}
+_LANGUAGE_OF = {name: code for code, names in _LANGUAGE.items() for name in names}
+_CURRENCY_CODES = {"eur", "usd", "gbp", "jpy", "chf", "inr", "cny", "sek", "pln", "brl", "mxn", "cad", "aud", "nzd",
+                   "nok", "dkk", "krw", "hkd", "sgd", "try", "zar", "czk", "huf"}
+_UNIT_CODES = set(_CURRENCY.values()) - _CURRENCY_CODES
+_TARGET_OF = re.compile(r"\b(?:to|into|in|nach|en|in|na|auf|naar|em|w)\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?", re.I)
+
+
+def _kind_value(word: str) -> tuple[str, str] | None:
+    """``("language", "es")``, ``("currency", "jpy")`` or ``("unit", "km")`` of one word, or None."""
+    w = word.lower().strip(".,:;!?'\"")
+    if w in _LANGUAGE_OF:
+        return "language", _LANGUAGE_OF[w]
+    unit = _CURRENCY.get(w, w)
+    if unit in _CURRENCY_CODES:
+        return "currency", unit
+    if w in _CURRENCY:
+        return "unit", unit
+    return None
+
+
+def _call_value(kind: str, value: str) -> str | None:
+    """The value of a ``to``/``target`` argument as the same kind (``"es-ES"`` -> ``"es"``)."""
+    v = value.strip().lower()
+    if kind == "language":
+        code = re.split(r"[-_]", v)[0]
+        return code if code in _LANGUAGE else _LANGUAGE_OF.get(v)
+    got = _kind_value(v)
+    if got is None and kind == "unit" and v in _UNIT_CODES:  # a unit's code ("m", "lb") in an argument
+        return v
+    return got[1] if got and got[0] == kind else None
+
+
+def wrong_conversion_target(request: str, response: str) -> str | None:
+    """The request converts or translates *to* a named language, currency or unit ("into
+    Spanish", "to Japanese yen") and the call's ``to``/``target`` argument is another one of
+    the same kind (``"target": "fr"``)."""
+    calls = call_text(response)
+    if not calls:
+        return None
+    dst = [v for k, v in _call_items(calls) if k in _TO_KEYS or k in ("language", "lang", "target_lang",
+                                                                        "target_language", "to_lang", "currency")]
+    if not dst:
+        return None
+    for m in _TARGET_OF.finditer(request or ""):
+        # "to Japanese yen": the second word names the currency; "into Spanish, please": the first
+        wanted = (m.group(2) and _kind_value(m.group(2))) or _kind_value(m.group(1))
+        if not wanted:
+            continue
+        kind, want = wanted
+        got = {g for g in (_call_value(kind, v) for v in dst) if g}
+        if got and want not in got:
+            return f"the request converts to {want} ({kind}), the call to {', '.join(sorted(got))}"
+    return None
+
+
+_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
+           "november", "december")
+_DAY_MONTH = re.compile(r"\b(\d{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+(" + "|".join(_MONTHS) + r"|"
+                        + "|".join(m[:3] for m in _MONTHS) + r")\b", re.I)
+_MONTH_DAY = re.compile(r"\b(" + "|".join(_MONTHS) + r"|" + "|".join(m[:3] for m in _MONTHS)
+                        + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?\b(?!:)", re.I)
+_ISO_DAY = re.compile(r"\b\d{4}-(\d{2})-(\d{2})")
+
+
+def _month_index(name: str) -> int:
+    return [m[:3] for m in _MONTHS].index(name.lower()[:3]) + 1
+
+
+def wrong_date(request: str, response: str) -> str | None:
+    """The request names a calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and every
+    date the call passes (ISO ``YYYY-MM-DD``) is another day: booked or scheduled on the wrong day."""
+    calls = call_text(response)
+    if not calls:
+        return None
+    wanted = {(_month_index(m), int(d)) for d, m in _DAY_MONTH.findall(request or "")}
+    wanted |= {(_month_index(m), int(d)) for m, d in _MONTH_DAY.findall(request or "")}
+    wanted |= {(int(mo), int(d)) for mo, d in _ISO_DAY.findall(request or "")}
+    wanted = {(mo, d) for mo, d in wanted if 1 <= d <= 31}
+    if not wanted:
+        return None
+    got = {(int(mo), int(d)) for _, v in _call_items(calls) for mo, d in _ISO_DAY.findall(v)}
+    if got and not got & wanted:
+        fmt = lambda ds: ", ".join(f"{mo:02d}-{d:02d}" for mo, d in sorted(ds))  # noqa: E731
+        return f"the request names the day {fmt(wanted)}, the call {fmt(got)}"
+    return None
+
+
 def public_instead_of_private(request: str, response: str) -> str | None:
     """The request asks for a private message and the call posts to a channel (``#name``)."""
     calls = call_text(response)
@@ -411,9 +519,10 @@ def wrong_count(request: str, response: str) -> str | None:
 
 def wrong_action(request: str, response: str) -> str | None:
     """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
-    target, a reversed direction, a public post for a private message, a narrower test run, a
-    wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
-    for check in (misspelt_target, reversed_direction, public_instead_of_private, narrower_scope, wrong_count):
+    target, a reversed direction, another target language, currency or unit, another calendar
+    day, a public post for a private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
+    for check in (misspelt_target, reversed_direction, wrong_conversion_target, wrong_date, public_instead_of_private,
+                  narrower_scope, wrong_count):
         why = check(request, response)
         if why:
             return why

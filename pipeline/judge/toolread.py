@@ -95,12 +95,22 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"^\s*E\s*:\s+\S", r"^\s*\[(?:error|fatal|err)\]", r"^\s*npm ERR!", r"^\s*ERROR\b",
     r"\bcommand not found\b", r"\bis not recognized as (?:an internal|the name)", r"\bNo such file or directory\b",
     r"\bPermission denied\b", r"\bOperation not permitted\b", r"\bSegmentation fault\b", r"\bcore dumped\b",
-    r"\bOOMKilled\b", r"\bConnection (?:refused|reset by peer)\b", r"\bCould not resolve host\b",
+    r"\bOOMKilled\b", r"\b(?:CrashLoopBackOff|ImagePullBackOff|ErrImagePull|CreateContainerConfigError)\b", r"\bConnection (?:refused|reset by peer)\b", r"\bCould not resolve host\b",
     r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
     r"\bcompilation (?:failed|terminated)\b", r"\bundefined reference to\b", r"^CONFLICT \(",
     r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!", r"\bmax retries exceeded\b", r"\bNewConnectionError\b",
     r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^\s*\d+:\d+\s+error\s", r"^[\w.-]+: \*\*\* ",
     r"\bNo rule to make target\b",
+    # the same OS errors as printed in other locales (permission denied, no such file, access denied)
+    r"\bKeine Berechtigung\b", r"\bDatei oder Verzeichnis nicht gefunden\b", r"\bZugriff verweigert\b",
+    r"\bPermission non accordée\b", r"\bAucun fichier ou dossier de ce (?:type|nom)\b", r"\bAccès refusé\b",
+    r"\bPermiso denegado\b", r"\bNo existe el (?:archivo|fichero)", r"\bAcceso denegado\b",
+    r"\bPermesso negato\b", r"\bFile o directory non esistente\b", r"\bPermissão negada\b",
+    r"\b(?:Arquivo|Ficheiro) ou (?:diretório|pasta) (?:inexistente|não encontrad[oa])\b", r"\bToegang geweigerd\b",
+    r"\bBestand of map bestaat niet\b", r"\bBrak dostępu\b", r"\bNie ma takiego pliku\b",
+    r"Отказано в доступе", r"Нет такого файла", r"許可がありません", r"そのようなファイルやディレクトリはありません",
+    r"权限不够", r"没有那个文件或目录", r"拒绝访问", r"허가 거부", r"그런 파일이나 디렉터리가 없습니다",
+    r"^\s*(?:Fehler|erreur|errore|erro|fout|błąd|ошибка|エラー|错误|오류)\s*:",
 ]), _I)
 _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like output
     r"\bAccess (?:is )?denied\b", r"\bKilled\b", r"\bout of memory\b", r"\btimed out\b", r"\btime-?out\b",
@@ -116,6 +126,12 @@ _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like outpu
     r"\bnot available\b", r"\bconflicts? with\b", r"\bfully booked\b", r"\bsold out\b", r"\bout of stock\b",
     r"\bunknown\b", r"\bunsupported\b", r"\bnot supported\b", r"\bdisallowed\b", r"\bblocked\b",
     r"\bwarning: .*(?:failed|error)", r"\bno availability\b", r"^sorry\b", r"\bunfortunately\b",
+    # the same words in other languages
+    r"\bnicht möglich\b", r"\bfehlgeschlagen\b", r"\bkonnte nicht\b", r"\bimpossible de\b", r"\béchec\b",
+    r"\bn'a pas pu\b", r"\bno se (?:puede|pudo)\b", r"\bha fallado\b", r"\bimpossibile\b", r"\bnon riuscit",
+    r"\bnão (?:foi possível|é possível)\b", r"\bfalhou\b", r"\bmislukt\b", r"\bkan niet\b", r"\bnie można\b",
+    r"\bnie udało się\b", r"не удалось", r"невозможно", r"失敗しました", r"できません", r"失败", r"无法", r"실패",
+    r"할 수 없습니다",
 ]), _I)
 SHORT_CHARS = 400  # a tool result up to this long (and up to SHORT_LINES lines) reads as a status message
 SHORT_LINES = 6
@@ -142,6 +158,8 @@ _PENDING = re.compile("|".join([
     r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
     r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.", r"\bdeselected\b", r"\bskipped\b.*\bin [\d.]+s\b",
 ]), _I)
+# a container or pod still being set up (kubectl / docker status columns): the outcome is not known yet
+_STARTING_UP = re.compile(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+|Pending)\b|\bhealth: starting\b")
 _NO_RESULTS = re.compile(
     r"\bno (?:results?|matches|matching|hits|records?|rows?|entries|items|documents?|files?)\b(?: (?:were )?found)?"
     r"|\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bnothing (?:found|matched)\b"
@@ -151,7 +169,7 @@ _NO_RESULTS = re.compile(
     r"|\bmatch(?:ed)? nothing\b"
     r"|\b0 \w+ match\b|\bdid not match any\b|\bno (?:matching|relevant) \w+",
     _I)
-_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
+_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|successfully|ready|rolled out)\b", re.I)
 _DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
                          r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
 # failures of the environment, not of the action: rate limits, overload, maintenance (retry later)
@@ -159,7 +177,8 @@ _TRANSIENT_CODES = {429, 502, 503, 504}
 _TRANSIENT = re.compile(
     r"\brate[ -]?limit(?:ed)?\b|\btoo many requests\b|\btemporar(?:y|ily) (?:unavailable|failure|error|down)\b"
     r"|\b(?:try|retry|please retry) (?:again )?(?:later|in \d+|after)\b|\bretry[- ]after\b|\bunder maintenance\b"
-    r"|\bservice (?:is )?unavailable\b|\bserver (?:is )?(?:overloaded|busy)\b|\bquota (?:exceeded|reached)\b", re.I)
+    r"|\bservice (?:is )?(?:temporarily )?unavailable\b|\bserver (?:is )?(?:overloaded|busy)\b|\bquota (?:exceeded|reached)\b"
+    r"|\bbad gateway\b|\bgateway time-?out\b", re.I)
 # the action did not (fully) happen or its outcome is not known: dry runs, partial or truncated
 # output, flaky tests that passed only on a retry
 _UNSETTLED = re.compile(
@@ -167,7 +186,11 @@ _UNSETTLED = re.compile(
     r"|\bno changes (?:were )?(?:made|applied)\b|\b(?:output )?truncated\b|\bpartial(?:ly)?\b|\bincomplete\b"
     r"|\b\d+ of \d+ (?:\w+ )?(?:processed|done|completed|copied|uploaded|migrated|imported)\b|\bflaky\b"
     r"|\bpassed on (?:retry|rerun|re-run)\b|\brerun\w*\b.*\bpassed\b|\bstopped after\b|\binterrupted\b"
-    r"|\b\.\.\. ?\(?\d+ more (?:lines|rows|results|items)\)?", re.I)
+    r"|\b\.\.\. ?\(?\d+ more (?:lines|rows|results|items)\)?|\bstill running after\b|\boutput so far\b"
+    r"|\b[1-9]\d* rerun\b", re.I)
+# a test run that stopped before any test ran because a test module did not import: a failure
+_COLLECTION_ERROR = re.compile(r"\bERROR collecting\b|\berrors? during collection\b|\bImportError while importing "
+                               r"test module\b", re.I)
 _EMPTY = {"", "[]", "{}", "()", "null", "none", "nil", '""', "''", "(no output)", "<no output>", "no output",
           "(empty)", "<empty>", "empty", "n/a", "-"}
 _URL = re.compile(r"https?://\S+")
@@ -206,12 +229,40 @@ def _shell_json_reading(low: dict, code: int, key: str, call: str) -> ToolReadin
     return ToolReading(-1, f"JSON {key}={code}")
 
 
+_DONE_FLAGS = ("confirmed", "completed", "done", "created", "sent", "saved", "deleted", "booked", "paid",
+               "delivered", "approved", "published", "merged", "deployed", "updated", "scheduled")
+_CODE_KEYS = ("code", "status", "status_code", "statuscode", "http_status", "http_code")
+
+
+def _json_transient(low: dict) -> ToolReading | None:
+    """An error object that reports a failure of the environment (HTTP 429/502/503/504, a rate
+    limit, a gateway timeout), at the top level or inside its ``error`` field: not the call's fault."""
+    error = low.get("error")
+    scopes = [low] + ([{str(k).lower(): v for k, v in error.items()}] if isinstance(error, dict) else [])
+    for scope in scopes:
+        for key in _CODE_KEYS:
+            v = scope.get(key)
+            if isinstance(v, str) and v.strip().isdigit():
+                v = int(v)
+            if isinstance(v, int) and not isinstance(v, bool) and v in _TRANSIENT_CODES:
+                return ToolReading(0, f"JSON {key}={v} (transient, not caused by the call)")
+    if error is None and not any("error" in k for k in low):
+        return None
+    texts = [v for scope in scopes for v in scope.values() if isinstance(v, str)]
+    if any(_TRANSIENT.search(t) for t in texts):
+        return ToolReading(0, "JSON error of the environment (rate limit, overload)")
+    return None
+
+
 def _json_reading(obj, call: str = "") -> ToolReading | None:
     if isinstance(obj, list):
         return ToolReading(0, "empty JSON list") if not obj else None
     if not isinstance(obj, dict):
         return None
     low = {str(k).lower(): v for k, v in obj.items()}
+    transient = _json_transient(low)
+    if transient is not None:
+        return transient
     for key, err in low.items():
         if ("error" in key or key in ("exception", "fault", "failure")) and "count" not in key \
                 and err not in (None, False, "", [], {}, 0, "none", "null"):
@@ -219,6 +270,9 @@ def _json_reading(obj, call: str = "") -> ToolReading | None:
     for key in ("ok", "success", "succeeded"):
         if isinstance(low.get(key), bool):
             return ToolReading(1 if low[key] else -1, f"JSON {key}={str(low[key]).lower()}")
+    for key in _DONE_FLAGS:  # "confirmed": true on a booking; a false one says nothing by itself
+        if low.get(key) is True:
+            return ToolReading(1, f"JSON {key}=true")
     for key in ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc"):
         if isinstance(low.get(key), int) and not isinstance(low.get(key), bool):
             return _shell_json_reading(low, low[key], key, call)
@@ -307,6 +361,18 @@ def _is_listing(text: str) -> bool:
             or bool(_FOUND_N.search(text.split("\n", 1)[0])))
 
 
+_READ_CALL = re.compile(r"^\s*[\w.-]*(?:read_file|read|open_file|view_file|get_file|cat_file|fetch_doc|get_doc)[\w.-]*\("
+                        r"|\b(?:cat|less|head|tail|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b", re.I | re.M)
+_HEADING = re.compile(r"^\s{0,3}(?:#{1,6}\s+\S|=+\s*$|\.\. \w)", re.M)
+_QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
+
+
+def _is_document(text: str, call: str) -> bool:
+    """A prose document (a file read by a read tool, markdown with a heading): its quoted words
+    describe errors rather than report one."""
+    return bool((call and _READ_CALL.search(call)) or _HEADING.match(text))
+
+
 def read_tool_result(text: str, call: str = "") -> ToolReading:
     """Read one tool result (see the module docstring).
 
@@ -333,6 +399,8 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
                 return reading
             if not _ERROR.search(_ZERO_COUNTS.sub(" ", s)):
                 return ToolReading(None, "JSON data")
+    if _COLLECTION_ERROR.search(s):
+        return ToolReading(-1, "test collection error (no test could run)")
     if _UNSETTLED.search(s):
         return ToolReading(0, "not settled (dry run, partial, truncated or flaky)")
     reading = _test_reading(s)
@@ -341,9 +409,12 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
     if _TRANSIENT.search(s):
         return ToolReading(0, "transient failure of the environment (rate limit, overload)")
     cleaned = _ZERO_COUNTS.sub(" ", s)
+    document = _is_document(s, call)
+    if document:  # error words a document quotes ("if the app logs 'connection refused'") are content
+        cleaned = _QUOTED_SPAN.sub(" ", cleaned)
     searched = bool(call and _SEARCH_CALL.search(call))
     listing = _is_listing(s)
-    short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not searched
+    short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not searched and not document
     no_results = bool(_NO_RESULTS.search(cleaned))
     error = None if listing else (_ERROR.search(cleaned) or (
         _WEAK_ERROR.search(cleaned) if short and not no_results else None))
@@ -369,6 +440,8 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
         return ToolReading(1, "result listing")
     if no_results:
         return ToolReading(0, "no results")
+    if _STARTING_UP.search(s):
+        return ToolReading(0, "pending (a container still starting)")
     if _PENDING.search(s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", s)):
         return ToolReading(0, "pending")
     if _SUCCESS.search(s):
