@@ -240,9 +240,10 @@ def bench_embedding(rounds: int = 2) -> None:
     from pipeline.judge.evaluate import load_rows, row_input
     from pipeline.judge.prompts import content_text
 
-    fixtures = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-    rows = [r for f in ("judge_next_states.jsonl", "judge_dev_next_states.jsonl") if (fixtures / f).is_file()
-            for r in load_rows(fixtures / f)]
+    root = Path(__file__).resolve().parent.parent
+    rows = [r for f in (root / "tests" / "fixtures" / "judge_next_states.jsonl",
+                        root / "pipeline" / "judge" / "data" / "tuning_next_states.jsonl") if f.is_file()
+            for r in load_rows(f)]
     config = load_config(None)
     t0 = time.perf_counter()
     backend = EmbeddingBackend(config)

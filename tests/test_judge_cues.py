@@ -20,6 +20,10 @@ from pipeline.judge.cues import CUE_DIM, conflicting_number, cue_vector, read_cu
     ("Merci, c'est parfait", 1), ("Nein, das ist falsch", -1), ("不对，是12", -1), ("完美，谢谢", 1),
     ("Oh great, another crash", 0),  # praise next to irony and a complaint: no direction
     ("why does it use a set here?", 0), ("let me try it tomorrow", 0),
+    # "still broken", "I said ...", "please correct" in other languages
+    ("Der Link ist noch immer tot.", -1), ("J'avais dit sans sucre.", -1), ("Ik zei zonder uien.", -1),
+    ("Prosiłem o wersję po angielsku.", -1), ("Ho chiesto una risposta breve.", -1), ("Я же просил без мяса.", -1),
+    ("我要的是英文版。", -1), ("まだエラーが出ます。", -1), ("잘못 계산하신 것 같아요.", -1), ("ainda não abre", -1),
 ])
 def test_polarity(text, polarity):
     assert read_cues(text).polarity == polarity, read_cues(text)
@@ -29,6 +33,10 @@ def test_sarcasm_hold_and_question_markers():
     assert read_cues("oh wonderful, just what I needed").sarcasm
     assert not read_cues("wonderful, thank you").sarcasm
     assert read_cues("hold on, checking").hold and read_cues("which one is faster?").question
+    assert read_cues("Oh sure, a 40-step recipe for a weeknight. Very relaxing. /s").sarcasm
+    assert read_cues("nothing says relaxing holiday like a 5am flight").sarcasm
+    for deferral in ("brb, back in a bit", "sono fuori, domani lo provo", "明天再试", "나중에 해볼게요", "not at my desk now"):
+        assert read_cues(deferral).hold, deferral
 
 
 def test_tail_clause():

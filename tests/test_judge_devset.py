@@ -2,10 +2,12 @@
 
 ``pipeline/judge/data/dev_next_states.jsonl`` exists so that changes to the judge can be checked
 for generalisation on text nobody tuned on, while the held-out evaluation set
-(``eval_next_states.jsonl``) stays the bar. These tests check its shape (both next-state roles,
-all three labels, all five user categories, the fields each row needs) and that its next-state
-texts share no wording with what the CPU judge learns from (its examples and generated bank), with
-the evaluation set, nor with the labelled fixtures earlier tuning was measured on (no 8-word
+(``eval_next_states.jsonl``) stays the bar. It was written blind to the judge and used that way
+once; since then it is tuned on, and its user replies are training rows of the CPU judge. These
+tests check its shape (both next-state roles, all three labels, all five user categories, the
+fields each row needs), that its replies are training rows and the evaluation set's never are,
+and that its texts share no wording with the evaluation set, nor with the labelled sets earlier
+tuning was measured on (no 8-word
 shingle, no equal normalised text, no near-duplicate). On an overlap the message names only
 development-set ids, never the other set's texts.
 """
@@ -25,8 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "pipeline" / "judge" / "data"
 DEV = DATA / "dev_next_states.jsonl"
 EVAL = DATA / "eval_next_states.jsonl"
-TUNED_ON = [ROOT / "tests" / "fixtures" / "judge_next_states.jsonl",
-            ROOT / "tests" / "fixtures" / "judge_dev_next_states.jsonl"]
+TUNED_ON = [ROOT / "tests" / "fixtures" / "judge_next_states.jsonl", DATA / "tuning_next_states.jsonl"]
 USER_CATEGORIES = {"coding", "writing", "maths", "support", "casual"}
 
 
@@ -61,14 +62,15 @@ def test_dev_set_shape(rows):
     assert min(per_category.values()) >= 20, per_category
 
 
-def test_dev_set_shares_no_text_with_the_judges_training_texts(rows):
-    from pipeline.judge.backends.embedding import training_examples
+def test_dev_set_replies_are_training_rows_and_eval_rows_never_are(rows):
+    """Since this set was tuned on, its user replies are training rows of the CPU judge
+    (:func:`~pipeline.judge.backends.embedding.labelled_replies`); the evaluation set's never are."""
+    from pipeline.judge.backends.embedding import LABELLED_SETS, training_examples
 
-    learned = [e["text"] for e in training_examples()]
-    found = overlaps(learned, _texts(rows))
-    owners = _owners(rows)
-    assert not found, "dev rows overlapping the judge's training texts: " + ", ".join(
-        sorted({f"{owners[j]} ({kind})" for _, j, kind in found}))
+    assert DEV in LABELLED_SETS and EVAL not in LABELLED_SETS
+    learned = {e["text"] for e in training_examples() if e.get("source") == DEV.name}
+    users = {"\n".join(m["content"] for m in r["next_state"] if m.get("role") == "user") for r in rows}
+    assert learned == {u for u in users if u}
 
 
 def test_dev_set_shares_no_text_with_the_evaluation_set(rows):

@@ -172,11 +172,24 @@ _NEGATIVE_OTHER = _words(
     r"fungerar inte",
     r"źle", r"błąd", r"nie działa", r"yanlış", r"hata", r"çalışmıyor",
     # ru
-    r"нет", r"неправильно", r"неверно", r"не работает", r"ошибка", r"снова", r"опять", r"слишком", r"не то")
+    r"нет", r"неправильно", r"неверно", r"не работает", r"ошибка", r"снова", r"опять", r"слишком", r"не то",
+    # "still broken", "I said / asked for X", "please correct": the same kinds in other languages
+    r"noch immer", r"immer noch nicht", r"nicht das", r"(?:ich )?hatte (?:ich )?(?:doch )?(?:gesagt|geschrieben|gefragt)",
+    r"bitte (?:korrigieren|ändern|anpassen)", r"korrigier\w*", r"toujours pas", r"j'?avais (?:dit|demandé|précisé)",
+    r"j'?ai (?:dit|demandé|précisé)", r"corrige[zr]?", r"todavía no", r"sigue (?:igual|fallando|dando)",
+    r"(?:te|lo) dije", r"(?:yo )?ped[íi]", r"corr[ií]gelo", r"ancora (?:non|lo stesso|uguale)", r"avevo (?:detto|chiesto)",
+    r"ho chiesto", r"correggi\w*", r"ainda não", r"eu (?:disse|pedi)", r"corrija", r"nog steeds", r"niet goed",
+    r"ik (?:zei|vroeg|had gezegd|had gevraagd)", r"pas (?:dat|het|dit) (?:even )?aan", r"aanpassen", r"nadal",
+    r"wciąż", r"przecież", r"prosił(?:em|am)", r"pisał(?:em|am)", r"mówił(?:em|am)", r"popraw\w*", r"nie to",
+    r"всё ещё", r"все еще", r"до сих пор", r"я (?:же )?(?:просил[а]?|писал[а]?|говорил[а]?)", r"исправ\w*",
+    r"hâlâ", r"demiştim", r"düzelt\w*")
 _NEGATIVE_CJK = _chars(
     r"不对", r"错了", r"错误", r"不行", r"不是", r"还是", r"重新", r"太长", r"报错", r"没用", r"不能",
     r"いいえ", r"違います", r"間違", r"動かない", r"動きません", r"エラー", r"もう一度", r"長すぎ", r"だめ", r"ダメ",
-    r"틀렸", r"아니", r"안 돼", r"오류", r"다시", r"너무 길", r"👎", r"🙄", r"😡", r"😤", r"😠", r"😞", r"😢", r"😭", r"🤦",
+    r"틀렸", r"아니", r"안 돼", r"오류", r"다시", r"너무 길", r"太短", r"我要的是", r"我说的是", r"我说过", r"不是这个",
+    r"怎么还", r"还是不", r"まだ同じ", r"まだ壊れ", r"まだエラー", r"まだ動", r"壊れ", r"と書きましたよね", r"と言いましたよね",
+    r"ましたよね", r"無理です", r"じゃなくて", r"ではなく", r"違う", r"잘못", r"아직도", r"아니라", r"했잖아", r"말했는데",
+    r"안 되", r"없는데요", r"너무 짧", r"👎", r"🙄", r"😡", r"😤", r"😠", r"😞", r"😢", r"😭", r"🤦",
     r"🙁", r"☹", r"😒", r"😑", r"🤬", r"😩", r"😫", r"💩", r"❌", r"🤷")
 
 _RELATIVE = re.compile(r"\b(?:what|which|whatever|if|whether) (?:was|is|were|gets?|got|has been|it) $", re.I)
@@ -193,7 +206,8 @@ _SARCASM = _words(  # irony markers: praise next to them is not trusted
     r"i love (?:how|that) you (?:ignored|keep|broke|deleted)", r"good job breaking", r"nice try",
     r"very (?:centred|centered|short|brief|concise|helpful|descriptive|original|useful|clear)[.!]",
     r"i'?ll just (?:go )?\w+", r"classic[.!]*$", r"just go", r"what a surprise", r"who knew", r"how original",
-    r"(?:^|[.!] )(?:brilliant|genius|great|perfect|wonderful|fantastic|amazing|lovely)\.(?= \w)")
+    r"(?:^|[.!] )(?:brilliant|genius|great|perfect|wonderful|fantastic|amazing|lovely)\.(?= \w)",
+    r"/s", r"bravissim[oa]", r"nothing says [\w ]{1,30} like", r"good to know\W*$", r"why didn'?t i think of that")
 _TROUBLE = _words(  # words of things going wrong: praise next to them may be ironic ("great, it deleted everything")
     r"deleted", r"lost", r"broke", r"broken", r"worse", r"slower", r"crash\w*", r"nothing", r"nobody",
     r"no one", r"never", r"wasted?", r"hours", r"twice", r"another", r"anymore", r"any more",
@@ -212,8 +226,12 @@ _HOLD = _words(
     r"tomorrow", r"next week", r"on monday", r"let me (?:think|check|see|try|look|run|test|compare|ask)",
     r"i'?ll (?:try|test|check|look|see|get back|report|think|ask|come back|add|do)", r"i'?m going to (?:try|test|ask)",
     r"not sure(?: yet)?", r"need to think", r"think (?:it )?over", r"we'?ll see", r"moment bitte", r"später",
-    r"demain", r"mañana", r"depois", r"aspetta", r"un momento", r"подожди", r"позже")
-_HOLD_CJK = _chars(r"等一下", r"稍等", r"ちょっと待って", r"잠깐")
+    r"demain", r"mañana", r"depois", r"aspetta", r"un momento", r"подожди", r"позже", r"domani", r"morgen",
+    r"back in a (?:bit|sec|minute|moment)", r"be right back", r"not at (?:my|the) (?:pc|computer|desk|laptop)",
+    r"non sono al (?:pc|computer)", r"nicht am (?:rechner|pc|computer)", r"pas devant (?:mon|l'?)ordi\w*",
+    r"jutro", r"później", r"завтра", r"yarın")
+_HOLD_CJK_EXTRA = (r"明天", r"一会儿", r"回头", r"明日", r"後で", r"あとで", r"내일", r"나중에")
+_HOLD_CJK = _chars(r"等一下", r"稍等", r"ちょっと待って", r"잠깐", *_HOLD_CJK_EXTRA)
 _CONTRAST = re.compile(
     r"(?<![\w])(?:but|however|though|although|except|apart from|other than|only thing|just one thing|only problem|"
     r"aber|jedoch|mais|cependant|"

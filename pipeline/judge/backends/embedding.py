@@ -61,7 +61,11 @@ from pipeline.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples.jsonl"
+DATA = Path(__file__).resolve().parent.parent / "data"
+EXAMPLES = DATA / "examples.jsonl"
+# labelled next states written by people other than the bank's author (tuned on; the evaluation
+# set, eval_next_states.jsonl, is held out and never trained on)
+LABELLED_SETS = (DATA / "dev_next_states.jsonl", DATA / "tuning_next_states.jsonl")
 LABELS = (1, 0, -1)  # class index order of the heads' outputs
 KNN_K = 7
 KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
@@ -109,12 +113,35 @@ def load_examples(path: str | Path = EXAMPLES) -> list[dict]:
     return rows
 
 
+def labelled_replies(paths=LABELLED_SETS) -> list[dict]:
+    """The user replies of labelled next-state files (the ``pipeline judge --eval`` format), as
+    training rows ``{"text", "label", "role": "user", "source"}``; a row's user messages are joined
+    as the judge joins them. Tool results are left out: their labels depend on the call and the
+    request (a success on the wrong file is -1), which a classifier of the result text cannot see.
+
+    Raises:
+        ValueError: a line is not JSON or lacks a label in (1, 0, -1).
+    """
+    rows = []
+    for path in paths:
+        for n, row in read_jsonl(path, numbered=True):
+            if not isinstance(row, dict) or row.get("label") not in LABELS or not isinstance(row.get("next_state"), list):
+                raise ValueError(f"{path}:{n}: needs label in (1, 0, -1) and a next_state list")
+            users = [content_text(m.get("content")) for m in row["next_state"]
+                     if isinstance(m, dict) and m.get("role") == "user"]
+            text = "\n".join(u for u in users if u.strip())
+            if text:
+                rows.append({"text": text, "label": row["label"], "role": "user", "source": Path(path).name})
+    return rows
+
+
 def training_examples() -> list[dict]:
-    """Everything the classifier learns from: the hand-written examples plus the generated bank
-    (:func:`pipeline.judge.bank.generated_examples`)."""
+    """Everything the classifier learns from: the hand-written examples, the generated bank
+    (:func:`pipeline.judge.bank.generated_examples`) and the user replies of the labelled sets
+    we tuned on (:func:`labelled_replies`). The held-out evaluation set is never among them."""
     from pipeline.judge.bank import generated_examples
 
-    return load_examples() + generated_examples()
+    return load_examples() + generated_examples() + labelled_replies()
 
 
 class Embedder:
