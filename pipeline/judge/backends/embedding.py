@@ -11,8 +11,9 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    transformers; mean pooling over the attention mask, then L2 normalisation, as
    sentence-transformers does for this model) and, for user replies, lexical cue counts
    (:mod:`pipeline.judge.cues`). Both are built at start-up from the labelled examples in
-   ``pipeline/judge/data/examples.jsonl`` plus the generated bank of :mod:`pipeline.judge.bank`
-   (our own wording, :func:`training_examples`): a multinomial logistic-regression head
+   ``pipeline/judge/data/examples.jsonl``, the generated bank of :mod:`pipeline.judge.bank`
+   (our own wording) and the user replies of the labelled sets we tuned on (:data:`LABELLED_SETS`;
+   never the held-out evaluation set; :func:`training_examples`): a multinomial logistic-regression head
    (softmax over 1 / 0 / -1, L2-regularised, fitted with L-BFGS; one head for user replies, one
    for tool results) and a k-nearest-neighbour vote (cosine similarity, ``KNN_K`` neighbours of
    the same role, weighted by similarity); their class probabilities are averaged
