@@ -8,9 +8,11 @@ Definitions (OpenClaw-RL: Binary RL, hindsight On-Policy Distillation and their 
 PPO as used by slime):
 
 - **Binary RL vote**: m judge votes, each in {+1, 0, -1} or failed (None). Failed votes are
-  dropped; the most frequent value wins; a tie for the top count, or no valid vote, gives 0.
+  dropped; the most frequent value wins; a tie for the top count gives 0; no valid vote gives
+  no vote at all (None: absent, not 0; OpenClaw-RL itself scores it 0).
 - **Binary RL sample** (``rl`` mode): reward = the vote; trained (loss mask 1) when the vote is
-  non-zero; a turn without a next state carries no reward and is never trained.
+  non-zero; a turn without a next state, or whose votes all failed, carries no reward and is
+  never trained (not even by the at-least-one rule).
 - **Hint selection**: of the m hint votes, a +1 vote whose stripped hint is longer than 10
   characters is a candidate; the longest candidate is the accepted hint (ties: the first); no
   candidate, no hint. A single candidate suffices, whatever the other votes say.
@@ -65,11 +67,11 @@ Array = np.ndarray
 # ------------------------------------------------------------------------- judge side
 
 
-def majority_vote(votes: Sequence[int | None]) -> float:
-    """Binary RL majority vote of ``votes`` (+1 / 0 / -1, None = a failed vote)."""
+def majority_vote(votes: Sequence[int | None]) -> float | None:
+    """Binary RL majority vote of ``votes`` (+1 / 0 / -1, None = a failed vote); None: no valid vote."""
     valid = [int(v) for v in votes if v is not None]
     if not valid:
-        return 0.0
+        return None
     counts = Counter(valid).most_common()
     if len(counts) > 1 and counts[0][1] == counts[1][1]:
         return 0.0
@@ -91,11 +93,13 @@ def select_hint(answers: Sequence[tuple[int | None, str | None]], min_chars: int
 
 
 def rl_signals(vote: float | None) -> tuple[float | None, int]:
-    """``rl`` mode: (reward, loss_mask) of a turn; ``vote`` None = no next state (never judged).
+    """``rl`` mode: (reward, loss_mask) of a turn; ``vote`` None = no judgement (no next state, or
+    every vote failed).
 
     The at-least-one rule (OpenClaw-RL: a session's first judged turn trained with reward 0 when
     the session has no trained turn yet; here: the session's turn 0, see pipeline/judge/join.py)
-    is not modelled here: pass its result as ``vote = 0`` and set the mask yourself.
+    is not modelled here: pass its result as ``vote = 0`` and set the mask yourself (it never
+    applies to ``vote`` None).
     """
     if vote is None:
         return None, 0
@@ -107,7 +111,7 @@ def opd_signals(hint_accepted: bool) -> tuple[None, bool] | None:
     return (None, True) if hint_accepted else None
 
 
-def combine_signals(vote: float, hint_accepted: bool) -> tuple[float | None, bool] | None:
+def combine_signals(vote: float | None, hint_accepted: bool) -> tuple[float | None, bool] | None:
     """``combine`` mode: (reward or None, has teacher) of a judged turn, or None: no sample."""
     reward = float(vote) if vote in (1, -1) else None
     if reward is None and not hint_accepted:

@@ -19,7 +19,7 @@ from pipeline.trainer import loss as L
 
 
 @pytest.mark.parametrize("votes, want", [
-    ([1, 1, -1], 1.0), ([1, -1], 0.0), ([1, -1, 0], 0.0), ([None, None], 0.0), ([], 0.0),
+    ([1, 1, -1], 1.0), ([1, -1], 0.0), ([1, -1, 0], 0.0), ([None, None], None), ([], None),
     ([None, -1, None], -1.0), ([0, 0, 1], 0.0), ([-1, -1, 1, 1, 0], 0.0), ([1], 1.0),
 ])
 def test_majority_vote(votes, want):
@@ -41,6 +41,7 @@ def test_judge_dispatch():
     assert ref.combine_signals(0, True) == (None, True)
     assert ref.combine_signals(-1, False) == (-1.0, False)
     assert ref.combine_signals(0, False) is None
+    assert ref.combine_signals(None, False) is None and ref.combine_signals(None, True) == (None, True)
     assert ref.opd_signals(True) == (None, True) and ref.opd_signals(False) is None
 
 

@@ -168,6 +168,32 @@ def test_reward_mean_counts_only_samples_with_a_reward(runtime):
     assert (m["rl_samples"], m["opd_samples"]) == (1.0, 1.0)
 
 
+def test_all_failed_votes_carry_no_rl_term(runtime):
+    """Every PRM vote failed (backend errors, no box): the judge's majority is absent, the sample
+    (even a session's turn 0, the at-least-one candidate) has no reward and loss_mask 0, and
+    the trainer leaves it out: no advantage, not an RL sample, not in the reward mean or the
+    normalisation, exactly the loss of the batch without it. Was: reward 0, trained on turn 0
+    (rl_samples 2, reward_mean 0.5, normalised advantages [1, -1])."""
+    from pipeline.judge.parse import majority_vote
+
+    def judged(turn, votes, candidate):  # as the llm backend and the judge app build it
+        return _wire(S.rl_sample(turn, Verdict(majority_vote(votes), votes), candidate, "test"))
+
+    good = judged(_turn("af-good"), [1, 1, None], False)
+    failed = judged(_turn("af-failed"), [None, None, None], True)
+    assert (failed.reward, failed.loss_mask) == (None, 0)
+    adv = _trainer(runtime, normalize_advantages=True).advantages([good, failed])
+    assert adv[1] == [] and adv[0] == [0.0] * 3  # the only rewarded sample: nothing to normalise against
+    pt, alone = _trainer(runtime), _trainer(runtime)
+    assert pt.advantages([good, failed]) == [[1.0] * 3, []]
+    m = pt.train_batch([good, failed], policy_version=0).metrics
+    want = alone.train_batch([good], policy_version=0).metrics
+    assert (m["rl_samples"], m["train_samples"], m["reward_mean"]) == (1.0, 1.0, 1.0)
+    assert want["loss"] != 0.0
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert m[key] == want[key], key
+
+
 # ------------------------------------------------------------------ case 5 (trainer half)
 
 
