@@ -38,8 +38,12 @@ PPO as used by slime):
 - **KL estimators** of KL(pi || pi_ref) from sampled-token log-probs, with
   ``d = logp - logp_ref``: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d (``low_var_kl``: k3
   clipped to [-10, 10]).
-- **TIS**: per-token weight ``clip(exp(old - rollout), floor, cap)`` on the policy-gradient
-  loss; a sample without rollout log-probs has weight 1 (nothing to correct).
+- **TIS**: per-token weight ``clip(exp(recomputed - rollout), floor, cap)`` on the
+  policy-gradient loss, where ``recomputed`` is the trainer's own log-prob before the update
+  (never the behaviour log-prob of the PPO ratio, which in mode ``rollout`` is the rollout
+  log-prob itself and would make the weight 1); a sample without rollout log-probs has weight 1
+  in the loss (nothing to correct) and is left out of the TIS statistic, which is the weight
+  aggregated over the samples that have rollout log-probs (none: no statistic).
 - **Aggregation** of per-token values x over the trained samples, with per-sample weights w:
   ``sum_of_sample_mean`` = sum_i w_i * mean_t x_it / (number of samples);
   ``token_mean`` = sum_i sum_t w_i * x_it / (number of tokens).
@@ -228,12 +232,14 @@ def kl(logp: Sequence[float], ref: Sequence[float], kind: str = "low_var_kl") ->
     raise ValueError(kind)
 
 
-def tis_weights(old: Sequence[float], rollout: Sequence[float] | None, cap: float, floor: float = 0.0) -> Array:
-    """Truncated importance weights; ones when the sample has no rollout log-probs."""
-    old = _a(old)
+def tis_weights(recomputed: Sequence[float], rollout: Sequence[float] | None, cap: float,
+                floor: float = 0.0) -> Array:
+    """Truncated importance weights ``clip(exp(recomputed - rollout), floor, cap)``; ones when the
+    sample has no rollout log-probs."""
+    recomputed = _a(recomputed)
     if rollout is None:
-        return np.ones_like(old)
-    return np.clip(np.exp(old - _a(rollout)), floor, cap)
+        return np.ones_like(recomputed)
+    return np.clip(np.exp(recomputed - _a(rollout)), floor, cap)
 
 
 def aggregate(per_token: Sequence[Array], weights: Sequence[float], mode: str = "sum_of_sample_mean") -> float:
@@ -274,22 +280,25 @@ def objective(samples: Sequence[RefSample], logp: Sequence[Sequence[float]], rec
     the policy's log-probs before the update (equal to ``logp`` on the first step); ``ref``: a
     frozen reference model's log-probs (for the KL term). Entropy is not modelled (pass an
     entropy coefficient of 0). Returns ``advantages`` (list of arrays) and the scalars
-    ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, ``tis``.
+    ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, and ``tis`` (None when TIS is off
+    or no sample has rollout log-probs).
     """
     old = [behaviour_log_probs(s, r, old_mode) for s, r in zip(samples, recomputed)]
     adv = token_advantages(samples, old, w_rl=w_rl, w_opd=w_opd, normalize=normalize)
     weights = [s.weight for s in samples]
-    pg, clip, pkl, tis = [], [], [], []
-    for s, lp, o, a in zip(samples, logp, old, adv):
+    pg, clip, pkl, tis, tis_w = [], [], [], [], []
+    for s, lp, o, rc, a in zip(samples, logp, old, recomputed, adv):
         loss, c, k = ppo_clip(lp, o, a, eps_clip, eps_clip_high, dual_clip)
-        w = tis_weights(o, s.rollout, tis_cap, tis_floor) if tis_cap is not None else np.ones(len(a))
+        w = tis_weights(rc, s.rollout, tis_cap, tis_floor) if tis_cap is not None else np.ones(len(a))
         pg.append(loss * w)
         clip.append(c)
         pkl.append(k)
-        tis.append(w)
+        if s.rollout is not None:
+            tis.append(w)
+            tis_w.append(s.weight)
     out = {"advantages": adv, "pg_loss": aggregate(pg, weights, agg), "pg_clipfrac": aggregate(clip, weights, agg),
-           "ppo_kl": aggregate(pkl, weights, agg), "tis": aggregate(tis, weights, agg) if tis_cap is not None else 0.0,
-           "kl": 0.0}
+           "ppo_kl": aggregate(pkl, weights, agg),
+           "tis": aggregate(tis, tis_w, agg) if tis_cap is not None and tis else None, "kl": 0.0}
     if ref is not None:
         out["kl"] = aggregate([kl(lp, r, kl_type) for lp, r in zip(logp, ref)], weights, agg)
     out["loss"] = out["pg_loss"] + kl_coef * out["kl"]
