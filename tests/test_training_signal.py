@@ -221,6 +221,15 @@ def test_all_failed_votes_carry_no_rl_term(runtime):
         assert m[key] == want[key], key
 
 
+def test_grad_norm_is_absent_when_not_measured(runtime):
+    """With ``clip_grad`` 0 Megatron's optimizer measures no gradient norm: the step has no
+    ``grad_norm`` figure (was 0.0, which reads as "no gradient"); with clipping it is measured."""
+    batch = [_wire(S.rl_sample(_turn("gn"), Verdict(1, [1]), False, "test"))]
+    m = _trainer(runtime, clip_grad=0.0).train_batch(batch, policy_version=0).metrics
+    assert "grad_norm" not in m and m["loss"] != 0.0
+    assert _trainer(runtime).train_batch(batch, policy_version=0).metrics["grad_norm"] > 0.0
+
+
 # ------------------------------------------------------------------ case 5 (trainer half)
 
 

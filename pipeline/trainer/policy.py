@@ -308,7 +308,8 @@ class PolicyTrainer:
         Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl`` (means over the optimizer
         steps of the aggregated values), ``tis`` (the same, for the truncated importance weight
         exp(trainer - rollout log-prob) over the trained samples that have rollout log-probs; absent
-        when TIS is off or no such sample was trained), ``grad_norm`` (last step), ``train_samples``,
+        when TIS is off or no such sample was trained), ``grad_norm`` (last step taken; absent when
+        none was taken or ``clip_grad`` is 0 and none was measured), ``train_samples``,
         ``train_tokens``, ``rl_samples`` / ``opd_samples`` (trained samples with a reward / with
         teacher log-probs), ``reward_mean`` (over the samples with a reward; absent when none),
         ``forward_backward_s``, ``optimizer_s``, ``nonfinite_steps``, and the train-vs-rollout figure: mean
@@ -341,7 +342,7 @@ class PolicyTrainer:
         diff = {k: torch.zeros((), dtype=torch.float64) for k in ("current", "current_n", "stale", "stale_n")}
         adv_means = torch.zeros(num_samples, dtype=torch.float64)  # per kept sample, this rank's share
         fb_s = opt_s = 0.0
-        grad_norm = 0.0
+        grad_norm = None  # of the last optimizer step taken (None: none taken, or not measured)
         applied = 0  # optimizer steps that changed the weights (finite loss and gradients)
         entropy_mode = "grad" if cfg.entropy_coef else "metric"
         for step in range(cfg.steps_per_batch):
@@ -394,7 +395,9 @@ class PolicyTrainer:
                 metrics[f"logprob_tokens_{part}"] = d[f"{part}_n"]
                 if d[f"{part}_n"] > 0:
                     metrics[f"logprob_abs_diff_{part}"] = d[part] / d[f"{part}_n"]
-        metrics["grad_norm"] = float(grad_norm or 0.0)
+        # no step taken, or no clipping (Megatron then measures no norm and returns 0.0): no figure, not 0
+        if grad_norm is not None and cfg.clip_grad > 0:
+            metrics["grad_norm"] = float(grad_norm)
         metrics["forward_backward_s"] = fb_s + pre_s
         metrics["optimizer_s"] = opt_s
         if par.dp > 1:  # each sample was on exactly one DP rank: a sum gathers them
