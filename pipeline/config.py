@@ -237,7 +237,8 @@ class TrainerConfig(Section):
     entropy_coef: float = _d(0.0, "weight of the entropy bonus", ge=0)
     loss_agg: Literal["sum_of_sample_mean", "token_mean"] = _d(
         "sum_of_sample_mean", "loss aggregation: mean per sample then sum, or mean over all tokens")
-    tis_cap: float | None = _d(None, "truncated importance-sampling weight cap (None: off)", gt=0)
+    tis_cap: float | None = _d(None, "truncated importance sampling: cap of the per-token weight exp(trainer's "
+                               "recomputed - engine's rollout log-prob) on the policy loss (None: off)", gt=0)
     max_staleness: int | None = _d(4, "samples older than this many policy versions are stale (None: never)",
                                    ge=0)
     stale_policy: Literal["drop", "downweight"] = _d("drop", "what happens to a stale sample")

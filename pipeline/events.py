@@ -320,7 +320,8 @@ def _sample_from_v1(s: Sample) -> Sample:
     ``opd`` samples carried reward 0 (no RL signal); ``opd+rl`` (combine) samples without a hint
     carried the rollout log-probs as teacher (no OPD signal), and with a vote of 0 carried reward
     0 (no RL signal); ``rl`` samples flushed without a next state (loss_mask 0, no votes)
-    carried reward 0; imported turns carried zeros as rollout log-probs; greedy turns carried
+    carried reward 0, and so did ``rl`` samples whose votes all failed (no judgement: read as no
+    reward and loss_mask 0, even when the at-least-one rule had set loss_mask 1); imported turns carried zeros as rollout log-probs; greedy turns carried
     their requested temperature (below 1e-6) although the engines report log-probs at T = 1.
     ``kind`` is then re-derived from what is carried.
     """
@@ -331,6 +332,8 @@ def _sample_from_v1(s: Sample) -> Sample:
     if s.kind == "opd" or (s.kind == "opd+rl" and s.reward == 0) or (
             s.kind == "rl" and not s.loss_mask and not s.votes):
         s.reward = None
+    if s.kind == "rl" and s.votes and all(v is None for v in s.votes):
+        s.reward, s.loss_mask = None, 0
     if s.source == "import" and s.rollout_log_probs is not None and not any(s.rollout_log_probs):
         s.rollout_log_probs = None
     if not s.rollout_temperature >= GREEDY_TEMPERATURE:

@@ -8,9 +8,11 @@ Definitions (OpenClaw-RL: Binary RL, hindsight On-Policy Distillation and their 
 PPO as used by slime):
 
 - **Binary RL vote**: m judge votes, each in {+1, 0, -1} or failed (None). Failed votes are
-  dropped; the most frequent value wins; a tie for the top count, or no valid vote, gives 0.
+  dropped; the most frequent value wins; a tie for the top count gives 0; no valid vote gives
+  no vote at all (None: absent, not 0; OpenClaw-RL itself scores it 0).
 - **Binary RL sample** (``rl`` mode): reward = the vote; trained (loss mask 1) when the vote is
-  non-zero; a turn without a next state carries no reward and is never trained.
+  non-zero; a turn without a next state, or whose votes all failed, carries no reward and is
+  never trained (not even by the at-least-one rule).
 - **Hint selection**: of the m hint votes, a +1 vote whose stripped hint is longer than 10
   characters is a candidate; the longest candidate is the accepted hint (ties: the first); no
   candidate, no hint. A single candidate suffices, whatever the other votes say.
@@ -36,8 +38,12 @@ PPO as used by slime):
 - **KL estimators** of KL(pi || pi_ref) from sampled-token log-probs, with
   ``d = logp - logp_ref``: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d (``low_var_kl``: k3
   clipped to [-10, 10]).
-- **TIS**: per-token weight ``clip(exp(old - rollout), floor, cap)`` on the policy-gradient
-  loss; a sample without rollout log-probs has weight 1 (nothing to correct).
+- **TIS**: per-token weight ``clip(exp(recomputed - rollout), floor, cap)`` on the
+  policy-gradient loss, where ``recomputed`` is the trainer's own log-prob before the update
+  (never the behaviour log-prob of the PPO ratio, which in mode ``rollout`` is the rollout
+  log-prob itself and would make the weight 1); a sample without rollout log-probs has weight 1
+  in the loss (nothing to correct) and is left out of the TIS statistic, which is the weight
+  aggregated over the samples that have rollout log-probs (none: no statistic).
 - **Aggregation** of per-token values x over the trained samples, with per-sample weights w:
   ``sum_of_sample_mean`` = sum_i w_i * mean_t x_it / (number of samples);
   ``token_mean`` = sum_i sum_t w_i * x_it / (number of tokens).
@@ -65,11 +71,11 @@ Array = np.ndarray
 # ------------------------------------------------------------------------- judge side
 
 
-def majority_vote(votes: Sequence[int | None]) -> float:
-    """Binary RL majority vote of ``votes`` (+1 / 0 / -1, None = a failed vote)."""
+def majority_vote(votes: Sequence[int | None]) -> float | None:
+    """Binary RL majority vote of ``votes`` (+1 / 0 / -1, None = a failed vote); None: no valid vote."""
     valid = [int(v) for v in votes if v is not None]
     if not valid:
-        return 0.0
+        return None
     counts = Counter(valid).most_common()
     if len(counts) > 1 and counts[0][1] == counts[1][1]:
         return 0.0
@@ -91,11 +97,13 @@ def select_hint(answers: Sequence[tuple[int | None, str | None]], min_chars: int
 
 
 def rl_signals(vote: float | None) -> tuple[float | None, int]:
-    """``rl`` mode: (reward, loss_mask) of a turn; ``vote`` None = no next state (never judged).
+    """``rl`` mode: (reward, loss_mask) of a turn; ``vote`` None = no judgement (no next state, or
+    every vote failed).
 
     The at-least-one rule (OpenClaw-RL: a session's first judged turn trained with reward 0 when
     the session has no trained turn yet; here: the session's turn 0, see pipeline/judge/join.py)
-    is not modelled here: pass its result as ``vote = 0`` and set the mask yourself.
+    is not modelled here: pass its result as ``vote = 0`` and set the mask yourself (it never
+    applies to ``vote`` None).
     """
     if vote is None:
         return None, 0
@@ -107,7 +115,7 @@ def opd_signals(hint_accepted: bool) -> tuple[None, bool] | None:
     return (None, True) if hint_accepted else None
 
 
-def combine_signals(vote: float, hint_accepted: bool) -> tuple[float | None, bool] | None:
+def combine_signals(vote: float | None, hint_accepted: bool) -> tuple[float | None, bool] | None:
     """``combine`` mode: (reward or None, has teacher) of a judged turn, or None: no sample."""
     reward = float(vote) if vote in (1, -1) else None
     if reward is None and not hint_accepted:
@@ -224,12 +232,14 @@ def kl(logp: Sequence[float], ref: Sequence[float], kind: str = "low_var_kl") ->
     raise ValueError(kind)
 
 
-def tis_weights(old: Sequence[float], rollout: Sequence[float] | None, cap: float, floor: float = 0.0) -> Array:
-    """Truncated importance weights; ones when the sample has no rollout log-probs."""
-    old = _a(old)
+def tis_weights(recomputed: Sequence[float], rollout: Sequence[float] | None, cap: float,
+                floor: float = 0.0) -> Array:
+    """Truncated importance weights ``clip(exp(recomputed - rollout), floor, cap)``; ones when the
+    sample has no rollout log-probs."""
+    recomputed = _a(recomputed)
     if rollout is None:
-        return np.ones_like(old)
-    return np.clip(np.exp(old - _a(rollout)), floor, cap)
+        return np.ones_like(recomputed)
+    return np.clip(np.exp(recomputed - _a(rollout)), floor, cap)
 
 
 def aggregate(per_token: Sequence[Array], weights: Sequence[float], mode: str = "sum_of_sample_mean") -> float:
@@ -270,22 +280,25 @@ def objective(samples: Sequence[RefSample], logp: Sequence[Sequence[float]], rec
     the policy's log-probs before the update (equal to ``logp`` on the first step); ``ref``: a
     frozen reference model's log-probs (for the KL term). Entropy is not modelled (pass an
     entropy coefficient of 0). Returns ``advantages`` (list of arrays) and the scalars
-    ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, ``tis``.
+    ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, and ``tis`` (None when TIS is off
+    or no sample has rollout log-probs).
     """
     old = [behaviour_log_probs(s, r, old_mode) for s, r in zip(samples, recomputed)]
     adv = token_advantages(samples, old, w_rl=w_rl, w_opd=w_opd, normalize=normalize)
     weights = [s.weight for s in samples]
-    pg, clip, pkl, tis = [], [], [], []
-    for s, lp, o, a in zip(samples, logp, old, adv):
+    pg, clip, pkl, tis, tis_w = [], [], [], [], []
+    for s, lp, o, rc, a in zip(samples, logp, old, recomputed, adv):
         loss, c, k = ppo_clip(lp, o, a, eps_clip, eps_clip_high, dual_clip)
-        w = tis_weights(o, s.rollout, tis_cap, tis_floor) if tis_cap is not None else np.ones(len(a))
+        w = tis_weights(rc, s.rollout, tis_cap, tis_floor) if tis_cap is not None else np.ones(len(a))
         pg.append(loss * w)
         clip.append(c)
         pkl.append(k)
-        tis.append(w)
+        if s.rollout is not None:
+            tis.append(w)
+            tis_w.append(s.weight)
     out = {"advantages": adv, "pg_loss": aggregate(pg, weights, agg), "pg_clipfrac": aggregate(clip, weights, agg),
-           "ppo_kl": aggregate(pkl, weights, agg), "tis": aggregate(tis, weights, agg) if tis_cap is not None else 0.0,
-           "kl": 0.0}
+           "ppo_kl": aggregate(pkl, weights, agg),
+           "tis": aggregate(tis, tis_w, agg) if tis_cap is not None and tis else None, "kl": 0.0}
     if ref is not None:
         out["kl"] = aggregate([kl(lp, r, kl_type) for lp, r in zip(logp, ref)], weights, agg)
     out["loss"] = out["pg_loss"] + kl_coef * out["kl"]

@@ -220,10 +220,14 @@ def test_absent_signals_travel_as_nil():
     # rl mode: flushed without a next state (no votes, masked): no reward
     (dict(kind="rl", reward=0.0, votes=[], loss_mask=0, teacher_log_probs=b""),
      dict(kind="rl", reward=None, teacher=None, rollout=[-0.5, -1.5])),
+    # rl mode: every vote failed, reward 0 was a stand-in, even where the at-least-one rule trained it
+    (dict(kind="rl", reward=0.0, votes=[None, None], loss_mask=1, teacher_log_probs=b""),
+     dict(kind="rl", reward=None, teacher=None, rollout=[-0.5, -1.5], loss_mask=0)),
 ])
 def test_v1_samples_are_read_with_their_meaning(over, want):
     s = decode(sample_v1(**over))
     assert s.kind == want["kind"] and s.reward == want["reward"]
+    assert s.loss_mask == want.get("loss_mask", over.get("loss_mask", 1))
     for got, exp in ((s.teacher_log_probs, want["teacher"]), (s.rollout_log_probs, want["rollout"])):
         assert (got is None) == (exp is None) and (exp is None or got == pytest.approx(exp))
     assert s.rollout_temperature == pytest.approx(0.7)

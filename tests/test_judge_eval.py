@@ -30,9 +30,10 @@ FIXTURE = ROOT / "tests" / "fixtures" / "judge_next_states.jsonl"
 
 
 def reference(pairs):
-    """(agreement, coverage, sign error share) of (label, predicted) pairs, from the definitions."""
+    """(agreement, coverage, sign error share) of (label, predicted) pairs, from the definitions
+    (predicted None: every vote failed, no score: agrees with nothing, covers nothing)."""
     n = len(pairs)
-    return (sum(a == b for a, b in pairs) / n, sum(b != 0 for _, b in pairs) / n,
+    return (sum(a == b for a, b in pairs) / n, sum(b is not None and b != 0 for _, b in pairs) / n,
             sum((a, b) in ((1, -1), (-1, 1)) for a, b in pairs) / n)
 
 
@@ -54,7 +55,9 @@ class LabelEcho(Backend):
     async def score(self, inp):
         text = inp.next_state[0]["content"]
         m = re.search(r"score=(-?\d)", text)
-        return Verdict(int(m.group(1)) if m else 0, [None] if "fail" in text else [0])
+        if "<<fail>>" in text:  # every vote failed: no score
+            return Verdict(None, [None])
+        return Verdict(int(m.group(1)) if m else 0, [0])
 
     async def hint(self, inp):
         text = inp.next_state[0]["content"]
@@ -68,9 +71,9 @@ def _row(i, label, score, role="user", cat="x", extra=""):
 
 def test_evaluate_by_role_category_and_hints():
     rows = [_row(0, 1, 1), _row(1, 1, -1, "tool", "y"), _row(2, -1, 0), _row(3, 0, 0, "tool", "y", "hint here"),
-            _row(4, -1, -1, extra="hint fail")]
+            _row(4, -1, -1, extra="hint <<fail>>")]
     res, preds = asyncio.run(evaluate(LabelEcho(None), rows, hints=True))
-    assert preds == {"r0": 1, "r1": -1, "r2": 0, "r3": 0, "r4": -1}
+    assert preds == {"r0": 1, "r1": -1, "r2": 0, "r3": 0, "r4": None}
     assert (res.agreement, res.coverage, res.sign_error_rate) == pytest.approx(
         reference([(r["label"], preds[r["id"]]) for r in rows]))
     assert res.roles["tool"].sign_errors == 1 and res.roles["user"].n == 3
@@ -78,10 +81,29 @@ def test_evaluate_by_role_category_and_hints():
     assert res.hints.accepted == 2 and res.hints.rejected == {"judged_no_hint": 3}
     assert res.hints.accepted_by_label == {0: 1, -1: 1}
     text = report(res, rows, preds, misses=False)
-    assert "coverage 60.0%" in text and "sign errors 1 (20.0%)" in text and "r1" not in text
+    assert "coverage 40.0%" in text and "sign errors 1 (20.0%)" in text and "r1" not in text
+    # the failed row is reported as failed, never as a predicted 0
+    assert res.confusion[(-1, None)] == 1 and res.confusion[(-1, 0)] == 1 and "failed 1 (20.0%)" in text
+    matrix = text.split("label \\ predicted")[1].splitlines()
+    assert matrix[0].split() == ["+1", "0", "-1", "failed"]
+    assert [line.split() for line in matrix[1:4]] == [["+1", "1", "0", "1", "0"], ["0", "0", "1", "0", "0"],
+                                                      ["-1", "0", "1", "0", "1"]]
     assert "hints: accepted 2/5" in text and "rejected: judged_no_hint 3" in text
     assert "label \\ predicted" in text
-    assert "r1 (+1 as -1)" in report(res, rows, preds, misses=True)
+    full = report(res, rows, preds, misses=True)
+    assert "r1 (+1 as -1)" in full and "r4 (-1 as failed)" in full
+
+
+def test_figures_without_data_are_absent_not_zero():
+    """A tally over no rows has no agreement, coverage, sign-error share or precision: None, printed
+    ``n/a`` (was 0.0 / "0.0%", a figure that looks measured)."""
+    t = Tally()
+    assert (t.agreement, t.coverage, t.sign_error_rate, t.precision) == (None, None, None, None)
+    assert t.summary() == "agreement 0/0 = n/a  coverage n/a  sign errors 0 (n/a)  failed 0 (n/a)"
+    t.add(1, 0)
+    assert t.precision is None and t.agreement == 0.0  # no non-zero score: precision has no data
+    res, _ = asyncio.run(evaluate(LabelEcho(None), []))
+    assert "agreement 0/0 = n/a" in report(res)
 
 
 def test_row_role_prefers_the_user():
@@ -118,7 +140,7 @@ def test_cli_prints_the_figures_and_gates_on_them(tmp_path):
         sel = [r for r in rows if row_role(r) == role]
         assert f"{role} next states:" in out.stdout
         assert f"sign errors {sum(r['label'] == -1 for r in sel)} " in out.stdout.split(f"{role} next states:")[1]
-    assert re.search(r"^\s+-1\s+" + str(n_neg) + r"\s+0\s+0\s*$", out.stdout, re.M), out.stdout  # matrix row -1
+    assert re.search(r"^\s+-1\s+" + str(n_neg) + r"\s+0\s+0\s+0\s*$", out.stdout, re.M), out.stdout  # matrix row -1 (+1, 0, -1, failed)
     assert f"hints: accepted {len(rows)}/{len(rows)}" in out.stdout
 
     conv = tmp_path / "conv.jsonl"
@@ -153,7 +175,8 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
     c = c.replace(engine={"model": "tiny-random"})
     backend = LabelEcho(c)
     for i, r in enumerate(rows):  # scores: the label, except every third row flipped or zeroed
-        r["next_state"] = [dict(m, content=f"score={(r['label'], -r['label'], 0)[i % 3]} {m['content']}")
+        fail = "<<fail>> " if i % 4 == 3 else ""  # and every fourth judgement fails (no score)
+        r["next_state"] = [dict(m, content=f"{fail}score={(r['label'], -r['label'], 0)[i % 3]} {m['content']}")
                            for m in r["next_state"]]
     res, _ = asyncio.run(evaluate(backend, rows))
     tok = Tokenizer.load("tiny-random", c.engine.cache_dir)
@@ -161,7 +184,13 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
     for r in rows:
         conv = row_conversation(r)
         evs += conversation_events(conv, tok, conv["session_id"])
-    keys = [(role, str(lab), str(p)) for role in ("user", "tool") for lab in (1, 0, -1) for p in (1, 0, -1)]
+    predicted = (1, 0, -1, None)
+    assert res.failed == len(rows) // 4 and all(res.roles[role].failed for role in ("user", "tool"))
+
+    def key(p):
+        return "failed" if p is None else str(p)
+
+    keys = [(role, str(lab), key(p)) for role in ("user", "tool") for lab in (1, 0, -1) for p in predicted]
     before = {k: _metric("pipeline_judge_labelled_total", dict(zip(("role", "label", "predicted"), k))) for k in keys}
     publish(c, evs)
     with JudgeThread(c, mode="rl", backend=backend):
@@ -169,14 +198,17 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
     assert len({s.sample_id for s in got}) == len(rows)
     for role in ("user", "tool"):
         for lab in (1, 0, -1):
-            for p in (1, 0, -1):
-                k = (role, str(lab), str(p))
+            for p in predicted:
+                k = (role, str(lab), key(p))
                 labels = dict(zip(("role", "label", "predicted"), k))
                 delta = _metric("pipeline_judge_labelled_total", labels) - before[k]
                 assert delta == res.roles[role].confusion.get((lab, p), 0), k
     assert _metric("pipeline_judge_labelled_sign_error_rate", {"role": "all"}) > 0
     for g in ("agreement", "coverage", "sign_error_rate"):
         assert 0 <= _metric(f"pipeline_judge_labelled_{g}", {"role": "user"}) <= 1
+    # a failed judgement is its own sample: no reward, never trained (not a predicted 0)
+    failed = [s for s in got if s.votes and all(v is None for v in s.votes)]
+    assert len(failed) == res.failed and all((s.reward, s.loss_mask) == (None, 0) for s in failed)
 
 
 def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):

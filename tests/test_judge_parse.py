@@ -33,10 +33,12 @@ def test_last_boxed_balances_braces():
 @pytest.mark.parametrize("votes,want", [
     ([1, 1, -1], 1), ([-1, -1, 1], -1), ([1, -1, 0], 0),  # three-way tie
     ([1, -1, None], 0),  # tie among valid votes
-    ([1, None, None], 1), ([None, None, None], 0), ([], 0), ([0, 0, 1], 0), ([1, 1, 0, 0], 0),
+    ([1, None, None], 1), ([0, 0, 1], 0), ([1, 1, 0, 0], 0),
+    ([None, None, None], None), ([], None),  # no valid vote: no judgement (absent), never a 0
 ])
 def test_majority_vote(votes, want):
-    assert majority_vote(votes) == want
+    got = majority_vote(votes)
+    assert got == want and (got is None) == (want is None)
 
 
 def test_parse_hint_rules():
@@ -91,8 +93,13 @@ def test_rl_sample_rules():
     assert s.tokens == [1, 2, 3, 4, 5] and s.response_length == 2 and s.rollout_temperature == pytest.approx(0.7)
     assert (s.created_at, s.turn_created_at) == (456, 123)  # event times from the records, not the clock
     assert rl_sample(t, Verdict(0, [1, -1, 0]), candidate=False, judge="llm", decided_at=0).loss_mask == 0
-    promoted = rl_sample(t, Verdict(0, [None, None, None]), candidate=True, judge="llm", decided_at=0)
-    assert (promoted.reward, promoted.loss_mask) == (0.0, 1)
+    promoted = rl_sample(t, Verdict(0, [1, -1, None]), candidate=True, judge="llm", decided_at=0)
+    assert (promoted.reward, promoted.loss_mask) == (0.0, 1)  # a tie on turn 0: trained with reward 0
+    # every vote failed: no judgement, so no reward and never trained, not even as the candidate
+    for candidate in (True, False):
+        failed = rl_sample(t, Verdict(None, [None, None, None]), candidate=candidate, judge="llm", decided_at=0)
+        assert (failed.reward, failed.loss_mask, failed.kind, failed.votes) == (None, 0, "rl", [None, None, None])
+        assert events.decode(events.encode(failed)).reward is None
     flushed = rl_flush_sample(t, "llm", 0)
     assert (flushed.reward, flushed.loss_mask) == (None, 0)  # no next state: no reward at all
     assert sample_id(t, "combine") == "s1:0:combine:r1"
@@ -124,6 +131,10 @@ def test_combine_sample_cases():
     # no hint: no teacher log-probs at all (never the rollout log-probs as a stand-in)
     assert (score_only.kind, score_only.reward, score_only.teacher_log_probs) == ("rl", -1.0, None)
     assert combine_sample(t, 0, None, None, [[0], [-1]], "llm", 0) is None
+    # every PRM vote failed: no RL signal (only the hint's, when there is one)
+    assert combine_sample(t, None, None, None, [[None], [-1]], "llm", 0) is None
+    failed_hint = combine_sample(t, None, "hint text here", teacher, [[None], [1]], "llm", 0)
+    assert (failed_hint.kind, failed_hint.reward) == ("opd", None)
     for s in (both, hint_only, score_only):
         assert s.sample_id == "s1:0:combine:r1"
         events.decode(events.encode(s))

@@ -78,10 +78,11 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     cases = {
         "tie": (score(B1, BM1, B0), 0, [1, -1, 0]),
         "float": (score("\\boxed{1.0}", "\\boxed{ +1 }", "\\boxed{-1}"), 1, [1, 1, -1]),
-        "nobox": (score("I think it is good."), 0, [None, None, None]),
-        "http500": (score("!500"), 0, [None, None, None]),
-        "http400": (score("!400"), 0, [None, None, None]),
-        "hang": (score("!hang"), 0, [None, None, None]),
+        # every vote failed: no judgement, so no reward (absent, never a 0)
+        "nobox": (score("I think it is good."), None, [None, None, None]),
+        "http500": (score("!500"), None, [None, None, None]),
+        "http400": (score("!400"), None, [None, None, None]),
+        "hang": (score("!hang"), None, [None, None, None]),
         "oneparsed": (score("\\boxed{-1.0}", "no box", "\\boxed{2}"), -1, [-1, None, None]),
     }
     for sid, (directive, _, _) in cases.items():
@@ -94,6 +95,9 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     evs += [make_turn("alo1", 0), make_turn("alo1", 1),  # turn 0 never got a next state
             make_next_state("alo1", 1, score(B0)), events.SessionEnd(session_id="alo1")]
     evs += [make_turn("alo2", 0), events.SessionEnd(session_id="alo2")]  # nothing judged: nothing trained
+    # turn 0's votes all fail: not a judged turn, so the at-least-one rule does not promote it
+    evs += [make_turn("alo3", 0), make_next_state("alo3", 0, score("!500")),
+            make_turn("alo3", 1), make_next_state("alo3", 1, score("no box here")), events.SessionEnd(session_id="alo3")]
     # the session ends while the (slow) vote of its turn 0 is still running
     evs += [make_turn("race", 0), make_next_state("race", 0, score("!sleep 0.5 " + B0)),
             events.SessionEnd(session_id="race")]
@@ -102,7 +106,7 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     parse_failures = metric("pipeline_judge_parse_failures_total")
     all_failed = metric("pipeline_judge_all_votes_failed_total")
     publish(c, evs)
-    want = 3 + 2 * len(cases) + 2 + 2 + 1 + 1
+    want = 3 + 2 * len(cases) + 2 + 2 + 1 + 2 + 1
     with JudgeThread(c):
         got = by_id(read_events(c, "samples", want, timeout_s=60))
     assert len(got) == want, sorted(got)
@@ -115,6 +119,7 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     for sid, (_, reward, votes) in cases.items():
         s = got[f"{sid}:1:rl"]
         assert (s.reward, sorted(s.votes, key=str)) == (reward, sorted(votes, key=str)), sid
+        assert (s.reward is None) == (reward is None), sid  # None is not 0
         assert s.loss_mask == (1 if reward else 0), sid
     assert metric("pipeline_judge_parse_failures_total") - parse_failures >= 3 + 2  # nobox x3, oneparsed x2
     assert metric("pipeline_judge_all_votes_failed_total") - all_failed >= 4  # nobox, 500, 400, hang
@@ -125,6 +130,8 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     # of the record alone, so a judge restarted mid-session decides the same)
     assert [(s.reward, s.loss_mask) for s in b] == [(None, 0), (0.0, 0)]
     assert (got["alo2:0:rl"].loss_mask, got["race:0:rl"].loss_mask) == (0, 1)
+    c3 = got["alo3:0:rl"], got["alo3:1:rl"]
+    assert [(s.reward, s.loss_mask, s.votes) for s in c3] == [(None, 0, [None] * 3)] * 2
     # per-session order on the samples topic
     samples = read_events(c, "samples", want, timeout_s=5)
     for sid in ["join", *cases]:

@@ -154,7 +154,7 @@ def test_masked_positions_do_not_matter(bad):
     g = torch.Generator().manual_seed(0)
     n, length = 3, 6
     mask = T([[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
-    clean = {k: -torch.rand(n, length, generator=g) for k in ("lp", "old", "ref", "rollout", "teacher")}
+    clean = {k: -torch.rand(n, length, generator=g) for k in ("lp", "old", "ref", "rollout", "teacher", "train")}
     clean["adv"] = torch.randn(n, length, generator=g)
     clean["ent"] = torch.rand(n, length, generator=g)
 
@@ -164,7 +164,8 @@ def test_masked_positions_do_not_matter(bad):
                                    L.opd_advantages(inputs["teacher"], inputs["old"], mask)) + inputs["adv"]
         loss, stats = L.policy_loss(lp, inputs["old"], adv, mask, eps_clip=0.2, eps_clip_c=3.0,
                                     entropy=inputs["ent"], entropy_coef=0.01, ref_log_probs=inputs["ref"],
-                                    kl_coef=0.1, rollout_log_probs=inputs["rollout"], tis_cap=2.0, agg=agg)
+                                    kl_coef=0.1, rollout_log_probs=inputs["rollout"], tis_cap=2.0,
+                                    train_log_probs=inputs["train"], agg=agg)
         loss.backward()
         return loss, stats, lp.grad
 
@@ -228,10 +229,40 @@ def test_policy_loss_total_by_hand():
     assert close(lp.grad, [[-0.75, -0.75]])
 
 
-def test_policy_loss_with_tis_needs_rollout_log_probs():
+def test_policy_loss_with_tis_needs_rollout_and_train_log_probs():
     lp = T([[0.0]])
     with pytest.raises(ValueError):
-        L.policy_loss(lp, lp, lp, T([[1.0]]), eps_clip=0.2, tis_cap=2.0)
+        L.policy_loss(lp, lp, lp, T([[1.0]]), eps_clip=0.2, tis_cap=2.0, train_log_probs=lp)
+    with pytest.raises(ValueError):  # the ratio is trainer vs engine: the trainer's log-probs are needed
+        L.policy_loss(lp, lp, lp, T([[1.0]]), eps_clip=0.2, tis_cap=2.0, rollout_log_probs=lp)
     loss, s = L.policy_loss(lp, lp, T([[1.0]]), T([[1.0]]), eps_clip=0.2, tis_cap=2.0,
-                            rollout_log_probs=T([[-math.log(4.0)]]))
+                            rollout_log_probs=T([[-math.log(4.0)]]), train_log_probs=lp)
     assert close(s["tis"], 2.0) and close(loss, -2.0)  # exp(0 + log 4) = 4, capped at 2
+    assert "tis" not in L.policy_loss(lp, lp, T([[1.0]]), T([[1.0]]), eps_clip=0.2)[1]  # TIS off: no figure
+
+
+def test_tis_weight_is_trainer_vs_rollout_not_the_ppo_behaviour_log_probs():
+    """PPO behaviour = the rollout log-probs (``old_log_probs: rollout``): the TIS weight must still
+    be exp(trainer - rollout), per token, truncated (was exp(rollout - rollout) = 1: a no-op).
+    A sample without rollout log-probs has weight 1 in the loss and is not in the ``tis`` figure."""
+    rollout = T([[-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])
+    train = T([[-0.7, -1.3, -0.95], [-2.0, -2.0, -2.0]])  # the trainer before the update
+    lp = train.clone().requires_grad_(True)
+    mask = T([[1, 1, 1], [1, 1, 1]])
+    adv = T([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    has_rollout = torch.tensor([True, False])
+    old = torch.where(has_rollout[:, None], rollout, train)
+    cap, floor = 1.2, 0.9
+    loss, s = L.policy_loss(lp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28, tis_cap=cap, tis_floor=floor,
+                            rollout_log_probs=rollout, train_log_probs=train, has_rollout=has_rollout)
+    # by hand: weights clip(exp([0.3, -0.3, 0.05]), 0.9, 1.2) = [1.2, 0.9, 1.05127]
+    w = [min(max(math.exp(d), floor), cap) for d in (0.3, -0.3, 0.05)]
+    assert w[:2] == [1.2, 0.9]
+    assert close(s["tis"], sum(w) / 3)  # the imported row's weight 1 is not counted
+    # per token: PPO loss -A * clip(ratio) with ratio exp(train - rollout) = exp(d), times w
+    ratio = [math.exp(d) for d in (0.3, -0.3, 0.05)]
+    pg0 = [max(-r, -min(max(r, 0.8), 1.28)) * wi for r, wi in zip(ratio, w)]
+    want = (sum(pg0) / 3 + (-1.0)) / 2  # the imported row: ratio 1, weight 1
+    assert close(loss, want)
+    assert "tis" not in L.policy_loss(lp, old, adv, mask, eps_clip=0.2, tis_cap=cap, rollout_log_probs=rollout,
+                                      train_log_probs=train, has_rollout=torch.tensor([False, False]))[1]

@@ -19,7 +19,7 @@ from pipeline.trainer import loss as L
 
 
 @pytest.mark.parametrize("votes, want", [
-    ([1, 1, -1], 1.0), ([1, -1], 0.0), ([1, -1, 0], 0.0), ([None, None], 0.0), ([], 0.0),
+    ([1, 1, -1], 1.0), ([1, -1], 0.0), ([1, -1, 0], 0.0), ([None, None], None), ([], None),
     ([None, -1, None], -1.0), ([0, 0, 1], 0.0), ([-1, -1, 1, 1, 0], 0.0), ([1], 1.0),
 ])
 def test_majority_vote(votes, want):
@@ -41,6 +41,7 @@ def test_judge_dispatch():
     assert ref.combine_signals(0, True) == (None, True)
     assert ref.combine_signals(-1, False) == (-1.0, False)
     assert ref.combine_signals(0, False) is None
+    assert ref.combine_signals(None, False) is None and ref.combine_signals(None, True) == (None, True)
     assert ref.opd_signals(True) == (None, True) and ref.opd_signals(False) is None
 
 
@@ -157,7 +158,7 @@ def test_loss_functions_match_the_reference(b, normalize, w, clip, tis, kl, agg)
         logp, old, adv, mask, eps_clip=clip[0], eps_clip_high=clip[1], eps_clip_c=clip[2],
         ref_log_probs=_pad(rows, length, "ref"), kl_coef=0.1, kl_type=kl,
         rollout_log_probs=_pad(rows, length, "rollout"), tis_cap=tis[0] if tis else None,
-        tis_floor=tis[1] if tis else 0.0, has_rollout=flag("rollout"),
+        tis_floor=tis[1] if tis else 0.0, train_log_probs=_pad(rows, length, "old"), has_rollout=flag("rollout"),
         sample_weights=torch.tensor([row["weight"] for row in rows], dtype=torch.float64), agg=agg)
     samples = [ref.RefSample(row["r"], row["reward"], row["teacher"], row["rollout"], weight=row["weight"])
                for row in rows]
@@ -172,5 +173,7 @@ def test_loss_functions_match_the_reference(b, normalize, w, clip, tis, kl, agg)
     assert float(loss) == pytest.approx(want["loss"], rel=1e-6, abs=1e-6)
     for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl"):
         assert float(stats[key]) == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
-    if tis:
+    if want["tis"] is None:  # TIS off, or no sample with rollout log-probs: no figure (never 0 or 1)
+        assert "tis" not in stats
+    else:
         assert float(stats["tis"]) == pytest.approx(want["tis"], abs=1e-6)

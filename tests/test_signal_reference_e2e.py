@@ -127,7 +127,7 @@ class Fixture:
         judged, so OpenClaw-RL's "first judged turn" gives the same here)."""
         if mode == "rl":
             reward, mask = ref.rl_signals(self.vote)
-            return reward, False, 1 if self.turn_index == 0 else mask
+            return reward, False, 1 if self.turn_index == 0 and reward is not None else mask
         got = ref.opd_signals(self.hint_accepted) if mode == "opd" else ref.combine_signals(self.vote,
                                                                                            self.hint_accepted)
         return None if got is None else (*got, 1)

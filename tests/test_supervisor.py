@@ -176,3 +176,15 @@ def test_broker_probe_answers_a_closed_port_at_once_and_quietly(caplog, monkeypa
     with caplog.at_level(logging.WARNING):
         assert kafka_answers(f"127.0.0.1:{free_port()}") is False
     assert built == [] and not [r for r in caplog.records if r.name.startswith("kafka")]
+
+
+def test_status_line_reads_n_a_for_a_stage_that_serves_no_figure(tmp_path):
+    """A stage whose /metrics cannot be read gives no figure: ``n/a``, never 0 (was "requests 0",
+    "policy version 0")."""
+    port = free_port()  # nothing listens there
+    sup = Supervisor(tmp_path / "logs", policy=RestartPolicy(backoff_s=0.1, stable_s=0.5))
+    url = f"http://127.0.0.1:{port}/metrics"
+    line = status_line(Stack(config=None, run_dir=tmp_path, supervisor=sup,
+                             metrics={"proxy": url, "judge": url, "trainer": url}))
+    for figure in ("requests", "samples", "trainer steps", "policy version"):
+        assert f"| {figure} n/a" in line, line

@@ -48,3 +48,46 @@ def test_trainer_info_log_holds_no_library_chatter_and_debug_keeps_it(kafka_conf
     debug = _trainer_log(kafka_config, tmp_path, "DEBUG", steps=2)  # restarts from step 1's checkpoint
     assert "step 2 v2" in debug, debug[-2000:]
     assert "Params for bucket" in debug and "Transformer Engine" in debug
+
+
+def test_absent_figures_read_n_a_in_the_log_and_nan_in_prometheus(kafka_config, tmp_path):
+    """A batch whose samples carry no reward (OPD only) has no reward mean: the trainer's log line
+    says ``reward n/a`` (was ``reward 0.000``)."""
+    p = EventProducer(kafka_config, name="test")
+    for i in range(2):
+        toks = [(i * 7 + j) % 5000 + 1 for j in range(10)]
+        s = events.Sample(sample_id=f"o{i}:0:opd", session_id=f"o{i}", turn_index=0, kind="opd", tokens=toks,
+                          response_length=4, rollout_log_probs=[-2.0] * 4, teacher_log_probs=[-1.0] * 4, reward=None)
+        p.send(kafka_config.topics.name("samples"), s, key=s.session_id)
+    p.flush(10)
+    p.close()
+    info = _trainer_log(kafka_config, tmp_path, "INFO", steps=1)
+    line = next((x for x in info.splitlines() if "step 1 v1" in x), None)
+    assert line is not None and "reward n/a" in line and "reward 0" not in line, info[-2000:]
+
+
+def test_prometheus_gauges_of_absent_figures_read_nan():
+    """Every per-step gauge reads NaN when the step record lacks its figure (no reward, no sample
+    sampled by a policy, no trainable sample), never 0 and never the previous step's value (was:
+    staleness kept its last value, and a skipped step left every gauge at the previous one)."""
+    import math
+
+    from pipeline.trainer import prom
+
+    gauges = {"reward_mean": prom.REWARD, "staleness_mean": prom.STALENESS, "loss": prom.LOSS,
+              "logprob_abs_diff": prom.LOGPROB_DIFF}
+    full = {"step": 1, "policy_version": 1, "loss": 0.5, "reward_mean": 0.25, "staleness_mean": 1.0,
+            "logprob_abs_diff": 0.01}
+    prom.observe_step(full)
+    assert {k: g._value.get() for k, g in gauges.items()} == {k: full[k] for k in gauges}
+    for skipped in (False, True):
+        prom.observe_step(full)
+        prom.observe_step({"step": 2, "policy_version": 1, "skipped": skipped, "loss": 0.5, "reward_mean": None})
+        assert prom.LOSS._value.get() == 0.5
+        for k in ("reward_mean", "staleness_mean", "logprob_abs_diff"):
+            assert math.isnan(gauges[k]._value.get()), (skipped, k)
+    from pipeline.trainer.metrics import fmt, step_line
+
+    assert (fmt(None), fmt(float("nan")), fmt(0.0), fmt(0.12345, ".2f")) == ("n/a", "n/a", "0.0000", "0.12")
+    assert step_line({"step": 3, "policy_version": 2, "batch_samples": 0}) == \
+        "step 3 v2 loss n/a reward n/a samples 0 (n/a s)"

@@ -145,3 +145,18 @@ def test_samples_without_rollout_log_probs_are_never_stale(kafka_config):
     src.close()
     assert [s.sample_id for s in b.samples] == ["id0", "id2"] and b.weights == [1.0, 1.0]
     assert b.stats["stale_dropped"] == 1 and b.stats["staleness_max"] == 0.0  # id1 (sampled at v0) is stale
+
+
+def test_a_batch_without_sampled_samples_has_no_staleness_figure(kafka_config):
+    """Only imported samples (never sampled by a policy): no staleness to measure, so no
+    ``staleness_mean`` / ``staleness_max`` (was 0.0: a figure that reads as "fresh")."""
+    cfg = _cfg(kafka_config, rollout_batch_size=2)
+    imported = [_s(i, version=0) for i in range(2)]
+    for s in imported:
+        s.rollout_log_probs, s.source = None, "import"
+    _produce(cfg, imported)
+    src = SampleSource(cfg)
+    b = src.next_batch(trainer_version=10)
+    src.close()
+    assert len(b.samples) == 2
+    assert "staleness_mean" not in b.stats and "staleness_max" not in b.stats, b.stats

@@ -130,12 +130,39 @@ def test_normalisation_runs_over_samples_with_a_reward(runtime, votes):
 
 
 def test_tis_weight_is_one_without_rollout_log_probs(runtime):
-    """No TIS weight from missing rollout log-probs: an imported sample is not down-weighted.
-    Was: exp(old - 0) clipped, i.e. the imported sample's loss scaled by ~exp(-|log p|)."""
-    pt = _trainer(runtime, tis_cap=2.0)
+    """No TIS weight from missing rollout log-probs: an imported sample is not down-weighted, and it
+    adds no ratio of 1 to the ``tis`` figure (a batch of imported samples alone has none). Was:
+    exp(old - 0) clipped, i.e. the imported sample's loss scaled by ~exp(-|log p|); then a figure
+    of 1.0."""
     imported = _wire(S.rl_sample(_turn("tis", source="import"), Verdict(1, [1]), False, "test"))
-    res = pt.train_batch([imported], policy_version=0)
-    assert res.metrics["tis"] == pytest.approx(1.0, abs=TOL)
+    m = _trainer(runtime, tis_cap=2.0).train_batch([imported], policy_version=0).metrics
+    assert "tis" not in m
+    assert m["loss"] == _trainer(runtime).train_batch([imported], policy_version=0).metrics["loss"]
+
+
+@pytest.mark.parametrize("old_mode", ["rollout", "recompute"])
+def test_tis_weight_is_the_trainer_vs_engine_ratio_per_token(runtime, old_mode):
+    """TIS = clip(exp(trainer log-prob before the update - rollout log-prob), floor, cap) per token,
+    whatever the PPO ratio's behaviour log-probs are; the ``tis`` figure leaves out the imported
+    sample. Drifts [+0.3, -0.3, +0.05] with cap 1.2, floor 0.9 give weights [1.2, 0.9, e^0.05].
+    Was, with ``old_log_probs: rollout`` (the default): exp(rollout - rollout) = 1, a no-op."""
+    pt = _trainer(runtime, old_log_probs=old_mode, tis_cap=1.2, tis_floor=0.9)
+    turn = _turn("tis-drift")
+    recomputed = _model_log_probs(pt, turn)
+    drift = [0.3, -0.3, 0.05]
+    turn = _with_log_probs(turn, [r - d for r, d in zip(recomputed, drift)])
+    sampled = _wire(S.rl_sample(turn, Verdict(1, [1]), False, "test"))
+    imported = _wire(S.rl_sample(_turn("tis-imp", source="import"), Verdict(-1, [-1]), False, "test"))
+    weights = np.clip(np.exp(drift), 0.9, 1.2)  # from the definition, by hand
+    _close(weights, [1.2, 0.9, np.exp(0.05)])
+    m = pt.train_batch([sampled, imported], policy_version=0).metrics
+    assert m["tis"] == pytest.approx(float(weights.mean()), abs=TOL)
+    # the loss: PPO surrogate per token (advantage +1; first step, so the policy is the trainer's
+    # recomputed log-probs) times the weight; the imported sample: ratio 1, advantage -1, weight 1
+    old = np.asarray(recomputed) - np.asarray(drift) if old_mode == "rollout" else np.asarray(recomputed)
+    ratio = np.exp(np.asarray(recomputed) - old)
+    pg = np.maximum(-ratio, -np.clip(ratio, 0.8, 1.28)) * weights
+    assert m["pg_loss"] == pytest.approx((pg.mean() + 1.0) / 2, abs=TOL)
 
 
 def test_mismatch_figure_leaves_out_imported_samples_and_splits_versions(runtime):
@@ -166,6 +193,41 @@ def test_reward_mean_counts_only_samples_with_a_reward(runtime):
     m = pt.train_batch([rl, hint_only], policy_version=0).metrics
     assert m["reward_mean"] == 1.0
     assert (m["rl_samples"], m["opd_samples"]) == (1.0, 1.0)
+
+
+def test_all_failed_votes_carry_no_rl_term(runtime):
+    """Every PRM vote failed (backend errors, no box): the judge's majority is absent, the sample
+    (even a session's turn 0, the at-least-one candidate) has no reward and loss_mask 0, and
+    the trainer leaves it out: no advantage, not an RL sample, not in the reward mean or the
+    normalisation, exactly the loss of the batch without it. Was: reward 0, trained on turn 0
+    (rl_samples 2, reward_mean 0.5, normalised advantages [1, -1])."""
+    from pipeline.judge.parse import majority_vote
+
+    def judged(turn, votes, candidate):  # as the llm backend and the judge app build it
+        return _wire(S.rl_sample(turn, Verdict(majority_vote(votes), votes), candidate, "test"))
+
+    good = judged(_turn("af-good"), [1, 1, None], False)
+    failed = judged(_turn("af-failed"), [None, None, None], True)
+    assert (failed.reward, failed.loss_mask) == (None, 0)
+    adv = _trainer(runtime, normalize_advantages=True).advantages([good, failed])
+    assert adv[1] == [] and adv[0] == [0.0] * 3  # the only rewarded sample: nothing to normalise against
+    pt, alone = _trainer(runtime), _trainer(runtime)
+    assert pt.advantages([good, failed]) == [[1.0] * 3, []]
+    m = pt.train_batch([good, failed], policy_version=0).metrics
+    want = alone.train_batch([good], policy_version=0).metrics
+    assert (m["rl_samples"], m["train_samples"], m["reward_mean"]) == (1.0, 1.0, 1.0)
+    assert want["loss"] != 0.0
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert m[key] == want[key], key
+
+
+def test_grad_norm_is_absent_when_not_measured(runtime):
+    """With ``clip_grad`` 0 Megatron's optimizer measures no gradient norm: the step has no
+    ``grad_norm`` figure (was 0.0, which reads as "no gradient"); with clipping it is measured."""
+    batch = [_wire(S.rl_sample(_turn("gn"), Verdict(1, [1]), False, "test"))]
+    m = _trainer(runtime, clip_grad=0.0).train_batch(batch, policy_version=0).metrics
+    assert "grad_norm" not in m and m["loss"] != 0.0
+    assert _trainer(runtime).train_batch(batch, policy_version=0).metrics["grad_norm"] > 0.0
 
 
 # ------------------------------------------------------------------ case 5 (trainer half)
@@ -261,6 +323,9 @@ CONFIGS = {  # trainer settings, and the options that must change the result on 
                                              w_opd=2.0, loss_agg="token_mean"), []),
     "tis-recompute-k3": (dict(old_log_probs="recompute", tis_cap=1.2, tis_floor=0.9, kl_coef=0.1, kl_type="k3",
                               normalize_advantages=True), ["tis_cap"]),
+    # TIS with the engine's log-probs as the PPO behaviour policy (the default): the weight is still
+    # trainer vs engine (was exp(rollout - rollout) = 1, so the option changed nothing)
+    "tis-rollout": (dict(tis_cap=1.3, tis_floor=0.8), ["tis_cap"]),
     "dual-clip-k2": (dict(eps_clip=0.1, eps_clip_high=0.15, eps_clip_c=1.5, kl_coef=0.05, kl_type="k2", w_opd=0.3),
                      ["dual_clip", "eps_clip_high"]),
     "low-var-kl-k1": (dict(kl_coef=0.2, kl_type="low_var_kl", loss_agg="token_mean"), []),
@@ -300,6 +365,9 @@ def test_trainer_matches_the_reference(runtime, name):
         _close(got[i], want["advantages"][k])
     m = pt.train_batch(batch, weights, policy_version=5).metrics
     for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl", "tis"):
+        if want[key] is None:  # no figure (TIS off): absent, never 0
+            assert key not in m, key
+            continue
         assert m[key] == pytest.approx(want[key], abs=TOL), (key, m[key], want[key])
     if cfg.old_log_probs == "rollout":  # (recomputed old log-probs give ratio 1 on the first step)
         assert 0.0 < want["pg_clipfrac"] < 1.0  # the clip is exercised

@@ -82,7 +82,8 @@ def split_votes(sample: events.Sample) -> tuple[list, list]:
 
 
 def majority(votes: list) -> int | None:
-    """Majority of the valid PRM votes (a tie or no valid vote: 0); None when there are no votes.
+    """Majority of the valid PRM votes (a tie: 0); None when there are no votes or none is valid
+    (every vote failed: no judgement, no reward).
 
     The judge's rule (:func:`pipeline.judge.parse.majority_vote`), recomputed here from the
     recorded votes so a reader can check the sample's reward against them.

@@ -364,7 +364,7 @@ class JudgeApp:
             v = await self.backend.score(inp)
         except Exception:
             log.exception("%s: backend %s failed to score", self.name, self.judge_name)
-            v = Verdict(0, [None])
+            v = Verdict(None, [None])
             metrics.count_vote(None)
         if v.all_failed:
             metrics.ALL_FAILED.inc()

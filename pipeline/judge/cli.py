@@ -70,11 +70,13 @@ def _eval(args, config) -> int:
 
     res, preds = asyncio.run(go())
     print(report(res, rows, preds, misses=args.misses))
-    failed = []
-    if args.min_agreement is not None and res.agreement < args.min_agreement:
-        failed.append(f"agreement {res.agreement:.1%} < {args.min_agreement:.1%}")
-    if args.max_sign_errors is not None and res.sign_error_rate > args.max_sign_errors:
-        failed.append(f"sign errors {res.sign_error_rate:.1%} > {args.max_sign_errors:.1%}")
+    failed = []  # a gate on a figure without data (no rows) fails: nothing was shown to pass
+    if args.min_agreement is not None and (res.agreement is None or res.agreement < args.min_agreement):
+        failed.append(f"agreement {'n/a' if res.agreement is None else f'{res.agreement:.1%}'} "
+                      f"< {args.min_agreement:.1%}")
+    if args.max_sign_errors is not None and (res.sign_error_rate is None or res.sign_error_rate > args.max_sign_errors):
+        failed.append(f"sign errors {'n/a' if res.sign_error_rate is None else f'{res.sign_error_rate:.1%}'} "
+                      f"> {args.max_sign_errors:.1%}")
     if failed:
         print("FAILED: " + "; ".join(failed))
         return 1

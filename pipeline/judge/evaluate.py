@@ -14,7 +14,12 @@ Figures (:class:`Tally`), overall, per next-state role (``user`` / ``tool``) and
   signal: it costs data, not direction);
 - **sign errors**: rows labelled +1 scored -1 or the reverse. These push the policy the wrong
   way, so they matter more than a miss: a judge should abstain (0) rather than guess;
-- the **confusion matrix** (label x predicted).
+- the **confusion matrix** (label x predicted), with a ``failed`` column: rows whose votes all
+  failed (backend errors, unparseable answers) have no score. They are reported apart, never as
+  a predicted 0: they count in ``n`` (a failed row agrees with no label and covers nothing, as
+  it gives the trainer no reward) but are neither a 0 nor a sign error.
+
+A figure over no rows (an empty file, a role with no row) is None and printed ``n/a``, never 0.
 
 With ``hints=True`` the backend's OPD hint path runs on every row too (:class:`HintTally`):
 share of turns with an accepted hint, hint length in characters, rejections by reason.
@@ -37,8 +42,15 @@ from pipeline.judge.prompts import JudgeInput, render_tool_calls
 LABELS = (1, 0, -1)
 
 
-def _sign(v: int) -> str:
+def _sign(v: int | None) -> str:
+    if v is None:
+        return "failed"
     return f"{v:+d}" if v else "0"
+
+
+def _pct(x: float | None) -> str:
+    """A share as ``12.3%``, or ``n/a`` when there is no data."""
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 class EvalFileError(PipelineError, ValueError):
@@ -101,11 +113,15 @@ def row_conversation(row: dict) -> dict:
 
 @dataclass
 class Tally:
-    """Counts of (label, predicted score) pairs and the figures derived from them."""
+    """Counts of (label, predicted score) pairs and the figures derived from them.
+
+    ``predicted`` None is a failed judgement (every vote failed): counted in ``n`` and
+    ``failed``, never as a 0. The shares are None when ``n`` (``covered`` for precision) is 0.
+    """
 
     confusion: Counter = field(default_factory=Counter)
 
-    def add(self, label: int, predicted: int) -> None:
+    def add(self, label: int, predicted: int | None) -> None:
         self.confusion[(label, predicted)] += 1
 
     @property
@@ -113,48 +129,59 @@ class Tally:
         return sum(self.confusion.values())
 
     @property
+    def failed(self) -> int:
+        """Rows whose votes all failed (no score)."""
+        return sum(c for (_, p), c in self.confusion.items() if p is None)
+
+    @property
     def correct(self) -> int:
         return sum(c for (lab, p), c in self.confusion.items() if lab == p)
 
     @property
     def covered(self) -> int:
-        """Rows given a non-zero score."""
-        return sum(c for (_, p), c in self.confusion.items() if p != 0)
+        """Rows given a non-zero score (a failed row has none)."""
+        return sum(c for (_, p), c in self.confusion.items() if p is not None and p != 0)
 
     @property
     def sign_errors(self) -> int:
         """Rows labelled +1 scored -1, or labelled -1 scored +1."""
-        return sum(c for (lab, p), c in self.confusion.items() if lab * p == -1)
+        return sum(c for (lab, p), c in self.confusion.items() if p is not None and lab * p == -1)
 
     @property
-    def agreement(self) -> float:
-        return self.correct / self.n if self.n else 0.0
+    def agreement(self) -> float | None:
+        return self.correct / self.n if self.n else None
 
     @property
-    def coverage(self) -> float:
-        return self.covered / self.n if self.n else 0.0
+    def coverage(self) -> float | None:
+        return self.covered / self.n if self.n else None
 
     @property
-    def sign_error_rate(self) -> float:
-        return self.sign_errors / self.n if self.n else 0.0
+    def sign_error_rate(self) -> float | None:
+        return self.sign_errors / self.n if self.n else None
 
     @property
-    def precision(self) -> float:
+    def failed_rate(self) -> float | None:
+        return self.failed / self.n if self.n else None
+
+    @property
+    def precision(self) -> float | None:
         """Share of the non-zero scores that equal the label (how far a covered score can be trusted)."""
-        hit = sum(c for (lab, p), c in self.confusion.items() if p != 0 and lab == p)
-        return hit / self.covered if self.covered else 0.0
+        hit = sum(c for (lab, p), c in self.confusion.items() if p is not None and p != 0 and lab == p)
+        return hit / self.covered if self.covered else None
 
     def summary(self) -> str:
-        """``agreement a/n = x%  coverage y%  sign errors s (z%)``."""
-        return (f"agreement {self.correct}/{self.n} = {self.agreement:.1%}  coverage {self.coverage:.1%}"
-                f"  sign errors {self.sign_errors} ({self.sign_error_rate:.1%})")
+        """``agreement a/n = x%  coverage y%  sign errors s (z%)  failed f (w%)`` (``n/a``: no rows)."""
+        return (f"agreement {self.correct}/{self.n} = {_pct(self.agreement)}  coverage {_pct(self.coverage)}"
+                f"  sign errors {self.sign_errors} ({_pct(self.sign_error_rate)})"
+                f"  failed {self.failed} ({_pct(self.failed_rate)})")
 
     def matrix(self, indent: str = "  ") -> list[str]:
-        """The confusion matrix as text lines (rows: label, columns: predicted)."""
-        out = [indent + "label \\ predicted " + "".join(f"{_sign(p):>6}" for p in LABELS)]
+        """The confusion matrix as text lines (rows: label, columns: predicted, then ``failed``)."""
+        cols = (*LABELS, None)
+        out = [indent + "label \\ predicted " + "".join(f"{_sign(p):>7}" for p in cols)]
         for lab in LABELS:
             out.append(f"{indent}{_sign(lab):>5}{'':<13}" + "".join(
-                f"{self.confusion.get((lab, p), 0):>6}" for p in LABELS))
+                f"{self.confusion.get((lab, p), 0):>7}" for p in cols))
         return out
 
 
@@ -206,7 +233,6 @@ class Agreement:
     categories: dict = field(default_factory=dict)
     by: tuple = ()  # further row fields to tally by (e.g. "style", "lang")
     groups: dict = field(default_factory=dict)  # {field: {value: Tally}}
-    failed: int = 0
     seconds: float = 0.0
     misses: list = field(default_factory=list)
     hints: HintTally | None = None
@@ -219,8 +245,10 @@ class Agreement:
     sign_errors = property(lambda self: self.total.sign_errors)
     sign_error_rate = property(lambda self: self.total.sign_error_rate)
     confusion = property(lambda self: self.total.confusion)
+    failed = property(lambda self: self.total.failed)  # rows whose votes all failed (no score)
 
-    def add(self, row: dict, predicted: int, failed: bool = False) -> None:
+    def add(self, row: dict, predicted: int | None) -> None:
+        """Tally one row; ``predicted`` None: every vote failed (reported as ``failed``, not 0)."""
         label = row["label"]
         self.total.add(label, predicted)
         self.roles.setdefault(row_role(row), Tally()).add(label, predicted)
@@ -230,14 +258,12 @@ class Agreement:
             values = row.get(name)
             for value in (values if isinstance(values, list) else [] if values is None else [values]):
                 self.groups.setdefault(name, {}).setdefault(str(value), Tally()).add(label, predicted)
-        self.failed += failed
         if predicted != label:
             self.misses.append((row["id"], label, predicted))
 
     def line(self) -> str:
         rate = f"; {self.n / self.seconds:.1f} turns/s" if self.seconds > 0 else ""
-        return (f"{self.backend:<10} {self.total.summary()}  (all votes failed: {self.failed};"
-                f" {self.seconds:.1f} s{rate})")
+        return f"{self.backend:<10} {self.total.summary()}  ({self.seconds:.1f} s{rate})"
 
 
 async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool = False,
@@ -251,7 +277,7 @@ async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool 
         hints: also run the OPD hint path and tally it (``Agreement.hints``).
         by: row fields to break the figures down by, besides role and ``category``.
     Returns:
-        ``(Agreement, {row id: predicted score})``.
+        ``(Agreement, {row id: predicted score, None where every vote failed})``.
     """
     res = Agreement(getattr(backend, "name", type(backend).__name__), by=tuple(by))
     if hints:
@@ -273,7 +299,7 @@ async def evaluate(backend, rows: list[dict], concurrency: int = 4, hints: bool 
     for i, row in enumerate(rows):  # tallied in file order: the report does not depend on timing
         v, hv = done[i]
         preds[row["id"]] = v.score
-        res.add(row, v.score, v.all_failed)
+        res.add(row, v.score)
         if hv is not None:
             res.hints.add(row["label"], hv.hint, getattr(hv, "reason", None))
     return res, preds
@@ -295,5 +321,6 @@ def report(res: Agreement, rows: list[dict] | None = None, preds: dict | None = 
     if res.hints is not None:
         lines.extend("  " + s for s in res.hints.lines())
     if misses and res.misses:
-        lines.append("  misses: " + ", ".join(f"{i} ({_sign(lab)} as {_sign(p)})" for i, lab, p in sorted(res.misses)))
+        lines.append("  misses: " + ", ".join(f"{i} ({_sign(lab)} as {_sign(p)})"
+                                              for i, lab, p in sorted(res.misses, key=lambda m: m[0])))
     return "\n".join(lines)

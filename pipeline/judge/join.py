@@ -30,10 +30,11 @@ judges in a group, decides the same:
 At-least-one rule (Binary RL; OpenClaw-RL's guarantee that a session trains on at least one
 sample), in the form implemented here:
 
-    A session's turn 0, when it is joined with a next state, is always trained: when its vote
-    is 0 (a tie, all-neutral votes or all votes failed) it is emitted with reward 0 and
-    loss_mask 1. Every other judged turn follows the plain rule (loss_mask 0 when the vote is
-    0). Turns without a next state are never trained.
+    A session's turn 0, when it is joined with a next state and judged, is always trained:
+    when its vote is 0 (a tie or all-neutral votes) it is emitted with reward 0 and loss_mask
+    1. Every other judged turn follows the plain rule (loss_mask 0 when the vote is 0). Turns
+    without a next state are never trained, nor are turns whose votes all failed (no
+    judgement: no reward, loss_mask 0, even for turn 0).
 
 OpenClaw-RL promotes the first judged turn of a session that has no trained sample yet; the two
 differ only when turn 0 gets no next state (an aborted generation, an empty next state) and a

@@ -10,7 +10,7 @@ TURNS = Counter("pipeline_judge_turns_total", "Main turns consumed by the judge"
 SAMPLES = Counter("pipeline_judge_samples_total", "Samples produced", ["kind"])
 VOTES = Counter("pipeline_judge_votes_total", "Judge votes by value (1, 0, -1, failed)", ["value"])
 PARSE_FAILURES = Counter("pipeline_judge_parse_failures_total", "Judge outputs without a valid \\boxed{} answer")
-ALL_FAILED = Counter("pipeline_judge_all_votes_failed_total", "Judgements where every vote failed (score 0)")
+ALL_FAILED = Counter("pipeline_judge_all_votes_failed_total", "Judgements where every vote failed (no score: the sample carries no reward)")
 FLUSHED = Counter("pipeline_judge_flushed_total", "Waiting turns settled without a next state", ["reason"])
 DROPPED = Counter("pipeline_judge_dropped_total", "Judged turns that produced no sample", ["reason"])
 TEACHER_FAILURES = Counter("pipeline_judge_teacher_failures_total", "Turns whose teacher log-probs failed")
@@ -66,8 +66,9 @@ def observe_hint(hint: str | None, reason: str | None) -> None:
 
 # ---- labelled traffic: agreement, coverage, sign errors --------------------------------------
 LABELLED = Counter("pipeline_judge_labelled_total",
-                   "Scored turns whose next state carries a label (e.g. an imported labelled set): the "
-                   "confusion matrix by next-state role, label and predicted score",
+                   "Judged turns whose next state carries a label (e.g. an imported labelled set): the "
+                   "confusion matrix by next-state role, label and predicted score (failed: every vote "
+                   "failed, no score)",
                    ["role", "label", "predicted"])
 LABELLED_AGREEMENT = Gauge("pipeline_judge_labelled_agreement",
                            "Share of labelled turns scored as labelled (since start)", ["role"])
@@ -96,17 +97,23 @@ def next_state_label(messages: list) -> tuple[int | None, str]:
     return label, role
 
 
-def observe_labelled(messages: list, predicted: int) -> None:
-    """Count a scored turn if its next state carries a label (no-op otherwise)."""
+def observe_labelled(messages: list, predicted: int | None) -> None:
+    """Count a judged turn if its next state carries a label (no-op otherwise).
+
+    ``predicted`` None (every vote failed) is counted as ``predicted="failed"``, never as a 0: it
+    agrees with no label, covers nothing and is no sign error (the figures of
+    :mod:`pipeline.judge.evaluate`).
+    """
     label, role = next_state_label(messages)
     if label is None:
         return
-    LABELLED.labels(role, str(label), str(predicted)).inc()
+    LABELLED.labels(role, str(label), "failed" if predicted is None else str(predicted)).inc()
+    scored = predicted is not None
     with _labelled_lock:
         for key in (role, "all"):
             n, agree, covered, sign = _labelled_counts.get(key, (0, 0, 0, 0))
-            n, agree, covered, sign = (n + 1, agree + (label == predicted), covered + (predicted != 0),
-                                       sign + (label * predicted == -1))
+            n, agree, covered, sign = (n + 1, agree + (label == predicted), covered + (scored and predicted != 0),
+                                       sign + (scored and label * predicted == -1))
             _labelled_counts[key] = (n, agree, covered, sign)
             LABELLED_AGREEMENT.labels(key).set(agree / n)
             LABELLED_COVERAGE.labels(key).set(covered / n)

@@ -108,14 +108,17 @@ def hint_rejection(texts: list[str | None], min_chars: int = 10) -> str | None:
     return "hint_too_short"
 
 
-def majority_vote(votes: list[int | None]) -> int:
-    """Majority of the valid votes; a tie between the top values, or no valid vote, gives 0.
+def majority_vote(votes: list[int | None]) -> int | None:
+    """Majority of the valid votes; a tie between the top values gives 0; no valid vote gives
+    None (no judgement: the turn carries no RL signal).
 
-    This is OpenClaw-RL's PRM aggregation (failed votes are ignored, not counted as 0).
+    OpenClaw-RL's PRM aggregation (failed votes are ignored, not counted as 0), except that
+    OpenClaw-RL also scores a turn whose votes all failed as 0; here that is absent, not a
+    vote of 0 (a backend outage must not train the policy toward "neutral").
     """
     valid = [v for v in votes if v is not None]
     if not valid:
-        return 0
+        return None
     counts = Counter(valid).most_common()
     if len(counts) > 1 and counts[0][1] == counts[1][1]:
         return 0

@@ -10,11 +10,13 @@ Modes (OpenClaw-RL):
   {-1, 0, 1} (a real 0 when the judge voted 0); loss_mask 0 when the vote is 0, except for the
   at-least-one candidate (see :mod:`pipeline.judge.join`), trained with reward 0. A turn that
   was not judged (no next state, or its generation did not finish) gives a sample with no
-  reward and loss_mask 0 (accounting only).
+  reward and loss_mask 0 (accounting only); so does a turn whose votes all failed (backend
+  errors, unparseable answers): no judgement is not a vote of 0, and such a turn is never
+  promoted by the at-least-one rule.
 - ``opd`` (hindsight On-Policy Distillation): a judged turn with a hint and teacher log-probs
   gives one sample with no reward. No hint, no teacher, or no next state: no sample.
-- ``combine``: at most one sample per judged turn. A ±1 vote is the RL signal (a vote of 0 is
-  none), teacher log-probs under an accepted hint the OPD signal: both -> kind ``opd+rl``; hint
+- ``combine``: at most one sample per judged turn. A ±1 vote is the RL signal (a vote of 0, or
+  no vote because every vote failed, is none), teacher log-probs under an accepted hint the OPD signal: both -> kind ``opd+rl``; hint
   only -> ``opd``; vote only -> ``rl`` (never the rollout log-probs as a stand-in teacher);
   neither -> no sample.
 
@@ -109,7 +111,14 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask
 
 
 def rl_sample(turn, verdict, candidate: bool, judge: str, decided_at: int | None = None) -> events.Sample:
-    """Binary RL sample of a judged turn (``verdict``: :class:`Verdict`); reward = the vote."""
+    """Binary RL sample of a judged turn (``verdict``: :class:`Verdict`); reward = the vote.
+
+    ``verdict.score`` None (every vote failed) gives no reward and loss_mask 0 whatever
+    ``candidate`` says: the sample is carried for accounting (its failed votes), never trained.
+    """
+    if verdict.score is None:
+        return make_sample(turn, "rl", reward=None, loss_mask=0, votes=verdict.votes, judge=judge,
+                           decided_at=decided_at)
     mask = 1 if (verdict.score != 0 or candidate) else 0
     return make_sample(turn, "rl", reward=verdict.score, loss_mask=mask, votes=verdict.votes,
                        judge=judge, decided_at=decided_at)
@@ -127,12 +136,13 @@ def opd_sample(turn, hint: str, teacher, votes, judge: str, decided_at: int | No
                        decided_at=decided_at)
 
 
-def combine_sample(turn, score: int, hint: str | None, teacher, votes, judge: str,
+def combine_sample(turn, score: int | None, hint: str | None, teacher, votes, judge: str,
                    decided_at: int | None = None) -> events.Sample | None:
     """Combine sample, or None when there is neither teacher log-probs nor a ±1 vote.
 
     ``teacher`` is the hinted teacher output (None when there is no hint, the teacher failed or
-    cannot score this turn); ``hint`` is recorded only with it. A vote of 0 is no RL signal.
+    cannot score this turn); ``hint`` is recorded only with it. A vote of 0, or ``score`` None
+    (every vote failed), is no RL signal.
     """
     reward = float(score) if score in (1, -1) else None
     if teacher is None and reward is None:

@@ -317,16 +317,19 @@ def status_line(stack: Stack) -> str:
         parts.append(f"{s.name}:{state if state in ('up', 'starting') else state.replace(' ', '-')}"
                      + (f"(restarts {s.restarts})" if s.restarts else ""))
 
-    def total(prefix: str, key: str) -> float:
-        return sum(scrape(url).get(key, 0.0) for name, url in stack.metrics.items()
-                   if name == prefix or name.startswith(prefix + "-") and name[len(prefix) + 1:].isdigit())
+    def total(prefix: str, key: str) -> str:
+        """The sum over the stage's replicas that serve ``key``; ``n/a`` when none does (a stage
+        down or not started: no figure, never 0)."""
+        hits = [v for name, url in stack.metrics.items()
+                if name == prefix or name.startswith(prefix + "-") and name[len(prefix) + 1:].isdigit()
+                for k, v in scrape(url).items() if k == key]
+        return f"{sum(hits):.0f}" if hits else "n/a"
 
-    t = scrape(stack.metrics.get("trainer", ""))
     return (f"[{time.strftime('%H:%M:%S')}] {' '.join(parts)}"
-            f" | requests {total('proxy', 'pipeline_proxy_requests_total'):.0f}"
-            f" | samples {total('judge', 'pipeline_judge_samples_total'):.0f}"
-            f" | trainer steps {t.get('pipeline_trainer_steps_total', 0):.0f}"
-            f" | policy version {t.get('pipeline_trainer_policy_version', 0):.0f}"
+            f" | requests {total('proxy', 'pipeline_proxy_requests_total')}"
+            f" | samples {total('judge', 'pipeline_judge_samples_total')}"
+            f" | trainer steps {total('trainer', 'pipeline_trainer_steps_total')}"
+            f" | policy version {total('trainer', 'pipeline_trainer_policy_version')}"
             f" | restarts {sum(stack.supervisor.restarts().values())}")
 
 

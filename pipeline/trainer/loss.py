@@ -149,18 +149,25 @@ def ppo_policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor
     return loss, clipfrac, ppo_kl
 
 
-def truncated_is_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float,
+def truncated_is_weights(train_log_probs: Tensor, rollout_log_probs: Tensor, cap: float,
                          floor: float = 0.0, has_rollout: Tensor | None = None) -> Tensor:
     """Truncated importance-sampling weights for the rollout-vs-training mismatch (no grad).
 
-    ``w = clamp(exp(old - rollout), floor, cap)``, element-wise ``[n, L]``: the engine that sampled
-    (fp32 CPU server or SGLang in bf16) and the trainer compute slightly different probabilities;
-    multiplying the per-token policy loss by ``w`` corrects the off-policyness while the cap keeps
-    the variance bounded. ``has_rollout`` ``[n]`` bool (default: all): a sample without rollout
-    log-probs has nothing to correct and gets weight exactly 1. Source: "Your efficient RL
-    framework secretly brings you off-policy RL training" (Yao et al., 2025), slime ``--use-tis``.
+    ``w = clamp(exp(train - rollout), floor, cap)``, element-wise ``[n, L]``, where ``train`` is
+    the trainer's own log-probs of the sampled tokens under the weights the samples are trained
+    from (recomputed before the update: slime's ``log_probs``) and ``rollout`` the log-probs the
+    engine reported when it sampled them. The engine (fp32 CPU server, SGLang in bf16) and the
+    trainer compute slightly different probabilities; multiplying the per-token policy loss by
+    ``w`` corrects that off-policyness while the cap keeps the variance bounded. ``train`` must
+    never be the rollout log-probs themselves (the ratio would be 1: no correction), whatever
+    the PPO ratio uses as its behaviour log-probs. ``has_rollout`` ``[n]`` bool (default: all): a
+    sample without rollout log-probs has nothing to correct and gets weight exactly 1 in the
+    loss (and is left out of the TIS statistic, see :func:`policy_loss`). Source: "Your efficient
+    RL framework secretly brings you off-policy RL training" (Yao et al., 2025), slime
+    ``--use-tis`` (``tis = exp(log_probs - rollout_log_probs)``, clamped to
+    ``[tis_clip_low, tis_clip]``).
     """
-    w = torch.exp(old_log_probs.detach() - rollout_log_probs.detach()).clamp(min=floor, max=cap)
+    w = torch.exp(train_log_probs.detach() - rollout_log_probs.detach()).clamp(min=floor, max=cap)
     if has_rollout is not None:
         w = torch.where(has_rollout.to(w.device, torch.bool)[:, None], w, torch.ones_like(w))
     return w
@@ -246,21 +253,34 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
                 entropy: Tensor | None = None, entropy_coef: float = 0.0,
                 ref_log_probs: Tensor | None = None, kl_coef: float = 0.0, kl_type: KLType = "low_var_kl",
                 rollout_log_probs: Tensor | None = None, tis_cap: float | None = None, tis_floor: float = 0.0,
+                train_log_probs: Tensor | None = None,
                 has_rollout: Tensor | None = None, sample_weights: Tensor | None = None,
-                agg: LossAgg = "sum_of_sample_mean", num_samples: int | None = None, num_tokens: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                agg: LossAgg = "sum_of_sample_mean", num_samples: int | None = None, num_tokens: int | None = None,
+                num_rollout_samples: int | None = None, num_rollout_tokens: int | None = None
+                ) -> tuple[Tensor, dict[str, Tensor]]:
     """The trainer's objective for one micro-batch: ``pg_loss - entropy_coef * entropy + kl_coef * kl``.
 
     Every term is aggregated with :func:`aggregate` (``agg``, global ``num_samples`` /
     ``num_tokens``, ``sample_weights``), so summing micro-batch losses gives the batch loss.
     ``pg_loss`` is the PPO surrogate of :func:`ppo_policy_loss`, multiplied per token by
-    :func:`truncated_is_weights` when ``tis_cap`` is set (needs ``rollout_log_probs``; samples
-    marked False in ``has_rollout`` ``[n]`` get weight 1). The KL
-    term needs ``ref_log_probs`` (a frozen reference model); the entropy term needs ``entropy``.
+    :func:`truncated_is_weights` when ``tis_cap`` is set: ``exp(train_log_probs -
+    rollout_log_probs)`` truncated to ``[tis_floor, tis_cap]`` (needs both; samples marked False
+    in ``has_rollout`` ``[n]`` get weight 1). The KL term needs ``ref_log_probs`` (a frozen
+    reference model); the entropy term needs ``entropy``.
 
-    Args: ``[n, L]`` tensors as in the module docstring; ``sample_weights`` ``[n]``.
+    Args: ``[n, L]`` tensors as in the module docstring (``train_log_probs``: the trainer's
+    log-probs before the update, no grad); ``sample_weights`` ``[n]``; ``num_rollout_samples`` /
+    ``num_rollout_tokens``: the global batch's counts of trained samples (tokens) that have
+    rollout log-probs (default: in this call), the denominators of the ``tis`` statistic.
     Returns:
         ``(loss, stats)``: the scalar loss (with grad) and detached scalars ``pg_loss``,
-        ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``kl``, ``tis`` — each aggregated the same way.
+        ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``kl`` — each aggregated the same way — and,
+        only when ``tis_cap`` is set and this call holds a trained sample with rollout log-probs,
+        ``tis``: the TIS weight aggregated over those samples alone (a sample without rollout
+        log-probs has no ratio, so no fake 1 enters the figure; summed over micro-batches with the
+        global counts it is the batch's figure, and a batch without any such sample has none).
+    Raises:
+        ValueError: ``tis_cap`` without ``rollout_log_probs`` or ``train_log_probs``.
     Source: slime ``policy_loss_function`` (OpenClaw-RL's trainer).
     """
     def agg_(x: Tensor) -> Tensor:
@@ -268,17 +288,21 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
 
     keep = mask != 0  # masked-out positions are zeroed before any arithmetic (no NaN in the graph)
     log_probs, old_log_probs, advantages = (_select(x, keep) for x in (log_probs, old_log_probs, advantages))
-    entropy, ref_log_probs, rollout_log_probs = (None if x is None else _select(x, keep)
-                                                 for x in (entropy, ref_log_probs, rollout_log_probs))
+    entropy, ref_log_probs, rollout_log_probs, train_log_probs = (
+        None if x is None else _select(x, keep) for x in (entropy, ref_log_probs, rollout_log_probs, train_log_probs))
 
     pg, clipfrac, ppo_kl = ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
     zero = log_probs.sum() * 0.0
-    tis = None
+    tis = tis_stat = None
     if tis_cap is not None:
-        if rollout_log_probs is None:
-            raise ValueError("tis_cap needs rollout_log_probs")
-        tis = truncated_is_weights(old_log_probs, rollout_log_probs, tis_cap, tis_floor, has_rollout)
+        if rollout_log_probs is None or train_log_probs is None:
+            raise ValueError("tis_cap needs rollout_log_probs and train_log_probs (the trainer's own log-probs "
+                             "before the update)")
+        tis = truncated_is_weights(train_log_probs, rollout_log_probs, tis_cap, tis_floor, has_rollout)
         pg = pg * tis
+        tis_mask = keep if has_rollout is None else keep & has_rollout.to(keep.device, torch.bool)[:, None]
+        if bool(tis_mask.any()):
+            tis_stat = aggregate(tis, tis_mask, agg, sample_weights, num_rollout_samples, num_rollout_tokens)
     pg_loss = agg_(pg)
     loss = pg_loss
     ent = agg_(entropy) if entropy is not None else zero
@@ -287,6 +311,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     kl = agg_(approx_kl(log_probs, ref_log_probs, kl_type)) if ref_log_probs is not None else zero
     if kl_coef and ref_log_probs is not None:
         loss = loss + kl_coef * kl
-    stats = {"pg_loss": pg_loss, "pg_clipfrac": agg_(clipfrac), "ppo_kl": agg_(ppo_kl), "entropy": ent,
-             "kl": kl, "tis": agg_(tis) if tis is not None else zero}
+    stats = {"pg_loss": pg_loss, "pg_clipfrac": agg_(clipfrac), "ppo_kl": agg_(ppo_kl), "entropy": ent, "kl": kl}
+    if tis_stat is not None:
+        stats["tis"] = tis_stat
     return loss, {k: v.detach() for k, v in stats.items()}

@@ -63,6 +63,20 @@ class MetricsLog:
             os.fsync(f.fileno())
 
 
+def fmt(value: Any, spec: str = ".4f") -> str:
+    """A figure for people: ``format(value, spec)``, or ``n/a`` when absent (None, NaN, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "n/a"
+    return format(value, spec)
+
+
+def step_line(record: dict) -> str:
+    """The console log line of one step record (absent figures read ``n/a``, never 0)."""
+    return (f"step {record.get('step')} v{record.get('policy_version')} loss {fmt(record.get('loss'))} "
+            f"reward {fmt(record.get('reward_mean'), '.3f')} samples {record.get('batch_samples')} "
+            f"({fmt(record.get('step_s'), '.1f')} s)")
+
+
 class Progress:
     """A tqdm bar over trainer steps (disabled when ``enabled`` is false or not a main rank)."""
 

@@ -125,7 +125,9 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 @dataclass
 class _Prepared:
-    """:meth:`PolicyTrainer._prepare`'s output (``keep``: input index of each kept sample)."""
+    """:meth:`PolicyTrainer._prepare`'s output (``keep``: input index of each kept sample;
+    ``train_cache``: per micro-batch, the trainer's log-probs before the update, for TIS (None
+    when TIS is off))."""
 
     keep: list[int]
     samples: list[events.Sample]
@@ -136,6 +138,7 @@ class _Prepared:
     micro: list[B.MicroBatch]
     old_cache: list[torch.Tensor]
     ref_cache: list[torch.Tensor | None]
+    train_cache: list[torch.Tensor | None]
 
 
 @dataclass
@@ -250,21 +253,26 @@ class PolicyTrainer:
             mb.index = [mine[i] for i in mb.index]
         old_cache: list[torch.Tensor] = []
         ref_cache: list[torch.Tensor | None] = []
+        train_cache: list[torch.Tensor | None] = []
+        tis = cfg.tis_cap is not None
         with torch.no_grad():
             for mb in micro:
                 # behaviour log-probs: the rollout ones, or recomputed under the current weights
                 # (always for samples without rollout log-probs, e.g. imported turns: their
-                # ratio starts at 1)
+                # ratio starts at 1). TIS always needs the recomputed ones: its ratio is trainer
+                # vs engine, whatever the PPO ratio's behaviour log-probs are.
                 rollout = mb.rollout_log_probs.to(par.device)
-                if cfg.old_log_probs == "recompute" or not bool(mb.has_rollout.all()):
+                if cfg.old_log_probs == "recompute" or tis or not bool(mb.has_rollout.all()):
                     self.ddp.eval()
                     rec = self._forward(self.ddp, mb)[0].float()
                     old_cache.append(rec if cfg.old_log_probs == "recompute"
                                      else torch.where(mb.has_rollout[:, None].to(rec.device), rollout, rec))
+                    train_cache.append(rec if tis else None)
                 else:
                     old_cache.append(rollout)
+                    train_cache.append(None)
                 ref_cache.append(self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None)
-        return _Prepared(keep, samples, weights, has_reward, rewards, rl_adv, micro, old_cache, ref_cache)
+        return _Prepared(keep, samples, weights, has_reward, rewards, rl_adv, micro, old_cache, ref_cache, train_cache)
 
     @torch.no_grad()
     def advantages(self, samples: list[events.Sample], weights: list[float] | None = None) -> list[list[float]]:
@@ -297,8 +305,11 @@ class PolicyTrainer:
         ``nonfinite_steps``; when no step of the batch was taken the result is ``skipped`` too (no
         new policy version, nothing exported).
 
-        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl, tis`` (means over the optimizer
-        steps of the aggregated values), ``grad_norm`` (last step), ``train_samples``,
+        Metrics: ``loss, pg_loss, pg_clipfrac, ppo_kl, entropy, kl`` (means over the optimizer
+        steps of the aggregated values), ``tis`` (the same, for the truncated importance weight
+        exp(trainer - rollout log-prob) over the trained samples that have rollout log-probs; absent
+        when TIS is off or no such sample was trained), ``grad_norm`` (last step taken; absent when
+        none was taken or ``clip_grad`` is 0 and none was measured), ``train_samples``,
         ``train_tokens``, ``rl_samples`` / ``opd_samples`` (trained samples with a reward / with
         teacher log-probs), ``reward_mean`` (over the samples with a reward; absent when none),
         ``forward_backward_s``, ``optimizer_s``, ``nonfinite_steps``, and the train-vs-rollout figure: mean
@@ -317,6 +328,8 @@ class PolicyTrainer:
         rl_adv = prep.rl_adv
         num_samples = len(samples)
         num_tokens = sum(s.response_length for s in samples)
+        sampled = [s for s in samples if s.rollout_log_probs is not None]  # the TIS figure's samples
+        num_rollout_samples, num_rollout_tokens = len(sampled), sum(s.response_length for s in sampled)
         metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
         if num_samples == 0:
             return StepResult(metrics, skipped=True)
@@ -329,7 +342,7 @@ class PolicyTrainer:
         diff = {k: torch.zeros((), dtype=torch.float64) for k in ("current", "current_n", "stale", "stale_n")}
         adv_means = torch.zeros(num_samples, dtype=torch.float64)  # per kept sample, this rank's share
         fb_s = opt_s = 0.0
-        grad_norm = 0.0
+        grad_norm = None  # of the last optimizer step taken (None: none taken, or not measured)
         applied = 0  # optimizer steps that changed the weights (finite loss and gradients)
         entropy_mode = "grad" if cfg.entropy_coef else "metric"
         for step in range(cfg.steps_per_batch):
@@ -338,7 +351,7 @@ class PolicyTrainer:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             step_stats: dict[str, torch.Tensor] = {}
-            for mb, old, ref in zip(micro, old_cache, ref_cache):
+            for mb, old, ref, train in zip(micro, old_cache, ref_cache, prep.train_cache):
                 logp, ent = self._forward(self.ddp, mb, entropy_mode)
                 dev = logp.device
                 mask = mb.mask.to(dev)
@@ -348,8 +361,9 @@ class PolicyTrainer:
                     eps_clip_c=cfg.eps_clip_c, entropy=ent, entropy_coef=cfg.entropy_coef,
                     ref_log_probs=ref, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type,
                     rollout_log_probs=mb.rollout_log_probs.to(dev), tis_cap=cfg.tis_cap, tis_floor=cfg.tis_floor,
-                    has_rollout=mb.has_rollout, sample_weights=mb.weights.to(dev), agg=cfg.loss_agg,
-                    num_samples=num_samples, num_tokens=num_tokens)
+                    train_log_probs=train, has_rollout=mb.has_rollout, sample_weights=mb.weights.to(dev),
+                    agg=cfg.loss_agg, num_samples=num_samples, num_tokens=num_tokens,
+                    num_rollout_samples=num_rollout_samples, num_rollout_tokens=num_rollout_tokens)
                 # Megatron DDP averages gradients over DP ranks; the loss is already a global mean
                 (loss * par.dp).backward()
                 stats["loss"] = loss.detach()
@@ -381,7 +395,9 @@ class PolicyTrainer:
                 metrics[f"logprob_tokens_{part}"] = d[f"{part}_n"]
                 if d[f"{part}_n"] > 0:
                     metrics[f"logprob_abs_diff_{part}"] = d[part] / d[f"{part}_n"]
-        metrics["grad_norm"] = float(grad_norm or 0.0)
+        # no step taken, or no clipping (Megatron then measures no norm and returns 0.0): no figure, not 0
+        if grad_norm is not None and cfg.clip_grad > 0:
+            metrics["grad_norm"] = float(grad_norm)
         metrics["forward_backward_s"] = fb_s + pre_s
         metrics["optimizer_s"] = opt_s
         if par.dp > 1:  # each sample was on exactly one DP rank: a sum gathers them

@@ -13,9 +13,11 @@ SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps that changed no
 POLICY_VERSION = Gauge("pipeline_trainer_policy_version", "Policy version of the trainer's weights (syncs so far)")
 SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcome",
                   ["outcome"])  # trained, masked, duplicate, stale_dropped, dead_letter
-LOSS = Gauge("pipeline_trainer_loss", "Loss of the last step")
-REWARD = Gauge("pipeline_trainer_reward_mean", "Mean reward of the last batch")
-STALENESS = Gauge("pipeline_trainer_staleness_mean", "Mean staleness (versions) of the last batch")
+LOSS = Gauge("pipeline_trainer_loss", "Loss of the last step (NaN: no trainable sample)")
+REWARD = Gauge("pipeline_trainer_reward_mean", "Mean reward of the last batch's trained samples with a reward "
+               "(NaN: none)")
+STALENESS = Gauge("pipeline_trainer_staleness_mean", "Mean staleness (versions) of the last batch's samples "
+                  "sampled by a policy (NaN: none)")
 LOGPROB_DIFF = Gauge("pipeline_trainer_logprob_abs_diff",
                      "Mean |train - rollout| log-prob of the last batch's sampled tokens (nats; NaN: none)")
 LOGPROB_DIFF_CURRENT = Gauge(
@@ -65,15 +67,13 @@ def observe_step(record: dict) -> None:
     for key, outcome in (("masked", "masked"), ("duplicates", "duplicate"), ("stale_dropped", "stale_dropped"),
                          ("dead_letters", "dead_letter")):
         SAMPLES.labels(outcome).inc(record.get(key, 0))
-    for gauge, key in ((LOSS, "loss"), (STALENESS, "staleness_mean")):
-        if isinstance(record.get(key), (int, float)):
-            gauge.set(record[key])
-    if not record.get("skipped"):  # a figure the step could not measure reads NaN, not the last value
-        for gauge, key in ((REWARD, "reward_mean"), (LOGPROB_DIFF, "logprob_abs_diff"),
-                           (LOGPROB_DIFF_CURRENT, "logprob_abs_diff_current"),
-                           (LOGPROB_DIFF_STALE, "logprob_abs_diff_stale")):
-            value = record.get(key)
-            gauge.set(value if isinstance(value, (int, float)) else float("nan"))
+    # a figure the step could not measure (absent from the record, or null in the JSONL log) reads
+    # NaN: never 0, and never the previous step's value (a skipped step included)
+    for gauge, key in ((LOSS, "loss"), (STALENESS, "staleness_mean"), (REWARD, "reward_mean"),
+                       (LOGPROB_DIFF, "logprob_abs_diff"), (LOGPROB_DIFF_CURRENT, "logprob_abs_diff_current"),
+                       (LOGPROB_DIFF_STALE, "logprob_abs_diff_stale")):
+        value = record.get(key)
+        gauge.set(value if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan"))
     for phase in ("consume_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "export_s", "sync_s", "step_s"):
         if isinstance(record.get(phase), (int, float)):
             PHASE.labels(phase[:-2]).observe(record[phase])

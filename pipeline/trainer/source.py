@@ -168,8 +168,9 @@ class SampleSource:
         for s in seen_now:
             self.dedup.add(s)
         self.positions = positions
-        stats["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
-        stats["staleness_max"] = float(max(staleness, default=0))
+        if staleness:  # no sample sampled by a policy (e.g. only imported ones): no figure, not 0
+            stats["staleness_mean"] = sum(staleness) / len(staleness)
+            stats["staleness_max"] = float(max(staleness))
         stats["consume_s"] = time.perf_counter() - t0
         return Batch(samples, weights, dict(positions), {k: float(v) for k, v in stats.items()})
 

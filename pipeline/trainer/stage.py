@@ -52,7 +52,7 @@ from pipeline.trainer import dist
 from pipeline.trainer import guards
 from pipeline.trainer import model as M
 from pipeline.trainer import prom
-from pipeline.trainer.metrics import MetricsLog, Progress
+from pipeline.trainer.metrics import MetricsLog, Progress, step_line
 
 log = logging.getLogger(__name__)
 
@@ -296,8 +296,7 @@ class TrainerStage:
             self.steps_out.publish(record, {samples[i].sample_id: a for i, a in result.sample_advantages.items()})
             prom.observe_step(record)
             progress.update(record)
-            log.info("step %d v%d loss %.4f reward %.3f samples %d (%.1f s)", self.step, self.version,
-                     record.get("loss", 0.0), record.get("reward_mean", 0.0), len(samples), step_s)
+            log.info("%s", step_line(record))
         return not stopping
 
     def run(self, install_signals: bool = True) -> int:

@@ -24,12 +24,12 @@ function h(tag, attrs, ...kids) {
 const $ = (id) => document.getElementById(id);
 function setText(id, v) { const el = $(id); if (el) el.textContent = v; }
 function num(x, d = 2) {
-  if (x === null || x === undefined || Number.isNaN(x)) return "–";
+  if (x === null || x === undefined || Number.isNaN(x)) return "n/a";  // a figure without data: never 0
   if (Number.isInteger(x)) return String(x);
   if (x !== 0 && Math.abs(x) < 10 ** -d) return x.toExponential(1);  // e.g. a log-prob mismatch of 2e-6 nats
   return Math.abs(x) >= 100 ? x.toFixed(0) : x.toFixed(d);
 }
-function pct(a, b) { return b ? `${(100 * a / b).toFixed(0)}%` : "–"; }
+function pct(a, b) { return b ? `${(100 * a / b).toFixed(0)}%` : "n/a"; }
 function when(ms) { return ms ? new Date(ms).toLocaleTimeString() : "–"; }
 function sleep(ms) { return new Promise((r) => setTimeout(r, ms)); }
 function headers() { return S.key ? { Authorization: `Bearer ${S.key}` } : {}; }
@@ -171,7 +171,7 @@ function renderOverview(o) {
 
   setText("n-samples", num(s.total)); setText("n-kind-rl", num(s.by_kind.rl || 0));
   setText("n-kind-opd", num(s.by_kind.opd || 0)); setText("n-kind-opdrl", num(s.by_kind["opd+rl"] || 0));
-  setText("n-masked-share", s.masked_share === null ? "–" : `${(100 * s.masked_share).toFixed(0)}% (${s.masked})`);
+  setText("n-masked-share", s.masked_share === null ? "n/a" : `${(100 * s.masked_share).toFixed(0)}% (${s.masked})`);
   setText("n-trained", num(s.trained)); setText("n-reward-mean", num(s.reward_mean, 3));
   setText("n-duplicates", num(s.duplicates));
 
@@ -190,7 +190,7 @@ function renderOverview(o) {
   for (const x of syncs) if (x.resume_ms) { vx.push(x.resume_ms / 1000); vy.push(x.policy_version); }
   updateChart("versions", [vx, vy]);
   setText("n-hold-count", num(live.sync_hold_count));
-  setText("n-hold-mean", live.sync_hold_count ? num(live.sync_hold_sum_s / live.sync_hold_count, 3) : "–");
+  setText("n-hold-mean", live.sync_hold_count ? num(live.sync_hold_sum_s / live.sync_hold_count, 3) : "n/a");
   setText("n-engine-version", num(live.engine_weight_version));
   replace("syncs", syncs.length ? table(["version", "paused at", "paused (s)", "applied by", "failed"],
     syncs.slice(-12).reverse().map((x) => [num(x.policy_version), when(x.pause_ms), num(x.pause_s, 2),
@@ -288,11 +288,11 @@ async function renderSession(id) {
       for (const s of t.samples) {
         rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "", trainedStep: s.trained_step ?? "" } },
           kv([["PRM votes", s.prm_votes.length ? voteBadges(s.prm_votes) : h("span", { class: "muted" }, "none")],
-            ["majority", s.majority === null ? "–" : num(s.majority)],
+            ["majority", s.majority === null ? "n/a" : num(s.majority)],
             ["hint", s.has_hint ? (showText && s.hint !== undefined ? h("div", { class: "text" }, s.hint) : `${s.hint_chars} chars`) : "none"],
             ["hint votes", s.hint_votes.length ? voteBadges(s.hint_votes) : "–"],
             ["reward", num(s.reward, 2)], ["loss mask", num(s.loss_mask)],
-            ["mean advantage", s.mean_advantage === null ? "–" : num(s.mean_advantage, 4)],
+            ["mean advantage", s.mean_advantage === null ? "n/a" : num(s.mean_advantage, 4)],
             ["trained", s.trained ? h("span", { class: "pill ok" }, `step ${s.trained_step} → policy version ${s.trained_into_version}`)
               : h("span", { class: "pill no" }, s.loss_mask ? "not yet" : "no (masked)")],
             ["sample id", s.sample_id]]))]);

@@ -9,9 +9,10 @@ from pipeline.judge.prompts import JudgeInput
 
 @dataclass
 class Verdict:
-    """A PRM judgement: ``score`` in {-1, 0, 1} (majority of ``votes``; None = a failed vote)."""
+    """A PRM judgement: ``score`` in {-1, 0, 1}, the majority of ``votes`` (a vote is None when
+    it failed), or None when every vote failed (no judgement: no RL signal, never a 0)."""
 
-    score: int
+    score: int | None
     votes: list = field(default_factory=list)
 
     @property

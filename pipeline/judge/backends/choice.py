@@ -7,7 +7,7 @@ template (tokenizer from ``judge.tokenizer``, default ``engine.model``) and each
 length) returns log p(candidate token | prefix) for exactly the candidate's tokens (SGLang's
 ``logprob_start_len`` semantics); the candidate with the highest summed log-prob (nats) is the
 score. No sampling, so no parse failures, and a fraction of the tokens of m sampled votes.
-A candidate whose request fails after retries scores -inf; all failed gives 0 (one failed vote).
+A candidate whose request fails after retries scores -inf; all failed gives no score (``Verdict(None, [None])``: one failed vote, no RL signal).
 Hints (OPD) are sampled votes, as in the ``llm`` backend.
 """
 
@@ -61,7 +61,7 @@ class ChoiceBackend(LLMBackend):
         lps = await asyncio.gather(*(self._logprob(prompt, ids) for _, ids in self.cand_ids))
         if all(lp == -math.inf for lp in lps):
             metrics.count_vote(None)
-            return Verdict(0, [None])
+            return Verdict(None, [None])
         best = max(range(len(lps)), key=lambda i: lps[i])
         v = self.cand_ids[best][0]
         metrics.count_vote(v)

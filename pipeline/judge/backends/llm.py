@@ -6,7 +6,8 @@ prompt) at ``judge.temperature``; the m votes run concurrently. A vote whose req
 ``judge.retries`` times with exponential back-off from ``judge.retry_backoff_s`` plus jitter
 (:mod:`pipeline.retry`), then counts as failed; another 4xx is not retried. A 200 answer without a valid last ``\\boxed{}`` is a failed vote at once (a parse
 failure, counted in ``pipeline_judge_parse_failures_total``). The score is the majority of the
-valid votes; a tie, or no valid vote, gives 0 (OpenClaw-RL's PRM rule).
+valid votes; a tie gives 0 (OpenClaw-RL's PRM rule); no valid vote gives no score (None: the
+turn carries no RL signal; OpenClaw-RL would score it 0).
 """
 
 from __future__ import annotations
