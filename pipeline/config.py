@@ -238,7 +238,8 @@ class TrainerConfig(Section):
     loss_agg: Literal["sum_of_sample_mean", "token_mean"] = _d(
         "sum_of_sample_mean", "loss aggregation: mean per sample then sum, or mean over all tokens")
     tis_cap: float | None = _d(None, "truncated importance sampling: cap of the per-token weight exp(trainer's "
-                               "recomputed - engine's rollout log-prob) on the policy loss (None: off)", gt=0)
+                               "recomputed - engine's rollout log-prob) on the policy loss; needs old_log_probs=recompute "
+                               "(None: off)", gt=0)
     max_staleness: int | None = _d(4, "samples older than this many policy versions are stale (None: never)",
                                    ge=0)
     stale_policy: Literal["drop", "downweight"] = _d("drop", "what happens to a stale sample")
@@ -281,6 +282,12 @@ class TrainerConfig(Section):
     def _check(self) -> "TrainerConfig":
         if self.w_rl == 0 and self.w_opd == 0:
             raise ValueError("w_rl and w_opd are both 0: every advantage would be 0 and nothing would be learned")
+        if self.tis_cap is not None and self.old_log_probs != "recompute":
+            # with the engine's log-probs as the PPO behaviour policy the ratio is already trainer vs
+            # engine; a TIS weight exp(recomputed - rollout) on top would correct the mismatch twice
+            raise ValueError("tis_cap needs old_log_probs=recompute (decoupled PPO: ratio against the trainer's "
+                             "recomputed log-probs, TIS weight exp(recomputed - rollout)); with old_log_probs="
+                             "rollout the PPO ratio already corrects for the engine mismatch")
         if self.tis_cap is not None and self.tis_floor >= self.tis_cap:
             raise ValueError(f"tis_floor ({self.tis_floor}) must be below tis_cap ({self.tis_cap})")
         if self.stale_policy == "downweight" and self.max_staleness is None:

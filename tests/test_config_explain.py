@@ -60,7 +60,7 @@ def test_config_show_explain_prints_meaning_and_masks_secrets(monkeypatch):
 @pytest.mark.parametrize("sections,needle", [
     ({"trainer": {"w_rl": 0, "w_opd": 0}}, "w_rl and w_opd are both 0"),
     ({"trainer": {"eps_clip_c": 1.0}}, "trainer.eps_clip_c: Input should be greater than 1"),
-    ({"trainer": {"tis_cap": 1.0, "tis_floor": 1.5}}, "tis_floor (1.5) must be below tis_cap (1.0)"),
+    ({"trainer": {"tis_cap": 1.0, "tis_floor": 1.5, "old_log_probs": "recompute"}}, "tis_floor (1.5) must be below tis_cap (1.0)"),
     ({"trainer": {"stale_policy": "downweight", "max_staleness": None}}, "stale_policy=downweight needs max_staleness"),
     ({"judge": {"idle_timeout_s": 7200}}, "judge.idle_timeout_s (7200) is above proxy.session_idle_s (3600)"),
     ({"proxy": {"session_idle_s": 60}}, "judge.idle_timeout_s (300) is above proxy.session_idle_s (60)"),

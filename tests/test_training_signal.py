@@ -135,17 +135,28 @@ def test_tis_weight_is_one_without_rollout_log_probs(runtime):
     exp(old - 0) clipped, i.e. the imported sample's loss scaled by ~exp(-|log p|); then a figure
     of 1.0."""
     imported = _wire(S.rl_sample(_turn("tis", source="import"), Verdict(1, [1]), False, "test"))
-    m = _trainer(runtime, tis_cap=2.0).train_batch([imported], policy_version=0).metrics
+    m = _trainer(runtime, old_log_probs="recompute", tis_cap=2.0).train_batch([imported], policy_version=0).metrics
     assert "tis" not in m
     assert m["loss"] == _trainer(runtime).train_batch([imported], policy_version=0).metrics["loss"]
 
 
-@pytest.mark.parametrize("old_mode", ["rollout", "recompute"])
+def test_tis_needs_recomputed_behaviour_log_probs():
+    """With the engine's log-probs as the PPO behaviour policy the ratio already is trainer vs
+    engine; TIS on top would correct the mismatch twice (slime: TIS belongs to decoupled PPO).
+    Was: accepted, and the weight was exp(rollout - rollout) = 1, a silent no-op."""
+    from pipeline.config import load_config
+
+    with pytest.raises(ValueError, match="tis_cap needs old_log_probs=recompute"):
+        load_config(None, trainer={"tis_cap": 1.5})
+    assert load_config(None, trainer={"tis_cap": 1.5, "old_log_probs": "recompute"}).trainer.tis_cap == 1.5
+
+
+@pytest.mark.parametrize("old_mode", ["recompute"])
 def test_tis_weight_is_the_trainer_vs_engine_ratio_per_token(runtime, old_mode):
-    """TIS = clip(exp(trainer log-prob before the update - rollout log-prob), floor, cap) per token,
-    whatever the PPO ratio's behaviour log-probs are; the ``tis`` figure leaves out the imported
-    sample. Drifts [+0.3, -0.3, +0.05] with cap 1.2, floor 0.9 give weights [1.2, 0.9, e^0.05].
-    Was, with ``old_log_probs: rollout`` (the default): exp(rollout - rollout) = 1, a no-op."""
+    """TIS = clip(exp(trainer log-prob before the update - rollout log-prob), floor, cap) per token
+    (decoupled PPO: the PPO ratio is against the trainer's recomputed log-probs); the ``tis``
+    figure leaves out the imported sample. Drifts [+0.3, -0.3, +0.05] with cap 1.2, floor 0.9
+    give weights [1.2, 0.9, e^0.05]."""
     pt = _trainer(runtime, old_log_probs=old_mode, tis_cap=1.2, tis_floor=0.9)
     turn = _turn("tis-drift")
     recomputed = _model_log_probs(pt, turn)
@@ -323,9 +334,7 @@ CONFIGS = {  # trainer settings, and the options that must change the result on 
                                              w_opd=2.0, loss_agg="token_mean"), []),
     "tis-recompute-k3": (dict(old_log_probs="recompute", tis_cap=1.2, tis_floor=0.9, kl_coef=0.1, kl_type="k3",
                               normalize_advantages=True), ["tis_cap"]),
-    # TIS with the engine's log-probs as the PPO behaviour policy (the default): the weight is still
-    # trainer vs engine (was exp(rollout - rollout) = 1, so the option changed nothing)
-    "tis-rollout": (dict(tis_cap=1.3, tis_floor=0.8), ["tis_cap"]),
+    "tis-recompute-wide": (dict(old_log_probs="recompute", tis_cap=1.3, tis_floor=0.8), ["tis_cap"]),
     "dual-clip-k2": (dict(eps_clip=0.1, eps_clip_high=0.15, eps_clip_c=1.5, kl_coef=0.05, kl_type="k2", w_opd=0.3),
                      ["dual_clip", "eps_clip_high"]),
     "low-var-kl-k1": (dict(kl_coef=0.2, kl_type="low_var_kl", loss_agg="token_mean"), []),
