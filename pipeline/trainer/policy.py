@@ -259,8 +259,8 @@ class PolicyTrainer:
             for mb in micro:
                 # behaviour log-probs: the rollout ones, or recomputed under the current weights
                 # (always for samples without rollout log-probs, e.g. imported turns: their
-                # ratio starts at 1). TIS always needs the recomputed ones: its ratio is trainer
-                # vs engine, whatever the PPO ratio's behaviour log-probs are.
+                # ratio starts at 1). TIS (only with old_log_probs=recompute, the config checks)
+                # weighs by the recomputed vs the engine's log-probs.
                 rollout = mb.rollout_log_probs.to(par.device)
                 if cfg.old_log_probs == "recompute" or tis or not bool(mb.has_rollout.all()):
                     self.ddp.eval()
