@@ -33,7 +33,9 @@ from tests.support.topics import publish, read_events
 FIXTURE = Path(__file__).parent / "fixtures" / "judge_next_states.jsonl"
 DEV = Path(__file__).resolve().parent.parent / "pipeline" / "judge" / "data" / "tuning_next_states.jsonl"
 EMBEDDING_BAR = 0.85  # measured 39/40 when written (the backend before issue 12: 34/40 with 2 sign errors)
-DEV_BAR = 0.85  # measured 380/421 = 90.3% with 1 sign error when written (the backend before: 230/421 = 54.6%)
+# the tuning set's user replies are training rows: this bar checks the fit end to end, not
+# generalisation (measured 473/505 = 93.7% with 1 sign error; before it was learned from: 447/505)
+DEV_BAR = 0.85
 MAX_SIGN_ERRORS = 0.02
 
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from pipeline.judge.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
-                                    target_mismatch, wrong_action, wrong_conversion_target, wrong_count, wrong_date)
+                                    other_day, target_mismatch, wrong_action, wrong_conversion_target,
+                                    wrong_count)
 
 
 def call(name: str, **args) -> str:
@@ -47,13 +48,6 @@ def call(name: str, **args) -> str:
      call("fx", base="EUR", quote="JPY", amount=45)),
     (wrong_conversion_target, "How far is 10 miles in km?", call("units", value=10, **{"from": "mi", "to": "m"}),
      call("units", value=10, **{"from": "mi", "to": "km"})),
-    # another calendar day than the request names
-    (wrong_date, "Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00"),
-     call("book", start="2025-07-03T09:00")),
-    (wrong_date, "schedule the review on March 14th", call("cal_add", date="2026-03-15"),
-     call("cal_add", date="2026-03-14")),
-    (wrong_date, "Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
-     call("reschedule", when="2025-11-02 10:00")),
 ])
 def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     assert check(request_, bad), (request_, bad)
@@ -71,10 +65,42 @@ def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     ("Send the invoice to Maria in accounting", call("email", to="maria@example.com")),  # "to" a person
     ("Book a room for next Tuesday", call("book", start="2025-07-08T10:00")),  # no calendar day named
     ("Book it for 3 July or 4 July, whichever is free", call("book", start="2025-07-04")),
-    ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),
+    # correct conversions whose request also names other languages or currencies
+    ("Translate my CV into English. I wrote it in German.", call("translate", text="x", target="en")),
+    ("I have a paragraph in English, translate it to Spanish", call("translate", text="x", target="es")),
+    ("Convert my salary in GBP to USD", call("fx", **{"from": "GBP", "to": "USD", "amount": 1})),
+    ("I'm paid in euros. What is 3000 EUR in dollars?", call("fx", **{"from": "EUR", "to": "USD", "amount": 3000})),
+    ("30 degrees in Celsius, what is that in Fahrenheit?", call("units", value=30, **{"from": "c", "to": "f"})),
+    ("Convert 100 USD to EUR using the rate in real time", call("fx", **{"from": "USD", "to": "EUR", "amount": 100})),
+    # dates never make a call wrong_action (-1): see other_day
+    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00")),
 ])
 def test_silent_without_evidence(request_, response):
     assert wrong_action(request_, response) is None
+
+
+@pytest.mark.parametrize("request_,bad,good", [
+    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-05T09:00"),
+     call("book", start="2025-07-03T09:00")),
+    ("schedule the review on March 14th", call("cal_add", date="2026-03-17"), call("cal_add", date="2026-03-14")),
+    ("Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
+     call("reschedule", when="2025-11-02 10:00")),
+])
+def test_another_day_abstains(request_, bad, good):
+    assert other_day(request_, bad) and other_day(request_, good) is None
+    assert wrong_action(request_, bad) is None  # a date only makes the judge abstain
+
+
+@pytest.mark.parametrize("request_,response", [
+    ("Am I free on June 13?", call("list_events", start="2025-06-01", end="2025-06-30")),  # a range
+    ("Call with Tokyo on March 5 at 8am their time", call("book", start="2025-03-04T23:00Z")),  # UTC: a day off
+    ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),  # two days named
+    ("New Year call on January 1", call("book", start="2025-12-31T23:30")),  # across the year
+])
+def test_no_other_day_without_evidence(request_, response):
+    assert other_day(request_, response) is None
+
+
 
 
 @pytest.mark.parametrize("request_,bad,good,kind", [

@@ -1,8 +1,8 @@
 """The CPU default judge on the held-out evaluation set (issue 12's bar), and that the set is held out.
 
 ``pipeline/judge/data/eval_next_states.jsonl`` was written independently of the judge; the judge
-learns only from ``pipeline/judge/data/examples.jsonl`` and the generated bank
-(``pipeline/judge/bank.py``). The first test runs the real command a
+learns from ``pipeline/judge/data/examples.jsonl``, the generated bank (``pipeline/judge/bank.py``)
+and the user replies of the labelled sets it was tuned on (``LABELLED_SETS``), never from this set. The first test runs the real command a
 user runs, ``pipeline judge --eval``, with the default backend and its exit-status gates; the
 second checks that the examples share no text with the set (no 8-word shingle, no equal
 normalised text, no near-duplicate), naming only the examples, not the held-out texts.

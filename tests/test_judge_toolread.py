@@ -126,6 +126,23 @@ CASES = [
     ("## Known issues\n\nWhen the worker prints 'Permission denied' on start, check the socket owner.\n"
      "A \"connection refused\" usually means the broker is down.", 'read_file({"path": "docs/ops.md"})', None),
     ("Permission denied", 'read_file({"path": "docs/ops.md"})', -1),  # the read itself failed
+    ("File not found: src/app.py", 'read_file({"path": "src/app.py"})', -1),
+    ("Could not post message: channel not found", 'slack_thread_reply({"channel": "x", "text": "y"})', -1),
+    # flags and statuses: the most specific outcome field decides
+    ('{"completed": true, "exit_code": 2, "stderr": "boom"}', "", -1),
+    ('{"done": true, "status": "failed"}', "", -1),
+    ('{"status": "completed", "conclusion": "failure"}', "", -1),
+    ('{"ok": true, "error": null, "note": "quota resets later; retry later if needed"}', "", 1),
+    # a search for an error message returns hits that quote it
+    ("1. ImportError while importing test module - pytest docs - docs.example.org\n"
+     "2. Fixing ImportError while importing test module - blog.example.com\n3. conftest tips - q.example.net",
+     'web_search({"query": "ImportError while importing test module"})', 1),
+    # zero counts in other languages are no failure
+    ("Tests : 12 réussis, 0 échec", "", 1),
+    ("成功 12 个, 失败 0 个", "", 1),
+    # "successfully" queued is still pending; a pending line followed by a final success is done
+    ("Build queued successfully. Waiting for runner...", "", 0),
+    ("Job submitted successfully. Status: pending", "", 0),
 ]
 
 

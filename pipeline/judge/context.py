@@ -22,6 +22,7 @@ another one of those succeeded at the wrong thing and scores -1 (see the embeddi
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
@@ -394,12 +395,18 @@ _LANGUAGE_OF = {name: code for code, names in _LANGUAGE.items() for name in name
 _CURRENCY_CODES = {"eur", "usd", "gbp", "jpy", "chf", "inr", "cny", "sek", "pln", "brl", "mxn", "cad", "aud", "nzd",
                    "nok", "dkk", "krw", "hkd", "sgd", "try", "zar", "czk", "huf"}
 _UNIT_CODES = set(_CURRENCY.values()) - _CURRENCY_CODES
-_TARGET_OF = re.compile(r"\b(?:to|into|in|nach|en|in|na|auf|naar|em|w)\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?", re.I)
+# a destination: "to X", "into X", and "in X" only closing the request ("what is 30 GBP in yen?"),
+# not inside it ("I wrote it in German", "paid in euros")
+_TARGET_OF = re.compile(r"\b(?:to|into|nach|naar|auf|na)\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?", re.I)
+_IN_AT_END = re.compile(r"\bin\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?\s*[?.!]*\s*$", re.I)  # "... in km?"
+_AMBIGUOUS_UNITS = {"real", "in", "m", "c", "f", "k", "ft", "mi"}  # also ordinary words
 
 
 def _kind_value(word: str) -> tuple[str, str] | None:
     """``("language", "es")``, ``("currency", "jpy")`` or ``("unit", "km")`` of one word, or None."""
     w = word.lower().strip(".,:;!?'\"")
+    if w in _AMBIGUOUS_UNITS:
+        return None
     if w in _LANGUAGE_OF:
         return "language", _LANGUAGE_OF[w]
     unit = _CURRENCY.get(w, w)
@@ -424,8 +431,10 @@ def _call_value(kind: str, value: str) -> str | None:
 
 def wrong_conversion_target(request: str, response: str) -> str | None:
     """The request converts or translates *to* a named language, currency or unit ("into
-    Spanish", "to Japanese yen") and the call's ``to``/``target`` argument is another one of
-    the same kind (``"target": "fr"``)."""
+    Spanish", "to Japanese yen": its last such destination) and the call's ``to``/``target``
+    argument is another one of the same kind (``"target": "fr"``) that the request names nowhere
+    ("I wrote it in German, translate it into English" with target ``de`` is not caught: German is
+    named, so the call may have read the request another way)."""
     calls = call_text(response)
     if not calls:
         return None
@@ -433,15 +442,21 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
                                                                         "target_language", "to_lang", "currency")]
     if not dst:
         return None
-    for m in _TARGET_OF.finditer(request or ""):
+    destinations = []
+    for m in [*_TARGET_OF.finditer(request or ""), *_IN_AT_END.finditer(request or "")]:
         # "to Japanese yen": the second word names the currency; "into Spanish, please": the first
         wanted = (m.group(2) and _kind_value(m.group(2))) or _kind_value(m.group(1))
-        if not wanted:
-            continue
-        kind, want = wanted
-        got = {g for g in (_call_value(kind, v) for v in dst) if g}
-        if got and want not in got:
-            return f"the request converts to {want} ({kind}), the call to {', '.join(sorted(got))}"
+        if wanted:
+            destinations.append(wanted)
+    if not destinations:
+        return None
+    kind, want = destinations[-1]
+    named = {v for w in _WORDS.findall(request or "") for v in [_kind_value(w)] if v and v[0] == kind}
+    named |= {("currency", c) for c in re.findall(r"\b[A-Z]{3}\b", request or "") if c.lower() in _CURRENCY_CODES}
+    named = {v for _, v in named} | {want}
+    got = {g for g in (_call_value(kind, v) for v in dst) if g}
+    if got and not got & named:
+        return f"the request converts to {want} ({kind}), the call to {', '.join(sorted(got))}"
     return None
 
 
@@ -452,28 +467,45 @@ _DAY_MONTH = re.compile(r"\b(\d{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+(" + "|".join(
 _MONTH_DAY = re.compile(r"\b(" + "|".join(_MONTHS) + r"|" + "|".join(m[:3] for m in _MONTHS)
                         + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?\b(?!:)", re.I)
 _ISO_DAY = re.compile(r"\b\d{4}-(\d{2})-(\d{2})")
+_ISO_FULL = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})")
 
 
 def _month_index(name: str) -> int:
     return [m[:3] for m in _MONTHS].index(name.lower()[:3]) + 1
 
 
-def wrong_date(request: str, response: str) -> str | None:
-    """The request names a calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and every
-    date the call passes (ISO ``YYYY-MM-DD``) is another day: booked or scheduled on the wrong day."""
+def other_day(request: str, response: str) -> str | None:
+    """The request names one calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and the
+    call passes one date (ISO ``YYYY-MM-DD``) more than a day away from it. The judge abstains on
+    it rather than scoring -1: a date can be derived from the request ("the day before", "due in 7
+    days"), a range query passes two, a time converted to UTC moves a day."""
     calls = call_text(response)
     if not calls:
         return None
     wanted = {(_month_index(m), int(d)) for d, m in _DAY_MONTH.findall(request or "")}
     wanted |= {(_month_index(m), int(d)) for m, d in _MONTH_DAY.findall(request or "")}
     wanted |= {(int(mo), int(d)) for mo, d in _ISO_DAY.findall(request or "")}
-    wanted = {(mo, d) for mo, d in wanted if 1 <= d <= 31}
-    if not wanted:
+    wanted = {(mo, d) for mo, d in wanted if 1 <= mo <= 12 and 1 <= d <= 31}
+    if len(wanted) != 1:
         return None
-    got = {(int(mo), int(d)) for _, v in _call_items(calls) for mo, d in _ISO_DAY.findall(v)}
-    if got and not got & wanted:
-        fmt = lambda ds: ", ".join(f"{mo:02d}-{d:02d}" for mo, d in sorted(ds))  # noqa: E731
-        return f"the request names the day {fmt(wanted)}, the call {fmt(got)}"
+    got = {m for _, v in _call_items(calls) for m in _ISO_FULL.findall(v)}
+    if len(got) != 1:
+        return None
+    (year, mo, d), = [tuple(int(x) for x in g) for g in got]
+    (wm, wd), = wanted
+    try:
+        called = datetime.date(year, mo, d)
+    except ValueError:
+        return None
+    gaps = []
+    for y in (year - 1, year, year + 1):  # "Jan 2" asked in late December may land in the next year
+        try:
+            gaps.append(abs((called - datetime.date(y, wm, wd)).days))
+        except ValueError:  # 29 February of a common year
+            pass
+    gap = min(gaps, default=0)
+    if gap > 1:
+        return f"date: the request names {wm:02d}-{wd:02d}, the call {year}-{mo:02d}-{d:02d}"
     return None
 
 
@@ -519,9 +551,9 @@ def wrong_count(request: str, response: str) -> str | None:
 
 def wrong_action(request: str, response: str) -> str | None:
     """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
-    target, a reversed direction, another target language, currency or unit, another calendar
-    day, a public post for a private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
-    for check in (misspelt_target, reversed_direction, wrong_conversion_target, wrong_date, public_instead_of_private,
+    target, a reversed direction, another target language, currency or unit, a public post for a
+    private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
+    for check in (misspelt_target, reversed_direction, wrong_conversion_target, public_instead_of_private,
                   narrower_scope, wrong_count):
         why = check(request, response)
         if why:

@@ -37,8 +37,8 @@ sample), in the form implemented here:
     judgement: no reward, loss_mask 0, even for turn 0).
 
 OpenClaw-RL promotes the first judged turn of a session that has no trained sample yet; the two
-differ only when turn 0 gets no next state (an aborted generation, an empty next state) and a
-later turn is judged 0. The promoted sample has reward 0, so it adds nothing to a GRPO
+differ only when turn 0 gets no next state (an aborted generation, an empty next state) or its
+votes all fail, and a later turn is judged 0. The promoted sample has reward 0, so it adds nothing to a GRPO
 advantage (only KL and entropy terms). Tying the rule to turn 0 makes the decision a function of
 the turn record alone: it does not depend on how fast votes come back, on when ``SessionEnd``
 arrives (OpenClaw-RL counts trained samples in async tasks and resets the counter at session

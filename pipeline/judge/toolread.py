@@ -48,7 +48,13 @@ _I = re.I | re.M
 # -- counts that say "nothing went wrong" are removed before error words are looked for --------
 _ZERO_COUNTS = re.compile(
     r"\b(?:0|zero|no)\s+(?:errors?|failures?|failed|failing|problems?|issues?|vulnerabilit(?:y|ies)|warnings?)\b"
-    r"|\b(?:errors?|failures?|failed)\s*[:=]\s*0\b|\bwithout (?:any )?errors?\b|\berror[s]?\s*:\s*(?:none|null|\[\])",
+    r"|\b(?:errors?|failures?|failed)\s*[:=]\s*0\b|\bwithout (?:any )?errors?\b|\berror[s]?\s*:\s*(?:none|null|\[\])"
+    # the same in other languages ("0 échec", "Fehler: 0", "失败 0 个")
+    r"|\b0\s+(?:échecs?|erreurs?|fehler|fehlgeschlagen|errores?|fallos?|fallidos?|errori|falliti|erros?|falhas?|"
+    r"fouten|mislukt|błęd(?:y|ów)|ошиб(?:ок|ки|ка)|hata)\b"
+    r"|\b(?:échecs?|erreurs?|fehler|fehlgeschlagen|errores?|fallos?|errori|erros?|falhas?|fouten|błęd(?:y|ów)|"
+    r"ошиб(?:ок|ки|ка)|hata)\s*[:=]?\s*0\b"
+    r"|(?:失败|错误|エラー|失敗|오류|실패)\s*[:：]?\s*0|0\s*(?:个|件|개)?\s*(?:失败|错误|エラー|失敗|오류|실패)",
     re.I)
 
 # -- test runners ---------------------------------------------------------------------------
@@ -159,7 +165,8 @@ _PENDING = re.compile("|".join([
     r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.", r"\bdeselected\b", r"\bskipped\b.*\bin [\d.]+s\b",
 ]), _I)
 # a container or pod still being set up (kubectl / docker status columns): the outcome is not known yet
-_STARTING_UP = re.compile(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+|Pending)\b|\bhealth: starting\b")
+_STARTING_UP = re.compile(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+)\b|\bhealth: starting\b"
+                          r"|^\S+\s+\d+/\d+\s+Pending\s", re.M)
 _NO_RESULTS = re.compile(
     r"\bno (?:results?|matches|matching|hits|records?|rows?|entries|items|documents?|files?)\b(?: (?:were )?found)?"
     r"|\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bnothing (?:found|matched)\b"
@@ -169,7 +176,7 @@ _NO_RESULTS = re.compile(
     r"|\bmatch(?:ed)? nothing\b"
     r"|\b0 \w+ match\b|\bdid not match any\b|\bno (?:matching|relevant) \w+",
     _I)
-_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|successfully|ready|rolled out)\b", re.I)
+_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
 _DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
                          r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
 # failures of the environment, not of the action: rate limits, overload, maintenance (retry later)
@@ -246,8 +253,8 @@ def _json_transient(low: dict) -> ToolReading | None:
                 v = int(v)
             if isinstance(v, int) and not isinstance(v, bool) and v in _TRANSIENT_CODES:
                 return ToolReading(0, f"JSON {key}={v} (transient, not caused by the call)")
-    if error is None and not any("error" in k for k in low):
-        return None
+    if not any("error" in k and v not in (None, False, "", [], {}, 0) for k, v in low.items()):
+        return None  # no error reported ("error": null is none)
     texts = [v for scope in scopes for v in scope.values() if isinstance(v, str)]
     if any(_TRANSIENT.search(t) for t in texts):
         return ToolReading(0, "JSON error of the environment (rate limit, overload)")
@@ -270,9 +277,6 @@ def _json_reading(obj, call: str = "") -> ToolReading | None:
     for key in ("ok", "success", "succeeded"):
         if isinstance(low.get(key), bool):
             return ToolReading(1 if low[key] else -1, f"JSON {key}={str(low[key]).lower()}")
-    for key in _DONE_FLAGS:  # "confirmed": true on a booking; a false one says nothing by itself
-        if low.get(key) is True:
-            return ToolReading(1, f"JSON {key}=true")
     for key in ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc"):
         if isinstance(low.get(key), int) and not isinstance(low.get(key), bool):
             return _shell_json_reading(low, low[key], key, call)
@@ -280,7 +284,7 @@ def _json_reading(obj, call: str = "") -> ToolReading | None:
         v = low.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 100 <= v <= 599:
             return _http_reading(v)
-    for key in ("status", "state", "result", "outcome", "conclusion"):
+    for key in ("conclusion", "outcome", "result", "status", "state"):  # a conclusion outranks a status
         v = low.get(key)
         if isinstance(v, str):
             s = v.strip().lower().replace(" ", "_")
@@ -290,6 +294,9 @@ def _json_reading(obj, call: str = "") -> ToolReading | None:
                 return ToolReading(0, f"JSON {key}={v}")
             if s in _JSON_OK_STATUS:
                 return ToolReading(1, f"JSON {key}={v}")
+    for key in _DONE_FLAGS:  # "confirmed": true on a booking; a false one says nothing by itself
+        if low.get(key) is True:
+            return ToolReading(1, f"JSON {key}=true")
     for key in _LIST_KEYS:
         if key in low and isinstance(low[key], list) and not low.get("next_page") and not low.get("has_more"):
             return ToolReading(0, f"JSON {key} empty") if not low[key] else ToolReading(1, f"JSON {key} returned")
@@ -361,16 +368,19 @@ def _is_listing(text: str) -> bool:
             or bool(_FOUND_N.search(text.split("\n", 1)[0])))
 
 
-_READ_CALL = re.compile(r"^\s*[\w.-]*(?:read_file|read|open_file|view_file|get_file|cat_file|fetch_doc|get_doc)[\w.-]*\("
-                        r"|\b(?:cat|less|head|tail|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b", re.I | re.M)
-_HEADING = re.compile(r"^\s{0,3}(?:#{1,6}\s+\S|=+\s*$|\.\. \w)", re.M)
+_READ_CALL = re.compile(r"^\s*(?:[\w-]+\.)?(?:read_file|read|open_file|view_file|get_file|cat_file|read_doc|fetch_doc|"
+                        r"get_doc|read_document)\(|\b(?:cat|less|head|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b",
+                        re.I | re.M)
+_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+\S", re.M)
 _QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
 
 
 def _is_document(text: str, call: str) -> bool:
     """A prose document (a file read by a read tool, markdown with a heading): its quoted words
     describe errors rather than report one."""
-    return bool((call and _READ_CALL.search(call)) or _HEADING.match(text))
+    if text.count("\n") < 2 and len(text) < 200:  # a short answer is a status line, not a document
+        return False
+    return bool((call and _READ_CALL.search(call)) or (_HEADING.match(text) and text.count("\n") >= 2))
 
 
 def read_tool_result(text: str, call: str = "") -> ToolReading:
@@ -399,7 +409,7 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
                 return reading
             if not _ERROR.search(_ZERO_COUNTS.sub(" ", s)):
                 return ToolReading(None, "JSON data")
-    if _COLLECTION_ERROR.search(s):
+    if _COLLECTION_ERROR.search(s) and not (call and _SEARCH_CALL.search(call)) and not _is_listing(s):
         return ToolReading(-1, "test collection error (no test could run)")
     if _UNSETTLED.search(s):
         return ToolReading(0, "not settled (dry run, partial, truncated or flaky)")
@@ -442,7 +452,9 @@ def read_tool_result(text: str, call: str = "") -> ToolReading:
         return ToolReading(0, "no results")
     if _STARTING_UP.search(s):
         return ToolReading(0, "pending (a container still starting)")
-    if _PENDING.search(s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", s)):
+    last = s.splitlines()[-1]
+    ended_well = len(s.splitlines()) > 1 and bool(_SUCCESS.search(last)) and not _PENDING.search(last)
+    if _PENDING.search(s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", s)) and not ended_well:
         return ToolReading(0, "pending")
     if _SUCCESS.search(s):
         return ToolReading(1, "success signature")

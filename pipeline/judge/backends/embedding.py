@@ -54,7 +54,8 @@ from pathlib import Path
 
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.context import call_query, is_search_call, target_mismatch, unrequested_target, wrong_action
+from pipeline.judge.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
+                                    wrong_action)
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
@@ -364,7 +365,7 @@ class NextStateClassifier:
             mismatch = target_mismatch(request, call)
             if mismatch and mismatch.split(":", 1)[0] in DISTINCT_KINDS:
                 return Judgement(-1, p, f"succeeded at another target than the request names ({mismatch})")
-            mismatch = mismatch or unrequested_target(request, call)
+            mismatch = mismatch or unrequested_target(request, call) or other_day(request, call)
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)
