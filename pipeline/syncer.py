@@ -227,16 +227,20 @@ class Syncer:
     def _observe(self) -> None:
         from pipeline.trainer import prom
 
-        published = self.target.policy_version if self.target is not None else 0
+        # unknown (no engine answer yet, nothing published, a version that is not a number) reads
+        # NaN, never a number that could be mistaken for a version (was -1, and "behind" then
+        # read published + 1)
+        nan = float("nan")
+        published = float(self.target.policy_version) if self.target is not None else nan
         try:
-            served = int(self.served) if self.served is not None else -1
+            served = float(int(self.served)) if self.served is not None else nan
         except ValueError:
-            served = -1
+            served = nan
         prom.SYNCER_ENGINE_VERSION.labels(self.engine_id).set(served)
-        prom.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(self.target.policy_version if self.target else -1)
-        prom.SYNCER_BEHIND.labels(self.engine_id).set(published - served)
+        prom.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(published)
+        prom.SYNCER_BEHIND.labels(self.engine_id).set(published - served)  # NaN when either is unknown
         prom.SYNCER_RECONCILES.labels(self.engine_id)  # exported at 0 before the first reconcile
-        if self.served is not None and self.served == str(published):
+        if self.served is not None and self.served == str(self.target.policy_version if self.target is not None else 0):
             self.confirmed = self.served
             self.in_sync.set()
         else:

@@ -287,3 +287,26 @@ def _readyz(port: int) -> tuple[int, dict]:
 @pytest.fixture(autouse=True)
 def _quiet_kafka(caplog):
     caplog.set_level("WARNING", logger="kafka")
+
+
+def test_unknown_versions_read_nan_not_a_version():
+    """Before the engine answered and before anything was published, the version gauges read
+    NaN (was -1, and versions-behind then read published + 1, a value a dashboard plots as data)."""
+    import math
+
+    from prometheus_client import REGISTRY
+
+    from pipeline.syncer import Syncer
+
+    def gauge(name):
+        return REGISTRY.get_sample_value(name, {"engine_id": "gauge-probe"})
+
+    syncer = Syncer(load_config(None, syncer={"engine_id": "gauge-probe"}))
+    syncer._observe()
+    for name in ("pipeline_syncer_engine_weight_version", "pipeline_syncer_published_version",
+                 "pipeline_syncer_engine_versions_behind"):
+        assert math.isnan(gauge(name)), name
+    syncer.served = "3"
+    syncer._observe()
+    assert gauge("pipeline_syncer_engine_weight_version") == 3.0
+    assert math.isnan(gauge("pipeline_syncer_engine_versions_behind"))  # nothing published yet

@@ -42,13 +42,13 @@ SYNC_FAILED = Counter("pipeline_trainer_sync_failures_total", "Engines that fail
 SYNCER_APPLIED = Counter("pipeline_syncer_applied_total", "Weight versions applied to the engine")
 SYNCER_FAILED = Counter("pipeline_syncer_failed_total", "Weight versions that could not be applied (after retries)")
 SYNCER_ENGINE_VERSION = Gauge("pipeline_syncer_engine_weight_version",
-                              "Weights version the engine serves (its /model_info; -1: unknown or not a number)",
+                              "Weights version the engine serves (its /model_info; NaN: unknown or not a number)",
                               ["engine_id"])
 SYNCER_PUBLISHED_VERSION = Gauge("pipeline_syncer_published_version",
                                  "Last policy version the trainer published, as this engine's syncer knows it "
-                                 "(-1: none)", ["engine_id"])
+                                 "(NaN: none yet)", ["engine_id"])
 SYNCER_BEHIND = Gauge("pipeline_syncer_engine_versions_behind",
-                      "Published minus served version (0: the engine serves the trainer's latest weights)",
+                      "Published minus served version (0: the engine serves the trainer's latest weights; NaN: either unknown)",
                       ["engine_id"])
 SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
                             "Times the engine was found serving another version than the last published one "
