@@ -115,10 +115,11 @@ def bench_stream(bootstrap: str, n_turns: int, paced_rate: float, paced_turns: i
         times = sorted(reader.seen.values())
         # steady state: from the 5th to the 95th percentile sample (excludes group join and tail)
         lo, hi = int(0.05 * got), int(0.95 * got) - 1
-        rate = (hi - lo) / (times[hi] - times[lo]) if hi > lo else 0.0
-        whole = (got - 1) / (times[-1] - times[0]) if got > 1 else 0.0
+        # too few samples to measure a rate: n/a, not 0 turns/s
+        rate = f"{(hi - lo) / (times[hi] - times[lo]):,.0f}" if hi > lo and times[hi] > times[lo] else "n/a"
+        whole = f"{(got - 1) / (times[-1] - times[0]):,.0f}" if got > 1 and times[-1] > times[0] else "n/a"
         print(f"(a) stream path of one judge process (constant scorer), from a backlog: {got}/{n_turns} samples; "
-              f"{rate:,.0f} turns/s steady ({whole:,.0f} turns/s first to last sample)  [target >= 2,000]")
+              f"{rate} turns/s steady ({whole} turns/s first to last sample)  [target >= 2,000]")
         paced = [(make_turn(f"p{i // 5}", i % 5, prompt_ids=PROMPT, response_ids=RESPONSE),
                   make_next_state(f"p{i // 5}", i % 5, "thanks")) for i in range(paced_turns)]
         sent_at: dict = {}

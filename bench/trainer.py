@@ -126,11 +126,16 @@ def bench_cpu(args) -> None:
     print(head)
     for name, recs, load_s, base in rows:
         use = recs[1:] if len(recs) > 1 else recs
-        med = {p: statistics.median(r.get(p, 0.0) for r in use) for p in PHASES}
-        tok = statistics.median(r.get("train_tokens_per_s", 0.0) for r in use)
-        print(f"{name:<14}" + "".join(f"{med[p]:>18.3f}" for p in PHASES) + f"{tok:>13.0f}")
+        def median(key):  # over the steps that measured it; None (printed n/a) when none did
+            vals = [r[key] for r in use if r.get(key) is not None]
+            return statistics.median(vals) if vals else None
+
+        med = {p: median(p) for p in PHASES}
+        tok = median("train_tokens_per_s")
+        fmt = lambda v, spec, width: f"{'n/a':>{width}}" if v is None else f"{v:>{width}{spec}}"  # noqa: E731
+        print(f"{name:<14}" + "".join(fmt(med[p], ".3f", 18) for p in PHASES) + fmt(tok, ".0f", 13))
         extra = f"  model load {load_s:.2f} s"
-        if base:
+        if base and med["forward_backward_s"] is not None:
             extra += (f"; baseline transformers fwd+bwd of the same micro-batches {base:.3f} s -> "
                       f"Megatron/transformers = {med['forward_backward_s'] / base:.2f}")
         print(extra)
