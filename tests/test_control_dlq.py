@@ -42,7 +42,8 @@ def test_corrupt_records_on_control_go_to_control_dlq_and_every_follower_goes_on
 
     base = kafka_config.model_dump(mode="python")
     cfg = load_config(None, kafka=base["kafka"], topics=base["topics"],
-                      trainer={"run_id": "r", "engines": ["engine-0"], "sync_timeout_s": 60.0},
+                      trainer={"run_id": "r", "engines": ["engine-0"], "sync_timeout_s": 60.0,
+                               "export_dir": str(tmp_path / "weights")},  # published.json: not in the checkout
                       syncer={"engine_id": "engine-0", "retries": 0, "group_id": f"{kafka_config.topics.prefix}sync"})
     folder = tmp_path / "v000001"
     folder.mkdir()

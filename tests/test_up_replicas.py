@@ -22,6 +22,7 @@ from pipeline.orchestrate.supervisor import RestartPolicy
 from pipeline.orchestrate.up import start_stack, status_line
 from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events
+from tests.support.waiting import process_gone, wait_for
 
 
 def _turn(url: str, sid: str, msgs: list, done: bool = False) -> httpx.Response:
@@ -57,7 +58,11 @@ def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tm
             assert upstreams == set(stack.proxy_urls.values()), "round robin over both proxies"
 
             victim = stack.supervisor.get("proxy-0")
-            os.kill(victim.pid, signal.SIGKILL)
+            victim_pid = victim.pid
+            os.kill(victim_pid, signal.SIGKILL)
+            # the users below come after the death: a request that reaches it while it is still
+            # exiting is reset, and a reset is a 502 under retry="connect" (it may have been recorded)
+            wait_for(lambda: process_gone(victim_pid), "proxy-0 to exit after kill -9", timeout_s=30)
             msgs = [{"role": "user", "content": "during"}]
             for k in range(4):  # the front skips the dead proxy: no user sees an error
                 r = _turn(stack.proxy_url, "during", msgs, done=k == 3)

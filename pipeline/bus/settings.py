@@ -11,9 +11,14 @@ from pipeline.config import Config
 
 
 def admin_kwargs(config: Config) -> dict[str, Any]:
-    """Arguments for ``KafkaAdminClient``."""
+    """Arguments for ``KafkaAdminClient``.
+
+    Its first connection waits at most ``kafka.request_timeout_ms`` for a broker to answer
+    (``bootstrap_timeout_ms``; kafka-python's own default is a fixed 30000 ms, the same as
+    ``request_timeout_ms``'s default), then the client raises ``KafkaTimeoutError``.
+    """
     k = config.kafka
-    return {**k.client_kwargs(), "request_timeout_ms": k.request_timeout_ms}
+    return {**k.client_kwargs(), "request_timeout_ms": k.request_timeout_ms, "bootstrap_timeout_ms": k.request_timeout_ms}
 
 
 def producer_kwargs(config: Config) -> dict[str, Any]:

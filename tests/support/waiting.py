@@ -30,6 +30,20 @@ def wait_for(cond: Callable[[], Any], what: str = "condition", timeout_s: float 
     return got
 
 
+def process_gone(pid: int) -> bool:
+    """True once process ``pid`` has finished dying: a zombie (state ``Z``/``X`` in
+    ``/proc/<pid>/stat``, Linux) or reaped. By then the kernel has closed all its files and
+    sockets: a connection to a port it listened on is refused. Right after ``kill -9`` it may
+    not have run its exit yet (more so on a busy machine): its listening socket still completes
+    handshakes, and what it accepted is reset when it does exit."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
 def sse_events(resp) -> list:
     """The ``data:`` payloads of a streamed HTTP response (an ``httpx`` response read with
     ``iter_lines``): parsed JSON objects, and the final ``"[DONE]"`` as the string."""
