@@ -115,26 +115,25 @@ def load_examples(path: str | Path = EXAMPLES) -> list[dict]:
     return rows
 
 
+def user_reply(messages: list) -> str:
+    """The user messages of a next state joined into one reply ("" when there is none)."""
+    users = [content_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    return "\n".join(u for u in users if u.strip())
+
+
 def labelled_replies(paths=LABELLED_SETS) -> list[dict]:
     """The user replies of labelled next-state files (the ``pipeline judge --eval`` format), as
-    training rows ``{"text", "label", "role": "user", "source"}``; a row's user messages are joined
-    as the judge joins them. Tool results are left out: their labels depend on the call and the
-    request (a success on the wrong file is -1), which a classifier of the result text cannot see.
+    training rows ``{"text", "label", "role": "user", "source"}`` (:func:`user_reply`). Tool
+    results are left out: their labels depend on the call and the request (a success on the
+    wrong file is -1), which a classifier of the result text cannot see.
 
     Raises:
-        ValueError: a line is not JSON or lacks a label in (1, 0, -1).
+        pipeline.judge.evaluate.EvalFileError: a file :func:`~pipeline.judge.evaluate.load_rows` cannot read.
     """
-    rows = []
-    for path in paths:
-        for n, row in read_jsonl(path, numbered=True):
-            if not isinstance(row, dict) or row.get("label") not in LABELS or not isinstance(row.get("next_state"), list):
-                raise ValueError(f"{path}:{n}: needs label in (1, 0, -1) and a next_state list")
-            users = [content_text(m.get("content")) for m in row["next_state"]
-                     if isinstance(m, dict) and m.get("role") == "user"]
-            text = "\n".join(u for u in users if u.strip())
-            if text:
-                rows.append({"text": text, "label": row["label"], "role": "user", "source": Path(path).name})
-    return rows
+    from pipeline.judge.evaluate import load_rows
+
+    return [{"text": text, "label": row["label"], "role": "user", "source": Path(path).name}
+            for path in paths for row in load_rows(path) if (text := user_reply(row["next_state"]))]
 
 
 def training_examples() -> list[dict]:
@@ -380,10 +379,9 @@ class NextStateClassifier:
     def judge(self, messages: list, response: str = "", request: str = "") -> Judgement:
         """The next state's messages. ``response``: the assistant's output (tool calls, for
         context); ``request``: the user's request it answered."""
-        users = [content_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        users = [u for u in users if u.strip()]
-        if users:
-            return self.judge_user("\n".join(users), response, request)
+        reply = user_reply(messages)
+        if reply:
+            return self.judge_user(reply, response, request)
         tools = [m for m in messages if isinstance(m, dict) and m.get("role") != "user"]
         if not tools:
             return Judgement(0, {}, "empty next state")
