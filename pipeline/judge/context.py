@@ -29,7 +29,6 @@ import re
 _FILE = re.compile(r"(?<![\w@/.-])(?:[\w-]+/)*[\w-]+\.(?:[a-z][a-z0-9]{0,4})\b", re.I)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 _HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
-_QUOTED = re.compile(r"[\"'`“‘]([^\"'`”’\n]{2,60})[\"'`”’]")
 _TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
