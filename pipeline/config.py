@@ -205,6 +205,8 @@ class JudgeConfig(Section):
     hint_min_chars: int = _d(10, "an OPD hint counts when it is longer than this (characters)", ge=0)
     tokenizer: str | None = _d(None, "judge model tokenizer (choice backend; None: engine.model)")
     embedding_threads: int | None = _d(1, "torch threads of the embedding backend (None: torch's default)", ge=1)
+    embedding_finetune_epochs: float = _d(2.0, "embedding backend: epochs of fine-tuning MiniLM on the labelled "
+                                          "replies at first start (cached; 0: frozen MiniLM)", ge=0, le=20)
     teacher_timeout_s: float = _d(300.0, "time-out (s) of one teacher scoring call", gt=0)
     max_uncommitted_records: int = _d(200_000, "the consumer pauses its partitions above this many records "
                                       "read but not committed", ge=1)

@@ -2,8 +2,8 @@
 
 ``pipeline/judge/data/eval_next_states.jsonl`` was written independently of the judge; the judge
 learns from ``pipeline/judge/data/examples.jsonl``, the generated bank (``pipeline/judge/bank.py``)
-and the user replies of the labelled sets it was tuned on (``LABELLED_SETS``), never from this set. The first test runs the real command a
-user runs, ``pipeline judge --eval``, with the default backend and its exit-status gates; the
+and the user replies of the labelled sets (``LABELLED_SETS``; MiniLM is fine-tuned on those
+replies), never from this set. The first test runs the real command a user runs, ``pipeline judge --eval``, with the default backend and its exit-status gates; the
 second checks that the examples share no text with the set (no 8-word shingle, no equal
 normalised text, no near-duplicate), naming only the examples, not the held-out texts.
 """
@@ -26,10 +26,10 @@ MIN_AGREEMENT = 0.80
 MAX_SIGN_ERRORS = 0.03
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 bar not reached yet: the CPU default measures 197/250 = 78.8% "
-                   "agreement, 68.8% coverage, 7 sign errors (2.8%) on this set; strict, so reaching the bar "
-                   "fails this marker")
 def test_cpu_default_reaches_the_bar_on_the_held_out_set():
+    """Measured when written: 201/250 = 80.4 % agreement, 70.0 % coverage, 6 sign errors (2.4 %),
+    with MiniLM fine-tuned on the labelled replies (fine-tuned with 1 or 2 torch threads: the same
+    figures). The margin is one row: a change that loses it must be looked at, not loosened."""
     out = subprocess.run([sys.executable, "-m", "pipeline", "judge", "--eval", str(EVAL), "--no-hints",
                           "--min-agreement", str(MIN_AGREEMENT), "--max-sign-errors", str(MAX_SIGN_ERRORS)],
                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),

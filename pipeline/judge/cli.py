@@ -2,6 +2,7 @@
 
     python -m pipeline judge --mode rl|opd|combine [--backend llm|choice|embedding|pkg.mod:Class]
     python -m pipeline judge --eval tests/fixtures/judge_next_states.jsonl --backend embedding [--misses]
+    python -m pipeline judge --fit          # build (and cache) the backend's models, then exit
 
 Several processes with the same ``judge.group_id`` split the partitions of ``turns``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 
 HELP = "pair turns with next states and emit scored samples (Binary RL, OPD, combine)"
 
@@ -28,6 +30,9 @@ def add_arguments(parser) -> None:
                         help="score a labelled JSONL set of next states and print agreement, coverage (share "
                              "scored non-zero), sign errors (+1 scored -1 or the reverse), the confusion matrix, "
                              "the same per next-state role and category, and the OPD hint path; then exit")
+    parser.add_argument("--fit", action="store_true",
+                        help="build the backend's models and exit (the embedding backend fine-tunes MiniLM on its "
+                             "labelled replies once, a few minutes on a CPU, and caches it in engine.cache_dir)")
     parser.add_argument("--misses", action="store_true", help="with --eval: list the ids of the rows scored wrong")
     parser.add_argument("--no-hints", action="store_true", help="with --eval: skip the OPD hint path")
     parser.add_argument("--by", action="append", default=[], metavar="FIELD",
@@ -83,6 +88,16 @@ def _eval(args, config) -> int:
     return 0
 
 
+def _fit(config) -> int:
+    from pipeline.judge.backends import make_backend
+
+    t0 = time.monotonic()
+    make_backend(config.judge.backend, config)
+    print(f"judge backend {config.judge.backend!r} ready in {time.monotonic() - t0:.0f} s "
+          f"(models cached in {config.engine.cache_dir})")
+    return 0
+
+
 def run(args, config) -> int:
     """Run the judge (or ``--eval``). Returns 0, 1 on a fatal delivery error, 2 on bad settings."""
     from pipeline.judge.backends import BackendError
@@ -98,6 +113,8 @@ def run(args, config) -> int:
     try:
         if args.eval:
             return _eval(args, config)
+        if args.fit:
+            return _fit(config)
         from pipeline.judge.app import JudgeApp
 
         app = JudgeApp(config)

@@ -67,12 +67,16 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 EXAMPLES = DATA / "examples.jsonl"
 # labelled next states written by people other than the bank's author (tuned on; the evaluation
 # set, eval_next_states.jsonl, is held out and never trained on)
-LABELLED_SETS = (DATA / "dev_next_states.jsonl", DATA / "tuning_next_states.jsonl")
+LABELLED_SETS = (DATA / "dev_next_states.jsonl", DATA / "tuning_next_states.jsonl",
+                 DATA / "replies_coding_next_states.jsonl", DATA / "replies_everyday_next_states.jsonl",
+                 DATA / "replies_hard_next_states.jsonl")
 LABELS = (1, 0, -1)  # class index order of the heads' outputs
 KNN_K = 7
 KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
 MIN_CONFIDENCE = 0.5  # a sign from the models needs this probability ...
 MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
+FINETUNE_EPOCHS = 2.0  # fine-tuning of MiniLM on the user replies (pipeline.judge.finetune; 0: frozen)
+FINETUNE_LR = 3e-5
 USER_CUE_RESCUE = True  # an abstention of the models may take the cues' one-way sign ...
 CUE_RESCUE_MIN = 0.35  # ... when the models give that sign at least this
 L2 = 3e-2  # weight penalty of the embedding inputs
@@ -159,9 +163,25 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.model = AutoModel.from_pretrained(str(self.path)).eval()
         self._lock = threading.Lock()
+        self._tag = ""  # set on a fine-tuned copy (with_model)
+
+    def with_model(self, model, tag: str) -> "Embedder":
+        """The same tokenizer and pooling over another encoder (a fine-tuned copy); ``tag``
+        names those weights in :meth:`fingerprint`."""
+        other = object.__new__(Embedder)
+        other.torch, other.path, other.tokenizer, other.model = self.torch, self.path, self.tokenizer, model
+        other._lock, other._tag = threading.Lock(), tag
+        return other
 
     def fingerprint(self) -> str:
-        """Identifies the weights (file names, sizes, mtimes) for the embedding cache."""
+        """Identifies the weights (file names, sizes, mtimes; plus the tag of a fine-tuned copy)
+        for the embedding cache."""
+        if self._tag:
+            return hashlib.sha256(f"{self.base_fingerprint()}|{self._tag}".encode()).hexdigest()[:16]
+        return self.base_fingerprint()
+
+    def base_fingerprint(self) -> str:
+        """:meth:`fingerprint` of the weights on disk."""
         parts = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in sorted(self.path.iterdir())
                  if p.is_file()]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -269,22 +289,36 @@ class NextStateClassifier:
     """Judges next-state messages (module docstring, layers 1-3).
 
     Args:
-        embedder: an :class:`Embedder`.
-        examples: labelled rows ``{"text", "label", "role"}``; default the shipped file.
-        cache_dir: where example embeddings are cached (None: no cache).
+        embedder: an :class:`Embedder` (frozen MiniLM).
+        examples: labelled rows ``{"text", "label", "role"}``; default :func:`training_examples`.
+        cache_dir: where example embeddings and the fine-tuned encoder are cached (None: no cache).
+        finetune_epochs: > 0: user replies are embedded by a copy of MiniLM fine-tuned on the
+            user rows of ``examples`` (:func:`pipeline.judge.finetune.fine_tuned_encoder`; a
+            minute or more on a CPU the first time, then loaded from ``cache_dir``); 0: by the
+            frozen model. Tool results always use the frozen model.
+
+    Raises:
+        ValueError: an example's label or role is not one of the known ones.
     """
 
     def __init__(self, embedder: Embedder, examples: list[dict] | None = None,
-                 cache_dir: str | os.PathLike | None = None) -> None:
+                 cache_dir: str | os.PathLike | None = None, finetune_epochs: float = FINETUNE_EPOCHS) -> None:
+        from pipeline.judge.finetune import fine_tuned_encoder
+
         torch = embedder.torch
         self.embedder, self.torch = embedder, torch
         examples = training_examples() if examples is None else examples
+        self.encoders = {"user": embedder, "tool": embedder}
         self.banks = {}
         for role in ("user", "tool"):
             rows = [r for r in examples if r["role"] == role]
             texts = [clip(r["text"], MAX_TEXT_CHARS) for r in rows]
-            emb = _cached_encode(embedder, texts, cache_dir)
-            y = torch.tensor([LABELS.index(int(r["label"])) for r in rows], dtype=torch.long)
+            labels = [int(r["label"]) for r in rows]
+            if role == "user" and finetune_epochs > 0:
+                tuned = fine_tuned_encoder(embedder, texts, labels, cache_dir, epochs=finetune_epochs, lr=FINETUNE_LR)
+                self.encoders["user"] = embedder.with_model(tuned.encoder, f"finetuned:{tuned.key}")
+            emb = _cached_encode(self.encoders[role], texts, cache_dir)
+            y = torch.tensor([LABELS.index(lab) for lab in labels], dtype=torch.long)
             if role == "user":
                 head = SoftmaxHead(_user_features(torch, emb, texts), y, l2=L2, l2_tail=L2_CUES, tail=CUE_DIM)
             else:
@@ -296,7 +330,7 @@ class NextStateClassifier:
         """Averaged head and kNN class probabilities ``{1: p, 0: p, -1: p}`` for one text."""
         torch = self.torch
         emb_bank, y, head = self.banks[role]
-        e = self.embedder.encode([clip(text, MAX_TEXT_CHARS)])
+        e = self.encoders[role].encode([clip(text, MAX_TEXT_CHARS)])
         feats = _user_features(torch, e, [text]) if role == "user" else e
         p_head = head.proba(feats)[0]
         sims = (e @ emb_bank.T)[0]
@@ -406,7 +440,8 @@ class EmbeddingBackend(Backend):
         with EmbeddingBackend._shared_lock:  # one model per process
             if EmbeddingBackend._shared is None:
                 EmbeddingBackend._shared = NextStateClassifier(
-                    Embedder(threads=config.judge.embedding_threads), cache_dir=config.engine.cache_dir)
+                    Embedder(threads=config.judge.embedding_threads), cache_dir=config.engine.cache_dir,
+                    finetune_epochs=config.judge.embedding_finetune_epochs)
         self.clf = EmbeddingBackend._shared
         self._recent: dict[str, Judgement] = {}  # last RECENT judgements, oldest first
 
