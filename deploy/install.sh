@@ -30,5 +30,9 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "note: no chromium and no apt-get: the dashboard's browser test will be skipped" >&2
   fi
 fi
+# The CPU judge (embedding backend) fine-tunes MiniLM on its labelled replies once, about two
+# minutes on two cores, and caches the weights (engine.cache_dir); doing it here keeps the first
+# judge start (and the test suite) from waiting for it. It is skipped while the cache is current.
+.venv/bin/python -m pipeline judge --fit
 echo "environment ready: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
 echo "the 'pipeline' command is .venv/bin/pipeline: 'source .venv/bin/activate' puts it on the PATH"

