@@ -3,19 +3,21 @@
 Real MiniLM, real torch training, on a small slice of the shipped labelled replies (a few
 seconds). Checks that training moves stance into the embedding (replies of one label closer
 to each other than to the other label's, more than before), that it is reproducible and leaves
-the caller's random state alone, that the on-disk cache returns the same weights without
-training again and keys on the labels, and that bad input raises.
+the caller's random state and thread count alone, that the on-disk cache returns the same
+weights without training again, keys on everything that shapes the model, trains once for two
+callers and survives an unwritable folder, and that bad input raises.
 """
 
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from pipeline.judge.backends.embedding import LABELLED_SETS, Embedder, NextStateClassifier, labelled_replies
-from pipeline.judge.finetune import FineTuned, fine_tune, fine_tuned_encoder
+from pipeline.judge.finetune import FineTuned, _model_key, fine_tune, fine_tuned_encoder
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +67,12 @@ def test_fine_tuning_is_reproducible_and_keeps_the_callers_rng(embedder, replies
     want_torch, want_py = torch.rand(3), random.random()
     torch.manual_seed(1234)
     random.seed(99)
-    a = _state(fine_tune(embedder, texts[:16], labels[:16], epochs=1, seed=7, threads=1))
+    threads = torch.get_num_threads()
+    a = _state(fine_tune(embedder, texts[:16], labels[:16], epochs=1, seed=7))
     assert torch.equal(torch.rand(3), want_torch) and random.random() == want_py
-    b = _state(fine_tune(embedder, texts[:16], labels[:16], epochs=1, seed=7, threads=1))
-    c = _state(fine_tune(embedder, texts[:16], labels[:16], epochs=1, seed=8, threads=1))
+    assert torch.get_num_threads() == threads
+    b = _state(fine_tune(embedder, texts[:16], labels[:16], epochs=1, seed=7))
+    c = _state(fine_tune(embedder, texts[:16], labels[:16], epochs=1, seed=8))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
@@ -83,9 +87,32 @@ def test_the_cache_returns_the_same_weights_and_keys_on_the_labels(embedder, rep
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     flipped = fine_tuned_encoder(embedder, texts, [-x for x in labels], tmp_path, epochs=1)
     assert flipped.trained and flipped.key != first.key
+    keys = {_model_key(embedder, texts, labels, 1, 3e-5, 0), _model_key(embedder, texts, labels, 2, 3e-5, 0),
+            _model_key(embedder, texts, labels, 1, 5e-5, 0), _model_key(embedder, texts, labels, 1, 3e-5, 1),
+            _model_key(embedder.with_model(first.encoder, "other weights"), texts, labels, 1, 3e-5, 0),
+            _model_key(embedder, texts[:-1], labels[:-1], 1, 3e-5, 0)}
+    assert first.key in keys and len(keys) == 6
     # a corrupt cache file is trained again, not trusted
     (tmp_path / "judge" / f"finetuned-{first.key}.pt").write_bytes(b"not a model")
     assert fine_tuned_encoder(embedder, texts, labels, tmp_path, epochs=1).trained
+    assert not list((tmp_path / "judge").glob("*.tmp*"))
+
+
+def test_two_processes_train_a_model_once(embedder, replies, tmp_path):
+    """The second caller waits on the file lock and loads the first one's result."""
+    texts, labels = replies[0][:16], replies[1][:16]
+    with ThreadPoolExecutor(2) as pool:  # two open() calls: flock treats them like two processes
+        got = list(pool.map(lambda _: fine_tuned_encoder(embedder, texts, labels, tmp_path, epochs=1), range(2)))
+    assert sorted(g.trained for g in got) == [False, True]
+
+
+def test_an_unwritable_cache_is_no_error(embedder, replies, tmp_path):
+    texts, labels = replies[0][:16], replies[1][:16]
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would be")
+    tuned = fine_tuned_encoder(embedder, texts, labels, blocked, epochs=1)
+    assert tuned.trained and tuned.encoder is not None
+    assert fine_tuned_encoder(embedder, texts, labels, "", epochs=1).trained  # empty: no cache
 
 
 @pytest.mark.parametrize("texts,labels,epochs", [([], [], 1), (["a"], [1, 0], 1), (["a"], [2], 1), (["a"], [1], 0)],

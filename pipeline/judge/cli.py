@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
                              "the same per next-state role and category, and the OPD hint path; then exit")
     parser.add_argument("--fit", action="store_true",
                         help="build the backend's models and exit (the embedding backend fine-tunes MiniLM on its "
-                             "labelled replies once, a few minutes on a CPU, and caches it in engine.cache_dir)")
+                             "labelled replies once, about two minutes on two cores, and caches it in "
+                             "engine.cache_dir)")
     parser.add_argument("--misses", action="store_true", help="with --eval: list the ids of the rows scored wrong")
     parser.add_argument("--no-hints", action="store_true", help="with --eval: skip the OPD hint path")
     parser.add_argument("--by", action="append", default=[], metavar="FIELD",
@@ -93,8 +94,9 @@ def _fit(config) -> int:
 
     t0 = time.monotonic()
     make_backend(config.judge.backend, config)
-    print(f"judge backend {config.judge.backend!r} ready in {time.monotonic() - t0:.0f} s "
-          f"(models cached in {config.engine.cache_dir})")
+    built = (f"models cached in {config.engine.cache_dir}" if config.judge.backend == "embedding"
+             else "nothing to build ahead for this backend")
+    print(f"judge backend {config.judge.backend!r} ready in {time.monotonic() - t0:.0f} s ({built})")
     return 0
 
 
@@ -111,6 +113,9 @@ def run(args, config) -> int:
     # consumer beside a CPU-bound thread (the cost: more GIL hand-overs per second).
     sys.setswitchinterval(0.001)
     try:
+        if args.eval and args.fit:
+            print("pipeline judge: --fit and --eval are separate steps (--eval builds what it needs)")
+            return 2
         if args.eval:
             return _eval(args, config)
         if args.fit:

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from pipeline.judge.evaluate import LABELS  # class index order (1, 0, -1)
+
 log = logging.getLogger(__name__)
 
 BATCH = 16
@@ -45,7 +47,9 @@ MAX_TOKENS = 128
 SCALE = 20.0  # logits = SCALE * (unit embedding) @ W + b
 WEIGHT_DECAY = 0.01
 WARMUP = 0.1  # share of the steps with a linearly rising learning rate
-LABELS = (1, 0, -1)  # class index order
+# Training always uses this many torch threads: the thread count changes how sums are split, so
+# the weights (last bits) would depend on the machine's core count. Part of the cache key.
+THREADS = 2
 
 
 class FineTuned(NamedTuple):
@@ -56,9 +60,39 @@ class FineTuned(NamedTuple):
     trained: bool  # whether this call trained it (False: loaded from the cache)
 
 
+def mean_pool(hidden, attention_mask):
+    """Mean of the token states over the attention mask: [B, T, H], [B, T] -> [B, H] (not normalised)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+def save_atomically(obj, path: Path) -> bool:
+    """``torch.save`` to a temporary file, then rename over ``path`` (readers never see half a
+    file). Returns False, after a warning and removing the temporary file, when it cannot be
+    written (read-only folder, full disk)."""
+    import torch
+
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+        return True
+    except Exception as e:  # torch reports a full disk as RuntimeError, not OSError
+        log.warning("cannot write %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+        return False
+
+
 def _model_key(embedder, texts: list[str], labels: list[int], epochs: float, lr: float, seed: int) -> str:
+    """Names one trained model: the base weights, this module's code (any change to the training
+    recipe retrains), the library versions, the hyper-parameters and the labelled texts."""
+    import torch
+    import transformers
+
     h = hashlib.sha256()
-    for part in (embedder.fingerprint(), f"{epochs}|{lr}|{seed}|{BATCH}|{MAX_TOKENS}|{SCALE}|{WEIGHT_DECAY}|{WARMUP}"):
+    for part in (embedder.fingerprint(), Path(__file__).read_text(encoding="utf-8"), torch.__version__,
+                 transformers.__version__, f"{epochs}|{lr}|{seed}|{THREADS}"):
         h.update(part.encode() + b"\x00")
     for text, label in zip(texts, labels, strict=True):
         h.update(f"{label}\x01{text}\x00".encode())
@@ -66,7 +100,7 @@ def _model_key(embedder, texts: list[str], labels: list[int], epochs: float, lr:
 
 
 def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 2.0, lr: float = 3e-5,
-              seed: int = 0, threads: int | None = None, progress_every: int = 50):
+              seed: int = 0, threads: int = THREADS, progress_every: int = 50):
     """Fine-tune a copy of ``embedder.model`` to tell +1 / 0 / -1 replies apart (module docstring).
 
     Args:
@@ -76,7 +110,8 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
         epochs: passes over the data (fractions allowed); must be > 0.
         lr: peak AdamW learning rate.
         seed: seeds the shuffle, the head's initialisation and dropout.
-        threads: torch CPU threads while training (default: all cores), restored afterwards.
+        threads: torch CPU threads while training (default :data:`THREADS`, whatever the machine
+            has, so that the weights do not depend on its core count), restored afterwards.
         progress_every: log the running loss every this many steps.
 
     Returns:
@@ -97,11 +132,12 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
     encoder = copy.deepcopy(embedder.model)
     tokenizer = embedder.tokenizer
     saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     try:
-        # the seed drives the head's initialisation and dropout; fork_rng leaves the caller's RNG alone
+        # the seed drives the head's initialisation and dropout (CPU generator only; fork_rng
+        # restores it afterwards, so the caller's random state is left alone)
         with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.random.default_generator.manual_seed(seed)
             head = torch.nn.Linear(encoder.config.hidden_size, len(LABELS))
             y = torch.tensor([LABELS.index(int(lab)) for lab in labels])
             counts = torch.bincount(y, minlength=len(LABELS)).float()
@@ -122,9 +158,7 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
                     idx = order[i:i + BATCH]
                     batch = tokenizer([texts[j] for j in idx], padding=True, truncation=True, max_length=MAX_TOKENS,
                                       return_tensors="pt")
-                    hidden = encoder(**batch).last_hidden_state
-                    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                    pooled = mean_pool(encoder(**batch).last_hidden_state, batch["attention_mask"])
                     logits = head(torch.nn.functional.normalize(pooled, dim=-1) * SCALE)
                     loss = torch.nn.functional.cross_entropy(logits, y[idx], weight=weight)
                     opt.zero_grad()
@@ -145,7 +179,10 @@ def fine_tuned_encoder(embedder, texts: list[str], labels: list[int], cache_dir:
                        epochs: float = 2.0, lr: float = 3e-5, seed: int = 0):
     """:func:`fine_tune`, cached on disk (module docstring): the encoder for these texts and
     labels, loaded from ``<cache_dir>/judge/finetuned-<key>.pt`` when it is there, else trained
-    (a minute or more on a CPU) and stored. ``cache_dir`` None: always trained, never stored.
+    (about two minutes on two cores for 3,000 replies) and stored. A second process asking for
+    the same key meanwhile waits for the first (a file lock) and loads its result. ``cache_dir``
+    None or empty: always trained, never stored. A cache folder that cannot be written is no
+    error: a stored model is still loaded, else the model is trained and kept in memory.
 
     Returns:
         :class:`FineTuned` (encoder, key, trained).
@@ -156,26 +193,42 @@ def fine_tuned_encoder(embedder, texts: list[str], labels: list[int], cache_dir:
     import torch
 
     key = _model_key(embedder, texts, labels, epochs, lr, seed)
-    if cache_dir is None:
+
+    def train() -> FineTuned:
         return FineTuned(fine_tune(embedder, texts, labels, epochs=epochs, lr=lr, seed=seed), key, True)
+
+    def load(path: Path) -> FineTuned | None:
+        if not path.is_file():
+            return None
+        try:
+            encoder = copy.deepcopy(embedder.model)
+            encoder.load_state_dict(torch.load(path, weights_only=True))
+            return FineTuned(encoder.eval(), key, False)
+        except Exception as e:  # a corrupt or foreign file is rebuilt
+            log.warning("fine-tuned judge weights %s unreadable (%s): training again", path, e)
+            return None
+
+    if not cache_dir:
+        return train()
     folder = Path(os.path.expanduser(str(cache_dir))) / "judge"
     path = folder / f"finetuned-{key}.pt"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"finetuned-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process trains, the others wait and load its result
-        if path.is_file():
-            try:
-                state = torch.load(path, weights_only=True)
-                encoder = copy.deepcopy(embedder.model)
-                encoder.load_state_dict(state)
-                return FineTuned(encoder.eval(), key, False)
-            except Exception as e:  # a corrupt or foreign file is rebuilt
-                log.warning("fine-tuned judge weights %s unreadable (%s): training again", path, e)
-        encoder = fine_tune(embedder, texts, labels, epochs=epochs, lr=lr, seed=seed)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"finetuned-{key}.lock", "w")
+    except OSError as e:
+        log.warning("judge cache %s not writable (%s): using a stored model or training one in memory", folder, e)
+        return load(path) or train()
+    with lock:
         try:
-            torch.save(encoder.state_dict(), tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("cannot store the fine-tuned judge weights in %s: %s", path, e)
-        return FineTuned(encoder, key, True)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("judge: another process is fine-tuning model %s; waiting for it", key)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        done = load(path)
+        if done is not None:
+            return done
+        for stale in folder.glob("finetuned-*.pt.tmp*"):  # left by a killed or failed writer
+            stale.unlink(missing_ok=True)
+        tuned = train()
+        save_atomically(tuned.encoder.state_dict(), path)
+        return tuned

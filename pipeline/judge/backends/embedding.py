@@ -57,7 +57,9 @@ from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
                                     wrong_action)
+from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
+from pipeline.judge.finetune import fine_tuned_encoder, mean_pool, save_atomically
 from pipeline.judge.prompts import JudgeInput, clip, content_text
 from pipeline.judge.toolread import read_tool_result
 from pipeline.jsonl import read_jsonl
@@ -71,7 +73,6 @@ EXAMPLES = DATA / "examples.jsonl"
 LABELLED_SETS = (DATA / "dev_next_states.jsonl", DATA / "tuning_next_states.jsonl",
                  DATA / "replies_coding_next_states.jsonl", DATA / "replies_everyday_next_states.jsonl",
                  DATA / "replies_hard_next_states.jsonl")
-LABELS = (1, 0, -1)  # class index order of the heads' outputs
 KNN_K = 7
 KNN_WEIGHT = 0.25  # share of the kNN vote in the averaged probabilities (the head has the rest)
 MIN_CONFIDENCE = 0.5  # a sign from the models needs this probability ...
@@ -135,8 +136,6 @@ def labelled_replies(paths=LABELLED_SETS) -> list[dict]:
     Raises:
         pipeline.judge.evaluate.EvalFileError: a file :func:`~pipeline.judge.evaluate.load_rows` cannot read.
     """
-    from pipeline.judge.evaluate import load_rows
-
     return [{"text": text, "label": row["label"], "role": "user", "source": Path(path).name}
             for path in paths for row in load_rows(path) if (text := user_reply(row["next_state"]))]
 
@@ -195,9 +194,7 @@ class Embedder:
             for i in range(0, len(texts), batch_size):
                 batch = self.tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=256,
                                        return_tensors="pt")
-                hidden = self.model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                pooled = mean_pool(self.model(**batch).last_hidden_state, batch["attention_mask"])
                 out.append(torch.nn.functional.normalize(pooled, dim=-1))
         return torch.cat(out) if out else torch.zeros(0, self.model.config.hidden_size)
 
@@ -218,13 +215,7 @@ def _cached_encode(embedder: Embedder, texts: list[str], cache_dir: str | os.Pat
                 log.warning("embedding cache %s unreadable (%s): rebuilding", path, e)
     emb = embedder.encode(texts)
     if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(emb, tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("cannot write the embedding cache %s: %s", path, e)
+        save_atomically(emb, path)
     return emb
 
 
@@ -304,8 +295,6 @@ class NextStateClassifier:
 
     def __init__(self, embedder: Embedder, examples: list[dict] | None = None,
                  cache_dir: str | os.PathLike | None = None, finetune_epochs: float = FINETUNE_EPOCHS) -> None:
-        from pipeline.judge.finetune import fine_tuned_encoder
-
         torch = embedder.torch
         self.embedder, self.torch = embedder, torch
         examples = training_examples() if examples is None else examples
