@@ -129,7 +129,8 @@ class EngineConfig(Section):
     port: int = _d(30000, "`pipeline engine`: listen port (0: any free port)", ge=0, le=65535)
     model: str = _d("smollm2-135m", "`pipeline engine`: smollm2-135m, tiny-random or a HF folder")
     served_model_name: str | None = _d(None, "model name reported by /v1/models (None: the model's)")
-    cache_dir: str = _d("~/.cache/openclaw-pipeline", "where converted model folders are kept")
+    cache_dir: str = _d("~/.cache/openclaw-pipeline", "where converted model folders and the CPU "
+                                 "judge's fine-tuned weights (judge/) are kept")
     context_length: int = _d(2048, "longest prompt plus reply (tokens)", ge=16)
     max_batch_size: int = _d(16, "requests decoded together at most", ge=1)
     threads: int | None = _d(None, "torch threads of the CPU engine (None: torch's default)", ge=1)

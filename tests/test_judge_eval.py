@@ -160,6 +160,35 @@ def test_cli_bad_file_is_a_clear_error(tmp_path):
     assert out.returncode == 2 and "bad.jsonl:1" in out.stdout and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("row,says", [
+    ('{"label": 5, "next_state": []}', "label must be 1, 0 or -1 (the number; got 5)"),
+    ('{"label": "+1", "next_state": []}', "got '+1'"),
+    ('{"next_state": []}', "no label"),
+    ('{"label": 1, "next_state": {"role": "user", "content": "ok"}}', "next_state must be a list of messages"),
+    ('{"label": 1}', "(missing)"),
+    ('[1, 2]', "a row must be a JSON object, got list"),
+], ids=["label-5", "label-str", "no-label", "next-state-dict", "no-next-state", "not-object"])
+def test_a_bad_row_names_the_field_and_the_value(tmp_path, row, says):
+    from pipeline.judge.evaluate import EvalFileError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"label": 0, "next_state": []}\n' + row + "\n")
+    with pytest.raises(EvalFileError) as e:
+        load_rows(bad)
+    assert "bad.jsonl:2: " in str(e.value) and says in str(e.value)
+
+
+def test_cli_refuses_an_empty_file_and_warns_of_an_absent_by_field(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = _cli("--eval", str(empty), "--backend", "constant")
+    assert out.returncode == 2 and "no labelled rows" in out.stdout, out.stdout
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"label": 1, "next_state": [{"role": "user", "content": "thanks"}]}\n')
+    out = _cli("--eval", str(one), "--backend", "constant", "--by", "lang")
+    assert out.returncode == 0 and "no row of" in out.stdout and "'lang'" in out.stdout, out.stdout
+
+
 def _metric(name, labels):
     return REGISTRY.get_sample_value(name, labels) or 0.0
 

@@ -60,6 +60,12 @@ def _eval(args, config) -> int:
     from pipeline.judge.evaluate import evaluate, load_rows, report, row_conversation
 
     rows = load_rows(args.eval)
+    if not rows:
+        print(f"pipeline judge: {args.eval} has no labelled rows: nothing to measure")
+        return 2
+    for field in args.by:
+        if not any(field in row for row in rows):
+            print(f"pipeline judge: warning: no row of {args.eval} has the field {field!r} (--by {field})")
     if args.write_conversations:
         with open(args.write_conversations, "wb") as f:
             for row in rows:

@@ -70,8 +70,15 @@ def load_rows(path: str | Path) -> list[dict]:
     except JsonlError as e:
         raise EvalFileError(str(e)) from None
     for n, row in numbered:
-        if not isinstance(row, dict) or row.get("label") not in LABELS or not isinstance(row.get("next_state"), list):
-            raise EvalFileError(f"{path}:{n}: needs label in (1, 0, -1) and a next_state list")
+        if not isinstance(row, dict):
+            raise EvalFileError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+        if "label" not in row or row["label"] not in LABELS or isinstance(row["label"], bool):
+            got = "no label" if "label" not in row else f"got {row['label']!r}"
+            raise EvalFileError(f"{path}:{n}: label must be 1, 0 or -1 (the number; {got})")
+        if not isinstance(row.get("next_state"), list):
+            got = "missing" if "next_state" not in row else f"got {type(row['next_state']).__name__}"
+            raise EvalFileError(f"{path}:{n}: next_state must be a list of messages such as "
+                                f'[{{"role": "user", "content": "..."}}] ({got})')
         row.setdefault("id", f"line-{n}")
         if row["id"] in ids:
             raise EvalFileError(f"{path}:{n}: id {row['id']!r} repeats")

@@ -149,7 +149,8 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warm) * max(0.0, 1 - k / steps))
             rng, order, step, running, t0 = random.Random(seed), list(range(len(texts))), 0, 0.0, time.monotonic()
             encoder.train()
-            log.info("judge: fine-tuning MiniLM on %d labelled replies (%d steps)", len(texts), steps)
+            log.info("judge: fine-tuning MiniLM on %d labelled replies (%d steps; once: about two minutes on two "
+                     "cores, then loaded from the cache)", len(texts), steps)
             while step < steps:
                 rng.shuffle(order)
                 for i in range(0, len(order), BATCH):

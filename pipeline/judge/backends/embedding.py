@@ -160,6 +160,9 @@ class Embedder:
         if threads:
             torch.set_num_threads(threads)
         self.path = Path(model_dir or minilm_dir())
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar on every start
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.model = AutoModel.from_pretrained(str(self.path)).eval()
         self._lock = threading.Lock()
@@ -307,6 +310,7 @@ class NextStateClassifier:
             if role == "user" and finetune_epochs > 0:
                 tuned = fine_tuned_encoder(embedder, texts, labels, cache_dir, epochs=finetune_epochs, lr=FINETUNE_LR)
                 self.encoders["user"] = embedder.with_model(tuned.encoder, f"finetuned:{tuned.key}")
+            log.info("judge: embedding %d %s examples and fitting the heads", len(texts), role)
             emb = _cached_encode(self.encoders[role], texts, cache_dir)
             y = torch.tensor([LABELS.index(lab) for lab in labels], dtype=torch.long)
             if role == "user":
