@@ -23,6 +23,7 @@ from pipeline.topics import apply_topics, load_topics
 from tests.support.proxy import running_proxy
 from tests.support.servers import StandInEngine, serve_app
 from tests.support.topics import read_events, read_records
+from tests.support.waiting import until
 
 CHAT = "/v1/chat/completions"
 
@@ -136,10 +137,13 @@ def test_durable_buffer_keeps_everything_a_memory_only_proxy_counts_every_drop(t
         crash(broker)
         converse(url_disk, "S", 5)  # 1 + 2*4 = 9 events; memory would hold 3
         converse(url_drop, "D", 5)
-        disk_stats, drop_stats = app_disk.publisher.stats(), app_drop.publisher.stats()
+        disk_stats = app_disk.publisher.stats()
         # every answered event of the durable proxy is on disk before its response completed
         assert disk_stats["on_disk"] == 9 and disk_stats["dropped_total"] == 0 and disk_stats["not_durable"] == {}
-        assert drop_stats["dropped_total"] > 0 and drop_stats["on_disk"] == 0
+        # the memory-only proxy counts its drops when its publisher thread hands events on, which
+        # may come just after the response: await that state
+        drop_stats = until(lambda: (st := app_drop.publisher.stats())["dropped_total"] > 0 and st, timeout_s=30)
+        assert drop_stats and drop_stats["on_disk"] == 0, app_drop.publisher.stats()
         restart(broker, config)
         assert app_disk.publisher.wait_idle(60) and app_drop.publisher.wait_idle(60)
         drop_stats = app_drop.publisher.stats()

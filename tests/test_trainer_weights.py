@@ -132,6 +132,11 @@ def test_nonfinite_fields_name_every_bad_value():
     assert nonfinite_fields(missing) == ["teacher_topk_log_probs[3]=inf"]
     temp = _sample(5, rollout_temperature=float("inf"))
     assert nonfinite_fields(temp) == ["rollout_temperature=inf"]
+    # a failed PRM vote is None (absent), not NaN: such a sample is valid and must be trained
+    assert nonfinite_fields(_sample(7, votes=[1, None, 0])) == []
+    assert nonfinite_fields(_sample(8, votes=[None, None, None])) == []
+    assert nonfinite_fields(_sample(9, votes=[[1, None, -1], [None]])) == []  # combine: [PRM votes, hint votes]
+    assert nonfinite_fields(_sample(10, votes=[1, float("nan")])) == ["votes[1]=nan"]
 
 
 # ---- case 4: configured hyper-parameters apply on restart, moments are restored ---------------

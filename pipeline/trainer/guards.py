@@ -41,14 +41,24 @@ def _bad_mask(arr: np.ndarray, allow_neg_inf: bool) -> np.ndarray:
     return bad & ~np.isneginf(arr) if allow_neg_inf else bad
 
 
-def _first_bad(values: Any, allow_neg_inf: bool = False) -> tuple[int, float] | None:
-    """``(index, value)`` of the first non-finite number in a numeric sequence (``-inf`` passes
-    when ``allow_neg_inf``), else None."""
+def _floats(values: Any) -> np.ndarray | None:
+    """A numeric sequence as a 1-D float64 array, or None when it is not one (strings, dicts,
+    nested lists). ``None`` entries are absent values (a failed PRM vote), not numbers: they are
+    checked as a finite 0.0, so they are never reported as NaN."""
+    if not isinstance(values, np.ndarray):
+        values = [0.0 if v is None else v for v in values]
     try:
         arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):  # not a numeric sequence (strings, dicts, ...)
+    except (TypeError, ValueError):
         return None
-    if arr.ndim != 1:
+    return arr if arr.ndim == 1 else None
+
+
+def _first_bad(values: Any, allow_neg_inf: bool = False) -> tuple[int, float] | None:
+    """``(index, value)`` of the first non-finite number in a numeric sequence (``-inf`` passes
+    when ``allow_neg_inf``; ``None`` entries are absent, never bad), else None."""
+    arr = _floats(values)
+    if arr is None:
         return None
     bad = np.flatnonzero(_bad_mask(arr, allow_neg_inf))
     return (int(bad[0]), float(arr[bad[0]])) if bad.size else None
@@ -57,7 +67,8 @@ def _first_bad(values: Any, allow_neg_inf: bool = False) -> tuple[int, float] | 
 def nonfinite_fields(event: Any) -> list[str]:
     """Each numeric field of a dataclass event holding NaN/inf, as ``"name=value"`` or
     ``"name[i]=value"`` (first bad element, and how many), in field order; ``[]`` when all are
-    finite. ``None`` fields and non-numeric fields are skipped; ``-inf`` is legal in the fields of
+    finite. ``None`` fields, ``None`` entries of a list (absent values, such as failed PRM votes
+    in ``votes``) and non-numeric fields are skipped; ``-inf`` is legal in the fields of
     :data:`NEG_INF_ALLOWED` (NaN and ``+inf`` are not).
     """
     out: list[str] = []
@@ -72,7 +83,7 @@ def nonfinite_fields(event: Any) -> list[str]:
             neg_ok = f.name in NEG_INF_ALLOWED
             first = _first_bad(v, neg_ok)
             if first is not None:
-                n = int(_bad_mask(np.asarray(v, dtype=np.float64), neg_ok).sum())
+                n = int(_bad_mask(_floats(v), neg_ok).sum())
                 out.append(f"{f.name}[{first[0]}]={first[1]}" + (f" ({n} non-finite)" if n > 1 else ""))
     return out
 
