@@ -1,21 +1,23 @@
-"""Broker benchmark: the cost of the durable embedded broker beside memory storage.
+"""Broker benchmark: Apache Kafka beside the embedded Tansu broker (memory and durable), same run.
 
     .venv/bin/python bench/broker.py                  # 5,000 records of ~1.9 KB, 200 synchronous sends
-    .venv/bin/python bench/broker.py --records 20000 --sync-sends 500
+    .venv/bin/python bench/broker.py --records 20000 --sync-sends 500 --kinds kafka,"tansu durable"
 
-One run starts both kinds of :class:`pipeline.broker.EmbeddedBroker` — memory storage and durable
-storage (SeaweedFS object store + Tansu's ``s3://`` engine, in a temporary data dir) — and
-measures on each, in the order memory, durable, durable, memory (drift from other load on the
-machine cancels out):
+One run starts each broker of :data:`KINDS` — Tansu with memory storage, Tansu durable (SeaweedFS
+object store + Tansu's ``s3://`` engine), Apache Kafka (:class:`pipeline.kafka_broker.KafkaBroker`,
+page cache), and Apache Kafka flushing every message (``log.flush.interval.messages=1``) — each
+in its own temporary data dir, twice, in mirrored order (drift from other load on the machine
+cancels out), and measures:
 
-- start time (durable: the object store, then Tansu; and a restart on the same data dir);
+- start time (the first run), and restart time on the same data (the second run);
+- resident memory of the broker's processes after the run;
 - produce throughput: ``--records`` msgpack-sized values to a 4-partition topic with the
   pipeline's producer settings (kafka-python, idempotent, acks=all, ``kafka.linger_ms``);
 - consume throughput: the same records read back from the beginning (no group);
 - p50/p99 of one synchronous ``acks=all`` send (``send().get()``), the latency a caller that waits
   for each record sees.
 
-It prints each number and the durable/memory ratio measured in the same run; nothing asserts.
+It prints each number side by side; nothing asserts.
 """
 
 from __future__ import annotations
@@ -76,56 +78,91 @@ def _measure(bootstrap: str, records: int, sync_sends: int, value_size: int, tag
             "p50": 1000 * lat[len(lat) // 2], "p99": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
 
 
+def _rss_mb(pids: list[int]) -> float:
+    """Resident memory (MB) of ``pids`` and their children, read from /proc."""
+    seen, todo, kb = set(), list(pids), 0
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    kb += int(line.split()[1])
+            todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return kb / 1024
+
+
+#: label -> (kind, durable, Kafka flushing every message)
+KINDS = {"tansu memory": ("tansu", False, False), "tansu durable": ("tansu", True, False),
+         "kafka": ("kafka", True, False), "kafka fsync": ("kafka", True, True)}
+
+
+def _broker(label: str, data: Path, log_file: str):
+    from pipeline.broker import EmbeddedBroker
+
+    kind, durable, fsync = KINDS[label]
+    if kind == "kafka":
+        from pipeline.kafka_broker import KafkaBroker
+
+        return KafkaBroker(data_dir=data, log_file=log_file, flush_every_message=fsync)
+    return EmbeddedBroker(data_dir=data if durable else None, log_file=log_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=5000)
     ap.add_argument("--sync-sends", type=int, default=200)
     ap.add_argument("--value-bytes", type=int, default=1900, help="record size (a turn event is ~2-6 KB)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of: {', '.join(KINDS)}")
     args = ap.parse_args(argv)
+    from pipeline.kafka_broker import kafka_installed
 
-    from pipeline.broker import EmbeddedBroker
-
+    labels = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kafka_installed():
+        print("Apache Kafka is not installed (bash deploy/install-kafka.sh): measuring Tansu only", file=sys.stderr)
+        labels = [k for k in labels if KINDS[k][0] != "kafka"]
     tmp = Path(tempfile.mkdtemp(prefix="bench-broker-"))
-    runs: dict[str, list[dict]] = {"memory": [], "durable": []}
-    starts: dict[str, list[float]] = {"memory": [], "durable": [], "durable restart": []}
-    store_s: list[float] = []
+    runs: dict[str, list[dict]] = {k: [] for k in labels}
     try:
-        for kind in ("memory", "durable", "durable", "memory"):
-            data = tmp / "data" if kind == "durable" else None
-            b = EmbeddedBroker(data_dir=data, log_file=str(tmp / "broker.log"))
+        for label in labels + labels[::-1]:  # each kind twice, in mirrored order: drift cancels out
+            b = _broker(label, tmp / label.replace(" ", "-"), str(tmp / "broker.log"))
             b.start()
-            restart = kind == "durable" and bool(runs["durable"])
-            starts["durable restart" if restart else kind].append(b.started_in_s)
-            if b.store is not None:
-                store_s.append(b.store.started_in_s)
             try:
-                runs[kind].append(_measure(b.bootstrap, args.records, args.sync_sends, args.value_bytes, kind))
+                r = _measure(b.bootstrap, args.records, args.sync_sends, args.value_bytes, label.replace(" ", "-"))
+                pids = [b.proc.pid] + ([b.store.proc.pid] if getattr(b, "store", None) is not None else [])
+                runs[label].append({**r, "start": b.started_in_s, "rss": _rss_mb(pids)})
             finally:
                 b.stop()
-        durable_dir_mb = sum(f.stat().st_size for f in (tmp / "data").rglob("*") if f.is_file()) / 1e6
+        disk = {k: sum(f.stat().st_size for f in (tmp / k.replace(" ", "-")).rglob("*") if f.is_file()) / 1e6
+                for k in labels}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _report(args, labels, runs, disk)
+    return 0
 
-    def mean(kind: str, key: str) -> float:
-        xs = [r[key] for r in runs[kind]]
-        return sum(xs) / len(xs)
+
+def _report(args, labels: list[str], runs: dict[str, list[dict]], disk: dict[str, float]) -> None:
+    def mean(label: str, key: str) -> float:
+        return sum(r[key] for r in runs[label]) / len(runs[label])
 
     print(f"{os.cpu_count()} cores; {args.records} records of {args.value_bytes} B, {args.sync_sends} synchronous "
-          f"sends; each kind measured twice (memory, durable, durable, memory)\n")
-    print(f"{'':24} {'memory':>10} {'durable':>10} {'durable/memory':>15}")
-    rows = [("produce (records/s)", "produce", "{:10.0f}"), ("consume (records/s)", "consume", "{:10.0f}"),
-            ("acks=all send p50 (ms)", "p50", "{:10.2f}"), ("acks=all send p99 (ms)", "p99", "{:10.2f}")]
-    for label, key, fmt in rows:
-        m, d = mean("memory", key), mean("durable", key)
-        print(f"{label:24} {fmt.format(m)} {fmt.format(d)} {d / m:15.2f}")
-    ms, ds = sum(starts["memory"]) / 2, starts["durable"][0]
-    print(f"{'start (s)':24} {ms:10.2f} {ds:10.2f} {ds / ms:15.1f}")
-    print(f"{'restart, same data (s)':24} {'':>10} {starts['durable restart'][0]:10.2f}")
-    print(f"\ndurable start: object store {store_s[0]:.1f} s + Tansu {ds - store_s[0]:.1f} s; "
-          f"restart: object store {store_s[1]:.1f} s; data dir after both runs: {durable_dir_mb:.0f} MB")
-    lost = [r for r in runs["durable"] + runs["memory"] if r["read"] < r["total"]]
-    print(f"read back: {'every record' if not lost else f'MISSING records in {len(lost)} run(s)'}")
-    return 0
+          f"sends; each broker measured twice, in mirrored order\n")
+    print(f"{'':26}" + "".join(f"{k:>15}" for k in labels))
+    rows = [("produce (records/s)", "produce", "{:15.0f}"), ("consume (records/s)", "consume", "{:15.0f}"),
+            ("acks=all send p50 (ms)", "p50", "{:15.2f}"), ("acks=all send p99 (ms)", "p99", "{:15.2f}"),
+            ("memory after run (MB RSS)", "rss", "{:15.0f}")]
+    for name, key, fmt in rows:
+        print(f"{name:26}" + "".join(fmt.format(mean(k, key)) for k in labels))
+    print(f"{'start (s)':26}" + "".join(f"{runs[k][0]['start']:15.2f}" for k in labels))
+    print(f"{'restart, same data (s)':26}" + "".join(
+        f"{runs[k][1]['start']:15.2f}" if KINDS[k][1] else f"{'(empty)':>15}" for k in labels))
+    print(f"{'data after both runs (MB)':26}" + "".join(f"{disk[k]:15.0f}" for k in labels))
+    lost = [k for k in labels for r in runs[k] if r["read"] < r["total"]]
+    print(f"read back: {'every record' if not lost else 'MISSING records: ' + ', '.join(lost)}")
 
 
 if __name__ == "__main__":

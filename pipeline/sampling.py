@@ -24,8 +24,8 @@ penalty, min_tokens,        turn's ``logprob_processors``; the teacher refuses s
 response_format (json),     (no OPD term; counted)
 regex / ebnf / json_schema,
 tool_choice "required" or
-a named function (SGLang
-constrains decoding)
+a named function (both
+engines constrain decoding)
 ==========================  ===========================================================
 """
 
@@ -36,6 +36,9 @@ from typing import Any
 
 #: temperatures below this are greedy (SGLang's rule)
 GREEDY_EPS = 1e-6
+#: sampling keys a chat request takes from the model's generation_config.json when it has none
+#: (SGLang's and our engine's chat path: request value, then generation_config, then the default)
+CHAT_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def effective_temperature(temperature: Any, default: float = 1.0) -> float:
@@ -53,6 +56,17 @@ def effective_temperature(temperature: Any, default: float = 1.0) -> float:
     if not math.isfinite(t) or t < 0:
         raise ValueError(f"temperature must be non-negative and finite, got {temperature!r}")
     return 1.0 if t < GREEDY_EPS else t
+
+
+def with_generation_defaults(params: dict, defaults: dict | None) -> dict:
+    """``params`` (chat or ``sampling_params`` names) with every :data:`CHAT_DEFAULTED` key that is
+    absent or None taken from ``defaults`` (the served model's generation_config values; ``top_k``
+    as an int): the parameters a chat path really samples with. Returns a new dict."""
+    out = dict(params)
+    for key in CHAT_DEFAULTED:
+        if out.get(key) is None and (defaults or {}).get(key) is not None:
+            out[key] = int(defaults[key]) if key == "top_k" else defaults[key]
+    return out
 
 
 def _num(v: Any, neutral: float) -> float:
@@ -81,7 +95,7 @@ def logprob_processors(params: dict) -> list[str]:
     rf = params.get("response_format")
     if isinstance(rf, dict) and rf.get("type", "text") != "text":
         out.add("constrained_decoding")
-    if any(params.get(k) for k in ("json_schema", "regex", "ebnf", "structural_tag")):
+    if any(params.get(k) for k in ("json_schema", "regex", "ebnf", "structural_tag", "constrained_decoding")):
         out.add("constrained_decoding")
     tc = params.get("tool_choice")
     if tc == "required" or isinstance(tc, dict):

@@ -14,8 +14,13 @@ assigned, never joined: one syncer per engine) and, for each ``weights`` event o
    folder, a checksum mismatch, a 4xx (the engine refused these weights);
 3. publishes ``applied`` (engine_id, policy_version) or ``failed`` (with the last error).
 
-If the engine already reports that version (``/model_info`` ``weight_version``), nothing is
-reloaded and ``applied`` is published again (idempotent after a syncer restart). When several
+A version is its content: "already serving" (nothing reloaded, ``applied`` published again)
+needs both the engine reporting that version (``/model_info`` ``weight_version``) and this
+syncer having loaded that very sha256 into it (:attr:`Syncer.loaded`). The engine reports a
+number only, so a ``weights`` event with that number but another sha256 (a re-export, a
+same-path folder with new content), and any version after a syncer restart (what the engine
+holds is then unknown), are applied again, or refused loudly (``failed``: the folder does
+not match its sha256), never reported as served. When several
 ``weights`` events are waiting (catching up after downtime) only the newest is applied, and a
 version older than one already applied is never applied again. The offset is committed after
 the answer is published. Records that are not valid ``control``
@@ -115,6 +120,9 @@ class Syncer:
         self.target: events.Control | None = None  # the last published weights (None: nothing published)
         self.served: str | None = None  # the engine's weight_version at the last check (None: unknown)
         self.confirmed: str | None = None  # the last version seen in sync (published and served)
+        #: (weight_version, sha256) this process loaded into the engine and the engine then reported;
+        #: None: what the engine holds is unknown (nothing loaded by this process yet, or it restarted)
+        self.loaded: tuple[str, str] | None = None
         self.reconciles = 0  # re-applies after finding the engine on another version
         self._failures = 0  # consecutive failed re-applies (back-off: check_interval_s * 2**n, <= 300 s)
         self._retry_at = 0.0
@@ -148,14 +156,31 @@ class Syncer:
             self._loop.close()
         self._loop = self._engine = None
 
-    async def _apply_async(self, eng, location: str, version: int) -> str:
+    def knows_content(self, served: str | None, target: events.Control | None) -> bool:
+        """The engine, reporting ``served``, holds ``target``'s weights by content: this syncer
+        loaded that sha256 as that version (``target`` None: the base model, version "0")."""
+        if target is None:
+            return served == "0"
+        return served == str(target.policy_version) and self.loaded == (served, target.sha256)
+
+    async def _apply_async(self, eng, location: str, version: int, sha256: str) -> str:
+        want = (str(version), sha256)
         try:
-            if await eng.weight_version() == str(version):
-                return "already serving"
+            served = await eng.weight_version()
+            if served == want[0] and self.loaded == want:
+                return f"already serving (sha256 {sha256[:12]})"
+            if served == want[0]:
+                log.warning("%s: the engine reports v%d but its content is not known to be sha256 %s (%s): "
+                            "reloading", self.engine_id, version, sha256[:12],
+                            "this syncer loaded nothing yet" if self.loaded is None else
+                            f"this syncer loaded sha256 {self.loaded[1][:12]} as v{self.loaded[0]}")
         except Exception:  # noqa: BLE001 - fall through to the update, which reports properly
             pass
-        out = await eng.update_weights_from_disk(location, weight_version=str(version),
+        self.loaded = None  # until the engine confirms the new weights
+        out = await eng.update_weights_from_disk(location, weight_version=want[0],
                                                  timeout_s=self.cfg.apply_timeout_s)
+        if str(await eng.weight_version()) == want[0]:
+            self.loaded = want
         return str(out.get("message", "ok"))
 
     def apply(self, ev: events.Control) -> tuple[bool, str]:
@@ -185,7 +210,8 @@ class Syncer:
                         raise FileNotFoundError(f"weights folder {ev.location} not found")
                     verify_folder(ev.location, ev.sha256)
                     try:
-                        msg = self._engine_call(lambda eng: self._apply_async(eng, ev.location, ev.policy_version))
+                        msg = self._engine_call(lambda eng: self._apply_async(eng, ev.location, ev.policy_version,
+                                                                              ev.sha256))
                     except EngineError as e:
                         if not e.retryable:
                             raise
@@ -240,7 +266,7 @@ class Syncer:
         prom.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(published)
         prom.SYNCER_BEHIND.labels(self.engine_id).set(published - served)  # NaN when either is unknown
         prom.SYNCER_RECONCILES.labels(self.engine_id)  # exported at 0 before the first reconcile
-        if self.served is not None and self.served == str(self.target.policy_version if self.target is not None else 0):
+        if self.served is not None and self.knows_content(self.served, self.target):
             self.confirmed = self.served
             self.in_sync.set()
         else:
@@ -264,11 +290,13 @@ class Syncer:
         self.served = self.served_version()
         target = self.target
         want = str(target.policy_version) if target is not None else "0"
-        if self.served is None or self.served == want:
-            if self.served == want:
+        if self.served is not None and self.loaded is not None and self.served != self.loaded[0]:
+            self.loaded = None  # the engine changed under us (a restart): its content is unknown again
+        if self.served is None or self.knows_content(self.served, target):
+            if self.served is not None:
                 self._failures, self._retry_at, self._reported = 0, 0.0, None
             self._observe()
-            return self.served == want
+            return self.served is not None
         if target is None:
             if self._reported != (self.served, None):
                 log.error("%s serves weight version %r, but run %s published no weights: a version the "
@@ -282,8 +310,10 @@ class Syncer:
             return False
         from pipeline.trainer import prom
 
-        log.warning("%s serves weight version %r, the trainer's last published version is v%d: re-applying %s",
-                    self.engine_id, self.served, target.policy_version, target.location)
+        log.warning("%s serves weight version %r%s, the trainer's last published version is v%d (sha256 %s): "
+                    "re-applying %s", self.engine_id, self.served,
+                    " of unknown content" if self.served == want else "", target.policy_version,
+                    target.sha256[:12], target.location)
         self.reconciles += 1
         prom.SYNCER_RECONCILES.labels(self.engine_id).inc()
         ok, msg = self.apply(target)

@@ -48,6 +48,12 @@ class TokenBytes:
         self.vocab_size = int(self._ll.vocab_size)
         self._of = functools.lru_cache(maxsize=1 << 17)(self._lookup)
 
+    @property
+    def ll(self) -> Any:
+        """The tokenizer as an ``llguidance.LLTokenizer`` (EOS: the tokenizer's own), which the CPU
+        engine's constrained decoding also uses (:mod:`pipeline.engine.grammar`)."""
+        return self._ll
+
     def _lookup(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
             raise KeyError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")

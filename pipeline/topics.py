@@ -91,19 +91,15 @@ class ApplyReport:
 
 
 def _admin(config: Config):
-    from kafka import KafkaAdminClient
+    from pipeline.bus.admin import admin_client
 
-    from pipeline.bus.settings import admin_kwargs
-
-    return KafkaAdminClient(**admin_kwargs(config))
+    return admin_client(config)
 
 
 def _partition_counts(admin, names: list[str]) -> dict[str, int]:
-    counts = {}
-    for t in admin.describe_topics(names):
-        if not t.get("error_code"):
-            counts[t.get("name") or t.get("topic")] = len(t.get("partitions") or [])
-    return counts
+    from pipeline.bus.admin import partition_counts
+
+    return partition_counts(admin, names)
 
 
 def apply_topics(config: Config, specs: list[TopicSpec], replication_factor: int | None = None) -> ApplyReport:
@@ -112,8 +108,7 @@ def apply_topics(config: Config, specs: list[TopicSpec], replication_factor: int
     Existing topics are never altered: a differing partition count or config is reported as
     drift. Raises :class:`TopicsError` when the broker refuses a creation.
     """
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
+    from pipeline.bus.admin import create_topics
 
     report = ApplyReport()
     admin = _admin(config)
@@ -121,12 +116,10 @@ def apply_topics(config: Config, specs: list[TopicSpec], replication_factor: int
         existing = set(admin.list_topics())
         missing = [s for s in specs if config.topics.name(s.name) not in existing]
         if missing:
-            new = [NewTopic(config.topics.name(s.name), s.partitions, replication_factor or s.replication_factor,
-                            topic_configs=s.config) for s in missing]
+            new = [(config.topics.name(s.name), s.partitions, replication_factor or s.replication_factor, s.config)
+                   for s in missing]
             try:
-                admin.create_topics(new, timeout_ms=30_000)
-            except TopicAlreadyExistsError:
-                pass  # raced with another applier
+                create_topics(admin, new)
             except Exception as e:
                 raise TopicsError(f"broker refused to create topics: {e}") from e
             report.created = [config.topics.name(s.name) for s in missing]
@@ -147,31 +140,99 @@ def apply_topics(config: Config, specs: list[TopicSpec], replication_factor: int
 
 
 def _config_drift(admin, config: Config, specs: list[TopicSpec], report: ApplyReport) -> None:
-    from kafka.admin import ConfigResource, ConfigResourceType
+    from pipeline.bus.admin import topic_configs
 
-    try:
-        res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, config.topics.name(s.name))
-                                      for s in specs])
-    except Exception as e:  # Tansu does not implement DescribeConfigs (docs/environment.md §6)
-        report.notes.append(f"config drift not checked: the broker does not answer DescribeConfigs ({type(e).__name__})")
+    configs = topic_configs(admin, [config.topics.name(s.name) for s in specs])
+    if configs is None:  # Tansu does not implement DescribeConfigs (docs/environment.md §6)
+        report.notes.append("config drift not checked: the broker does not answer DescribeConfigs")
         return
+    for s in specs:
+        r = configs.get(config.topics.name(s.name), {})
+        for k, want in s.config.items():
+            have = r.get(k)
+            if have is not None and str(have) != want:
+                report.drift.append(f"{config.topics.name(s.name)}: {k}={have} on the broker, {want} in topics.yaml")
+
+
+#: the logical topics each stage command reads or writes (DLQs included); observers (dashboard,
+#: tail) write nothing and are not listed. Checked by :func:`ensure_topics` before the stage runs.
+STAGE_TOPICS: dict[str, tuple[str, ...]] = {
+    "proxy": ("turns", "control", "control.dlq"),
+    "judge": ("turns", "samples", "turns.dlq"),
+    "trainer": ("samples", "control", "metrics", "samples.dlq", "control.dlq"),
+    "syncer": ("control", "control.dlq"),
+    "archive": ("turns", "turns.dlq"),
+    "replay": ("turns",),
+    "import": ("turns",),
+}
+#: topics whose contract fixes the partition count whatever topics.yaml says (total order)
+SINGLE_PARTITION = ("control",)
+
+
+def _apply_command(config: Config) -> str:
+    cmd = "pipeline topics apply"
+    if config.topics.prefix:
+        cmd += f" --set topics.prefix={config.topics.prefix}"
+    return cmd + f" --bootstrap {config.kafka.bootstrap_servers}"
+
+
+def _shape_problems(config: Config, specs: list[TopicSpec], states: dict) -> list[str]:
+    problems = []
+    for s in specs:
+        phys = config.topics.name(s.name)
+        if s.name in SINGLE_PARTITION and s.partitions != 1:
+            problems.append(f"topics.yaml declares {s.partitions} partitions for {s.name!r}; it needs exactly one "
+                            "(one total order of weight-sync epochs)")
+        st = states.get(phys)
+        if st is None:
+            continue
+        if st.partitions != s.partitions:
+            problems.append(f"topic {phys!r} has {st.partitions} partitions on the broker, topics.yaml declares "
+                            f"{s.partitions}")
+        want = s.config.get("cleanup.policy")
+        if want and st.cleanup_policy is not None and st.cleanup_policy != want:
+            problems.append(f"topic {phys!r} has cleanup.policy={st.cleanup_policy} on the broker, topics.yaml "
+                            f"declares {want}")
+    return problems
+
+
+def ensure_topics(config: Config, logical: tuple[str, ...] | list[str]) -> list[str]:
+    """Check that the topics ``logical`` exist on the broker with the shape topics.yaml declares
+    (partition count, ``cleanup.policy`` where the broker answers DescribeConfigs, ``control``
+    exactly one partition); create the missing ones from topics.yaml when
+    ``topics.create_missing`` allows. Topics never come from a broker's auto-creation.
+
+    Returns the physical names created. Raises :class:`TopicsError` with the fix (a topic of
+    the wrong shape: recreate it or change topics.yaml; missing topics and creation not
+    allowed or refused: the ``pipeline topics apply`` command to run).
+    """
+    from pipeline.bus.admin import describe_topics
+
+    declared = {s.name: s for s in load_topics(config.topics.file)}
+    unknown = [n for n in logical if n not in declared]
+    if unknown:
+        raise TopicsError(f"{config.topics.file} declares no topic {', '.join(unknown)}")
+    specs = [declared[n] for n in logical]
+    states = describe_topics(config, [config.topics.name(s.name) for s in specs])
+    problems = _shape_problems(config, specs, states)
+    if problems:
+        raise TopicsError("; ".join(problems) + ". Refusing to start: a topic of another shape breaks the contract "
+                          "(docs/consuming.md). Delete and recreate it with '" + _apply_command(config)
+                          + "', or use another topics.prefix")
+    missing = [s for s in specs if config.topics.name(s.name) not in states]
+    if not missing:
+        return []
+    names = ", ".join(config.topics.name(s.name) for s in missing)
+    if not config.topics.create_missing:
+        raise TopicsError(f"missing topics {names} (topics.create_missing is off). Refusing to start: create them "
+                          f"with '{_apply_command(config)}'")
     try:
-        for s, r in zip(specs, _describe_results(res)):
-            for k, want in s.config.items():
-                have = r.get(k)
-                if have is not None and str(have) != want:
-                    report.drift.append(f"{config.topics.name(s.name)}: {k}={have} on the broker, {want} in topics.yaml")
-    except Exception as e:
-        report.notes.append(f"config drift not checked: unexpected DescribeConfigs answer ({e})")
-
-
-def _describe_results(res) -> list[dict[str, str]]:
-    out = []
-    for resp in res if isinstance(res, list) else [res]:
-        for r in getattr(resp, "resources", []):
-            entries = r[4] if isinstance(r, tuple) else r.configs
-            out.append({e[0]: e[1] for e in entries})
-    return out
+        created = apply_topics(config, missing).created
+    except TopicsError as e:
+        raise TopicsError(f"missing topics {names} and {e}. Refusing to start: create them with "
+                          f"'{_apply_command(config)}'") from e
+    log.info("created missing topics from %s: %s", config.topics.file, ", ".join(created))
+    return created
 
 
 def render(specs: list[TopicSpec], fmt: str, prefix: str = "", cluster: str = "pipeline",

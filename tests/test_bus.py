@@ -30,7 +30,7 @@ def _all_event_kinds():
         events.SessionEnd(session_id="s1"),
         events.Sample(sample_id="s1:0:rl", session_id="s1", turn_index=0, tokens=[1, 2, 3, 4, 5], response_length=2,
                       rollout_log_probs=[-0.25, -1.5], reward=1.0),
-        events.Control(action="weights", epoch=1, policy_version=1, location="/w/1", sha256="ab"),
+        events.Control(action="weights", epoch=1, policy_version=1, location="/w/1", sha256="ab" * 32),
         events.DeadLetter(source_topic="turns", partition=0, offset=3, error="x", raw=b"\x00"),
     ]
 

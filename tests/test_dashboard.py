@@ -32,7 +32,7 @@ def _fill(config) -> dict:
     publish(config, turns, "turns")
     publish(config, samples + [samples[0]], "samples")  # one duplicate delivery
     publish(config, [events.Control(action=a, epoch=1, policy_version=1, created_at=events.now_ms() + i,
-                                               **({"location": "/w/v1", "sha256": "ab"} if a == "weights" else {}),
+                                               **({"location": "/w/v1", "sha256": "ab" * 32} if a == "weights" else {}),
                                                **({"engine_id": "engine-0"} if a == "applied" else {}))
                                 for i, a in enumerate(["pause", "weights", "applied", "resume"])], "control")
     publish(config, [
@@ -367,3 +367,94 @@ def test_dashboard_process_serves_and_stops_with_a_live_stream_open(kafka_config
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stage_that_takes_the_connection_but_does_not_answer_is_busy_not_down():
+    # a trainer in a step holds the GIL: its metrics server accepts and answers late; a stage
+    # whose port refuses the connection is down
+    import socket
+
+    import httpx
+
+    from pipeline.dashboard.sources import Scraper
+    from pipeline.procutil import free_port
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(8)  # accepts (the kernel's backlog), never answers
+    urls = {"trainer": f"http://127.0.0.1:{busy.getsockname()[1]}/metrics",
+            "judge": f"http://127.0.0.1:{free_port()}/metrics"}
+    from conftest import make_config
+
+    config = make_config("127.0.0.1:9", "t-").replace(dashboard={"metrics_urls": urls})
+    scraper = Scraper(config)
+    scraper.stages = {"trainer": {"values": {"pipeline_trainer_steps_total": 3.0}}}
+    try:
+        with httpx.Client(timeout=0.5) as client:
+            scraper.scrape_once(client)
+    finally:
+        busy.close()
+    stages = scraper.snapshot()["stages"]
+    assert stages["trainer"]["up"] and stages["trainer"]["busy"], stages
+    assert scraper.stages["trainer"]["values"] == {"pipeline_trainer_steps_total": 3.0}  # last values kept
+    assert not stages["judge"]["up"] and not stages["judge"].get("busy")
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_served_from_its_durable_broker_log(tmp_path):
+    # `pipeline dashboard --run-dir DIR` after the stack stopped: the run's broker restarts from
+    # DIR/broker and the dashboard shows what the run recorded (the demo's last evaluation too)
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import make_config
+    from pipeline.broker import kafka_answers
+    from pipeline.orchestrate.supervisor import Supervisor
+    from pipeline.orchestrate.up import broker_stage_args, write_config_file
+    from pipeline.topics import apply_topics, load_topics
+
+    run_dir = tmp_path / "run"
+    sup = Supervisor(run_dir / "logs")
+    bargs, port = broker_stage_args(run_dir)
+    bootstrap = f"127.0.0.1:{port}"
+    sup.start("broker", bargs, ready=lambda: kafka_answers(bootstrap), timeout_s=180)
+    try:
+        config = make_config(bootstrap, "fin-")
+        apply_topics(config, load_topics(config.topics.file))
+        turn_events, samples = marked_conversation("fin-s1", turns=2)
+        publish(config, turn_events, "turns")
+        publish(config, samples, "samples")
+        write_config_file(config, run_dir / "config.yaml")
+    finally:
+        sup.stop_all()
+    assert not kafka_answers(bootstrap)
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "dashboard", "--run-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "holds no run" in bad.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "dashboard", "--run-dir", str(run_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("dashboard: http://")):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"dashboard exited: {lines}"
+        assert any("restarted from" in line for line in lines)
+        url = lines[-1].split()[1].rstrip("/")
+        want = sum(1 for e in turn_events if isinstance(e, events.Turn))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                o = httpx.get(f"{url}/api/overview", timeout=5).json()
+                if o["traffic"]["main_turns"] == want and o["samples"]["total"] == len(samples):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the finished run's records never showed"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    assert not kafka_answers(bootstrap), "the broker it started stops with it"

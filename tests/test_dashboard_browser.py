@@ -32,7 +32,7 @@ def decoded(records) -> list:
     return [r.event for r in records if isinstance(r, Record)]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=80)
 def test_dashboard_in_headless_chromium(tmp_path):
     if chromium_path() is None:
         pytest.skip("no chromium binary: deploy/install.sh installs Debian's chromium where apt-get is available")

@@ -198,3 +198,30 @@ def test_sglang_image_is_pinned_to_a_version_the_package_supports():
     for where, img in _images():
         if not img.startswith("openclaw-pipeline"):  # our own image is built from deploy/Dockerfile
             assert ":" in img and not img.endswith(":latest"), f"{where}: {img} is not pinned"
+
+
+def _sglang_env():
+    """``{(file, service): environment}`` of every SGLang engine in the compose file and the
+    Kubernetes manifests."""
+    out = {}
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    for name, svc in compose["services"].items():
+        if "sglang" in str(svc.get("image", "")):
+            out["compose", name] = {str(k): str(v) for k, v in (svc.get("environment") or {}).items()}
+    for doc in yaml.safe_load_all((DEPLOY / "k8s" / "engines.yaml").read_text()):
+        for c in ((doc or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []):
+            if "sglang" in c.get("image", ""):
+                out["k8s", doc["metadata"]["name"]] = {e["name"]: str(e.get("value")) for e in c.get("env") or []}
+    return out
+
+
+def test_every_sglang_engine_reports_temperature_scaled_log_probs():
+    """Issue 24 case 1: the teacher (and the policy, whose log-probs are recorded) must be started
+    with SGLANG_TEMP_SCALED_LOGPROBS=1, or prompt log-probs ignore the requested temperature."""
+    envs = _sglang_env()
+    assert {("compose", "sglang-judge"), ("compose", "sglang-policy"), ("k8s", "sglang-judge"),
+            ("k8s", "sglang-policy")} <= set(envs)
+    for where, env in envs.items():
+        assert env.get("SGLANG_TEMP_SCALED_LOGPROBS") == "1", where
+    config = load_config(DEPLOY / "config" / "production.yaml")
+    assert config.engine.teacher_url and config.engine.teacher_url != config.engine.url  # a frozen, named teacher

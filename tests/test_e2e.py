@@ -57,7 +57,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=80)
 def test_whole_loop_tiny_model(tmp_path):
     run_dir = tmp_path / "run"
     config = load_config(None, engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8},

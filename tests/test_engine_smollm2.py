@@ -67,3 +67,37 @@ def test_chat_answers_sensibly(url):
     ch = out["choices"][0]
     assert "Paris" in ch["message"]["content"]
     assert ch["finish_reason"] in ("stop", "length") and out["metadata"]["weight_version"] == "0"
+
+
+def test_required_tool_call_is_schema_valid(url):
+    """Done-criterion (issue 23): ``tool_choice: "required"`` returns a schema-valid tool call from
+    SmolLM2-135M on the CPU engine (constrained decoding), at the default temperature."""
+    import json
+
+    import jsonschema
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"},
+                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                               "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"timezone": {"type": "string"}},
+                                                              "required": ["timezone"]}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+
+    async def main():
+        async with EngineClient(url, 550) as c:  # ~40 tokens: minutes on a busy 2-core machine
+            return await c.chat({
+                "messages": [{"role": "user", "content": "What's the weather like in Paris right now?"}],
+                "tools": tools, "tool_choice": "required", "max_tokens": 80, "seed": 1})
+
+    for out in [asyncio.run(main())]:
+        ch = out["choices"][0]
+        assert ch["finish_reason"] == "tool_calls", ch
+        (call,) = ch["message"]["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        jsonschema.validate(args, schemas[call["function"]["name"]])
+        assert out["metadata"]["sampling_params"]["tool_choice"] == "required"
+        print("smollm2 tool call:", call["function"]["name"], args)

@@ -31,7 +31,8 @@ def test_params_defaults_and_greedy_rewrite():
     {"temperature": -1}, {"temperature": "hot"}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": 0}, {"min_p": 2},
     {"max_new_tokens": -1}, {"max_new_tokens": 1.5}, {"n": 0}, {"stop": 5}, {"stop": [""]},
     {"stop_token_ids": [V]}, {"frequency_penalty": 3}, {"repetition_penalty": 0}, {"bogus": 1},
-    {"json_schema": "{}"}, {"logit_bias": {"x": 1}}, {"logit_bias": {str(V + 1): 1}}, {"ignore_eos": "yes"},
+    {"json_schema": "{nope"}, {"json_schema": "[1]"}, {"ebnf": 'root ::= "a"'},
+    {"json_schema": "{}", "min_new_tokens": 1}, {"logit_bias": {"x": 1}}, {"logit_bias": {str(V + 1): 1}}, {"ignore_eos": "yes"},
     {"min_new_tokens": 5, "max_new_tokens": 2}, {"temperature": True},
 ])
 def test_params_reject(bad):

@@ -9,7 +9,7 @@ import torch
 
 from pipeline.client import EngineClient, EngineError
 from pipeline.models import resolve_model
-from tests.support.engine import running_engine
+from tests.support.engine import perturbed_copy, running_engine
 
 SEQ = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 330, 1024, 77, 5]
 
@@ -17,18 +17,7 @@ SEQ = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 330, 1024, 77, 5]
 @pytest.fixture(scope="module")
 def perturbed_dir(tmp_path_factory):
     """tiny-random with every weight shifted by seeded noise (same architecture and tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = resolve_model("tiny-random")
-    out = tmp_path_factory.mktemp("perturbed")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    g = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    return out
+    return perturbed_copy(tmp_path_factory.mktemp("perturbed"), seed=123)
 
 
 @pytest.fixture(scope="module")

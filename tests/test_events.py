@@ -14,8 +14,10 @@ from pipeline.events import (Control, DeadLetter, Evaluation, MalformedEvent, Ne
                              TrainStep, Turn, UnknownEventType, UnsupportedVersion, decode, encode)
 
 f32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
-i32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+logprob = st.floats(-1e4, 0.0, width=32)  # the log-prob domain
+i32 = st.integers(min_value=0, max_value=2**31 - 1)  # token ids
 text = st.text(max_size=30)
+ident = st.text(min_size=1, max_size=30)  # ids are non-empty
 msgs = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "tool", "assistant"]),
                                        "content": text}), max_size=4)
 
@@ -25,13 +27,13 @@ def turns(draw):
     n = draw(st.integers(0, 40))
     source = draw(st.sampled_from(["proxy", "import", "replay"]))
     main = draw(st.booleans())
-    return Turn(session_id=draw(text), turn_type="main" if main else "side",
+    return Turn(session_id=draw(ident), turn_type="main" if main else "side",
                 turn_index=draw(st.integers(0, 10**6)) if main else draw(st.none() | st.integers(0, 9)),
-                request_id=draw(text), created_at=draw(st.integers(0, 2**62)), policy_version=draw(st.integers(0, 10**6)),
+                request_id=draw(text), created_at=draw(st.integers(0, 2**53 - 1)), policy_version=draw(st.integers(0, 10**6)),
                 model=draw(text), messages=draw(msgs), tools=draw(st.none() | st.just([{"type": "function"}])),
                 sampling={"temperature": draw(f32)}, prompt_token_ids=draw(st.lists(i32, max_size=50)),
                 response_token_ids=draw(st.lists(i32, min_size=n, max_size=n)),
-                response_logprobs=draw(st.lists(f32, min_size=n, max_size=n)),
+                response_logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
                 response={"content": draw(text)}, finish_reason=draw(st.none() | st.just("stop")), source=source)
 
 
@@ -42,31 +44,31 @@ def samples(draw):
     has_reward, has_teacher, has_rollout = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     kind = events.sample_kind(has_reward, has_teacher) or draw(st.sampled_from(events.SAMPLE_KINDS))
     k = draw(st.integers(0, 3))
-    teacher = draw(st.lists(f32, min_size=r, max_size=r)) if has_teacher else None
-    return Sample(sample_id=draw(text), session_id=draw(text), turn_index=draw(st.integers(0, 1000)),
+    teacher = draw(st.lists(logprob, min_size=r, max_size=r)) if has_teacher else None
+    return Sample(sample_id=draw(ident), session_id=draw(ident), turn_index=draw(st.integers(0, 1000)),
                   policy_version=draw(st.integers(0, 100)), kind=kind, tokens=draw(st.lists(i32, min_size=p + r, max_size=p + r)),
                   response_length=r,
-                  rollout_log_probs=draw(st.lists(f32, min_size=r, max_size=r)) if has_rollout else None,
+                  rollout_log_probs=draw(st.lists(logprob, min_size=r, max_size=r)) if has_rollout else None,
                   rollout_temperature=draw(st.floats(1e-6, 100.0)),
                   reward=draw(st.sampled_from([-1.0, 0.0, 1.0, 0.5])) if has_reward else None,
                   loss_mask=draw(st.sampled_from([0, 1])) if (has_reward or has_teacher) else 0,
                   teacher_log_probs=teacher, teacher_top_k=k if teacher else 0,
                   teacher_topk_ids=draw(st.lists(i32, min_size=k * r, max_size=k * r)) if teacher else [],
-                  teacher_topk_log_probs=draw(st.lists(f32, min_size=k * r, max_size=k * r)) if teacher else [],
+                  teacher_topk_log_probs=draw(st.lists(logprob, min_size=k * r, max_size=k * r)) if teacher else [],
                   votes=draw(st.lists(st.sampled_from([1, 0, -1, None]), max_size=5)), hint=draw(st.none() | text))
 
 
 controls = st.builds(Control, action=st.sampled_from(["pause", "resume"]), epoch=st.integers(0, 10**6),
-                     policy_version=st.integers(0, 10**6), run_id=text, message=text) | st.builds(
+                     policy_version=st.integers(0, 10**6), run_id=ident, message=text) | st.builds(
     Control, action=st.just("weights"), epoch=st.integers(0, 99), location=st.text(min_size=1),
-    sha256=st.text(min_size=1)) | st.builds(Control, action=st.sampled_from(["applied", "failed"]),
-                                            epoch=st.integers(0, 99), engine_id=st.text(min_size=1))
+    sha256=st.text("0123456789abcdef", min_size=64, max_size=64)) | st.builds(
+    Control, action=st.sampled_from(["applied", "failed"]), epoch=st.integers(0, 99), engine_id=ident)
 any_event = (turns() | samples() | controls
-             | st.builds(NextState, session_id=text, messages=msgs, after_turn_index=st.none() | st.integers(0, 99))
-             | st.builds(SessionEnd, session_id=text, reason=text)
+             | st.builds(NextState, session_id=ident, messages=msgs, after_turn_index=st.none() | st.integers(0, 99))
+             | st.builds(SessionEnd, session_id=ident, reason=ident)
              | st.builds(DeadLetter, source_topic=text, partition=st.integers(0, 99), offset=st.integers(0, 2**40),
                          error=text, key=st.none() | st.binary(max_size=8), raw=st.binary(max_size=64))
-             | st.builds(TrainStep, step=st.integers(1, 10**6), policy_version=st.integers(0, 10**6), run_id=text,
+             | st.builds(TrainStep, step=st.integers(1, 10**6), policy_version=st.integers(0, 10**6), run_id=ident,
                          skipped=st.booleans(), metrics=st.dictionaries(text, st.floats(allow_nan=False), max_size=5),
                          sample_ids=st.lists(text, max_size=5),
                          trained=st.dictionaries(text, st.floats(allow_nan=False), max_size=5))

@@ -136,7 +136,7 @@ def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
     rows = load_rows(FIXTURE)[::10]  # 4 rows: 3 scoring passes each on the CPU
     c = kafka_config
     with running_engine("smollm2-135m", threads=2) as url:
-        c = c.replace(engine={"url": url, "model": "smollm2-135m"},
+        c = c.replace(engine={"url": url, "teacher_url": url, "model": "smollm2-135m"},
                       judge={"url": url, "backend": "choice", "group_id": f"{c.topics.prefix}judge",
                              "vote_timeout_s": 120})
 

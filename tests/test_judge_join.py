@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline import events
 from pipeline.bus import Record
-from pipeline.judge.join import FLUSH, JUDGE, Joiner
+from pipeline.judge.join import FLUSH, JUDGE, RELEASE, Joiner
 
 TP = ("turns", 0)
 
@@ -52,12 +52,16 @@ def test_turn_waits_then_joins_with_user_and_tool_next_states():
     assert j.waiting == 1
     ack, jobs = j.on_record(s.rec(ns("a", 0)))
     assert ack and len(jobs) == 1 and jobs[0].kind == JUDGE and jobs[0].candidate
-    assert jobs[0].acks == [t0] and jobs[0].next_state[0]["role"] == "user"
+    assert jobs[0].acks == [] and jobs[0].next_state[0]["role"] == "user"
+    conv = jobs[0].conversation
     t1 = s.rec(turn("a", 1))
     assert j.on_record(t1)[0] is False
     ack, jobs = j.on_record(s.rec(ns("a", 1, role="tool", text="42 passed")))
-    assert jobs[0].kind == JUDGE and not jobs[0].candidate and jobs[0].next_state[0]["role"] == "tool"
-    assert j.waiting == 0 and not j.sessions  # nothing left to remember
+    assert jobs[0].kind == JUDGE and jobs[0].next_state[0]["role"] == "tool"
+    assert jobs[0].conversation is conv  # one conversation: the app decides the rule along it
+    assert j.waiting == 0 and jobs[0].acks == [t1]
+    _, jobs = j.on_record(s.rec(end("a")))  # the conversation ends: its anchor (turn 0) is released
+    assert [(x.kind, x.acks) for x in jobs] == [(RELEASE, [t0])]
 
 
 def test_side_turns_and_orphans_are_acknowledged_and_ignored():
@@ -71,7 +75,7 @@ def test_side_turns_and_orphans_are_acknowledged_and_ignored():
 
 
 def test_session_end_flushes_waiting_turn():
-    j, s = Joiner(300, at_least_one=True), Stream()
+    j, s = Joiner(300, at_least_one=False), Stream()
     j.on_record(s.rec(turn("a", 0)))
     j.on_record(s.rec(ns("a", 0)))
     t1 = s.rec(turn("a", 1))
@@ -81,25 +85,23 @@ def test_session_end_flushes_waiting_turn():
     assert not j.sessions and j.waiting == 0
 
 
-def test_at_least_one_is_turn_zero_and_nothing_is_held():
-    """The rule is decided from the turn record alone (turn 0): a turn 0 without a next state is
-    settled (and acknowledged) at once, and a later judged turn is not promoted."""
+def test_at_least_one_follows_the_conversation_not_turn_zero():
+    """Issue 24 case 8: a turn 0 without a next state is settled (and acknowledged) at once; the
+    judged turn 1 is a candidate of the same, untrained conversation (the app promotes it)."""
     j, s = Joiner(300, at_least_one=True), Stream()
     t0 = s.rec(turn("a", 0))
     j.on_record(t0)
     t1 = s.rec(turn("a", 1))  # turn 1 arrives without a next state for turn 0
     ack, jobs = j.on_record(t1)
-    assert not ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "no_next_state", [t0])]
+    assert not ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "no_next_state", [])]  # t0: the anchor
     ack, jobs = j.on_record(s.rec(ns("a", 1)))
-    assert not jobs[0].candidate and jobs[0].acks == [t1]
-    j2, s2 = Joiner(300, at_least_one=True), Stream()
-    j2.on_record(s2.rec(turn("b", 0)))
-    _, jobs = j2.on_record(s2.rec(ns("b", 0)))
-    assert jobs[0].candidate
+    assert jobs[0].candidate and jobs[0].acks == [t1] and not jobs[0].conversation.trained
+    _, jobs = Joiner(300, at_least_one=False).on_record(Stream().rec(turn("b", 0)))
+    assert jobs == []
 
 
 def test_empty_next_state_of_turn_zero_is_settled_at_once():
-    j, s = Joiner(300, at_least_one=True), Stream()
+    j, s = Joiner(300, at_least_one=False), Stream()
     t0 = s.rec(turn("a", 0))
     j.on_record(t0)
     ack, jobs = j.on_record(s.rec(ns("a", 0, text=None)))  # empty next state: flushed
@@ -107,11 +109,12 @@ def test_empty_next_state_of_turn_zero_is_settled_at_once():
     assert j.on_record(s.rec(end("a"))) == (True, [])
 
 
-def test_session_first_met_mid_way_counts_as_trained():
+def test_session_first_met_mid_way_is_a_conversation_of_its_own():
+    """A session whose first record here is turn 3 (history in the first request) is untrained."""
     j, s = Joiner(300, at_least_one=True), Stream()
     j.on_record(s.rec(turn("a", 3)))
     _, jobs = j.on_record(s.rec(ns("a", 3)))
-    assert not jobs[0].candidate
+    assert jobs[0].candidate and not jobs[0].conversation.trained
 
 
 def test_opd_has_no_at_least_one_rule():
@@ -124,42 +127,57 @@ def test_opd_has_no_at_least_one_rule():
     assert not jobs[0].candidate
 
 
-def test_idle_end_is_proposed_then_acted_on_only_when_read_back():
+def test_idle_end_is_proposed_in_event_time_then_acted_on_only_when_read_back():
+    """Issue 23: the idle horizon is event time (the partition's newest record), never a clock."""
     clock = Clock()
-    j, s = Joiner(60, at_least_one=True, clock=clock), Stream()
+    j, s = Joiner(60, at_least_one=False, clock=clock), Stream()
     t0 = s.rec(turn("a", 0))
     j.on_record(t0)
-    now_ms = s.ts + 59_000
-    clock.t += 59
-    assert j.idle_sessions(now_ms) == []
-    clock.t += 2
-    assert j.idle_sessions(now_ms + 2_000, ready=lambda tp: False) == []  # partition not read to the end
-    assert j.idle_sessions(now_ms + 2_000) == [("a", TP, 0)]
-    assert j.idle_sessions(now_ms + 9_000) == []  # proposed once
-    assert j.waiting == 1 and "a" in j.sessions  # nothing decided on the clock
-    ack, jobs = j.on_record(s.rec(end("a", 0, "idle_timeout"), dt_ms=61_000))
+    clock.t += 10**6  # any time on this process's clock: nothing is idle without newer records
+    assert j.idle_sessions() == []
+    j.on_record(s.rec(turn("b", 0), dt_ms=59_000))  # another session, 59 s later (event time)
+    assert j.idle_sessions() == []
+    b1 = s.rec(turn("b", 1), dt_ms=2_000)  # 61 s after a's turn
+    j.on_record(b1)
+    assert j.idle_sessions(ready=lambda tp: False) == []  # partition not read to the end
+    assert j.idle_sessions() == [("a", TP, 0, b1.timestamp_ms)]  # the end's event time: the watermark
+    assert j.idle_sessions() == []  # proposed once
+    assert j.waiting == 2 and "a" in j.sessions  # nothing decided before the end is read back
+    ack, jobs = j.on_record(s.rec(end("a", 0, "idle_timeout")))
     assert ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "idle_timeout", [t0])]
-    assert not j.sessions
-    # a producer whose clock is behind (old record timestamps) cannot close a session just read
-    j2, s2 = Joiner(60, at_least_one=True, clock=Clock()), Stream()
-    j2.on_record(s2.rec(turn("b", 0)))
-    assert j2.idle_sessions(s2.ts + 10**9) == []
+    assert "a" not in j.sessions
+
+
+def test_reply_ten_minutes_later_is_judged():
+    """Issue 23: a reply 10 minutes (event time) after its turn, with the default horizon and other
+    traffic on the partition meanwhile, is joined and judged."""
+    from pipeline.config import load_config
+
+    j, s = Joiner(load_config(None).judge.idle_timeout_s, at_least_one=False), Stream()
+    t0 = s.rec(turn("a", 0))
+    j.on_record(t0)
+    for minute in range(1, 10):  # other sessions keep the partition busy
+        j.on_record(s.rec(turn(f"o{minute}", 0), dt_ms=60_000))
+        assert ("a", TP, 0) not in [x[:3] for x in j.idle_sessions()]
+    _, jobs = j.on_record(s.rec(ns("a", 0), dt_ms=60_000))
+    assert [(x.kind, x.acks) for x in jobs] == [(JUDGE, [t0])]
 
 
 def test_lagging_judge_still_joins_the_next_state_already_in_the_log():
-    """Case 7: the turn is read, the judge stalls 301 s, the next state (20 s after the turn) is
-    in the log: it is judged. A proposed idle end lands after it and is then ignored."""
-    clock = Clock()
-    j, s = Joiner(300, at_least_one=True, clock=clock), Stream()
+    """Case 7: the turn is read, a record 301 s later (another session) makes it idle, the next
+    state (20 s after the turn) is in the log after it: it is judged. The proposed idle end lands
+    after it and is then ignored."""
+    j, s = Joiner(300, at_least_one=True), Stream()
     t0 = s.rec(turn("a", 0))
     j.on_record(t0)
-    clock.t += 301  # stalled: slow judge model, backlog
-    proposals = j.idle_sessions(events.now_ms())  # the judge's clock says idle (its highwater is stale)
-    assert proposals == [("a", TP, 0)]
-    ack, jobs = j.on_record(s.rec(ns("a", 0), dt_ms=20_000))
-    assert [(x.kind, x.candidate, x.acks) for x in jobs] == [(JUDGE, True, [t0])]
-    ack, jobs = j.on_record(s.rec(end("a", 0, "idle_timeout"), dt_ms=281_000))  # the proposal, read back
-    assert ack and jobs == []
+    j.on_record(s.rec(turn("b", 0), dt_ms=301_000))
+    assert [x[:3] for x in j.idle_sessions()] == [("a", TP, 0)]
+    n = ns("a", 0)
+    n.created_at = t0.timestamp_ms + 20_000  # written late by a slow producer
+    ack, jobs = j.on_record(s.rec(n))
+    assert [(x.kind, x.candidate, x.acks) for x in jobs] == [(JUDGE, True, [])]  # t0 is its conversation's anchor
+    ack, jobs = j.on_record(s.rec(end("a", 0, "idle_timeout")))  # the proposal, read back
+    assert ack and [(x.kind, x.acks) for x in jobs] == [(RELEASE, [t0])]  # nothing flushed: the anchor released
 
 
 def test_idle_end_overtaken_by_a_newer_turn_is_ignored():
@@ -232,3 +250,76 @@ def test_revoked_partitions_forget_their_sessions():
     assert j.drop_partitions({("turns", 0)}) == 1
     assert set(j.sessions) == {"b"} and j.waiting == 1
     assert j.on_record(a0) == (False, [])  # re-delivered after the revocation: not a duplicate
+
+
+def test_new_conversation_with_a_reused_session_id_is_not_a_duplicate():
+    """Issue 24 case 4: the proxy evicted (or lost) the session; a new conversation arrives with
+    the same session id and indices from 0. Its turns are new requests: the old waiting turn is
+    superseded, the new turns are joined and judged, the rule starts afresh. Was: both new turns
+    dropped as "older than" the waiting turn 1."""
+    j, s = Joiner(300, at_least_one=True), Stream()
+    old0 = s.rec(turn("a", 0, rid="old-0"))
+    j.on_record(old0)
+    _, jobs = j.on_record(s.rec(ns("a", 0)))
+    old_conv = jobs[0].conversation
+    old_conv.trained = True  # as the app would mark it
+    old1 = s.rec(turn("a", 1, rid="old-1"))
+    j.on_record(old1)
+    new0 = s.rec(turn("a", 0, rid="new-0"))  # later in event time, index 0 again
+    ack, jobs = j.on_record(new0)
+    assert not ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "no_next_state", [old1]),
+                                                                  (RELEASE, "", [old0])]  # the old anchor
+    _, jobs = j.on_record(s.rec(ns("a", 0)))
+    assert [(x.kind, x.acks) for x in jobs] == [(JUDGE, [])]  # new0: the new conversation's anchor
+    assert jobs[0].conversation is not old_conv and not jobs[0].conversation.trained
+    new1 = s.rec(turn("a", 1, rid="new-1"))
+    assert j.on_record(new1) == (False, [])
+    _, jobs = j.on_record(s.rec(ns("a", 1)))
+    assert [(x.kind, x.acks) for x in jobs] == [(JUDGE, [new1])]
+    assert j.duplicates == 0 and j.stale == 0 and j.conversations == 1
+
+
+def test_late_turn_is_settled_without_a_judgement_not_dropped():
+    """A turn record older (event time) than the session's latest turn, with a lower index (it
+    arrived late from another proxy), is settled at once (out_of_order) and the waiting turn keeps
+    waiting; the same request again is a duplicate."""
+    j, s = Joiner(300, at_least_one=False), Stream()
+    t1 = turn("a", 1, rid="r1")
+    t1.created_at = 5_000
+    w = s.rec(t1)
+    j.on_record(w)
+    late = turn("a", 0, rid="r0")
+    late.created_at = 4_000
+    rl = s.rec(late)
+    ack, jobs = j.on_record(rl)
+    assert not ack and [(x.kind, x.reason, x.acks) for x in jobs] == [(FLUSH, "out_of_order", [rl])]
+    assert j.waiting == 1 and j.stale == 1
+    _, jobs = j.on_record(s.rec(ns("a", 1)))
+    assert [(x.kind, x.acks) for x in jobs] == [(JUDGE, [w])]
+    assert j.on_record(s.rec(late)) == (True, []) and j.duplicates == 1
+
+
+def test_new_conversation_at_the_index_of_a_settled_one_turn_conversation_is_new():
+    """The proxy dropped session ``a`` after its one-turn conversation was judged (turn 0 +
+    next state); a new conversation under ``a`` starts at index 0 again. Its turn 0 is a new
+    conversation (the rule starts afresh, the old anchor is released), not the old one's: was
+    the same conversation, already trained, so its first judged turn was no longer promoted."""
+    j, s = Joiner(300, at_least_one=True), Stream()
+    j.on_record(s.rec(turn("a", 0, rid="old-0")))
+    _, jobs = j.on_record(s.rec(ns("a", 0)))
+    old = jobs[0].conversation
+    old.trained = True  # the app trained the old conversation's turn
+    _, jobs = j.on_record(s.rec(turn("a", 0, rid="new-0"), dt_ms=60_000))
+    assert [x.kind for x in jobs] == [RELEASE] and j.conversations == 1
+    _, jobs = j.on_record(s.rec(ns("a", 0)))
+    assert jobs[0].turn.request_id == "new-0" and jobs[0].conversation is not old
+    assert jobs[0].candidate and not jobs[0].conversation.trained
+
+
+def test_a_turn_asked_again_while_it_waits_stays_in_its_conversation():
+    """The same index while that turn still waits is the turn asked again (a retry through a
+    replica that lost the session): it supersedes the waiting turn in the same conversation."""
+    j, s = Joiner(300, at_least_one=True), Stream()
+    _, jobs = j.on_record(s.rec(turn("a", 0, rid="try-1")))
+    _, jobs = j.on_record(s.rec(turn("a", 0, rid="try-2")))
+    assert [(x.kind, x.reason) for x in jobs] == [(FLUSH, "no_next_state")] and j.conversations == 0

@@ -7,7 +7,8 @@ import pytest
 from pipeline import events
 from pipeline.judge.backends import BackendError, backend_class
 from pipeline.judge.backends.base import Verdict
-from pipeline.judge.parse import best_hint, last_boxed, majority_vote, parse_hint, parse_score
+from pipeline.judge.parse import (best_hint, hint_block, hint_rejection, last_boxed, majority_vote, parse_hint,
+                                  parse_score)
 from pipeline.judge.prompts import JudgeInput, hint_messages, inject_hint, prm_messages
 from pipeline.judge.samples import combine_sample, rl_flush_sample, rl_sample, sample_id
 from pipeline.judge.teacher import TeacherError, TeacherOutput
@@ -160,7 +161,7 @@ def test_teacher_scores_through_the_client_aligned_with_top_k_and_refuses_bad_an
         return {"text": "", "output_ids": [], "meta_info": {"weight_version": "t", **mi}}
 
     async def score(url, response):
-        config = load_config(None, engine={"url": url}, judge={"teacher_top_k": 2, "retries": 1,
+        config = load_config(None, engine={"teacher_url": url}, judge={"teacher_top_k": 2, "retries": 1,
                                                                "retry_backoff_s": 0.01})
         teacher = Teacher(config, tokenizer=load_tokenizer("tiny-random"))
         await teacher.start()
@@ -207,3 +208,16 @@ def test_backend_names_and_import_paths():
         backend_class("nonexistent_backend")
     with pytest.raises(BackendError):
         backend_class("pipeline.judge.parse:parse_score")  # not a Backend
+
+
+def test_hint_is_the_last_complete_block():
+    """Issue 24 case 10: a complete block followed by an unfinished one (a truncated answer) keeps
+    the complete block's hint. Was: the unfinished block's start hid it (no hint)."""
+    text = ("\\boxed{1} [HINT_START]Give the answer in kilometres.[HINT_END] "
+            "[HINT_START]and also round it to")
+    assert hint_block(text) == "Give the answer in kilometres."
+    assert parse_hint(text) == (1, "Give the answer in kilometres.")
+    assert hint_rejection([text]) is None
+    two = "\\boxed{1} [HINT_START]first hint, complete.[HINT_END] [HINT_START]second hint, complete.[HINT_END]"
+    assert parse_hint(two) == (1, "second hint, complete.")  # the last complete block wins
+    assert hint_block("[HINT_END] stray end, then [HINT_START]open") is None

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from pipeline import events
 from pipeline.bus import Record
 from pipeline.judge.backends.base import Verdict
-from pipeline.judge.join import FLUSH, Joiner
-from pipeline.judge.samples import opd_sample, rl_flush_sample, rl_sample
+from pipeline.judge.join import FLUSH, RELEASE, Joiner
+from pipeline.judge.samples import opd_sample, rl_flush_sample, rl_sample, sample_id
 from pipeline.judge.teacher import TeacherOutput
 
 
@@ -148,13 +148,24 @@ def _vote(job) -> int:
     return int(job.next_state[0]["content"].split("=")[1])
 
 
-def _sample(job, mode: str):
-    """The sample a job produces (deterministic stand-in judge: the vote is in the next state)."""
+def _sample(job, mode: str, published: dict | None = None):
+    """The sample a job produces (deterministic stand-in judge: the vote is in the next state).
+    ``published``: the restarted judge's read-back decisions (sample_id -> loss_mask), copied as
+    the app does (nothing emitted; a trained one marks the conversation)."""
+    if job.kind == RELEASE:
+        return None
+    if published and mode == "rl" and (mask := published.get(sample_id(job.turn, "rl"))) is not None:
+        if job.conversation is not None and mask:
+            job.conversation.trained = True
+        return None
     if job.kind == FLUSH:
         return rl_flush_sample(job.turn, "replay", job.decided_at) if mode == "rl" else None
     v = _vote(job)
-    if mode == "rl":
-        return rl_sample(job.turn, Verdict(v, [v]), job.candidate, "replay", job.decided_at)
+    if mode == "rl":  # the app's rule: promote a 0 while the conversation has trained nothing
+        conv = job.conversation
+        s = rl_sample(job.turn, Verdict(v, [v]), job.candidate and not conv.trained, "replay", job.decided_at)
+        conv.trained = conv.trained or bool(s.loss_mask)
+        return s
     if v >= 0:  # opd: a hint; the teacher output is a function of the turn
         return opd_sample(job.turn, f"hint {v}", TeacherOutput([-0.1 * (i + 1) for i in range(2)]), [v], "replay",
                           job.decided_at)
@@ -186,12 +197,13 @@ def _run(log, mode: str, *, clock_step: float, crash_at: int | None = None, lose
                 acked[r.tp].add(r.offset)
             for job in jobs:
                 in_flight.append(job)
-            j.idle_sessions(10**12, ready=lambda tp: False)  # a replaying judge is not caught up
+            j.idle_sessions(ready=lambda tp: False)  # a replaying judge is not caught up
         crashed = n == 0 and crash_at is not None
+        published = {x.sample_id: x.loss_mask for x in out} if n else None  # read back at the restart
         for k, job in enumerate(in_flight):
             if crashed and lose_in_flight and k >= len(in_flight) // 2:
                 break  # output never delivered: its records stay unacknowledged
-            s = _sample(job, mode)
+            s = _sample(job, mode, published)
             if s is not None:
                 out.append(s)
             for a in job.acks:
@@ -222,6 +234,31 @@ def test_replaying_the_same_records_fast_slow_or_after_a_restart_gives_identical
     if mode == "rl":  # every distinct turn record gets exactly one sample (its request id names it)
         rids = {r.event.request_id for recs in log.values() for r in recs if isinstance(r.event, events.Turn)}
         assert sorted(sid.rsplit(":", 1)[1] for sid in fast) == sorted(rids)
+
+
+def test_a_restart_inside_an_ended_conversation_copies_its_published_decisions():
+    """Issue 24 case 8: conversation A trained on turn 0 (+1) and ended; session B's first turn is
+    still unsettled (A's anchor released, B's held), so a restart re-reads A's turn 1 without its
+    turn 0. Its published decision (a 0 vote, not promoted) is copied; without it the restarted
+    judge would take A's turn 1 for the first judged turn of a new conversation and promote it."""
+    def t(sid, k):
+        return events.Turn(session_id=sid, turn_index=k, request_id=f"{sid}-{k}", created_at=1000 + k,
+                           messages=[{"role": "user", "content": "q"}], prompt_token_ids=[1, 2],
+                           response_token_ids=[3, 4], response_logprobs=[-0.5, -0.25], finish_reason="stop")
+
+    def ns(sid, k, v):
+        return events.NextState(session_id=sid, after_turn_index=k, created_at=2000 + k,
+                                messages=[{"role": "user", "content": f"v={v}"}])
+
+    evs = [t("A", 0), ns("A", 0, 1), t("B", 0), t("A", 1), ns("A", 1, 0),
+           events.SessionEnd(session_id="A", created_at=3000), ns("B", 0, 0),
+           events.SessionEnd(session_id="B", created_at=4000)]
+    log = {TPS[0]: [Record("turns", 0, i, e.session_id, e, 1_000_000 + 10 * i) for i, e in enumerate(evs)],
+           TPS[1]: []}
+    fast = _by_id(_run(log, "rl", clock_step=0.0))
+    a1 = next(v for k, v in fast.items() if k.startswith("A:1:"))
+    assert events.decode(a1).loss_mask == 0 and events.decode(fast["B:0:rl:B-0"]).loss_mask == 1
+    assert _by_id(_run(log, "rl", clock_step=0.0, crash_at=6)) == fast
 
 
 # ---- 3. through the broker ----------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
             make_next_state("alo1", 1, score(B0)), events.SessionEnd(session_id="alo1")]
     evs += [make_turn("alo2", 0), events.SessionEnd(session_id="alo2")]  # nothing judged: nothing trained
     # turn 0's votes all fail: not a judged turn, so the at-least-one rule does not promote it
+    # (turn 1's votes fail too: nothing of the conversation is judged, nothing trained)
     evs += [make_turn("alo3", 0), make_next_state("alo3", 0, score("!500")),
             make_turn("alo3", 1), make_next_state("alo3", 1, score("no box here")), events.SessionEnd(session_id="alo3")]
     # the session ends while the (slow) vote of its turn 0 is still running
@@ -126,9 +127,9 @@ def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
     a = got["alo0:0:rl"], got["alo0:1:rl"]
     assert [(s.reward, s.loss_mask) for s in a] == [(0.0, 1), (0.0, 0)]
     b = got["alo1:0:rl"], got["alo1:1:rl"]
-    # turn 0 was never judged; turn 1's 0 vote is not promoted (the rule is turn 0's: a function
-    # of the record alone, so a judge restarted mid-session decides the same)
-    assert [(s.reward, s.loss_mask) for s in b] == [(None, 0), (0.0, 0)]
+    # turn 0 was never judged; turn 1 is the conversation's first judged turn: its 0 vote is
+    # promoted (issue 24 case 8: OpenClaw-RL's rule, not turn 0's)
+    assert [(s.reward, s.loss_mask) for s in b] == [(None, 0), (0.0, 1)]
     assert (got["alo2:0:rl"].loss_mask, got["race:0:rl"].loss_mask) == (0, 1)
     c3 = got["alo3:0:rl"], got["alo3:1:rl"]
     assert [(s.reward, s.loss_mask, s.votes) for s in c3] == [(None, 0, [None] * 3)] * 2
@@ -150,24 +151,29 @@ def _committed(config, group, topic="turns"):
 
 
 def test_idle_timeout_flushes_waiting_turn_and_lets_offsets_commit(kafka_config, server):
+    """The idle horizon is event time: a record 2 s (event time) after the turns, on their
+    partition, makes them idle (1 s horizon); the ends are records, acted on when read back."""
     c = setup(kafka_config, server, idle_timeout_s=1.0)
-    publish(c, [make_turn("idle", 0), make_turn("idle-opd", 0)])
+    t = events.now_ms()
+    publish(c, [make_turn("idle", 0, created_at=t), make_turn("idle-opd", 0, created_at=t),
+                events.SessionEnd(session_id="tick", created_at=t + 2_000)], key="idle")  # one partition
     with JudgeThread(c) as jt:
         got = by_id(read_events(c, "samples", 2, timeout_s=30))
         assert set(got) == {"idle:0:rl", "idle-opd:0:rl"}
         assert got["idle:0:rl"].loss_mask == 0
         # the idle decision is a record in the log (published, then acted on when read back)
-        ends = [e for e in read_events(c, "turns", 4, timeout_s=10) if isinstance(e, events.SessionEnd)]
+        ends = [e for e in read_events(c, "turns", 5, timeout_s=10) if isinstance(e, events.SessionEnd)
+                and e.session_id != "tick"]
         assert sorted((e.session_id, e.reason, e.turn_index) for e in ends) == [
             ("idle", "idle_timeout", 0), ("idle-opd", "idle_timeout", 0)]
         assert got["idle:0:rl"].created_at == next(e.created_at for e in ends if e.session_id == "idle")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             committed = _committed(c, c.judge.group_id)
-            if sum(v or 0 for v in committed.values()) == 4:
+            if sum(v or 0 for v in committed.values()) == 5:
                 break
             time.sleep(0.2)
-        assert sum(v or 0 for v in committed.values()) == 4, committed  # both held turns (and the ends) committed
+        assert sum(v or 0 for v in committed.values()) == 5, committed  # both held turns (and the ends) committed
         assert jt.app.joiner.waiting == 0 and not jt.app.joiner.sessions
 
 
@@ -197,7 +203,8 @@ def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer, r
     prompt = tokenizer.decode(ids[:-4])
     assert f"How far is it?\n\n[Hint] {long_hint}" in prompt and prompt.rstrip().endswith("assistant")
     # the teacher log-probs are those of the student's exact ids at their positions
-    want = [fake_logprob(t, len(ids) - 4 + i) for i, t in enumerate([101, 102, 103, 104])]
+    # (the stand-in teacher's log-probs scale with 1/T, as a temperature-scaled teacher's do)
+    want = [fake_logprob(t, len(ids) - 4 + i) / 0.6 for i, t in enumerate([101, 102, 103, 104])]
     assert s.teacher_log_probs == pytest.approx(want, abs=1e-6)
     assert s.rollout_log_probs == pytest.approx([-0.125, -0.25, -0.375, -0.5])
 

@@ -59,7 +59,7 @@ def test_a_request_time_out_is_one_clear_warning(own_broker, caplog):
         lines = _pause_during_a_send(own_broker, caplog)
     finally:
         _remove_filters()
-    said = [m for lvl, m in lines if re.search(r"did not answer a request within (999|1000) ms", m)]
+    said = [m for lvl, m in lines if re.search(r"did not answer a request within [0-9]+ ms", m)]
     assert said and "reconnecting and sending it again" in said[0], lines
     assert len(lines) == 1 and lines[0][0] == "WARNING" and "RequestTimedOutError" not in lines[0][1], lines
 

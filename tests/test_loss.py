@@ -27,9 +27,9 @@ def test_grpo_broadcasts_reward_over_response_tokens():
 
 
 def test_grpo_normalization_by_hand():
-    # rewards 1, 0, -1, 0: mean 0, population std sqrt(2/4) = 0.70710678
+    # rewards 1, 0, -1, 0: mean 0, Bessel-corrected std sqrt(2/3) = 0.81649658 (slime's)
     adv = L.grpo_advantages(T([1.0, 0.0, -1.0, 0.0]), torch.ones(4, 1), normalize=True, eps=0.0)
-    s = math.sqrt(0.5)
+    s = math.sqrt(2 / 3)
     assert close(adv[:, 0], [1 / s, 0, -1 / s, 0], 1e-5)
     # equal rewards or one sample: zero advantage, never NaN
     assert close(L.grpo_advantages(T([1.0, 1.0]), torch.ones(2, 3), normalize=True), torch.zeros(2, 3))

@@ -102,3 +102,32 @@ def test_stream_through_engine_client_path_used_for_sglang(engine_url, kafka_con
         (turn,) = read_events(kafka_config, want=1)
     assert turn.response_token_ids == ids and len(ids) == len(turn.response_logprobs) > 0
     assert turn.response["content"] == text
+
+
+def test_required_tool_call_through_the_proxy_is_recorded_as_constrained(engine_url, kafka_config):
+    """``tool_choice="required"`` with the openai client: a tool call of the declared schema comes
+    back (constrained decoding), and its turn lists ``tool_choice`` in ``logprob_processors`` (no
+    OPD term) with the tool-call response and the exact ids and log-probs."""
+    import json
+
+    import jsonschema
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    with running_proxy(kafka_config, engine_url) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=tools, tool_choice="required", max_tokens=80, temperature=0.8, seed=3, logprobs=True,
+            extra_body={"return_token_ids": True}, extra_headers={"X-Session-Id": "tc-1"})
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), params)
+        assert app.publisher.wait_idle(10)
+        recs = read_records(kafka_config, kafka_config.topics.name("turns"), 1)
+    (turn,) = [r.event for r in recs if r.event.TYPE == "turn" and r.key == "tc-1"]
+    assert turn.logprob_processors == ["tool_choice"] and turn.finish_reason == "tool_calls"
+    assert turn.response["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert turn.response_token_ids == choice.model_extra["token_ids"]
+    assert turn.response_logprobs == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-6)

@@ -9,27 +9,19 @@ engine failures (502/504), health, readiness and metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 
 import httpx
 import orjson
 import pytest
 
-from tests.support.proxy import running_proxy
+from tests.support.proxy import running_proxy, stack
 from tests.support.servers import Reply, StandInEngine, serve_app
 from tests.support.topics import read_events, read_records
 from tests.support.waiting import sse_events
 
 
 CHAT = "/v1/chat/completions"
-
-
-@contextlib.contextmanager
-def stack(config, script=None, **proxy):
-    up = StandInEngine(script)
-    with serve_app(up) as up_url, running_proxy(config, up_url, **proxy) as (url, app):
-        yield url, app, up
 
 
 def _turns(config, n):
@@ -121,15 +113,14 @@ def test_session_defaults_anonymous_side_and_body_fields(kafka_config):
         assert r.status_code == 200 and "x-turn-index" not in r.headers
         assert all(k not in up.requests[1] for k in ("session_id", "turn_type", "session_done"))
         assert app.publisher.wait_idle(10)
-        evs = _turns(kafka_config, 3)
+        evs = _turns(kafka_config, 2)
     assert M.WITHOUT_SESSION._value.get() == before + 1
-    by_type = [(e.TYPE, k) for _, _, k, e in evs]
-    anon = [k for t, k in by_type if t == "turn" and k.startswith("anon-")]
-    assert len(anon) == 1 and ("session_end", anon[0]) in by_type
+    # no session metadata: a new derived session (docs/sessions.md), left open for its next turns
+    anon = [e for _, _, k, e in evs if k.startswith("conv-")]
+    assert len(anon) == 1 and anon[0].turn_index == 0 and anon[0].session_source == "new"
     side = [e for _, _, k, e in evs if k == "body-s"]
     assert len(side) == 1 and side[0].turn_type == "side" and side[0].turn_index is None
-    end = [e for *_, e in evs if e.TYPE == "session_end"][0]
-    assert end.reason == "no_session"
+    assert side[0].session_source == "body"
 
 
 def test_anonymous_reject_and_skip(kafka_config):
@@ -144,21 +135,27 @@ def test_anonymous_reject_and_skip(kafka_config):
 
 
 def test_concurrent_requests_of_one_session_get_unique_indices(kafka_config):
-    """24 requests of one session in flight at once (each held 0.3 s by the engine): every turn gets
-    its own index, and the engine saw them overlap."""
+    """24 requests of one session in flight at once (each held 0.3 s by the engine), all
+    continuing its turn 0 (so none is a new conversation under a reused id): every turn gets its
+    own index, and the engine saw them overlap."""
     with stack(kafka_config, lambda req: Reply(content="a", delay_s=0.3)) as (url, app, up):
+        first = [{"role": "user", "content": "q"}]
+        assert httpx.post(url + CHAT, json={"messages": first}, headers={"X-Session-Id": "par"}).status_code == 200
+        msgs = first + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "again"}]
+
         async def go():
             async with httpx.AsyncClient() as c:
-                rs = await asyncio.gather(*[c.post(url + CHAT, json={"messages": [{"role": "user", "content": "q"}]},
+                rs = await asyncio.gather(*[c.post(url + CHAT, json={"messages": msgs},
                                                    headers={"X-Session-Id": "par"}) for _ in range(24)])
             return rs
         rs = asyncio.run(go())
-        assert all(r.status_code == 200 for r in rs)
+        assert all(r.status_code == 200 and r.headers["x-session-id"] == "par" for r in rs)
         assert up.peak_in_flight >= 2, "the requests never overlapped: nothing concurrent was tested"
-        assert sorted(int(r.headers["x-turn-index"]) for r in rs) == list(range(24))
+        assert sorted(int(r.headers["x-turn-index"]) for r in rs) == list(range(1, 25))
         assert app.publisher.wait_idle(10)
-        evs = _turns(kafka_config, 24)
-    assert sorted(e.turn_index for *_, e in evs) == list(range(24))
+        evs = _turns(kafka_config, 26)
+    assert sorted(e.turn_index for *_, e in evs if e.TYPE == "turn") == list(range(25))
+    assert [e.after_turn_index for *_, e in evs if e.TYPE == "next_state"] == [0]
 
 
 MALFORMED = [
@@ -356,5 +353,28 @@ def test_default_temperature_is_sent_and_recorded(kafka_config):
             assert httpx.post(url + CHAT, json=body, headers={"X-Session-Id": "t"}).status_code == 200
         assert [r["temperature"] for r in up.requests] == [0.6, 0.9]
         app.publisher.wait_idle(10)
-        evs = read_events(kafka_config, want=3)
-    assert [e.sampling.get("temperature") for e in evs if e.TYPE == "turn"] == [0.6, 0.9]
+        evs = read_events(kafka_config, want=2)  # two conversations: two sessions (docs/sessions.md)
+    assert {e.messages[0]["content"]: e.sampling.get("temperature") for e in evs if e.TYPE == "turn"} == {
+        "a": 0.6, "b": 0.9}
+
+
+def test_an_unknown_distribution_is_recorded_without_log_probs(kafka_config, tmp_path):
+    """The engine reports no sampling parameters (a plain OpenAI server) and the served model's
+    generation_config cannot be read: a request that leaves its temperature to the model was
+    sampled from a distribution nobody knows, so its turn carries no token ids and log-probs (as
+    from an engine that gave none; never a guessed T = 1); a request that names every
+    defaultable parameter keeps them."""
+    c = kafka_config.replace(engine={"model": str(tmp_path / "no-such-model")})
+    with stack(c) as (url, app, up):
+        asked = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        for sid, extra in (("unknown", {}), ("named", asked)):
+            r = httpx.post(url + CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra},
+                           headers={"X-Session-Id": sid})
+            assert r.status_code == 200, r.text
+        assert app.publisher.wait_idle(10)
+        turns = {e.session_id: e for _, _, _, e in _turns(c, 2)}
+    assert turns["unknown"].response["content"] == "ok"  # what the client received is still recorded
+    assert turns["unknown"].response_token_ids == [] and turns["unknown"].response_logprobs == []
+    assert turns["unknown"].logprob_temperature is None
+    assert len(turns["named"].response_logprobs) == len(turns["named"].response_token_ids) > 0
+    assert turns["named"].logprob_temperature == pytest.approx(0.7)

@@ -38,17 +38,40 @@ def test_next_state_is_everything_after_the_previous_assistant_turn():
 def test_retry_and_regenerate_publish_no_second_next_state_and_never_reuse_an_index():
     t = SessionTable()
     t.begin("s", [_u("q1")])
-    t.complete("s", 0, "a1", None)
+    t.complete("s", 0, "a1", None, request_id="r0")
     msgs = [_u("q1"), _a("a1"), _u("q2")]
     b = t.begin("s", msgs)
-    assert (b.turn_index, b.after_turn_index, b.next_state) == (1, 0, [_u("q2")])
-    # turn 1 failed at the engine; the client retries the same messages
+    assert (b.turn_index, b.after_turn_index, b.after_request_id, b.next_state) == (1, 0, "r0", [_u("q2")])
+    assert t.accept("s", b)  # the engine took it: publish the next state now
+    # turn 1 was aborted by the engine after it started; the client retries the same messages
     c = t.begin("s", msgs)
-    assert c.turn_index == 2 and c.next_state is None
+    assert c.turn_index == 2 and c.next_state is None and not t.accept("s", c)
     t.complete("s", 2, "a2", None)
     # "regenerate" of turn 2: same history again -> new index, next state of turn 0 not repeated
     d = t.begin("s", msgs)
     assert d.turn_index == 3 and d.next_state is None
+
+
+def test_a_refused_request_takes_no_index_and_its_retry_publishes_the_next_state():
+    """Issue 24 case 9: the engine refused the request (4xx): :meth:`cancel` gives the index
+    back and the next state was never marked published, so the retry is turn 1 with it."""
+    t = SessionTable()
+    t.begin("s", [_u("q1")])
+    t.complete("s", 0, "a1", None)
+    msgs = [_u("q1"), _a("a1"), _u("q2")]
+    refused = t.begin("s", msgs)
+    t.cancel("s", refused)
+    retry = t.begin("s", msgs)
+    assert (retry.turn_index, retry.after_turn_index, retry.next_state) == (1, 0, [_u("q2")])
+    assert t.accept("s", retry)
+    # a session whose only request was refused is forgotten, as if never sent
+    first = t.begin("x", [_u("hello")])
+    t.cancel("x", first)
+    assert t.get("x") is None
+    # a refusal overtaken by a later request of the session leaves a gap, never a duplicate
+    a, b = t.begin("s", msgs), t.begin("s", msgs)
+    t.cancel("s", a)
+    assert t.begin("s", msgs).turn_index == b.turn_index + 1
 
 
 def test_a_continued_assistant_message_is_this_turns_prefix_not_a_previous_turn():
@@ -63,6 +86,7 @@ def test_a_continued_assistant_message_is_this_turns_prefix_not_a_previous_turn(
     msgs = [_u("q1"), _a("a1"), _u("wrong, in metres please"), _a("Sure, it is")]
     b = t.begin("s", msgs, continue_final=True)
     assert (b.turn_index, b.after_turn_index, b.next_state) == (1, 0, [_u("wrong, in metres please")])
+    assert t.accept("s", b)
     t.complete("s", 1, " 330 m.", None, prefix="Sure, it is")
     # a prefill in a first request is not a turn either
     first = SessionTable().begin("f", [_u("q"), _a("Once upon")], continue_final=True)

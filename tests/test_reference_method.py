@@ -50,7 +50,10 @@ def test_grpo_broadcast_and_normalisation_over_rewarded_samples():
     got = ref.rl_advantages([1.0, 1.0, None, None], normalize=True)
     assert got == [0.0, 0.0, 0.0, 0.0]  # the two rewarded samples agree: nothing to prefer
     got = ref.rl_advantages([3.0, None, 1.0], normalize=True, eps=0.0)
-    assert got == pytest.approx([1.0, 0.0, -1.0])
+    assert got == pytest.approx([2 ** -0.5, 0.0, -(2 ** -0.5)])  # mean 2, Bessel std sqrt(2 / 1)
+    got = ref.rl_advantages([1.0, 0.0, -1.0, 0.0], normalize=True, eps=0.0)
+    assert got == pytest.approx([1.5 ** 0.5, 0.0, -(1.5 ** 0.5), 0.0])  # std sqrt(2 / 3)
+    assert ref.rl_advantages([1.0, None], normalize=True) == [0.0, 0.0]  # one rewarded sample: no spread
     assert ref.grpo_broadcast(-1.0, 3).tolist() == [-1.0, -1.0, -1.0]
 
 

@@ -187,8 +187,9 @@ def test_a_stalled_session_is_released_only_by_a_record_in_the_log():
     assert ro.stalled() == []
     t[0] = 301.0
     assert ro.stalled(ready=lambda tp: False) == []  # partition not read to its end
-    assert ro.stalled() == [("s", ("turns", 0), 4)] and ro.stalled() == []  # proposed once
+    # proposed once, stamped in event time: the oldest held record's + the lateness (the clock says 301 s)
+    assert ro.stalled() == [("s", ("turns", 0), 4, 10_000 + 60_000)] and ro.stalled() == []
     assert ro.held == 2  # nothing released on the clock
-    end = events.SessionEnd(session_id="s", reason="idle_timeout", created_at=10_000 + 301_000, turn_index=4)
+    end = events.SessionEnd(session_id="s", reason="idle_timeout", created_at=10_000 + 60_000, turn_index=4)
     assert [r.event for r in ro.on_record(Record("turns", 0, 2, "s", end, 0))] == [ns, t4, end]
     assert ro.held == 0

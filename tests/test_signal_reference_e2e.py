@@ -10,6 +10,14 @@ configurations (``normalize_advantages``, ``old_log_probs`` and the combine weig
 on). The judge LLM is ``StandInJudge``, a stand-in (not a model) whose votes and hints the
 test writes into each next state.
 
+Each test runs on two engine paths (the ``run`` fixture's parameter): ``native``, the CPU engine
+itself, and ``sglang``, the SGLang-shaped stand-in
+(:class:`tests.support.sglang_style.SglangStyleEngine`: no token ids on streamed chat, no
+reported sampling parameters) in front of the CPU engine serving tiny-random whose
+``generation_config.json`` sets temperature 0.6 and a repetition penalty of 1.3. There a request
+without ``temperature`` is sampled at 0.6 with the penalty (its turn must say both), and the
+requests that set a temperature also send ``repetition_penalty: 1.0``.
+
 The expected advantages are computed independently, with ``tests/reference_method.py``, from:
 
 - the votes and hints the test scripted (the reference's majority vote, hint selection and the
@@ -54,6 +62,7 @@ session            request                                signals -> kind
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -98,9 +107,21 @@ class Fixture:
     def effective_temperature(self) -> float:
         """The temperature the rollout's log-probs are of (by the method's rule, not the package's):
         greedy (0) and unset are softmax(logits), i.e. 1.0; imported turns were never sampled: 1.0."""
-        if self.imported or self.temperature is None or self.temperature == 0:
+        return self.temperature_on("native")
+
+    def temperature_on(self, path: str) -> float:
+        """:attr:`effective_temperature` on ``path``: on ``sglang`` the served model's
+        generation_config says 0.6, which the engine samples an unset temperature at."""
+        if self.imported or self.temperature == 0:
             return 1.0
+        if self.temperature is None:
+            return GENERATION_CONFIG["temperature"] if path == "sglang" else 1.0
         return float(self.temperature)
+
+    def penalised_on(self, path: str) -> bool:
+        """Sampled with the generation_config's repetition penalty: an unset temperature on
+        ``sglang`` (requests that set one also set ``repetition_penalty: 1.0`` there)."""
+        return path == "sglang" and not self.imported and self.temperature is None
 
     @property
     def vote(self) -> float:
@@ -200,13 +221,17 @@ def _chat(url: str, body: dict, headers: dict) -> dict:
     return {"role": "assistant", "content": "".join(content)}
 
 
-def _drive(url: str, session: list[Fixture]) -> None:
+def _drive(url: str, session: list[Fixture], path: str = "native") -> None:
     """One session: each fixture's request (turn k), then the user's reply carrying its script,
-    which for k > 0 is also where turn k's question is; the last reply ends the session."""
+    which for k > 0 is also where turn k's question is; the last reply ends the session. On
+    ``sglang`` a request that sets a temperature also overrides the model's repetition penalty
+    (1.0), so its turn stays scorable by the teacher; one without takes both defaults."""
     first = session[0]
     body = {"max_tokens": MAX_TOKENS}
     if first.temperature is not None:
         body["temperature"] = first.temperature
+        if path == "sglang":
+            body["repetition_penalty"] = 1.0
     if first.tools is not None:
         body["tools"] = first.tools
     if first.stream:
@@ -284,6 +309,7 @@ class Run:
     batch: dict  # mode -> (samples, weights) of the trainer source's batch
     teacher: dict  # (session, turn_index) -> independently scored teacher log-probs
     unhinted: dict  # (session, turn_index) -> the engine's log-probs of the student's own prompt
+    path: str = "native"  # the engine path the proxy used: native (our engine) or sglang (stand-in)
 
 
 def expected_samples(mode: str) -> dict:
@@ -308,16 +334,47 @@ def runtime():
         yield par
 
 
-@pytest.fixture(scope="module")
-def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
-    """Everything up to the trainer's batch, once for the module: one judge per mode (own
+#: the sglang path's model: tiny-random with these generation_config defaults (Qwen3 ships 0.6)
+GENERATION_CONFIG = {"temperature": 0.6, "repetition_penalty": 1.3}
+
+
+@contextlib.contextmanager
+def _engine_path(path: str, tmp_path_factory):
+    """``(engine URL the proxy uses, CPU engine URL, proxy's engine.model)``: ``native`` is the
+    CPU engine serving tiny-random; ``sglang`` is the SGLang-shaped stand-in
+    (:class:`tests.support.sglang_style.SglangStyleEngine`) in front of the CPU engine serving
+    tiny-random with :data:`GENERATION_CONFIG` in its generation_config.json."""
+    import shutil
+
+    from pipeline.models import resolve_model
+    from tests.support.engine import running_engine
+    from tests.support.servers import serve_app
+    from tests.support.sglang_style import SglangStyleEngine
+
+    model = "tiny-random"
+    if path == "sglang":
+        folder = tmp_path_factory.mktemp("gen-config") / "model"
+        shutil.copytree(resolve_model("tiny-random"), folder)
+        gen = json.loads((folder / "generation_config.json").read_text())
+        (folder / "generation_config.json").write_text(json.dumps({**gen, **GENERATION_CONFIG}))
+        model = str(folder)
+    with running_engine(model, threads=1, context_length=1024) as eng:
+        if path == "native":
+            yield eng, eng, model
+            return
+        with serve_app(SglangStyleEngine(eng)) as sglang:
+            yield sglang, eng, model
+
+
+@pytest.fixture(scope="module", params=["native", "sglang"])
+def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
+    """Everything up to the trainer's batch, once per engine path: one judge per mode (own
     consumer group) on the same ``turns``, all writing to ``samples``."""
-    import contextlib
+    path = request.param
     import uuid
 
     from transformers import AutoTokenizer
 
-    from tests.support.engine import running_engine
     from pipeline.models import resolve_model
     from tests.support.proxy import running_proxy
     from pipeline.topics import apply_topics, load_topics
@@ -330,10 +387,10 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     with contextlib.ExitStack() as up:
         # one stand-in judge per mode: each answers its own calls in the scripted order
         servers = {mode: up.enter_context(StandInJudge()) for mode in MODES}
-        eng = up.enter_context(running_engine("tiny-random", threads=1, context_length=1024))
-        url, app = up.enter_context(running_proxy(c, eng))
+        front, eng, served = up.enter_context(_engine_path(path, tmp_path_factory))
+        url, app = up.enter_context(running_proxy(c.replace(engine={"model": served}), front))
         for sid in dict.fromkeys(fx.session for fx in PROXIED):
-            _drive(url, [fx for fx in PROXIED if fx.session == sid])
+            _drive(url, [fx for fx in PROXIED if fx.session == sid], path)
         assert app.publisher.wait_idle(10)
         _import(c, tmp_path_factory.mktemp("import"))
         n_sessions = len({fx.session for fx in FIXTURES})
@@ -342,7 +399,7 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
             if isinstance(e, events.Turn)}
         c = c.replace(judge={"backend": "llm", "vote_timeout_s": 10.0, "retries": 0, "retry_backoff_s": 0.05,
                              "votes": 3, "hint_min_chars": HINT_MIN_CHARS},
-                      engine={"model": "tiny-random", "teacher_url": eng})
+                      engine={"model": "tiny-random", "teacher_url": front})
         total = sum(len(w) for w in want.values())
         with contextlib.ExitStack() as judges:
             for mode in MODES:
@@ -355,11 +412,11 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
         for fx in FIXTURES:
             t = turns[(fx.session, fx.turn_index)]
             unhinted[fx.session, fx.turn_index] = score(eng, list(t.prompt_token_ids), list(t.response_token_ids),
-                                                        fx.effective_temperature)
+                                                        fx.temperature_on(path))
             if fx.hint_accepted:
                 teacher[fx.session, fx.turn_index] = score(
                     eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.accepted_hint),
-                    list(t.response_token_ids), fx.effective_temperature)
+                    list(t.response_token_ids), fx.temperature_on(path))
     # read them as the trainer does: its source, one batch of every trainable sample
     c = c.replace(trainer={"model": "tiny-random",
                            "rollout_batch_size": sum(e[2] for w in want.values() for e in w.values())})
@@ -378,7 +435,7 @@ def run(broker_bootstrap, tmp_path_factory, runtime) -> Run:
     for s, w in zip(batch.samples, batch.weights):
         by_mode[mode_of(s)][0].append(s)
         by_mode[mode_of(s)][1].append(w)
-    return Run(turns, {m: [s for s in judged if mode_of(s) == m] for m in MODES}, by_mode, teacher, unhinted)
+    return Run(turns, {m: [s for s in judged if mode_of(s) == m] for m in MODES}, by_mode, teacher, unhinted, path)
 
 
 def mode_of(sample) -> str:
@@ -397,10 +454,13 @@ def test_turns_record_what_the_reference_needs(run):
         if fx.imported:
             assert t.source == "import" and t.response_logprobs == []
             continue
-        assert t.source == "proxy" and t.logprob_temperature == pytest.approx(fx.effective_temperature)
+        assert t.source == "proxy" and t.logprob_temperature == pytest.approx(fx.temperature_on(run.path))
+        assert t.logprob_processors == (["repetition_penalty"] if fx.penalised_on(run.path) else [])
         assert t.tools == fx.tools
         assert t.chat_options == ({"continue_final_message": True} if fx.prefill else {})
         # the rollout log-probs are the engine's own at the effective temperature (not at the request's)
+        if fx.penalised_on(run.path):  # shaped by the penalty: no prefill reproduces them (nor a teacher)
+            continue
         np.testing.assert_allclose(t.response_logprobs, run.unhinted[fx.session, fx.turn_index], atol=1e-4, rtol=0)
 
 
@@ -421,7 +481,7 @@ def test_samples_say_which_signals_they_carry(run, mode):
         fx = next((f for f in FIXTURES if (f.session, f.turn_index) == key), None)
         assert s.hint == (fx.accepted_hint if has_teacher else None), key
         assert (s.rollout_log_probs is None) == (t.source == "import"), key
-        assert s.rollout_temperature == pytest.approx(fx.effective_temperature if fx else t.logprob_temperature), key
+        assert s.rollout_temperature == pytest.approx(fx.temperature_on(run.path) if fx else t.logprob_temperature), key
         assert s.tokens == list(t.prompt_token_ids) + list(t.response_token_ids) and \
             s.response_length == len(t.response_token_ids), key
         if t.source != "import":

@@ -103,6 +103,24 @@ def test_no_restart_after_stop_all(tmp_path):
     assert sup.check() == [] and not st.alive and st.restarts == 0
 
 
+def test_stop_all_can_keep_a_stage_running_until_a_later_call(tmp_path):
+    # the demo stops every writer, reads the topics from the still-running broker, then stops it
+    ports = [free_port(), free_port()]
+    sup = Supervisor(tmp_path / "logs", policy=RestartPolicy(backoff_s=0.0))
+    a, b = (sup.start(name, _front_args(p), ready=http_ok(f"http://127.0.0.1:{p}/_front/status"), timeout_s=120)
+            for name, p in zip(("broker", "proxy"), ports))
+    try:
+        first = sup.stop_all(timeout_s=5, keep=("broker",))
+        assert list(first) == ["proxy"] and first["proxy"].how == "stopped"
+        assert a.alive and not b.alive and sup.check() == []  # kept, and nothing restarted
+        assert httpx.get(f"http://127.0.0.1:{ports[0]}/_front/status", timeout=5).status_code == 200
+        second = sup.stop_all(timeout_s=5)
+        assert list(second) == ["proxy", "broker"] and second["proxy"] is first["proxy"]
+        assert not a.alive
+    finally:
+        sup.stop_all(timeout_s=5)
+
+
 def test_replicas_flag():
     assert parse_replicas("proxy=2,judge=3") == {"proxy": 2, "judge": 3, "engine": 1}
     assert replica_names("proxy", 1) == ["proxy"] and replica_names("judge", 2) == ["judge-0", "judge-1"]

@@ -82,6 +82,7 @@ def test_tail_decodes_filters_and_leaves_groups_alone(kafka_config, tmp_path):
     assert "not a msgpack value" in rows[-1]["error"] or "msgpack" in rows[-1]["error"]
     turn = rows[0]["event"]
     assert turn["session_id"] == "s-a" and turn["turn_index"] == 0 and turn["finish_reason"] == "stop"
+    assert "session_source" in turn  # the proxy's rule that chose the session (None: not recorded by a proxy)
     assert turn["response"]["chars"] == len(f"{MARK} reply 0") and turn["response_tokens"] == 2
     assert MARK not in json.dumps(rows), "conversation text printed without --text"
     shown = _tail(cfg, "turns", "--session", "s-b", "--text", "--arrays", "--type", "turn")
@@ -136,3 +137,18 @@ def test_tail_unknown_topic_or_start_is_a_clear_error(kafka_config, tmp_path, ca
     assert "does not exist" in capsys.readouterr().err
     assert main(["tail", "turns", "--from", "yesterday-ish", "--config", cfg]) == 2
     assert "--from" in capsys.readouterr().err
+
+
+def test_session_filter_takes_the_sub_sessions_of_a_reused_id():
+    # a reused X-Session-Id's new conversation is recorded as `S~<16 hex>` (docs/sessions.md):
+    # `--session S` shows it too, and nothing of another session that merely shares a prefix
+    from types import SimpleNamespace
+
+    from pipeline.dashboard.tail import matches
+
+    def rec(key):
+        return SimpleNamespace(key=key, event=SimpleNamespace(session_id=key, TYPE="turn"))
+
+    assert matches(rec("conv-42"), "conv-42", None) and matches(rec("conv-42~c08ab2123b57884a"), "conv-42", None)
+    assert not matches(rec("conv-420"), "conv-42", None) and not matches(rec("conv-4"), "conv-42", None)
+    assert not matches(rec("conv-42~c08ab2123b57884a"), "conv-42~0000000000000000", None)

@@ -8,6 +8,7 @@ implementation of the method's definitions, compared at 1e-6.
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -458,3 +459,33 @@ def test_a_hint_that_changes_nothing_gives_zero_opd_advantage(runtime, temperatu
     lp = _model_log_probs(pt, t)
     s = _build(_with_log_probs(t, lp), None, TeacherOutput(list(lp)))
     _close(pt.advantages([s])[0], [0.0] * n_resp)
+
+
+# ------------------------------------------------------------------ issue 24 case 10
+
+
+def test_count_masked_samples_divides_by_the_whole_batch(runtime):
+    """Issue 24 case 10: with ``trainer.count_masked_samples`` the masked samples count in the
+    ``sum_of_sample_mean`` denominator (slime divides by the global batch size): 2 trainable of 8
+    weigh 1/8 each. Was: 1/2 each (the loss 4x too large)."""
+    good = [_wire(S.rl_sample(_turn(f"cm-good{i}"), Verdict(1, [1]), False, "test")) for i in range(2)]
+    masked = [_wire(S.rl_sample(_turn(f"cm-m{i}"), Verdict(0, [0]), False, "test")) for i in range(6)]
+    assert all(s.loss_mask == 0 for s in masked)
+    kw = dict(old_log_probs="recompute")  # ratio 1 on the first step: pg_loss = -A per token
+    counted = _trainer(runtime, count_masked_samples=True, **kw).train_batch(good + masked, policy_version=0).metrics
+    plain = _trainer(runtime, **kw).train_batch(good + masked, policy_version=0).metrics
+    assert counted["train_samples"] == plain["train_samples"] == 2.0
+    assert plain["pg_loss"] != 0.0
+    _close([counted["pg_loss"]], [plain["pg_loss"] * 2 / 8])
+    want = ref.aggregate([np.full(3, -1.0)] * 2 + [np.zeros(0)] * 6, [1.0] * 8, batch_size=8)
+    _close([counted["pg_loss"]], [want])  # -2 / 8
+
+
+def test_normalisation_uses_the_bessel_corrected_std(runtime):
+    """Issue 24 case 10: ``normalize_advantages`` standardises with the Bessel-corrected std (slime's
+    GRPO normalisation, torch's default). Rewards [1, -1]: mean 0, std sqrt(2) -> +-0.7071. Was the
+    population std (1) -> +-1."""
+    batch = [_wire(S.rl_sample(_turn(f"bs-{i}"), Verdict(v, [v]), False, "test")) for i, v in enumerate((1, -1))]
+    got = _trainer(runtime, normalize_advantages=True).advantages(batch)
+    _close(got[0], [1 / math.sqrt(2)] * 3)
+    _close(got[1], [-1 / math.sqrt(2)] * 3)

@@ -17,10 +17,10 @@
 
 from pipeline.bus.consumer import ConsumerApp
 from pipeline.bus.producer import BufferFull, EventProducer
-from pipeline.bus.reader import Offset, Time, TopicMissing, TopicReader, Undecodable
+from pipeline.bus.reader import Offset, Time, TopicMissing, TopicReader, Undecodable, read_events
 from pipeline.bus.records import DECLARED, DeadLetterError, Record, RecordIntake, WrongTopic, stop_on_signals
 from pipeline.bus.settings import admin_kwargs, consumer_kwargs, producer_kwargs
 
-__all__ = ["ConsumerApp", "TopicReader", "Offset", "Time", "Undecodable", "Record", "RecordIntake", "DECLARED",
+__all__ = ["ConsumerApp", "TopicReader", "read_events", "Offset", "Time", "Undecodable", "Record", "RecordIntake", "DECLARED",
            "DeadLetterError", "WrongTopic", "TopicMissing", "stop_on_signals", "EventProducer", "BufferFull",
            "consumer_kwargs", "producer_kwargs", "admin_kwargs"]

@@ -436,3 +436,12 @@ class TopicReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_events(config: Config, logical: str) -> list:
+    """Every decodable event now on the logical topic ``logical`` (with the configured prefix),
+    from the beginning: an assign-mode read, no group joined, nothing committed."""
+    from pipeline.bus.records import Record
+
+    with TopicReader(config, [config.topics.name(logical)]) as reader:
+        return [r.event for r in reader.read() if isinstance(r, Record)]

@@ -22,10 +22,15 @@ def admin_kwargs(config: Config) -> dict[str, Any]:
 
 
 def producer_kwargs(config: Config) -> dict[str, Any]:
-    """Arguments for an idempotent ``KafkaProducer`` (acks=all, compression, bounded blocking)."""
+    """Arguments for an idempotent ``KafkaProducer`` (acks=all, compression, bounded blocking).
+
+    It never asks the broker to auto-create a topic it sends to (topics come from topics.yaml:
+    :func:`pipeline.topics.ensure_topics`), even on a cluster that allows auto-creation.
+    """
     k = config.kafka
     return {
         **k.client_kwargs(),
+        "allow_auto_create_topics": False,
         "acks": "all",
         "enable_idempotence": True,
         "compression_type": None if k.compression_type == "none" else k.compression_type,
@@ -39,10 +44,12 @@ def producer_kwargs(config: Config) -> dict[str, Any]:
 
 
 def consumer_kwargs(config: Config, group_id: str | None, **extra: Any) -> dict[str, Any]:
-    """Arguments for a ``KafkaConsumer`` in ``group_id`` with manual commits (read from earliest)."""
+    """Arguments for a ``KafkaConsumer`` in ``group_id`` with manual commits (read from earliest);
+    its metadata requests never auto-create a topic."""
     k = config.kafka
     kw = {
         **k.client_kwargs(),
+        "allow_auto_create_topics": False,
         "group_id": group_id,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
@@ -52,6 +59,10 @@ def consumer_kwargs(config: Config, group_id: str | None, **extra: Any) -> dict[
         "max_poll_interval_ms": k.max_poll_interval_ms,
         "request_timeout_ms": max(k.request_timeout_ms, k.session_timeout_ms + 5000),
         "fetch_max_wait_ms": 100,
+        # a group leader that assigned before its broker knew a just-created topic gave it to
+        # nobody; the next metadata refresh shows the topic and makes the group rejoin: within
+        # seconds, not kafka-python's default 5 minutes
+        "metadata_max_age_ms": 5000,
         "max_partition_fetch_bytes": k.max_request_size,
         "fetch_max_bytes": k.max_request_size,
     }

@@ -155,6 +155,10 @@ class Scraper:
                 r.raise_for_status()
                 values = parse_metrics(r.text)
                 stages[name] = {"url": url, "up": True, "values": values}
+            except httpx.TimeoutException as e:  # it took the connection but is busy (a trainer step holds the GIL)
+                last = self.stages.get(name, {})
+                stages[name] = {"url": url, "up": True, "busy": True, "values": last.get("values", {}),
+                                "error": f"no answer within 2 s ({type(e).__name__}): busy"}
             except (httpx.HTTPError, ValueError) as e:
                 stages[name] = {"url": url, "up": False, "error": f"{type(e).__name__}: {e}"[:200], "values": {}}
         proxy = stages.get("proxy", {}).get("values", {})
@@ -230,6 +234,7 @@ class Scraper:
             "judge_jobs_in_flight": total(j, "pipeline_judge_jobs_in_flight"),
             "judge_votes": by_label(j, "pipeline_judge_votes_total", "value"),
             "judge_dropped": by_label(j, "pipeline_judge_dropped_total", "reason"),
+            "judge_unjudged": by_label(j, "pipeline_judge_unjudged_turns_total", "reason"),
             "trainer_policy_version": total(t, "pipeline_trainer_policy_version"),
             "trainer_steps": total(t, "pipeline_trainer_steps_total"),
             "engine_weight_version": total(e, "pipeline_engine_weight_version"),
@@ -238,7 +243,7 @@ class Scraper:
             for name, values in v.items():
                 for topic, n in by_label(values, "pipeline_consumer_lag_records", "topic").items():
                     lag.append({"group": name, "topic": topic, "lag": n, "source": "prometheus"})
-        return {"stages": {n: {k: st.get(k) for k in ("url", "up", "error")} for n, st in stages.items()},
+        return {"stages": {n: {k: st.get(k) for k in ("url", "up", "busy", "error")} for n, st in stages.items()},
                 "live": live, "lag": lag}
 
     def stop(self) -> None:

@@ -28,7 +28,7 @@ BUCKET_S = 10  # width of the traffic timeline's buckets (seconds)
 MAX_BUCKETS = 8640  # one day of 10-second buckets
 TRAINER_KEYS = ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "pg_clipfrac", "logprob_abs_diff",
                 "logprob_abs_diff_current", "logprob_abs_diff_stale", "reward_mean", "rl_samples", "opd_samples",
-                "grad_norm", "step_s", "sync_s", "export_s", "train_samples", "train_tokens", "staleness_mean",
+                "grad_norm", "step_s", "sync_s", "consume_s", "export_s", "train_samples", "train_tokens", "staleness_mean",
                 "masked", "duplicates", "stale_dropped", "dead_letters")
 
 

@@ -12,7 +12,7 @@ length; ``--text`` and ``--arrays`` print them. A record that does not decode is
 its ``error`` instead of ``event``. Examples::
 
     pipeline tail turns --session s-42            # that session's turns, next states, end
-    pipeline tail samples --from -10m --follow    # the last ten minutes, then live
+    pipeline tail samples --from=-10m --follow    # the last ten minutes (a value starting with - needs the =), then live
     pipeline tail control --from 120              # from offset 120 of every partition
     pipeline tail turns.dlq                       # dead letters with their errors
 """
@@ -34,7 +34,8 @@ def add_arguments(parser) -> None:
                         help="start: an offset for every partition (120), per partition (0:120,1:88), a time "
                              "(2026-11-01T10:00, ms:<epoch ms>, -2h, now); default: the beginning")
     parser.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
-    parser.add_argument("--session", help="only events of this session id (the record key or session_id)")
+    parser.add_argument("--session", help="only events of this session id (the record key or session_id) and of its "
+                        "sub-sessions ID~<hex>, the new conversations of a reused id")
     parser.add_argument("--partition", type=int, action="append", help="only this partition (repeatable)")
     parser.add_argument("--type", dest="types", action="append",
                         help="only this event type: turn, next_state, session_end, sample, control, ... (repeatable)")
@@ -79,9 +80,10 @@ def matches(rec, session: str | None, types: list[str] | None) -> bool:
     """Whether ``rec`` passes the ``--session`` and ``--type`` filters."""
     from pipeline.bus import Undecodable
 
-    if session is not None:
+    if session is not None:  # the session and its sub-sessions (`S~<hex>`: a reused id's new conversation)
         sid = None if isinstance(rec, Undecodable) else getattr(rec.event, "session_id", None)
-        if rec.key != session and sid != session:
+        sub = session[:239] + "~"
+        if not any(v == session or (isinstance(v, str) and v.startswith(sub)) for v in (rec.key, sid)):
             return False
     if types:
         return (not isinstance(rec, Undecodable)) and rec.event.TYPE in types

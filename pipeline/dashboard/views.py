@@ -131,7 +131,8 @@ def turn_view(t: events.Turn, text: bool = False, arrays: bool = False) -> dict:
     resp = t.response if isinstance(t.response, dict) else {}
     out: dict[str, Any] = {
         "session_id": t.session_id, "turn_type": t.turn_type, "turn_index": t.turn_index,
-        "request_id": t.request_id, "created_at": t.created_at, "policy_version": t.policy_version,
+        "request_id": t.request_id, "session_source": t.session_source, "created_at": t.created_at,
+        "policy_version": t.policy_version,
         "model": t.model, "source": t.source, "engine_id": t.engine_id, "finish_reason": t.finish_reason,
         "sampling": t.sampling, "messages": [message_view(m, text) for m in t.messages or []],
         "tools": len(t.tools or []),

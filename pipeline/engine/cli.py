@@ -27,6 +27,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weight-version", help="initial policy version string (engine.weight_version)")
     parser.add_argument("--context-length", type=int, help="prompt + output token limit (engine.context_length)")
     parser.add_argument("--max-batch-size", type=int, help="rows decoded together (engine.max_batch_size)")
+    parser.add_argument("--prefix-cache-bytes", type=int,
+                        help="bytes of prompt KV kept for reuse, 0 = off (engine.prefix_cache_bytes)")
     parser.add_argument("--served-model-name", help="name in /v1/models (default: --model)")
     parser.add_argument("--cache-dir", help="where built-in models are converted (engine.cache_dir)")
     parser.add_argument("--seed", type=int, help="seed of the shared sampling generator (engine.seed)")
@@ -40,14 +42,16 @@ def run(args, config) -> int:
     overrides = {"model": args.model, "host": args.host, "port": args.port, "threads": args.threads,
                  "weight_version": args.weight_version, "context_length": args.context_length,
                  "max_batch_size": args.max_batch_size, "served_model_name": args.served_model_name,
-                 "cache_dir": args.cache_dir, "seed": args.seed}
+                 "cache_dir": args.cache_dir, "seed": args.seed, "prefix_cache_bytes": args.prefix_cache_bytes}
     config = config.replace(engine={k: v for k, v in overrides.items() if v is not None})
     e = config.engine
     log = logging.getLogger("pipeline.engine")
     try:
         state = build_state(e.model, cache_dir=e.cache_dir, context_length=e.context_length,
                             max_batch_size=e.max_batch_size, weight_version=e.weight_version, seed=e.seed,
-                            threads=e.threads, served_model_name=e.served_model_name)
+                            threads=e.threads, served_model_name=e.served_model_name,
+                            prefix_cache_bytes=e.prefix_cache_bytes, prefix_cache_entries=e.prefix_cache_entries,
+                            prefix_cache_min_tokens=e.prefix_cache_min_tokens)
     except (ModelNotFound, ModelLoadError) as exc:
         print(f"pipeline engine: {exc}", file=sys.stderr)
         return 2

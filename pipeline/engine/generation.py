@@ -65,6 +65,7 @@ class Generation:
         self.input_top: list[Any] | None = None
         self.input_fixed: list[Any] | None = None
         self.finish: dict | None = None
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.version: str = state.worker.version
         self.t0 = time.monotonic()
         self.latency: float | None = None
@@ -91,6 +92,8 @@ class Generation:
             self.output_top.extend(u.top_logprobs)
         if u.token_ids_logprobs:
             self.output_fixed.extend(u.token_ids_logprobs)
+        if u.cached_tokens is not None:
+            self.cached_tokens = u.cached_tokens
         if u.input_logprobs is not None:
             self.input_lps = u.input_logprobs
             self.input_top = u.input_top_logprobs
@@ -168,7 +171,7 @@ class Generation:
             "finish_reason": self.finish,
             "prompt_tokens": len(it.input_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": self.version,
         }
         if self.latency is not None:

@@ -17,6 +17,9 @@ class EngineMetrics:
     - ``pipeline_engine_weight_version``: current policy version (when it is an integer).
     - ``pipeline_engine_weight_updates_total{result}``: ``/update_weights_from_disk`` calls.
     - ``pipeline_engine_request_latency_seconds{endpoint}``: end-to-end latency (s).
+    - ``pipeline_engine_prefix_cache_lookups_total`` / ``..._hits_total``: prefills that looked
+      up / reused a cached prompt prefix; ``..._reused_tokens_total``: prompt tokens not
+      recomputed; ``pipeline_engine_prefix_cache_entries`` / ``..._bytes``: what it holds now.
     - ``pipeline_engine_running_requests`` / ``pipeline_engine_waiting_requests``: batch load.
     """
 
@@ -34,8 +37,25 @@ class EngineMetrics:
                                       registry=r)
         self.latency = Histogram("pipeline_engine_request_latency_seconds", "End-to-end request latency",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_lookups = Counter("pipeline_engine_prefix_cache_lookups_total", "Prefills that looked up the "
+                                      "prefix cache", registry=r)
+        self.prefix_hits = Counter("pipeline_engine_prefix_cache_hits_total", "Prefills that reused a cached prefix",
+                                   registry=r)
+        self.prefix_tokens = Counter("pipeline_engine_prefix_cache_reused_tokens_total", "Prompt tokens whose KV "
+                                     "came from the prefix cache", registry=r)
+        self.prefix_entries = Gauge("pipeline_engine_prefix_cache_entries", "Prompts held by the prefix cache",
+                                    registry=r)
+        self.prefix_bytes = Gauge("pipeline_engine_prefix_cache_bytes", "Bytes of keys/values held by the prefix "
+                                  "cache", registry=r)
         self.running = Gauge("pipeline_engine_running_requests", "Rows in the decode batch", registry=r)
         self.waiting = Gauge("pipeline_engine_waiting_requests", "Requests waiting for a batch slot", registry=r)
+
+    def on_prefix(self, reused_tokens: int) -> None:
+        """One prefix-cache lookup that reused ``reused_tokens`` tokens (0: a miss)."""
+        self.prefix_lookups.inc()
+        if reused_tokens > 0:
+            self.prefix_hits.inc()
+            self.prefix_tokens.inc(reused_tokens)
 
     def set_version(self, version: str) -> None:
         try:

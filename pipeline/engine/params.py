@@ -7,10 +7,16 @@ Defaults follow SGLang (``sampling/sampling_params.py`` at 00c17ca):
 ``max_new_tokens`` 128 on ``/generate`` (None = up to the context on chat), temperature 1.0,
 top_p 1.0, top_k all, min_p 0. A temperature in ``[0, 1e-6)`` means greedy: it is rewritten to
 temperature 1.0 with top_k 1, so greedy log-probs are those of ``softmax(logits)``.
+
+Constrained decoding (:mod:`pipeline.engine.grammar`): ``sampling_params.json_schema`` and
+``regex`` become :attr:`SamplingParams.grammar`; the chat layer sets it for ``tool_choice``
+``required`` / a named function and for ``response_format`` json. ``ebnf``, ``structural_tag``
+and ``stop_regex`` are refused (400).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +27,9 @@ from pipeline.sampling import GREEDY_EPS
 TOP_K_ALL = 1 << 30
 
 #: Keys of ``sampling_params`` that SGLang accepts but this engine does not implement.
-UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+UNSUPPORTED = ("ebnf", "structural_tag", "stop_regex")
+#: Keys of ``sampling_params`` that constrain decoding (a grammar), in the order they are tried.
+CONSTRAINTS = ("json_schema", "regex")
 #: Keys accepted and ignored (they only change text formatting or scheduling details here).
 IGNORED = ("spaces_between_special_tokens", "stream_interval", "custom_params")
 
@@ -38,6 +46,10 @@ class SamplingParams:
         stop: stop strings (matched on the decoded text, trimmed unless ``no_stop_trim``).
         stop_token_ids: extra token ids that end the generation (the id is kept in output_ids).
         sampling_seed: per-request seed for a private ``torch.Generator``.
+        grammar: an llguidance grammar string the output must match (None: unconstrained).
+        constraint: what set the grammar, as reported (``{"tool_choice": "required"}``,
+            ``{"json_schema": ...}``, ``{"response_format": {"type": ...}}``), so that the caller
+            records a constrained distribution (:func:`pipeline.sampling.logprob_processors`).
     """
 
     max_new_tokens: int | None = 128
@@ -57,6 +69,8 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None
     sampling_seed: int | None = None
+    grammar: str | None = None
+    constraint: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +88,8 @@ class SamplingParams:
                                "min_new_tokens": self.min_new_tokens}
         if self.logit_bias:
             out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.grammar is not None:
+            out.update(self.constraint or {"constrained_decoding": True})
         return out
 
     @property
@@ -96,6 +112,18 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.{key} (constrained decoding) is not supported by this engine")
         for key in IGNORED:
             d.pop(key, None)
+        for key in CONSTRAINTS:
+            value = d.pop(key, None)
+            if value in (None, ""):
+                continue
+            if p.grammar is not None:
+                raise ValueError("sampling_params: give at most one of json_schema and regex")
+            if not isinstance(value, (str, dict)) or (key == "regex" and not isinstance(value, str)):
+                raise ValueError(f"sampling_params.{key} must be a string")
+            from pipeline.engine.grammar import json_grammar, regex_grammar
+
+            p.grammar = json_grammar(value) if key == "json_schema" else regex_grammar(value)
+            p.constraint = {key: value if isinstance(value, str) else json.dumps(value)}
         for key, value in d.items():
             if key not in _FIELDS:
                 raise ValueError(f"unknown sampling parameter {key!r}")
@@ -137,6 +165,9 @@ class SamplingParams:
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
                              f"got {self.min_new_tokens}")
+        if self.grammar is not None and self.min_new_tokens > 0:
+            # the grammar may need EOS before min_new_tokens: every token would be masked
+            raise ValueError("min_new_tokens cannot be combined with constrained decoding")
         if not 1 <= self.n <= 64:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
         for t in self.stop_token_ids:

@@ -93,8 +93,8 @@ class ChatBody(_Body):
     rid: str | None = None
     skip_special_tokens: StrictBool = True
     user: str | None = None
-    # SGLang's constrained decoding and regex stops: known here so that they are refused (400),
-    # never silently dropped (this engine implements neither)
+    # SGLang's constrained decoding and regex stops: ``regex`` is served (a grammar); ``ebnf`` and
+    # ``stop_regex`` are known here so that they are refused (400), never silently dropped
     regex: str | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None

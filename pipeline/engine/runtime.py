@@ -9,15 +9,17 @@ import socket
 import time
 
 from pipeline.engine.model import load_model, load_tokenizer
+from pipeline.engine.prefix_cache import PrefixCache
 from pipeline.engine.server import EngineState, create_app
 from pipeline.engine.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 
-def build_state(model: str, *, cache_dir: str | None = None, context_length: int | None = 2048,
+def build_state(model: str, *, cache_dir: str | None = None, context_length: int | None = None,
                 max_batch_size: int = 16, weight_version: str = "0", seed: int = 0, threads: int | None = None,
-                served_model_name: str | None = None) -> EngineState:
+                served_model_name: str | None = None, prefix_cache_bytes: int = 1 << 30,
+                prefix_cache_entries: int = 64, prefix_cache_min_tokens: int = 16) -> EngineState:
     """Resolve ``model`` (``smollm2-135m`` | ``tiny-random`` | HF folder), load it in fp32 and
     start its model thread.
 
@@ -25,6 +27,8 @@ def build_state(model: str, *, cache_dir: str | None = None, context_length: int
         context_length: prompt + output limit in tokens (capped by the model's own limit);
             None uses the model's ``max_position_embeddings``.
         threads: torch intra-op threads (process-wide); None = all cores.
+        prefix_cache_bytes, prefix_cache_entries, prefix_cache_min_tokens: bounds of the prefix
+            cache (:class:`pipeline.engine.prefix_cache.PrefixCache`; 0 bytes disables it).
     Raises:
         pipeline.models.ModelNotFound, pipeline.engine.model.ModelLoadError.
     """
@@ -40,10 +44,11 @@ def build_state(model: str, *, cache_dir: str | None = None, context_length: int
     ctx = loaded.max_position_embeddings if context_length is None else min(context_length,
                                                                              loaded.max_position_embeddings)
     worker = EngineWorker(loaded, tokenizer, context_length=ctx, max_batch_size=max_batch_size,
-                          weight_version=str(weight_version), seed=seed)
+                          weight_version=str(weight_version), seed=seed,
+                          prefix_cache=PrefixCache(prefix_cache_bytes, prefix_cache_entries, prefix_cache_min_tokens))
     worker.start()
-    log.info("loaded %s from %s in %.1fs (context %d, batch %d, %d threads)", model, path,
-             time.perf_counter() - t0, ctx, max_batch_size, torch.get_num_threads())
+    log.info("loaded %s from %s in %.1fs (context %d, batch %d, %d threads, prefix cache %d MiB)", model, path,
+             time.perf_counter() - t0, ctx, max_batch_size, torch.get_num_threads(), prefix_cache_bytes >> 20)
     return EngineState(worker=worker, tokenizer=tokenizer, served_model_name=served_model_name or model,
                        model_path=str(path), tokenizer_path=str(path), context_length=ctx, cache_dir=cache_dir)
 

@@ -26,12 +26,21 @@ chat (vLLM-style ``token_ids`` deltas and first-chunk ``prompt_token_ids``); cha
 ``bytes`` are each token's raw bytes (SGLang sends the UTF-8 of the token decoded alone, wrong
 for half a character); ``/server_info`` says both (``chat_stream_token_ids``,
 ``logprob_token_bytes``). Unknown keys inside ``sampling_params`` are a 400 (SGLang raises a
-TypeError there); what needs constrained decoding (json_schema/regex/ebnf/stop_regex,
-``response_format`` json, ``tool_choice`` required or a named function) is not implemented and
+TypeError there); ``ebnf``, ``structural_tag`` and ``stop_regex`` are not implemented and
 refused (400) rather than served as if absent; with ``n > 1`` and a seed, sample j is drawn with
-``seed + j``; there is no prefix cache (``cached_tokens`` is 0). ``parallel_tool_calls: false``
+``seed + j``. ``parallel_tool_calls: false``
 keeps the first tool call of a turn. New weights must fit the served model
 (:func:`pipeline.engine.model.check_fits`), else 400 and nothing changes.
+Constrained decoding (:mod:`pipeline.engine.grammar`, llguidance): chat ``tool_choice``
+``"required"`` / a named function (exactly one ``<tool_call>`` block of a declared tool's schema,
+returned as ``tool_calls``), ``response_format`` json_object / json_schema and ``regex``;
+``/generate`` ``sampling_params.json_schema`` / ``regex``. At most one constraint per request;
+not with ``min_tokens``. The reported log-probs are of the masked distribution, and
+``metadata.sampling_params`` names the constraint (``tool_choice``, ``json_schema``,
+``response_format``, ``regex``) so the proxy records the turn as constrained.
+Prompt prefixes are reused from the prefix cache (:mod:`pipeline.engine.prefix_cache`;
+``meta_info.cached_tokens`` counts the tokens reused, as in SGLang); ``/flush_cache`` empties it
+at once (SGLang refuses unless idle: here running rows keep their own KV, so it is always safe).
 Chat responses (and the first and last stream chunks) carry the effective sampling parameters
 in ``metadata.sampling_params`` (after greedy normalisation and generation-config defaults), so
 a caller records the temperature the log-probs really are of.
@@ -56,7 +65,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.client import response_format_schema
 from pipeline.engine.generation import Generation, Item, RequestFailed
+from pipeline.engine.grammar import check_grammar, json_grammar, regex_grammar, tool_call_grammar
 from pipeline.engine.metrics import EngineMetrics
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, GenerateBody, PauseBody, TokenizeBody,
@@ -131,6 +142,8 @@ class EngineState:
         self.token_bytes = TokenBytes(self.tokenizer)
         self.metrics.set_version(self.worker.version)
         self.worker.on_tokens = lambda n: self.metrics.generated_tokens.inc(n)
+        self.worker.ll_tokenizer = self.token_bytes.ll
+        self.worker.on_prefix = self.metrics.on_prefix
 
     # ---- validation helpers --------------------------------------------------------------------
     def check_ids(self, ids: list[int], what: str = "input_ids") -> None:
@@ -289,6 +302,9 @@ def generate_items(state: EngineState, body: GenerateBody) -> tuple[list[Item], 
     if len(sps) != n_prompts:
         raise ValueError(f"sampling_params has {len(sps)} entries for a batch of {n_prompts}")
     params = [SamplingParams.from_dict(sp, state.vocab_size) for sp in sps]
+    for p in params:
+        if p.grammar is not None:
+            check_grammar(p.grammar, state.token_bytes.ll, f"sampling_params.{next(iter(p.constraint))}")
     n = params[0].n
     if any(p.n != n for p in params):
         raise ValueError("The parallel_sample_num (n) should be the same for all samples in a batch.")
@@ -399,24 +415,12 @@ def chat_setup(state: EngineState, body: ChatBody) -> tuple[list[int], SamplingP
     """
     if body.stream and (body.return_prompt_token_ids or body.return_meta_info):
         raise ValueError("return_prompt_token_ids and return_meta_info are not supported with stream=true")
-    rf = body.response_format or {}
-    if rf and rf.get("type", "text") != "text":
-        raise ValueError(f"response_format {rf.get('type')!r} needs constrained decoding, which this engine "
-                         "does not implement")
-    for key in ("regex", "ebnf", "stop_regex"):
+    for key in ("ebnf", "stop_regex"):
         if getattr(body, key):
-            raise ValueError(f"{key} needs constrained decoding or regex matching, which this engine does not "
-                             "implement")
+            raise ValueError(f"{key} needs EBNF grammars or regex matching, which this engine does not implement")
     if (body.stream_options or {}).get("continuous_usage_stats"):
         raise ValueError("stream_options.continuous_usage_stats is not supported by this engine")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    if choice not in ("none", "auto"):
-        # "required" and a named function oblige the model to call: that needs constrained
-        # decoding (SGLang builds a JSON-schema constraint); refused rather than served as "auto"
-        shown = choice if isinstance(choice, str) else f"function {choice['function']['name']!r}"
-        raise ValueError(f"tool_choice {shown} needs constrained decoding, which this engine does not implement "
-                         "(use 'auto' or 'none')")
     spec = PromptSpec.from_request({"messages": body.messages, "tools": tools, "tool_choice": body.tool_choice,
                                     "continue_final_message": body.continue_final_message,
                                     "chat_template_kwargs": body.chat_template_kwargs})
@@ -442,10 +446,45 @@ def chat_setup(state: EngineState, body: ChatBody) -> tuple[list[int], SamplingP
               frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty)
     params = SamplingParams.from_dict({k: v for k, v in sp.items() if v is not None}, state.vocab_size,
                                       default_max_new_tokens=None)
+    params.grammar, params.constraint = chat_constraint(state, body, spec.tools)
+    params.verify(state.vocab_size)
     if body.top_logprobs is not None and body.top_logprobs < 0:
         raise ValueError("top_logprobs must be >= 0")
     state.check_length(len(prompt), params.max_new_tokens)
     return prompt, params, spec.tools
+
+
+def chat_constraint(state: EngineState, body: ChatBody, tools: list[dict] | None
+                    ) -> tuple[str | None, dict | None]:
+    """(grammar, reported constraint) of a chat request, (None, None) when unconstrained.
+
+    ``tool_choice`` "required" / a named function: one call of the active ``tools`` (the named
+    one only); ``response_format`` json_object / json_schema: that schema; ``regex``.
+
+    Raises:
+        ValueError: another response_format type, two constraints at once, a schema or regex
+            that does not compile (answered 400).
+    """
+    found: list[tuple[str, str, dict]] = []
+    choice = body.tool_choice
+    if choice not in (None, "none", "auto") and tools:
+        found.append(("tool_choice", tool_call_grammar(tools), {"tool_choice": choice}))
+    rf = body.response_format or {}
+    kind = rf.get("type", "text") if rf else "text"
+    if kind != "text":
+        schema = response_format_schema(rf)
+        if schema is None:
+            raise ValueError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
+        found.append(("response_format", json_grammar(schema), {"response_format": {"type": kind}}))
+    if body.regex:
+        found.append(("regex", regex_grammar(body.regex), {"regex": body.regex}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise ValueError(f"{' and '.join(f[0] for f in found)} each constrain decoding: give at most one")
+    what, grammar, reported = found[0]
+    check_grammar(grammar, state.token_bytes.ll, what)
+    return grammar, reported
 
 
 def chat_items(state: EngineState, body: ChatBody, prompt: list[int], params: SamplingParams) -> tuple[str, list[Item]]:
@@ -645,7 +684,13 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "tool_call_parser": "pipeline-tool-call", "reasoning_parser": None, "dtype": "float32",
                 "device": "cpu", "startup_time": state.started,
                 "internal_states": [{"running_requests": running, "waiting_requests": waiting,
-                                     "decode_steps": state.worker.steps}]}
+                                     "decode_steps": state.worker.steps, "prefix_cache": prefix_info()}]}
+
+    def prefix_info() -> dict:
+        pc = state.worker.prefix_cache
+        return {"enabled": pc.enabled, "max_bytes": pc.max_bytes, "max_entries": pc.max_entries,
+                "min_tokens": pc.min_tokens, "entries": len(pc), "bytes": pc.nbytes,
+                **dataclasses.asdict(pc.stats)}
 
     app.get("/server_info")(lambda: server_info())
     app.get("/get_server_info")(lambda: server_info())
@@ -672,6 +717,8 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         running, waiting = state.worker.load
         state.metrics.running.set(running)
         state.metrics.waiting.set(waiting)
+        state.metrics.prefix_entries.set(len(state.worker.prefix_cache))
+        state.metrics.prefix_bytes.set(state.worker.prefix_cache.nbytes)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     # ---- generation ------------------------------------------------------------------------
@@ -830,6 +877,12 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        return PlainTextResponse("Cache flushed.\nThis engine keeps no prefix cache between requests.\n")
+        if (err := _unavailable()) is not None:
+            raise err
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        state.worker.flush_prefix_cache(lambda n: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(n)))
+        dropped = await asyncio.wait_for(fut, 60.0)
+        return PlainTextResponse(f"Cache flushed.\n{dropped} prefix-cache entries dropped.\n")
 
     return app

@@ -10,6 +10,10 @@ form::
 
 (the Hermes/Qwen convention, which SmolLM2-Instruct's function-calling data resembles).
 
+With ``tool_choice`` ``"required"`` or a named function the CPU engine constrains the output to
+exactly one such block of a declared tool's schema (:mod:`pipeline.engine.grammar`), which the
+parsers below read back like any other.
+
 Output side: :func:`parse_tool_calls` turns a finished completion into OpenAI ``tool_calls``;
 :class:`ToolStreamParser` does the same incrementally for SSE streams, holding back text that
 may turn out to be a tool call. Accepted call shapes: a JSON object with ``name`` and

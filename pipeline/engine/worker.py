@@ -4,19 +4,26 @@ One daemon thread owns the model. Requests arrive through a thread-safe inbox; e
 thread (1) admits waiting requests up to ``max_batch_size`` — one prefill forward each, which
 also yields the prompt log-probs — and merges their KV caches into the running batch
 (left-padded), then (2) runs one batched decode forward for every running row and samples one
-token per row. Finished rows leave the batch between steps. Results go back through each
+token per row. Finished rows leave the batch between steps. A prefill starts from the longest
+cached prefix of its prompt (:mod:`pipeline.engine.prefix_cache`; never past the first position
+whose logits the request needs) and computes only the tokens after it; the prompt's KV is then
+offered to the cache, after the request's first token went out. Results go back through each
 request's ``sink`` callable (the HTTP layer passes ``loop.call_soon_threadsafe``), so the
 asyncio server never blocks on torch.
 
 Weight swap (``/update_weights_from_disk``) follows SGLang's reader/writer lock: once a swap is
 requested no new request is admitted, the running batch finishes on the *old* weights, then the
-model reference and the weight version change together and admission resumes. Every update a
+model reference and the weight version change together, the prefix cache is emptied (its KV
+came from the old weights), and admission resumes. Every update a
 request receives carries the version it was admitted under, so a response never mixes versions.
 As in SGLang, a swap requested while generation is paused (``/pause_generation``) happens at
 once; rows frozen by an ``in_place``/``retract`` pause then continue on the new weights and report
 the new version (use the default ``abort`` pause, or none, to avoid mixed-policy responses).
 
 Log-probs: see :mod:`pipeline.engine.sampler` (softmax(logits/T) before top-p/top-k).
+Constrained rows (``params.grammar``, :mod:`pipeline.engine.grammar`) get a matcher at admission;
+each step its mask of allowed tokens goes into the row's :class:`RowSpec` (so a constrained row
+batches with unconstrained ones: the mask is per row) and the sampled token is fed back to it.
 Prompt log-probs follow SGLang's ``logprob_start_len`` alignment (docs/sglang-api.md §1.4): with start
 ``k >= 0`` the entries are log p(t_i | t_<i) for i = k+1 .. L-1, with a ``None`` pad entry for
 t_0 prepended when ``k == 0``; ``k == -1`` gives no prompt entries.
@@ -34,9 +41,12 @@ from typing import Any, Callable
 
 import torch
 
+from pipeline.engine.grammar import Matcher
 from pipeline.engine.model import LoadedModel
 from pipeline.engine.params import SamplingParams
+from pipeline.engine.prefix_cache import PrefixCache
 from pipeline.engine.sampler import RowSpec, log_probs, sample_step
+from pipeline.tokenbytes import TokenBytes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,7 @@ class Update:
         input_logprobs: prompt log-probs ``[lp | None]`` (first update only, SGLang alignment).
         input_top_logprobs, input_token_ids_logprobs: same alignment, None at the pad entry.
         finish: SGLang ``finish_reason`` object on the last update, else None.
+        cached_tokens: prompt tokens whose KV came from the prefix cache (first update only).
         weight_version: the policy version the request runs on.
         error: set (with ``status``) when the request failed; it is also the last update.
     """
@@ -64,6 +75,7 @@ class Update:
     input_top_logprobs: list[Any] | None = None
     input_token_ids_logprobs: list[Any] | None = None
     finish: dict | None = None
+    cached_tokens: int | None = None
     error: str | None = None
     status: int = 400
 
@@ -104,11 +116,13 @@ class _Seq:
     stop_ids: list[int]
     max_new: int
     text_checked: int = 0  # chars of decoded output already searched for stop strings
+    matcher: Matcher | None = None  # grammar state of a constrained row
 
     def row_spec(self, want_lp: bool) -> RowSpec:
         r = self.req
         return RowSpec(self.req.params, self.output, self.stop_ids, self.generator,
-                       r.top_logprobs_num if want_lp else 0, r.token_ids_logprob if want_lp else None)
+                       r.top_logprobs_num if want_lp else 0, r.token_ids_logprob if want_lp else None,
+                       self.matcher.mask() if self.matcher is not None else None)
 
 
 def _new_cache(model):
@@ -132,10 +146,11 @@ def _grow_layer_class():
         _kbuf = _vbuf = None
         _len = 0
 
-        def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-            """Replace the contents (copies into fresh buffers with room to grow)."""
+        def set(self, keys: torch.Tensor, values: torch.Tensor, room: int = 0) -> None:
+            """Replace the contents (copies into fresh buffers with room for at least ``room`` more
+            positions)."""
             b, h, s, d = keys.shape
-            cap = s + max(64, s // 2)
+            cap = s + max(64, s // 2, room)
             self._kbuf = keys.new_empty(b, h, cap, d)
             self._vbuf = values.new_empty(values.shape[0], values.shape[1], cap, values.shape[3])
             self._kbuf[:, :, :s] = keys
@@ -150,7 +165,7 @@ def _grow_layer_class():
                 return self.keys, self.values
             n = key_states.shape[-2]
             if self._len + n > self._kbuf.shape[2]:
-                self.set(self.keys, self.values)
+                self.set(self.keys, self.values, n)
             self._kbuf[:, :, self._len:self._len + n] = key_states
             self._vbuf[:, :, self._len:self._len + n] = value_states
             self._len += n
@@ -242,10 +257,12 @@ class EngineWorker:
         max_batch_size: rows decoded together.
         weight_version: initial policy version string.
         seed: seed of the engine's shared sampling generator.
+        prefix_cache: the KV cache of recent prompts (:mod:`pipeline.engine.prefix_cache`);
+            None: none (every prompt is prefilled in full).
     """
 
     def __init__(self, loaded: LoadedModel, tokenizer, *, context_length: int, max_batch_size: int = 16,
-                 weight_version: str = "0", seed: int = 0) -> None:
+                 weight_version: str = "0", seed: int = 0, prefix_cache: PrefixCache | None = None) -> None:
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -264,6 +281,9 @@ class EngineWorker:
         self.fatal: BaseException | None = None
         self.steps = 0
         self.on_tokens: Callable[[int], None] = lambda n: None  # metrics hook
+        self.ll_tokenizer: Any = None  # llguidance.LLTokenizer, set by the server (constrained decoding)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
+        self.on_prefix: Callable[[int], None] = lambda n: None  # metrics hook: tokens reused by one lookup
 
     # ---- public, thread-safe -------------------------------------------------------------
     def start(self) -> None:
@@ -314,6 +334,11 @@ class EngineWorker:
 
     def resume(self) -> None:
         self._inbox.put(("resume",))
+
+    def flush_prefix_cache(self, on_done: Callable[[int], None]) -> None:
+        """Drop every prefix-cache entry between two steps; ``on_done(entries_dropped)`` is called
+        from the model thread."""
+        self._inbox.put(("flush", on_done))
 
     # ---- model thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -391,6 +416,8 @@ class EngineWorker:
                     self._reap_aborted()
             elif kind == "resume":
                 self._paused = False
+            elif kind == "flush":
+                cmd[1](self.prefix_cache.clear())
 
     def _abort_all(self, message: str) -> None:
         for s in self._batch.seqs:
@@ -425,9 +452,11 @@ class EngineWorker:
             except ValueError:
                 version = f"{self.version}+1"
         self.loaded, self.version = loaded, str(version)
+        dropped = self.prefix_cache.clear()  # KV computed by the old weights must never be reused
         for s in self._batch.seqs:  # only when paused in place: they continue on the new weights
             s.version = self.version
-        log.info("weights swapped to %s (version %s)", loaded.path, self.version)
+        log.info("weights swapped to %s (version %s); %d prefix-cache entries dropped", loaded.path, self.version,
+                 dropped)
         on_done(self.version)
 
     @staticmethod
@@ -459,29 +488,55 @@ class EngineWorker:
             self._emit(req, Update(version, input_logprobs=[] if req.return_logprob else None,
                                    finish={"type": "length", "length": 0}))
             return
-        model = self.loaded.model
-        cache = None
-        if generate:
-            cache = _new_cache(model)
+        keep_kv = generate or self.prefix_cache.enabled
+        reused, cache = self._cached_prefix(ids, min(start, L - 1)) if keep_kv else (0, None)
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([ids], dtype=torch.long), cache=cache, use_cache=generate,
-                    logits_to_keep=L - start)
+        out = self.loaded.model(input_ids=torch.tensor([ids[reused:]], dtype=torch.long), cache=cache,
+                                use_cache=keep_kv, logits_to_keep=L - start)
         logits = out.logits[0].float()  # [L - start, V]: positions start .. L-1
-        upd = Update(version)
+        upd = Update(version, cached_tokens=reused)
         if req.return_logprob:
             self._prompt_logprobs(req, logits[:-1], start, upd)
-        log.debug("prefill %s: %d tokens in %.3fs", req.rid, L, time.perf_counter() - t0)
+        log.debug("prefill %s: %d tokens (%d from the prefix cache) in %.3fs", req.rid, L, reused,
+                  time.perf_counter() - t0)
         if not generate:
             upd.finish = {"type": "length", "length": 0}
             self._emit(req, upd)
+            self._remember(ids, cache)
             return
         gen = torch.Generator().manual_seed(p.sampling_seed) if p.sampling_seed is not None else None
         seq = _Seq(req, version, [], L, gen, self._stop_ids(p), max_new)
+        if p.grammar is not None:
+            if self.ll_tokenizer is None:
+                self.ll_tokenizer = TokenBytes(self.tokenizer).ll
+            seq.matcher = Matcher(self.ll_tokenizer, p.grammar)
         res = sample_step(logits[-1:].clone(), [seq.row_spec(req.return_logprob)], self.generator)
         finished = self._append(seq, res, 0, upd)
         self._emit(req, upd)
+        self._remember(ids, cache)  # after the first token went out: the copy is not on the TTFT path
         if not finished:
             self._batch.add(seq, cache)
+
+    def _cached_prefix(self, ids: list[int], limit: int) -> tuple[int, Any]:
+        """(tokens reused, a fresh cache holding their KV) for a prefill of ``ids``: the longest
+        prefix-cache match of at most ``limit`` tokens (the first position whose logits the
+        request needs), copied into new buffers so the entry stays unchanged; ``(0, empty
+        cache)`` on a miss."""
+        cache = _new_cache(self.loaded.model)
+        if not all(hasattr(layer, "set") for layer in cache.layers):  # sliding-window layers: no reuse
+            return 0, cache
+        n, entry = self.prefix_cache.match(ids, limit)
+        if entry is not None:
+            for layer, k, v in zip(cache.layers, entry.keys, entry.values):
+                layer.set(k[:, :, :n], v[:, :, :n])
+        if self.prefix_cache.enabled:
+            self.on_prefix(n)
+        return n, cache
+
+    def _remember(self, ids: list[int], cache) -> None:
+        """Offer the prompt's KV (positions ``0 .. len(ids)-1`` of ``cache``) to the prefix cache."""
+        if cache is not None and self.prefix_cache.enabled and all(hasattr(x, "set") for x in cache.layers):
+            self.prefix_cache.insert(ids, cache.layers)
 
     def _prompt_logprobs(self, req: GenRequest, logits: torch.Tensor, start: int, upd: Update) -> None:
         """Fill upd.input_* from logits of positions start .. L-2 ([L-1-start, V])."""
@@ -523,6 +578,9 @@ class EngineWorker:
                 upd.token_ids_logprobs = (upd.token_ids_logprobs or []) + [res.fixed[i]]
         self.on_tokens(1)
         p = seq.req.params
+        if seq.matcher is not None and (err := seq.matcher.advance(tok)) is not None:
+            upd.finish = {"type": "abort", "message": f"constrained decoding failed: {err}"}
+            return True
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.loaded.eos_token_ids):
             upd.finish = {"type": "stop", "matched": tok}
             return True

@@ -197,6 +197,10 @@ def run(args, config) -> int:
         return 2
     tok = Tokenizer.load(args.model or config.engine.model, config.engine.cache_dir)
     topic = args.to_topic or config.topics.name("turns")
+    if args.to_topic:  # a topic of its own: created with the shape of turns (brokers never auto-create)
+        from pipeline.history.replay import ensure_topic
+
+        ensure_topic(config, topic)
     producer = EventProducer(config, name="import")
     bar = None
     if not args.no_progress:

@@ -239,23 +239,15 @@ def topic_records(config, topic: str, start: Bound | None, end: Bound | None, st
 def ensure_topic(config, name: str, like: str = "turns") -> bool:
     """Create topic ``name`` with the partitions/config of ``like`` in topics.yaml if missing.
     Returns True when created."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
-    from pipeline.bus import admin_kwargs
+    from pipeline.bus.admin import admin_client, create_topics
     from pipeline.topics import load_topics
 
     spec = next(s for s in load_topics(config.topics.file) if s.name == like)
-    admin = KafkaAdminClient(**admin_kwargs(config))
+    admin = admin_client(config)
     try:
         if name in set(admin.list_topics()):
             return False
-        try:
-            admin.create_topics([NewTopic(name, spec.partitions, spec.replication_factor, topic_configs=spec.config)],
-                                timeout_ms=30_000)
-        except TopicAlreadyExistsError:
-            return False
+        create_topics(admin, [(name, spec.partitions, spec.replication_factor, spec.config)])
         return True
     finally:
         admin.close()

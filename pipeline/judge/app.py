@@ -18,11 +18,13 @@ Backpressure: at most ``judge.max_in_flight`` jobs are in flight (submitted, not
 delivered); the consumer loop waits for room, and the ConsumerApp pauses its partitions when
 more than ``judge.max_uncommitted_records`` records are unacknowledged.
 
-Idle sessions: every tick, sessions idle for ``judge.idle_timeout_s`` on partitions this member
-has read to the end get a ``SessionEnd(reason="idle_timeout", turn_index=...)`` published to
-``turns`` (keyed by the session id, so it lands in the session's partition after everything
-already there); the session is closed when that record is read back (:mod:`pipeline.judge.join`).
-Samples are functions of the records alone (:mod:`pipeline.judge.samples`).
+Idle sessions: every tick, sessions whose latest record is ``judge.idle_timeout_s`` (event time)
+behind their partition's newest record, on partitions this member has read to the end, get a
+``SessionEnd(reason="idle_timeout", turn_index=...)`` published to ``turns`` (keyed by the
+session id, so it lands in the session's partition after everything already there); the session
+is closed when that record is read back (:mod:`pipeline.judge.join`). Samples are functions of
+the records alone (:mod:`pipeline.judge.samples`). Every main turn that ends without a judgement
+is counted in ``pipeline_judge_unjudged_turns_total{reason}``.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ from pipeline import events
 from pipeline.bus import BufferFull, ConsumerApp, EventProducer
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
-from pipeline.judge.join import FLUSH, Job, Joiner
+from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
 from pipeline.judge.prompts import JudgeInput
+from pipeline.judge.published import published_rl_decisions
 from pipeline.judge.reorder import Reorderer
-from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample
+from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample, sample_id
 from pipeline.judge.teacher import Teacher, TeacherError, TeacherUnsupported
 
 log = logging.getLogger(__name__)
+#: hint outcomes that are no judgement (every hint vote failed, or the backend raised)
+_HINT_FAILED = ("all_votes_failed", "backend_error")
 
 
 class _Link:
@@ -104,6 +109,7 @@ class JudgeApp:
         self._chains: dict[str, _Link] = {}
         self.fatal: BaseException | None = None
         self.samples_sent = 0
+        self.published: dict[str, int] = {}  # rl: sample_id -> loss_mask already published (re-read turns)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def run(self, install_signals: bool = True) -> int:
@@ -113,8 +119,8 @@ class JudgeApp:
             asyncio.run_coroutine_threadsafe(self._astart(), self.loop).result()
             tick_s = min(1.0, max(0.05, self.config.judge.idle_timeout_s / 4))  # idle proposals
             self.consumer.run(self._handle, tick=self._tick, tick_interval_s=tick_s,
-                              on_revoked=self._revoked, on_stop=self._drain, drain_timeout_s=1.0,
-                              install_signals=install_signals)
+                              on_assigned=self._assigned, on_revoked=self._revoked, on_stop=self._drain,
+                              drain_timeout_s=1.0, install_signals=install_signals)
         finally:
             try:
                 asyncio.run_coroutine_threadsafe(self._aclose(), self.loop).result(timeout=10)
@@ -136,6 +142,7 @@ class JudgeApp:
         await self.backend.start()
         if self.teacher is not None:
             await self.teacher.start()
+            await self.teacher.check_at_start()
 
     async def _aclose(self) -> None:
         await self.backend.aclose()
@@ -158,10 +165,12 @@ class JudgeApp:
 
     def _join(self, rec) -> bool:
         """Run the join on one record (in protocol order); returns whether it can be acknowledged now."""
-        skipped = self.joiner.duplicates + self.joiner.stale
+        duplicates, conversations = self.joiner.duplicates, self.joiner.conversations
         ack, jobs = self.joiner.on_record(rec)
-        if self.joiner.duplicates + self.joiner.stale > skipped:
+        if self.joiner.duplicates > duplicates:
             metrics.DUPLICATE_TURNS.inc()
+        if self.joiner.conversations > conversations:
+            metrics.NEW_CONVERSATIONS.inc()
         if jobs:
             self._submit(jobs)
         return ack
@@ -169,10 +178,9 @@ class JudgeApp:
     def _tick(self) -> None:
         """Propose idle ends (published records, acted on when read back) for idle sessions and
         for sessions whose reordered records wait too long; update gauges."""
-        now = events.now_ms()
-        stalled = self.reorder.stalled(ready=self.consumer.caught_up)  # their idle end releases them
-        for sid, _tp, turn_index in stalled + self.joiner.idle_sessions(now, ready=self.consumer.caught_up):
-            end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=now, turn_index=turn_index)
+        stalled = self.reorder.stalled(ready=self.consumer.caught_up)  # their end releases them
+        for sid, _tp, turn_index, at in stalled + self.joiner.idle_sessions(ready=self.consumer.caught_up):
+            end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=at, turn_index=turn_index)
             try:
                 self.producer.send(self.turns_topic, end, key=sid)
             except (BufferFull, KafkaTimeoutError) as e:  # proposed again after its next record
@@ -182,7 +190,17 @@ class JudgeApp:
         metrics.SESSIONS_WAITING.set(self.joiner.waiting)
         metrics.RECORDS_HELD.set(self.reorder.held)
 
+    def _assigned(self, tps: set) -> None:
+        """Binary RL: read back the decisions already published for the records these partitions
+        will re-deliver (:mod:`pipeline.judge.published`), so that they are copied, not retaken."""
+        if self.mode == "rl" and tps:
+            self.published.update(published_rl_decisions(self.config, self.consumer.group_id, tps,
+                                                         self.judge_name))
+
     def _revoked(self, tps: set) -> None:
+        # the group rebalances eagerly (every partition revoked, then the new assignment given
+        # whole): the decisions are read again for that assignment, so none are kept unbounded
+        self.published.clear()
         self.reorder.drop_partitions(tps)
         n = self.joiner.drop_partitions(tps)
         metrics.SESSIONS_WAITING.set(self.joiner.waiting)
@@ -239,8 +257,9 @@ class JudgeApp:
         try:
             try:
                 # encode here: a sample that fails validation becomes a dead letter, not a crash
-                outputs = [(topic, events.encode(ev)) for topic, ev in await self._compute(job)]
+                outputs = [(topic, events.encode(ev)) for topic, ev in await self._compute(job, prev)]
             except Exception as e:  # a bug or an unexpected answer: never lose the turn silently
+                metrics.UNJUDGED.labels("judge_error").inc()
                 log.exception("%s: judging %s turn %s failed", self.name, job.session_id,
                               job.turn.turn_index if job.turn else "-")
                 topic, dl = self._dead_letter(job, f"judge error: {type(e).__name__}: {e}")
@@ -306,10 +325,20 @@ class JudgeApp:
         self._job_done()
 
     # ---- scoring ---------------------------------------------------------------------------
-    async def _compute(self, job: Job) -> list[tuple[str, events.Event]]:
+    async def _compute(self, job: Job, prev: _Link | None = None) -> list[tuple[str, events.Event]]:
         turn, at = job.turn, job.decided_at
+        if job.kind == RELEASE:  # a conversation ended: only its anchor record to acknowledge
+            return []
+        if self.published and (mask := self.published.pop(sample_id(turn, "rl"), None)) is not None:
+            if prev is not None and not prev.sent.done():  # in the conversation's order
+                await asyncio.shield(prev.sent)
+            if mask and job.conversation is not None:
+                job.conversation.trained = True
+            metrics.REUSED.inc()
+            return []  # decided before a restart: the published sample stands
         if job.kind == FLUSH:
             metrics.FLUSHED.labels(job.reason).inc()
+            metrics.UNJUDGED.labels(job.reason).inc()
             if job.reason == "unfinished":
                 metrics.UNFINISHED.labels(str(turn.finish_reason)).inc()
             if self.mode == "rl":
@@ -318,11 +347,15 @@ class JudgeApp:
         inp = JudgeInput.from_turn(turn, job.next_state)
         if self.mode == "rl":
             verdict = await self._score(inp)
-            return self._samples([rl_sample(turn, verdict, job.candidate, self.judge_name, at)])
+            if verdict.all_failed:
+                metrics.UNJUDGED.labels("votes_failed").inc()
+            return self._samples([await self._rl_judged(job, verdict, prev)])
         if self.mode == "opd":
             hv = await self._hint(inp)
             if not hv.hint:
                 metrics.DROPPED.labels("no_hint").inc()
+                if hv.reason in _HINT_FAILED:
+                    metrics.UNJUDGED.labels("votes_failed").inc()
                 return []
             try:
                 teacher = await self.teacher.log_probs(turn, hv.hint)
@@ -337,6 +370,8 @@ class JudgeApp:
             return self._samples([opd_sample(turn, hv.hint, teacher, hv.votes, self.judge_name, at)])
         # combine
         verdict, hv = await asyncio.gather(self._score(inp), self._hint(inp))
+        if verdict.all_failed and hv.reason in _HINT_FAILED:  # no judgement at all (either one is one)
+            metrics.UNJUDGED.labels("votes_failed").inc()
         teacher = None
         if hv.hint:
             try:
@@ -353,6 +388,21 @@ class JudgeApp:
             metrics.DROPPED.labels("no_signal").inc()
             return []
         return self._samples([s])
+
+    async def _rl_judged(self, job: Job, verdict: Verdict, prev: _Link | None) -> events.Sample:
+        """The Binary RL sample of a judged turn, with the at-least-one rule decided in the
+        conversation's order: once the previous job of the session has sent its sample, a vote
+        of 0 is promoted when the conversation has trained nothing yet (:mod:`pipeline.judge.join`)."""
+        if prev is not None and not prev.sent.done():
+            await asyncio.shield(prev.sent)
+        conv = job.conversation
+        promote = job.candidate and conv is not None and not conv.trained
+        s = rl_sample(job.turn, verdict, promote, self.judge_name, job.decided_at)
+        if s.loss_mask and conv is not None:
+            conv.trained = True
+        if promote and s.loss_mask and verdict.score == 0:
+            metrics.PROMOTED.inc()
+        return s
 
     def _samples(self, samples) -> list[tuple[str, events.Event]]:
         for s in samples:

@@ -100,7 +100,7 @@ def _model_key(embedder, texts: list[str], labels: list[int], epochs: float, lr:
 
 
 def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 2.0, lr: float = 3e-5,
-              seed: int = 0, threads: int = THREADS, progress_every: int = 50):
+              seed: int = 0, threads: int = THREADS, progress_every: int = 50, progress_s: float = 30.0):
     """Fine-tune a copy of ``embedder.model`` to tell +1 / 0 / -1 replies apart (module docstring).
 
     Args:
@@ -112,7 +112,8 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
         seed: seeds the shuffle, the head's initialisation and dropout.
         threads: torch CPU threads while training (default :data:`THREADS`, whatever the machine
             has, so that the weights do not depend on its core count), restored afterwards.
-        progress_every: log the running loss every this many steps.
+        progress_every: log the running loss every this many steps, and
+        progress_s: at least every this many seconds (with the time left at the rate so far).
 
     Returns:
         The fine-tuned encoder (a ``transformers`` model in eval mode).
@@ -148,6 +149,7 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
             warm = max(1.0, WARMUP * steps)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warm) * max(0.0, 1 - k / steps))
             rng, order, step, running, t0 = random.Random(seed), list(range(len(texts))), 0, 0.0, time.monotonic()
+            last_log = t0
             encoder.train()
             log.info("judge: fine-tuning MiniLM on %d labelled replies (%d steps; once: about two minutes on two "
                      "cores, then loaded from the cache)", len(texts), steps)
@@ -168,9 +170,11 @@ def fine_tune(embedder, texts: list[str], labels: list[int], *, epochs: float = 
                     sched.step()
                     step += 1
                     running = 0.9 * running + 0.1 * loss.item() if step > 1 else loss.item()
-                    if step % progress_every == 0 or step == steps:
-                        log.info("judge: fine-tuning step %d/%d, loss %.3f, %.0f s", step, steps, running,
-                                 time.monotonic() - t0)
+                    now = time.monotonic()
+                    if step % progress_every == 0 or step == steps or now - last_log >= progress_s:
+                        last_log = now
+                        log.info("judge: fine-tuning step %d/%d, loss %.3f, %.0f s, about %.0f s left", step, steps,
+                                 running, now - t0, (now - t0) / step * (steps - step))
     finally:
         torch.set_num_threads(saved_threads)
     return encoder.eval()

@@ -8,43 +8,75 @@ they are read), so replaying a topic at any speed, with a restarted judge or wit
 judges in a group, decides the same:
 
 - ``Turn`` (main): becomes the session's waiting turn, **not** acknowledged (so a crash
-  re-delivers it); a turn still waiting is flushed first (it never got a next state). A turn
-  whose generation did not finish (``finish_reason`` not ``stop``/``length``/``tool_calls``,
-  e.g. ``abort``) is flushed at once (reason ``unfinished``): it is never trained as an answer,
-  and a next state after it is ignored. A turn whose ``request_id`` this judge already holds or
-  settled (a duplicate record) is ignored, so is a turn older than the waiting one. Side turns
-  take no part and are acknowledged at once.
+  re-delivers it); a turn still waiting is flushed first (reason ``no_next_state``: it never got
+  a next state). A turn whose generation did not finish (``finish_reason`` not
+  ``stop``/``length``/``tool_calls``, e.g. ``abort``) is flushed at once (reason
+  ``unfinished``): it is never trained as an answer, and a next state after it is ignored.
+  Side turns take no part and are acknowledged at once.
+- **A turn is its request.** A turn whose ``request_id`` this judge already holds or settled is
+  the same record again (a producer retry, a replayed copy) and is ignored (counted in
+  ``duplicates``). Any other turn is a new turn, whatever its ``turn_index``: the index is the
+  proxy's, and a proxy that evicted the session or restarted numbers a new conversation from 0
+  again. A turn whose index is not above the session's latest one is therefore told apart by
+  its event time: created at or after the latest turn, it supersedes the waiting turn, and
+  when its index is below the latest one, or equal to it when that turn was already settled
+  (a one-turn conversation judged, then the proxy dropped the session and numbers the next
+  conversation from 0 again), it starts a **new conversation** of the session (the
+  at-least-one rule starts afresh; an equal index while that turn still waits is the same turn
+  asked again); created
+  before it, it is a turn that overtook nothing and arrived late (records of several proxies):
+  it is settled at once without a judgement (reason ``out_of_order``, counted in ``stale``),
+  and the waiting turn keeps waiting.
 - ``NextState`` for the waiting turn: a ``judge`` job (which acknowledges the turn once its
-  sample is delivered). A next state with no messages flushes the turn instead. A next state
-  with no waiting turn (or for another turn index) is ignored.
-- ``SessionEnd``: flushes the waiting turn and forgets the session. An end that names a
-  ``turn_index`` applies only while that turn is the session's latest main turn (else it is
-  ignored: a newer record overtook it).
-- Idle time-out: the judge does not decide it on its clock. :meth:`Joiner.idle_sessions` lists
-  sessions whose latest record is older than ``idle_timeout_s`` (event time and this process's
-  read time both); the app publishes a ``SessionEnd(reason="idle_timeout", turn_index=<latest
-  main turn>)`` to ``turns`` for those on partitions it has read to the end, and acts only when
-  it reads that record back. A next state already in the log before the end (a lagging judge)
-  is therefore judged, and a replay sees the same ends in the same places.
+  sample is delivered). A next state with no messages flushes the turn instead
+  (``empty_next_state``). A next state with no waiting turn (or for another turn index) is
+  ignored.
+- ``SessionEnd``: flushes the waiting turn and forgets the session (its next conversation
+  starts afresh). An end that names a ``turn_index`` applies only while that turn is the
+  session's latest main turn (else it is ignored: a newer record overtook it).
+- **The idle horizon** (``judge.idle_timeout_s``, hours by default: people answer late) is
+  measured in event time, never on a clock: each partition's *watermark* is the newest event
+  time (``created_at``) read from it, and :meth:`Joiner.idle_sessions` lists the sessions with a
+  waiting turn whose latest record is ``idle_timeout_s`` older than their partition's watermark.
+  The app publishes a ``SessionEnd(reason="idle_timeout", turn_index=<latest main turn>,
+  created_at=<watermark>)`` to ``turns`` for those on partitions it has read to the end, and acts
+  only when it reads that record back: a next state already in the log before the end is
+  judged, and a replay sees the same ends in the same places. A quiet partition (no newer
+  record) closes nothing, so a reply that comes after any pause is still paired. Memory is
+  bounded by the horizon (the waiting turns of the last ``idle_timeout_s`` of event time) and by
+  :data:`MAX_SESSIONS` remembered sessions.
 
-At-least-one rule (Binary RL; OpenClaw-RL's guarantee that a session trains on at least one
-sample), in the form implemented here:
+At-least-one rule (Binary RL; OpenClaw-RL: a turn that would not be trained, that *has* a next
+state and was scored 0 by the PRM, is trained with reward 0 when its session has no trained
+sample yet):
 
-    A session's turn 0, when it is joined with a next state and judged, is always trained:
-    when its vote is 0 (a tie or all-neutral votes) it is emitted with reward 0 and loss_mask
-    1. Every other judged turn follows the plain rule (loss_mask 0 when the vote is 0). Turns
-    without a next state are never trained, nor are turns whose votes all failed (no
-    judgement: no reward, loss_mask 0, even for turn 0).
+    The first turn of a conversation that the PRM judged (a majority vote exists: not a turn
+    without a next state, an unfinished turn, an empty next state, nor a turn whose votes all
+    failed) is trained: a vote of +-1 trains anyway, a vote of 0 is emitted with reward 0 and
+    loss_mask 1. Every later judged turn of the conversation follows the plain rule (loss_mask
+    0 when the vote is 0). A retry of an aborted turn 0 (turn 1), a session whose first request
+    already carries history (first index 2), and a turn after one whose votes all failed are
+    therefore each promoted.
 
-OpenClaw-RL promotes the first judged turn of a session that has no trained sample yet; the two
-differ only when turn 0 gets no next state (an aborted generation, an empty next state) or its
-votes all fail, and a later turn is judged 0. The promoted sample has reward 0, so it adds nothing to a GRPO
-advantage (only KL and entropy terms). Tying the rule to turn 0 makes the decision a function of
-the turn record alone: it does not depend on how fast votes come back, on when ``SessionEnd``
-arrives (OpenClaw-RL counts trained samples in async tasks and resets the counter at session
-end, so its outcome depends on timing), nor on where a restarted judge resumes reading (a judge
-that resumes in the middle of a session, after records of it were committed, decides exactly as
-the first one did: replays give identical samples).
+The decision depends on the votes of the conversation's earlier turns, so it is taken by the app
+in the conversation's order (:class:`Conversation`, shared by its jobs: jobs of one session send
+their samples in turn order, and a job decides only once the previous job of its session has
+sent its sample), from the judge's own decisions on the records it read, never from timing. A
+new conversation (after a ``SessionEnd``, or a turn that restarts the indices) starts untrained.
+A restart (or a rebalance) decides the same, from the records and the judge's published samples:
+
+- the conversation's first turn record (its *anchor*) is acknowledged only when the
+  conversation ends (``SessionEnd``, idle end, a new conversation, or the session forgotten
+  above :data:`MAX_SESSIONS`), by a ``release`` job that runs after the conversation's other
+  jobs. The committed offset therefore never passes the start of an open conversation: a
+  restarted judge re-reads every open conversation whole;
+- records re-read after the committed offset whose turn was already settled (an ended
+  conversation's tail, turns settled before the crash) keep the sample that was published:
+  the app reads those decisions back from ``samples`` when it is assigned partitions
+  (:mod:`pipeline.judge.published`) and copies them, trained ones marking the conversation.
+
+The cost: in ``rl`` mode a restart re-reads the records since the oldest open conversation began
+(bounded by the idle horizon), not only since the oldest waiting turn.
 """
 
 from __future__ import annotations
@@ -55,9 +87,11 @@ from dataclasses import dataclass, field
 
 from pipeline import events
 
-JUDGE, FLUSH = "judge", "flush"
+JUDGE, FLUSH, RELEASE = "judge", "flush", "release"
 #: request ids remembered to recognise duplicate turn records
 MAX_REMEMBERED_TURNS = 100_000
+#: sessions whose latest turn index and conversation are remembered (least recently seen dropped)
+MAX_SESSIONS = 100_000
 
 
 def finished(turn: events.Turn) -> bool:
@@ -70,15 +104,28 @@ def event_time(rec) -> int:
     return int(getattr(rec.event, "created_at", 0) or rec.timestamp_ms or 0)
 
 
+class Conversation:
+    """One conversation of a session, shared by its jobs: ``trained`` is set by the app once a
+    sample of it was emitted with loss_mask 1 (the at-least-one rule; see the module docstring)."""
+
+    __slots__ = ("trained",)
+
+    def __init__(self) -> None:
+        self.trained = False
+
+
 @dataclass
 class Job:
     """Work started by the join.
 
-    ``kind``: ``judge`` (turn + next state) or ``flush`` (turn without next state; ``reason`` says
-    why). ``acks`` are records to acknowledge once this job's output is delivered.
-    ``candidate``: the at-least-one rule applies (the session's turn 0).
-    ``decided_at``: event time (ms) of the record that started the job (the sample's
-    ``created_at``). ``joined_at``: monotonic seconds when the job was created (latency metric only).
+    ``kind``: ``judge`` (turn + next state), ``flush`` (turn without next state; ``reason`` says
+    why) or ``release`` (no output: a conversation ended, its anchor record can be acknowledged).
+    ``acks`` are records to acknowledge once this job's output (and its session's earlier jobs'
+    outputs) is delivered.
+    ``candidate``: the at-least-one rule applies (Binary RL); the app promotes a vote of 0 when
+    ``conversation`` has not trained yet. ``decided_at``: event time (ms) of the record that
+    started the job (the sample's ``created_at``). ``joined_at``: monotonic seconds when the job
+    was created (latency metric only).
     """
 
     kind: str
@@ -92,26 +139,28 @@ class Job:
     acks: list = field(default_factory=list)
     decided_at: int = 0
     joined_at: float = 0.0
+    conversation: Conversation | None = None
 
 
 @dataclass
 class _Session:
     tp: tuple
-    last_ts: int  # newest record timestamp of the session (ms)
-    last_seen: float  # this process's monotonic clock when its latest record was read
+    last_ts: int  # newest event time of the session's records (ms)
     last_index: int = -1  # latest main turn index
+    last_turn_at: int = -1  # event time (ms) of that turn
     waiting: object = None  # (record, turn)
     idle_proposed: bool = False  # an idle end was published for the current state
+    conversation: Conversation = field(default_factory=Conversation)
+    anchor: object = None  # the conversation's first turn record, acknowledged when it ends (rl)
 
 
 class Joiner:
     """Join state of the sessions of the partitions this process owns.
 
     Args:
-        idle_timeout_s: sessions idle this long are proposed for an idle end (<= 0: never).
+        idle_timeout_s: the idle horizon (event-time seconds; <= 0: never).
         at_least_one: apply the at-least-one rule (Binary RL only).
-        clock: monotonic clock (seconds), injectable for tests; only used to propose idle ends
-            and for the latency metric, never for a decision.
+        clock: monotonic clock (seconds), injectable for tests; only for the latency metric.
     """
 
     def __init__(self, idle_timeout_s: float, at_least_one: bool, clock=time.monotonic) -> None:
@@ -120,10 +169,12 @@ class Joiner:
         self.at_least_one = at_least_one
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently seen first
+        self.watermark: dict[tuple, int] = {}  # partition -> newest event time read (ms)
         self.waiting = 0
         self.turns_seen: OrderedDict[tuple[str, str], tuple] = OrderedDict()  # (session, request_id) -> tp
         self.duplicates = 0
         self.stale = 0
+        self.conversations = 0  # new conversations of a known session (indices restarted)
 
     # ---- records ---------------------------------------------------------------------------
     def on_record(self, rec) -> tuple[bool, list[Job]]:
@@ -133,83 +184,92 @@ class Joiner:
             return True, []
         if isinstance(ev, events.Turn) and ev.turn_type != "main":
             return True, []
-        sid = ev.session_id
-        now = self.clock()
         at = event_time(rec)
-        jobs: list[Job] = []
-        st = self.sessions.get(sid)
+        if at > self.watermark.get(rec.tp, -1):
+            self.watermark[rec.tp] = at
         if isinstance(ev, events.Turn):
-            if ev.request_id and (sid, ev.request_id) in self.turns_seen:
-                self.duplicates += 1
-                return True, jobs  # the same turn record again (a producer retry, a replayed copy)
-            if st is None:
-                st = _Session(rec.tp, last_ts=rec.timestamp_ms, last_seen=now)
-                self.sessions[sid] = st
-            elif st.waiting is not None and ev.turn_index <= st.waiting[1].turn_index:
-                self.stale += 1
-                self._touch(sid, st, rec, now)
-                return True, jobs  # older than the waiting turn (out of order)
-            self._remember(sid, ev)
-            if st.waiting is not None:
-                jobs.append(self._flush(sid, st, "no_next_state", now, at))
-            st.waiting = (rec, ev)
-            st.last_index = ev.turn_index
-            self.waiting += 1
-            self._touch(sid, st, rec, now)
-            if not finished(ev):
-                jobs.append(self._flush(sid, st, "unfinished", now, event_time(rec)))
-                self._maybe_forget(sid, st)
-                return False, jobs
-            return False, jobs
+            return self._on_turn(rec, ev, at)
+        sid = ev.session_id
+        st = self.sessions.get(sid)
         if st is None:
-            return True, jobs  # next state / end of a session we hold nothing for
+            return True, []  # next state / end of a session we hold nothing for
+        now = self.clock()
+        self._touch(sid, st, at)
         if isinstance(ev, events.SessionEnd):
             if ev.turn_index is not None and ev.turn_index != st.last_index:
-                self._touch(sid, st, rec, now)
-                return True, jobs  # overtaken by a newer turn of the session
-            jobs += self._close(sid, ev.reason if ev.reason == "idle_timeout" else "session_end", now, at)
-            return True, jobs
-        self._touch(sid, st, rec, now)
-        # NextState
+                return True, []  # overtaken by a newer turn of the session
+            return True, self._close(sid, ev.reason if ev.reason == "idle_timeout" else "session_end", now, at)
         if st.waiting is None:
-            return True, jobs
+            return True, []
         wrec, turn = st.waiting
         if ev.after_turn_index is not None and ev.after_turn_index != turn.turn_index:
-            return True, jobs  # belongs to another turn (stale or out of protocol)
+            return True, []  # belongs to another turn (stale or out of protocol)
         if not ev.messages:
-            jobs.append(self._flush(sid, st, "empty_next_state", now, at))
-        else:
-            st.waiting = None
-            self.waiting -= 1
-            candidate = self.at_least_one and turn.turn_index == 0
-            jobs.append(Job(JUDGE, sid, st.tp, turn=turn, record=wrec, next_state=list(ev.messages),
-                            candidate=candidate, acks=[wrec], decided_at=at, joined_at=now))
-        self._maybe_forget(sid, st)
-        return True, jobs
+            return True, [self._flush(sid, st, "empty_next_state", now, at)]
+        st.waiting = None
+        self.waiting -= 1
+        return True, [Job(JUDGE, sid, st.tp, turn=turn, record=wrec, next_state=list(ev.messages),
+                          candidate=self.at_least_one, acks=self._acks(st, wrec), decided_at=at, joined_at=now,
+                          conversation=st.conversation)]
 
-    def idle_sessions(self, now_ms: int, ready=lambda tp: True) -> list[tuple[str, tuple, int]]:
-        """Sessions to propose an idle end for: ``(session_id, tp, latest main turn index)``.
+    def _on_turn(self, rec, ev: events.Turn, at: int) -> tuple[bool, list[Job]]:
+        sid = ev.session_id
+        if ev.request_id and (sid, ev.request_id) in self.turns_seen:
+            self.duplicates += 1
+            return True, []  # the same turn record again (a producer retry, a replayed copy)
+        now = self.clock()
+        jobs: list[Job] = []
+        st = self.sessions.get(sid)
+        if st is None:
+            st = self.sessions[sid] = _Session(rec.tp, last_ts=at)
+            jobs += self._bound(now, at)
+        self._remember(sid, ev, rec.tp)
+        index = ev.turn_index if ev.turn_index is not None else st.last_index + 1
+        if index <= st.last_index:
+            if at < st.last_turn_at:  # a late record (it overtook nothing): settle it, keep the waiting one
+                self.stale += 1
+                self._touch(sid, st, at)
+                return False, [Job(FLUSH, sid, st.tp, turn=ev, record=rec, reason="out_of_order", acks=[rec],
+                                   decided_at=at, joined_at=now)]
+        # the indices restarted, or a turn at the index of one already settled: a new conversation
+        restarted = index < st.last_index or (index == st.last_index and st.waiting is None)
+        if st.waiting is not None:
+            jobs.append(self._flush(sid, st, "no_next_state", now, at))
+        if restarted:
+            jobs += self._release(sid, st, now, at)
+            st.conversation = Conversation()
+            self.conversations += 1
+        if self.at_least_one and st.anchor is None:
+            st.anchor = rec  # held until the conversation ends: a restart re-reads it whole
+        st.waiting = (rec, ev)
+        st.last_index, st.last_turn_at = index, at
+        self.waiting += 1
+        self._touch(sid, st, at)
+        if not finished(ev):
+            jobs.append(self._flush(sid, st, "unfinished", now, at))
+        return False, jobs
 
-        A session qualifies when it holds a waiting turn, no end was proposed since its
-        latest record, its newest record timestamp is ``idle_timeout_s`` older than ``now_ms``
-        and this process read that record ``idle_timeout_s`` ago or more (a skewed producer
-        clock cannot close a live session early), and ``ready(tp)`` (the caller has read its
-        partition to the end). Returned sessions are marked proposed. This only *proposes*: the
-        session is closed when the published ``SessionEnd`` is read back (:meth:`on_record`).
+    def idle_sessions(self, ready=lambda tp: True) -> list[tuple[str, tuple, int, int]]:
+        """Sessions to propose an idle end for: ``(session_id, tp, latest main turn index,
+        watermark)``, the watermark (ms) being the end's event time.
+
+        A session qualifies when it holds a waiting turn or an open conversation's anchor, no end
+        was proposed since its latest record, its newest record is ``idle_timeout_s`` older
+        (event time) than the newest record read from its partition, and ``ready(tp)`` (the
+        caller has read its partition to the end). Returned sessions are marked proposed. This only *proposes*: the session is
+        closed when the published ``SessionEnd`` is read back (:meth:`on_record`).
         """
         if self.idle_s <= 0:
             return []
-        now = self.clock()
         out = []
-        for sid, st in self.sessions.items():  # least recently seen first
-            if now - st.last_seen < self.idle_s:
-                break
-            if st.idle_proposed or st.waiting is None:
+        for sid, st in self.sessions.items():
+            if st.idle_proposed or (st.waiting is None and st.anchor is None):
                 continue
-            if now_ms - st.last_ts < self.idle_ms or not ready(st.tp):
+            mark = self.watermark.get(st.tp, -1)
+            if mark - st.last_ts < self.idle_ms or not ready(st.tp):
                 continue
             st.idle_proposed = True
-            out.append((sid, st.tp, st.last_index))
+            out.append((sid, st.tp, st.last_index, mark))
         return out
 
     def drop_partitions(self, tps: set) -> int:
@@ -221,19 +281,38 @@ class Joiner:
                 self.waiting -= 1
         for key in [k for k, tp in self.turns_seen.items() if tp in tps]:
             del self.turns_seen[key]  # their records will be re-delivered: not duplicates
+        for tp in tps:
+            self.watermark.pop(tp, None)
         return len(gone)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _remember(self, sid: str, turn: events.Turn) -> None:
+    def _remember(self, sid: str, turn: events.Turn, tp: tuple) -> None:
         if not turn.request_id:
             return
-        self.turns_seen[(sid, turn.request_id)] = self.sessions[sid].tp
+        self.turns_seen[(sid, turn.request_id)] = tp
         if len(self.turns_seen) > MAX_REMEMBERED_TURNS:
             self.turns_seen.popitem(last=False)
 
-    def _touch(self, sid: str, st: _Session, rec, now: float) -> None:
-        st.last_ts = max(st.last_ts, rec.timestamp_ms)
-        st.last_seen = now
+    def _bound(self, now: float, at: int) -> list[Job]:
+        """Forget the least recently seen sessions that hold no waiting turn, above
+        :data:`MAX_SESSIONS` (their anchors are released: a later turn starts a new conversation)."""
+        jobs: list[Job] = []
+        while len(self.sessions) > MAX_SESSIONS:
+            old = next((k for k, st in self.sessions.items() if st.waiting is None), None)
+            if old is None:
+                break  # every remembered session waits: the idle horizon bounds them
+            jobs += self._release(old, self.sessions.pop(old), now, at)
+        return jobs
+
+    def _release(self, sid: str, st: _Session, now: float, at: int) -> list[Job]:
+        """The conversation ended: a job that acknowledges its anchor after the session's earlier outputs."""
+        anchor, st.anchor = st.anchor, None
+        if anchor is None:
+            return []
+        return [Job(RELEASE, sid, st.tp, record=anchor, acks=[anchor], decided_at=at, joined_at=now)]
+
+    def _touch(self, sid: str, st: _Session, at: int) -> None:
+        st.last_ts = max(st.last_ts, at)
         st.idle_proposed = False
         self.sessions.move_to_end(sid)
 
@@ -242,17 +321,15 @@ class Joiner:
         wrec, turn = st.waiting
         st.waiting = None
         self.waiting -= 1
-        return Job(FLUSH, sid, st.tp, turn=turn, record=wrec, reason=reason, acks=[wrec], decided_at=at,
-                   joined_at=now)
+        return Job(FLUSH, sid, st.tp, turn=turn, record=wrec, reason=reason, acks=self._acks(st, wrec),
+                   decided_at=at, joined_at=now)
+
+    @staticmethod
+    def _acks(st: _Session, rec) -> list:
+        """What settling ``rec`` acknowledges: nothing while it is its conversation's anchor."""
+        return [] if rec is st.anchor else [rec]
 
     def _close(self, sid: str, reason: str, now: float, at: int) -> list[Job]:
         st = self.sessions.pop(sid)
-        jobs = []
-        if st.waiting is not None:
-            jobs.append(self._flush(sid, st, reason, now, at))
-        return jobs
-
-    def _maybe_forget(self, sid: str, st: _Session) -> None:
-        # nothing waiting: a later record of the session recreates the state
-        if st.waiting is None:
-            self.sessions.pop(sid, None)
+        jobs = [self._flush(sid, st, reason, now, at)] if st.waiting is not None else []
+        return jobs + self._release(sid, st, now, at)

@@ -20,7 +20,19 @@ TEACHER_UNSUPPORTED = Counter("pipeline_judge_teacher_unsupported_total",
 UNFINISHED = Counter("pipeline_judge_unfinished_turns_total",
                      "Main turns whose generation did not finish (never trained as an answer)", ["finish_reason"])
 DUPLICATE_TURNS = Counter("pipeline_judge_duplicate_turns_total",
-                          "Turn records ignored: a request_id already held or settled, or older than the waiting turn")
+                          "Turn records ignored: their request_id is already held or settled (the same request)")
+NEW_CONVERSATIONS = Counter("pipeline_judge_new_conversations_total",
+                            "Turns that restarted their session's turn indices (a new conversation, e.g. after the "
+                            "proxy evicted or forgot the session): judged as a new conversation, never as duplicates")
+UNJUDGED = Counter("pipeline_judge_unjudged_turns_total",
+                   "Main turns that ended without a judgement, by reason: no_next_state (a newer turn came first), "
+                   "unfinished, empty_next_state, session_end, idle_timeout (the idle horizon), out_of_order (a late "
+                   "record), votes_failed, judge_error", ["reason"])
+REUSED = Counter("pipeline_judge_published_decisions_reused_total",
+                 "Re-read turns (after a restart or a rebalance) whose published sample was kept, not judged again")
+PROMOTED = Counter("pipeline_judge_at_least_one_promoted_total",
+                   "Turns judged 0 and trained with reward 0 (the at-least-one rule: first judged turn of a "
+                   "conversation that trained nothing yet)")
 IDLE_ENDS = Counter("pipeline_judge_idle_session_ends_total",
                     "session_end records (reason idle_timeout) this judge published to the turns topic")
 LATENCY = Histogram("pipeline_judge_latency_seconds", "Join (next state seen) to sample delivered",

@@ -62,8 +62,8 @@ def parse_score(text: str | None, allowed: tuple[int, ...] = (1, 0, -1)) -> int 
 def parse_hint(text: str | None, min_chars: int = 10) -> tuple[int | None, str | None]:
     """Parse one OPD hint vote: ``(vote, hint)``.
 
-    ``vote`` is 1, -1 or None (unparseable). ``hint`` is the stripped text between the last
-    ``[HINT_START]`` and the following ``[HINT_END]`` when the vote is 1 and the hint is
+    ``vote`` is 1, -1 or None (unparseable). ``hint`` is the stripped text of the last complete
+    ``[HINT_START]...[HINT_END]`` block (:func:`hint_block`) when the vote is 1 and the hint is
     **longer than** ``min_chars`` characters (OpenClaw-RL's rule), else None.
     """
     vote = parse_score(text, allowed=(1, -1))
@@ -74,14 +74,19 @@ def parse_hint(text: str | None, min_chars: int = 10) -> tuple[int | None, str |
 
 
 def hint_block(text: str | None) -> str | None:
-    """The stripped text between the last ``[HINT_START]`` and the following ``[HINT_END]``, or None."""
+    """The stripped text of the last complete ``[HINT_START]...[HINT_END]`` block, or None.
+
+    The block ends at the last ``[HINT_END]`` and starts at the last ``[HINT_START]`` before it,
+    so an unfinished block after a complete one (a truncated answer) does not hide it
+    (OpenClaw-RL takes the last complete match).
+    """
     if not text:
         return None
-    start = text.rfind(HINT_START)
-    if start < 0:
-        return None
-    end = text.find(HINT_END, start)
+    end = text.rfind(HINT_END)
     if end < 0:
+        return None
+    start = text.rfind(HINT_START, 0, end)
+    if start < 0:
         return None
     return text[start + len(HINT_START): end].strip()
 

@@ -134,11 +134,14 @@ class Reorderer:
                 out += self._release_all(sid, st)
         return out
 
-    def stalled(self, ready=lambda tp: True) -> list[tuple[str, tuple, int | None]]:
+    def stalled(self, ready=lambda tp: True) -> list[tuple[str, tuple, int | None, int]]:
         """Sessions that have held records for ``max_wait_s`` on this process's clock (no newer
         record moved their partition's watermark), each returned once, when ``ready(tp)`` (the
         caller has read the partition to its end): ``(session_id, tp, newest held turn index or
-        None)``.
+        None, event time for the end)``. The end's event time is the oldest held record's plus the
+        lateness (what releases it), never this process's clock: read back, it moves the partition's
+        watermark only as far as the records themselves would, so a replay of old records or a
+        long pause does not make every waiting session look idle.
 
         Nothing is released here: the caller publishes an idle ``SessionEnd`` for each, and its
         event time moves the watermark when it is read back, so the release is in the log and a
@@ -152,7 +155,7 @@ class Reorderer:
             if st.held and not st.proposed and now - st.since >= self.max_wait_s and ready(st.tp):
                 st.proposed = True
                 turns = [r.event.turn_index for r in st.held if isinstance(r.event, events.Turn)]
-                out.append((sid, st.tp, max(turns) if turns else None))
+                out.append((sid, st.tp, max(turns) if turns else None, st.held_at + self.lateness_ms))
         return out
 
     def drop_partitions(self, tps: set) -> int:

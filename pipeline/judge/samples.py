@@ -102,6 +102,7 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask
         source=turn.source)
     if teacher is not None:
         s.teacher_log_probs = list(teacher.log_probs)
+        s.teacher_model, s.teacher_version = teacher.model, teacher.version
         if teacher.topk_ids:
             s.teacher_top_k = len(teacher.topk_ids) // r if r else 0
             s.teacher_topk_ids = list(teacher.topk_ids)

@@ -28,8 +28,25 @@ the turn unsupported too (reason ``logprob_processors``): such a turn carries no
 
 With ``judge.teacher_top_k`` = k > 0 the same call returns the teacher's top-k
 (``top_logprobs_num``) per response position, flattened row-major (R*k ids and R*k log-probs;
-missing entries are id 0 with log-prob -inf). The teacher endpoint is ``engine.teacher_url`` (a
-frozen copy of the policy), else ``engine.url``.
+missing entries are id 0 with log-prob -inf).
+
+Whose weights score (OpenClaw-RL's teacher is a frozen model that never trains): the teacher is
+``engine.teacher_url``, a fixed, named engine (``pipeline up`` starts one holding the initial
+policy). Each sample records its identity (``teacher_model``: the engine's ``model_path``) and
+the version that scored it (``teacher_version``: the scoring answer's ``weight_version``).
+Without ``engine.teacher_url`` the only teacher left is the live policy (``engine.url``), whose
+weights change at every sync: refused at start unless ``judge.live_policy_teacher`` is set, and
+then a turn is scored only by the weights that generated it (the scoring answer's
+``weight_version`` equals ``turn.policy_version``), else it gets no teacher (reason
+``teacher_version``).
+
+Start-up self-check (:meth:`Teacher.self_check`, ``judge.teacher_self_check``): a fixed
+sequence is scored at T = 1 and T = 0.5 with the top-5 alternatives; under
+``log_softmax(logits / T)`` the log-prob difference of two tokens at one position is
+``(z_a - z_b) / T``, so the differences at T = 0.5 must be twice those at T = 1. A teacher that
+fails (SGLang started without ``SGLANG_TEMP_SCALED_LOGPROBS=1`` scores prompts at T = 1
+whatever is asked) is refused with :class:`TeacherMisconfigured`; one that cannot be reached at
+start is checked again before its first OPD score.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ from dataclasses import dataclass, field
 from pipeline.chat import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
 from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
 from pipeline.errors import PipelineError
+from pipeline.events import logprob_domain_error
 from pipeline.judge.prompts import inject_hint
 from pipeline.judge.samples import rollout_temperature
 from pipeline.retry import Transient, retrying
@@ -56,8 +74,9 @@ class TeacherError(PipelineError, RuntimeError):
 class TeacherUnsupported(TeacherError):
     """The teacher cannot score this turn's distribution (a property of the turn, not a failure).
 
-    ``reason``: ``prompt_mismatch`` (the student's prompt cannot be reproduced) or
-    ``logprob_processors`` (the rollout log-probs were shaped by options a prefill cannot apply).
+    ``reason``: ``prompt_mismatch`` (the student's prompt cannot be reproduced),
+    ``logprob_processors`` (the rollout log-probs were shaped by options a prefill cannot apply)
+    or ``teacher_version`` (a live-policy teacher now serves other weights than the turn's).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -65,13 +84,51 @@ class TeacherUnsupported(TeacherError):
         self.reason = reason
 
 
+class TeacherMisconfigured(TeacherError):
+    """The teacher engine cannot give the OPD signal: its log-probs ignore the temperature, or
+    it is the live policy without ``judge.live_policy_teacher``. The message says what to fix."""
+
+
+#: the fixed text the self-check scores (any text works: it only needs a few tokens)
+SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog. One, two, three, four, five, six."
+#: alternatives per position compared by the self-check, and its relative tolerance
+SELF_CHECK_TOP_K, SELF_CHECK_TOLERANCE = 5, 0.05
+
+
 @dataclass
 class TeacherOutput:
-    """Teacher log-probs for R response tokens (and optional top-k, R*k row-major)."""
+    """Teacher log-probs for R response tokens (and optional top-k, R*k row-major), with the
+    teacher's identity (``model``: its model path) and the ``weight_version`` it reported for
+    the scoring call (``version``); None: not known."""
 
     log_probs: list
     topk_ids: list = field(default_factory=list)
     topk_log_probs: list = field(default_factory=list)
+    version: str | None = None
+    model: str | None = None
+
+
+def temperature_ratio(at_one, at_half) -> tuple[float | None, float]:
+    """How the teacher's log-prob differences scale from T = 1 to T = 0.5.
+
+    Args:
+        at_one, at_half: :class:`pipeline.client.ScoreResult` of the same sequence at T = 1 and
+            T = 0.5, with top-k alternatives.
+    Returns:
+        ``(ratio, spread)``: the least-squares factor ``d_half / d_one`` over every pair (the
+        position's most likely token, another of its top-k found at both temperatures), 2.0 for
+        a teacher that honours T; None when no pair was found (no top-k returned). ``spread``:
+        the largest ``|d_one|`` (nats), how much the check could see.
+    """
+    num = den = spread = 0.0
+    for row1, row05 in zip(at_one.top, at_half.top):
+        one, half = dict(row1), dict(row05)
+        common = [t for t, _ in sorted(row1, key=lambda x: -x[1]) if t in half and math.isfinite(one[t])
+                  and math.isfinite(half[t])]
+        for b in common[1:]:
+            d1, d05 = one[common[0]] - one[b], half[common[0]] - half[b]
+            num, den, spread = num + d05 * d1, den + d1 * d1, max(spread, abs(d1))
+    return (num / den if den > 0 else None), spread
 
 
 def flatten_top_k(top: list[list[tuple[int, float]]], n_response: int, top_k: int) -> tuple[list[int], list[float]]:
@@ -104,11 +161,91 @@ class Teacher:
         self.tokenizer = tokenizer or load_tokenizer(config.engine.model, config.engine.cache_dir)
         self.renderer = ChatRenderer(self.tokenizer)
         self.client: EngineClient | None = None
+        #: no engine.teacher_url: the live policy scores (only with judge.live_policy_teacher)
+        self.live = not config.engine.teacher_url
+        self.url = config.engine.teacher_url or config.engine.url
+        self.model: str | None = None  # the teacher engine's model_path (its identity), once known
+        self.checked = not config.judge.teacher_self_check  # the self-check passed (or is off)
+        self._refused: TeacherMisconfigured | None = None
+        self._check_lock: asyncio.Lock | None = None
 
     async def start(self) -> None:
-        """Open the connection pool to the teacher endpoint (inside the loop that uses it)."""
-        self.client = EngineClient(self.config.engine.teacher_url or self.config.engine.url,
-                                   self.config.judge.teacher_timeout_s)
+        """Open the connection pool to the teacher endpoint (inside the loop that uses it).
+
+        Raises:
+            TeacherMisconfigured: no ``engine.teacher_url`` and no ``judge.live_policy_teacher``.
+        """
+        if self.live and not self.config.judge.live_policy_teacher:
+            raise TeacherMisconfigured(
+                "engine.teacher_url is not set, so the OPD teacher would be the live policy at engine.url, whose "
+                "weights change at every sync (a turn would be scored by weights that did not generate it): set "
+                "engine.teacher_url to a frozen teacher engine (pipeline up starts one), or judge.live_policy_"
+                "teacher=true to score each turn only with the policy version that generated it")
+        self.client = EngineClient(self.url, self.config.judge.teacher_timeout_s)
+        self._check_lock = asyncio.Lock()
+
+    async def check_at_start(self) -> None:
+        """Learn the teacher's identity and run :meth:`self_check` now; an unreachable teacher
+        is checked again before its first OPD score (logged).
+
+        Raises:
+            TeacherMisconfigured: the teacher answered and failed the check.
+        """
+        try:
+            await self._ensure_checked()
+        except TeacherMisconfigured:
+            raise
+        except (TeacherError, EngineError) as e:
+            log.warning("OPD teacher at %s not checked at start (%s): checked before its first score", self.url, e)
+
+    async def _ensure_checked(self) -> None:
+        if self._refused is not None:
+            raise self._refused
+        if self.checked and self.model is not None:
+            return
+        async with self._check_lock:
+            if self.model is None:
+                try:
+                    info = await self.client.model_info()
+                except EngineError as e:
+                    if e.status != 404:
+                        raise TeacherError(f"teacher {self.url}: /model_info failed: {e}") from None
+                    info = {}  # an engine without /model_info is named by its URL
+                self.model = str(info.get("model_path") or self.url)[:256]
+            if not self.checked:
+                try:
+                    await self.self_check()
+                except TeacherMisconfigured as e:
+                    self._refused = e
+                    log.error("%s", e)
+                    raise
+                self.checked = True
+                log.info("OPD teacher %s (%s) passed the temperature self-check", self.model, self.url)
+
+    async def self_check(self) -> None:
+        """Score :data:`SELF_CHECK_TEXT` at T = 1 and T = 0.5 (top-5) and check that the log-prob
+        differences double (see the module docstring). Without top-k in the answer, the
+        log-probs must at least differ between the two temperatures.
+
+        Raises:
+            TeacherMisconfigured: they do not scale as the temperature says.
+            EngineError: the teacher could not be asked.
+        """
+        ids = self.tokenizer.encode(SELF_CHECK_TEXT, add_special_tokens=False)[:32]
+        one = await self.client.score_result(ids, 1, temperature=1.0, top_logprobs_num=SELF_CHECK_TOP_K)
+        half = await self.client.score_result(ids, 1, temperature=0.5, top_logprobs_num=SELF_CHECK_TOP_K)
+        ratio, spread = temperature_ratio(one, half)
+        fix = (f"the OPD teacher at {self.url} does not compute its log-probs at the requested temperature, so a "
+               "hint that changes nothing would still give a non-zero OPD advantage: an SGLang teacher must be "
+               "started with SGLANG_TEMP_SCALED_LOGPROBS=1 (deploy/docker-compose.yml, deploy/k8s/engines.yaml)")
+        if ratio is None:
+            moved = max((abs(a - b) for a, b in zip(one.logprobs, half.logprobs)), default=0.0)
+            if moved < 1e-6:
+                raise TeacherMisconfigured(f"{fix}; its log-probs at T=0.5 equal those at T=1")
+            return
+        if spread > 1e-3 and abs(ratio - 2.0) > 2.0 * SELF_CHECK_TOLERANCE:
+            raise TeacherMisconfigured(f"{fix}; its log-prob differences at T=0.5 are {ratio:.3f} times those at "
+                                       "T=1, want 2")
 
     async def aclose(self) -> None:
         if self.client is not None:
@@ -150,8 +287,14 @@ class Teacher:
             TeacherError: the endpoint failed after retries or answered with too few log-probs.
         """
         self.check(turn)
+        await self._ensure_checked()
         prompt = await asyncio.to_thread(self.prompt_ids, turn, hint)
-        return await self.score(prompt, list(turn.response_token_ids), rollout_temperature(turn))
+        out = await self.score(prompt, list(turn.response_token_ids), rollout_temperature(turn))
+        out.model = self.model
+        if self.live and out.log_probs and out.version != str(turn.policy_version):
+            raise TeacherUnsupported("teacher_version", f"the live-policy teacher scored with weight version "
+                                     f"{out.version!r}, the turn was generated by v{turn.policy_version}")
+        return out
 
     async def score(self, prompt: list[int], response: list[int], temperature: float) -> TeacherOutput:
         """Log-probs ``[R]`` of ``response`` after ``prompt`` under ``softmax(logits / temperature)``.
@@ -177,7 +320,10 @@ class Teacher:
                         raise
         except (Transient, EngineError) as e:
             raise TeacherError(f"teacher scoring failed: {e}") from None
-        out = TeacherOutput(res.logprobs)
+        bad = logprob_domain_error(res.logprobs)
+        if bad is not None:  # a broken engine: never a training signal (the sample would be refused anyway)
+            raise TeacherError(f"teacher scoring returned a value that is not a log-prob: log_probs{bad}")
+        out = TeacherOutput(res.logprobs, version=None if res.weight_version is None else str(res.weight_version))
         if self.top_k > 0:
             out.topk_ids, out.topk_log_probs = flatten_top_k(res.top, len(response), self.top_k)
         return out

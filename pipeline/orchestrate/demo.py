@@ -42,7 +42,7 @@ import httpx
 
 from pipeline.config import Config
 from pipeline.jsonl import read_jsonl
-from pipeline.orchestrate.up import Stack, scrape, start_stack
+from pipeline.orchestrate.up import Stack, run_dir_note, scrape, scrape_by_label, start_interruptibly, start_stack
 from pipeline.orchestrate.supervisor import StageFailed
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ def demo_config(config: Config, args, run_dir: Path) -> Config:
     model = args.model or config.engine.model
     return config.replace(
         engine={"model": model, "threads": 1},  # one thread each: the engine keeps the other core
-        judge={**({"mode": args.judge_mode} if args.judge_mode else {}),
-               "idle_timeout_s": min(config.judge.idle_timeout_s, 60.0)},
+        judge={**({"mode": args.judge_mode} if args.judge_mode else {})},  # the idle horizon: hours (late replies)
         trainer={"model": model, "lr": args.lr, "rollout_batch_size": args.batch_size,
                  "max_steps": args.steps,  # exactly --steps updates; the last one is evaluated
                  "normalize_advantages": True,  # reward minus batch mean (GRPO-style baseline)
@@ -129,10 +128,9 @@ def engine_version(url: str) -> str | None:
 
 def read_topic(config: Config, logical: str) -> list:
     """Every decodable event currently on a topic (assign-mode reader: no group, nothing committed)."""
-    from pipeline.bus import Record, TopicReader
+    from pipeline.bus import read_events
 
-    with TopicReader(config, [config.topics.name(logical)]) as reader:
-        return [r.event for r in reader.read() if isinstance(r, Record)]
+    return read_events(config, logical)
 
 
 def _mean(xs):
@@ -156,14 +154,26 @@ def summarize_topics(turn_events: list, sample_events: list) -> dict:
         "session_ends": kinds.get("SessionEnd", 0),
         "samples": len(sample_events),
         "samples_by_kind": dict(by_kind),
-        "samples_trained": len(trained),
+        "samples_with_loss": len(trained),  # loss mask 1 (whether or not a trainer step took them yet)
         "samples_masked": len(sample_events) - len(trained),
         "reward_mean": _mean([s.reward for s in trained]),  # over samples with a reward (None: absent)
         "samples_by_policy_version": {
             str(v): {"samples": len(ss), "reward_mean": _mean([s.reward for s in ss if s.loss_mask]),
+                     "rewarded": sum(1 for s in ss if s.loss_mask and s.reward is not None),
                      "positive": sum(1 for s in ss if s.loss_mask and (s.reward or 0) > 0)}
             for v, ss in sorted(by_version.items())},
     }
+
+
+def judge_unjudged(stack: Stack) -> dict:
+    """Main turns that ended without a judgement, by reason, and turns still waiting for their
+    next state, from the judge's metrics (``{}`` when the judge does not answer)."""
+    url = stack.metrics.get("judge", "")
+    if not url:
+        return {}
+    reasons = scrape_by_label(url, "pipeline_judge_unjudged_turns_total", "reason")
+    waiting = scrape(url).get("pipeline_judge_sessions_waiting")
+    return {"by_reason": reasons, "total": sum(reasons.values()), "waiting_at_end": waiting}
 
 
 def trainer_log(path: Path) -> list[dict]:
@@ -191,10 +201,41 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def with_interval(res: dict) -> dict:
+    """``res`` (one held-out evaluation) with ``successes`` and ``success_ci95`` (Wilson 95%, as [low, high])."""
+    n = int(res.get("n", 0))
+    k = round(res["success_rate"] * n)
+    return dict(res, successes=k, success_ci95=[round(x, 4) for x in wilson_interval(k, n)])
+
+
+def verdict(evaluations: list[dict]) -> dict | None:
+    """Compare the last evaluated version with the base version (the first evaluation).
+
+    ``learning_signal`` is True only when the last version's Wilson 95% interval lies wholly
+    above the base version's (its low end above the base's high end): with 32 prompts a base of
+    1/32 (interval 0.6-15.7%) needs a last version of at least 10/32 (18.0-48.6%), where a ratio
+    of small counts (2/32 against 1/32 is "x2") says nothing. None with fewer than two evaluations.
+    """
+    if len(evaluations) < 2:
+        return None
+    base, last = with_interval(evaluations[0]), with_interval(evaluations[-1])
+    return {"base_version": str(base.get("policy_version")), "last_version": str(last.get("policy_version")),
+            "base_success": base["success_rate"], "last_success": last["success_rate"],
+            "base_n": int(base.get("n", 0)), "last_n": int(last.get("n", 0)),
+            "base_success_ci95": base["success_ci95"], "last_success_ci95": last["success_ci95"],
+            "base_accuracy": base["accuracy"], "last_accuracy": last["accuracy"],
+            "base_words_per_reply": base["words_per_reply"], "last_words_per_reply": last["words_per_reply"],
+            "learning_signal": bool(last["success_ci95"][0] > base["success_ci95"][1])}
+
+
 def success_target(report: dict) -> float | None:
-    """The held-out success the verdict calls a learning signal: twice version 0's (at most 1)."""
+    """The held-out success the verdict calls a learning signal: above the high end of version 0's
+    Wilson 95% interval (None without an evaluation)."""
     ev = report.get("evaluations") or []
-    return min(1.0, 2 * ev[0]["success_rate"]) if ev and ev[0]["success_rate"] > 0 else None
+    return wilson_interval(round(ev[0]["success_rate"] * int(ev[0]["n"])), int(ev[0]["n"]))[1] if ev else None
+
+
+FEW_SAMPLES = 5  # a per-version reward point from fewer samples is marked (hollow) on the plot
 
 
 def plot(report: dict, path: Path) -> None:
@@ -240,11 +281,17 @@ def figure(report: dict):
         target = success_target(report)
         if target is not None:
             ax.axhline(target, color="C2", ls="--", lw=1)
-            ax.text(xs[0], target, f" target {target:.0%} (2x version 0)", color="C2", fontsize=8, va="bottom")
+            ax.text(xs[0], target, f" target: above {target:.0%} (version 0's 95% upper bound)", color="C2",
+                    fontsize=8, va="bottom")
     sv = {v: d for v, d in report["topics"]["samples_by_policy_version"].items() if d["reward_mean"] is not None}
     if sv:
-        ax.plot([int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()], "^--", color="C3",
-                label="reward of samples it generated, (mean+1)/2")
+        vx, vy = [int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()]
+        ax.plot(vx, vy, "^--", color="C3", label=f"reward of samples it generated, (mean+1)/2 (hollow: n<{FEW_SAMPLES})")
+        few = [(x, y, d.get("rewarded", d["samples"])) for x, y, d in zip(vx, vy, sv.values())
+               if d.get("rewarded", d["samples"]) < FEW_SAMPLES]
+        for x, y, n in few:
+            ax.plot([x], [y], "^", ms=9, mfc="white", color="C3")
+            ax.annotate(f"n={n}", (x, y), textcoords="offset points", xytext=(6, -12), fontsize=7, color="C3")
     ax.set_xlabel("policy version")
     ax.set_ylabel("rate")
     ax.set_ylim(-0.02, 1.05)
@@ -264,7 +311,9 @@ def figure(report: dict):
     mode = {"rl": "Binary RL", "opd": "OPD", "combine": "Binary RL + OPD"}.get(report["judge"]["mode"], "RL")
     ax.set_title(f"Online {mode} on simulated GSM8K users ({report['model']}, judge {report['judge']['backend']})",
                  fontsize=10)
-    health = (("reward_mean", "batch reward mean"), ("kl", "KL (kl; ppo_kl dashed)"),
+    kl_off = report.get("trainer", {}).get("kl_coef") == 0
+    health = (("reward_mean", "batch reward mean"),
+              ("kl", "KL to the reference: term off (kl_coef 0); ppo_kl dashed" if kl_off else "KL (kl; ppo_kl dashed)"),
               ("logprob_abs_diff_stale", "|train - rollout| log-prob, nats, log scale: stale (drift); own version dashed"))
     for row, (key, title) in enumerate(health):
         hx = fig.add_subplot(grid[row, 1])
@@ -297,16 +346,17 @@ def run(args, config: Config) -> int:
     run_dir = report_dir / "run"
     config = demo_config(config, args, run_dir)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     t0 = time.monotonic()
     print(f"[demo] starting broker, engine ({config.engine.model}), proxy, judge ({config.judge.mode}/"
           f"{config.judge.backend}), trainer and syncer; logs in {run_dir / 'logs'}", flush=True)
     try:
-        stack = start_stack(config, run_dir)
+        stack = start_interruptibly(stop, lambda: start_stack(config, run_dir))
     except StageFailed as e:
         print(f"pipeline demo: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # start_stack stopped every stage it had started
+        print("pipeline demo: stopped during start-up; every stage it had started was stopped", file=sys.stderr)
+        return 130
     config = stack.config
     print(f"[demo] ready after {time.monotonic() - t0:.0f} s: proxy {stack.proxy_url}"
           + (f"  dashboard {stack.dashboard_url}" if stack.dashboard_url else ""), flush=True)
@@ -382,6 +432,9 @@ def run(args, config: Config) -> int:
         if sim is not None:
             sim.stop()
         metrics_out.close()
+        unjudged = judge_unjudged(stack)  # from the judge's metrics, while it still serves them
+        print("[demo] stopping every stage ...", flush=True)
+        codes = stack.stop(keep_broker=True)  # no writer left: the counts below are the topics' final ones
         try:
             turn_events = read_topic(config, "turns")
             sample_events = read_topic(config, "samples")
@@ -389,7 +442,6 @@ def run(args, config: Config) -> int:
         except Exception as e:  # the report must still be written
             notes.append(f"could not read topics: {e}")
             turn_events, sample_events, control_events = [], [], []
-        print("[demo] stopping every stage ...", flush=True)
         codes = stack.stop()
     from pipeline.simulate.runner import summarize
     from pipeline.simulate.users import UserSettings
@@ -401,7 +453,9 @@ def run(args, config: Config) -> int:
         "model": config.engine.model,
         "judge": {"mode": config.judge.mode, "backend": config.judge.backend},
         "trainer": {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
-                    "lr": config.trainer.lr,
+                    "lr": config.trainer.lr, "kl_coef": config.trainer.kl_coef,
+                    # trained = went through a trainer step (the batches' sizes, from the trainer's log)
+                    "samples_trained": int(sum(r.get("batch_samples") or 0 for r in steps_log)),
                     "rollout_batch_size": config.trainer.rollout_batch_size,
                     "last_step": steps_log[-1] if steps_log else None,
                     # per step; the train-vs-rollout log-prob |diff| (nats) of samples of the
@@ -412,20 +466,16 @@ def run(args, config: Config) -> int:
                         "logprob_tokens_stale", "loss", "step_s")} for r in steps_log]},
         "versions_applied": sorted({c.policy_version for c in control_events if c.action == "applied"}),
         "topics": summarize_topics(turn_events, sample_events),
+        "unjudged": unjudged,
         "simulator": sim_summary,
-        "evaluations": evaluations,
+        "evaluations": [with_interval(e) for e in evaluations],
         "brevity_max_words": UserSettings().max_words,  # the users' and the evaluation's reply limit (default)
         "stages_stopped": {k: str(v) for k, v in codes.items()},  # "stopped", or how a stage ended otherwise
         "notes": notes,
     }
-    if len(evaluations) >= 2:
-        base, last = evaluations[0]["success_rate"], evaluations[-1]["success_rate"]
-        report["verdict"] = {"base_success": base, "last_success": last,
-                             "ratio": round(last / base, 2) if base else None,
-                             "base_accuracy": evaluations[0]["accuracy"], "last_accuracy": evaluations[-1]["accuracy"],
-                             "base_words_per_reply": evaluations[0]["words_per_reply"],
-                             "last_words_per_reply": evaluations[-1]["words_per_reply"],
-                             "learning_signal": bool(last >= 2 * base and last > base)}
+    v = verdict(evaluations)
+    if v is not None:
+        report["verdict"] = v
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "report.json").write_text(json.dumps(report, indent=2))
     try:
@@ -486,14 +536,20 @@ def print_summary(report: dict, report_dir: Path) -> None:
     print(f"duration            {report['duration_s']:.0f} s")
     print(f"sessions / turns    {t['sessions']} / {t['turns']}  (next states {t['next_states']}, "
           f"session ends {t['session_ends']})")
-    print(f"samples             {t['samples']} by kind {t['samples_by_kind']}, trained {t['samples_trained']}, "
-          f"masked {t['samples_masked']}, reward mean {_fmt(t['reward_mean'])}")
+    print(f"samples             {t['samples']} by kind {t['samples_by_kind']}, with a loss (mask 1) "
+          f"{t['samples_with_loss']}, masked {t['samples_masked']}, reward mean {_fmt(t['reward_mean'])}")
+    u = report.get("unjudged") or {}
+    if u:
+        reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(u["by_reason"].items())) or "none"
+        print(f"turns not judged    {u['total']:.0f} ({reasons}); still waiting for a reply at the end "
+              f"{_fmt(u['waiting_at_end'], 0)}")
     s = report["simulator"]
     print(f"simulator           replies {s.get('replies')}, success {_fmt(s.get('success_rate'))}, "
           f"words/reply {_fmt(s.get('words_per_reply'), 1)}, GSM8K accuracy {_fmt(s.get('accuracy'))}")
     tr = report["trainer"]
-    print(f"trainer             {tr['steps']} steps ({tr['steps_with_gradient']} with a non-zero gradient; a batch "
-          f"whose rewards are all equal has zero GRPO advantage); versions applied {report['versions_applied']}")
+    print(f"trainer             {tr['steps']} steps, {tr.get('samples_trained', 0)} samples trained (went through a "
+          f"step); {tr['steps_with_gradient']} steps with a non-zero gradient (a batch whose rewards are all equal has "
+          f"zero GRPO advantage); versions applied {report['versions_applied']}")
     for r in tr.get("per_step", []):
         cur = r["logprob_abs_diff_current"]
         print(f"  step {r['step']}: train-vs-rollout |diff| own version {'n/a' if cur is None else f'{cur:.1e}'} "
@@ -501,15 +557,21 @@ def print_summary(report: dict, report_dir: Path) -> None:
               f"({r['logprob_tokens_stale'] or 0:.0f} tokens) nats")
     n_eval = report["evaluations"][0]["n"] if report["evaluations"] else 0
     print(f"held-out ({n_eval} GSM8K prompts, same seeds for every version) by policy version:")
-    print(f"  {'version':>7} {'success':>8} {'accuracy':>9} {'words/reply':>12}")
+    print(f"  {'version':>7} {'success (95% interval, n)':>28} {'accuracy':>9} {'words/reply':>12}")
     for e in report["evaluations"]:
-        print(f"  {e['policy_version']:>7} {e['success_rate']:>8.2f} {e['accuracy']:>9.2f} {e['words_per_reply']:>12.1f}")
+        lo, hi = e["success_ci95"]
+        cell = f"{e['success_rate']:.2f} ({lo:.2f}-{hi:.2f}, n={e['n']})"
+        print(f"  {e['policy_version']:>7} {cell:>28} {e['accuracy']:>9.2f} {e['words_per_reply']:>12.1f}")
     if "verdict" in report:
         v = report["verdict"]
-        ratio = f"x{v['ratio']}" if v["ratio"] is not None else "base 0"
-        print(f"verdict             success {v['base_success']:.2f} -> {v['last_success']:.2f} "
-              f"({ratio}), words/reply {v['base_words_per_reply']:.1f} -> {v['last_words_per_reply']:.1f}, "
-              f"accuracy {v['base_accuracy']:.2f} -> {v['last_accuracy']:.2f}; learning signal: {v['learning_signal']}")
+        (blo, bhi), (llo, lhi) = v["base_success_ci95"], v["last_success_ci95"]
+        where = "lies above" if v["learning_signal"] else "does not lie above"
+        print(f"verdict             version {v['last_version']}'s success {v['last_success']:.2f} ({llo:.2f}-{lhi:.2f}, "
+              f"n={v['last_n']}) {where} version {v['base_version']}'s interval ({blo:.2f}-{bhi:.2f}, n={v['base_n']}): "
+              f"learning signal {'yes' if v['learning_signal'] else 'no'}; words/reply {v['base_words_per_reply']:.1f} -> "
+              f"{v['last_words_per_reply']:.1f}, accuracy {v['base_accuracy']:.2f} -> {v['last_accuracy']:.2f}")
     for n in report["notes"]:
         print(f"note                {n}")
     print(f"report              {report_dir / 'report.json'}, {report_dir / 'report.png'}")
+    print(f"dashboard           'pipeline dashboard --run-dir {report_dir / 'run'}' shows this run again")
+    print(f"disk                {run_dir_note(report_dir / 'run')}")

@@ -159,6 +159,7 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.stages: list[Stage] = []
         self.stopping = False
+        self._outcomes: dict[str, StopOutcome] = {}  # how each stage stopped, once stop_all stopped it
         self._lock = threading.RLock()  # check() (a watch thread) against stop()/start()
 
     def _spawn(self, stage: Stage) -> None:
@@ -303,14 +304,18 @@ class Supervisor:
             pass
         return StopOutcome(stage.proc.returncode, how)
 
-    def stop_all(self, timeout_s: float = 30.0) -> dict[str, StopOutcome]:
-        """Stop every stage in reverse start order (no restarts from then on); how each ended, by name."""
+    def stop_all(self, timeout_s: float = 30.0, keep: tuple[str, ...] = ()) -> dict[str, StopOutcome]:
+        """Stop every stage in reverse start order (no restarts from then on), except those named in
+        ``keep`` (e.g. the broker, to read the topics once every writer has stopped); how each
+        ended, by name (a later call stops the kept ones and returns every stage's outcome)."""
         with self._lock:
             self.stopping = True
-        codes = {}
         for stage in reversed(self.stages):
-            codes[stage.name] = self.stop(stage, timeout_s)
-        return codes
+            if stage.name in keep or stage.name in self._outcomes:
+                continue
+            self._outcomes[stage.name] = self.stop(stage, timeout_s)
+        return {st.name: self._outcomes[st.name] for st in reversed(self.stages)
+                if st.name in self._outcomes and st.name not in keep}
 
     def pids(self) -> list[int]:
         """PIDs of every started stage process."""

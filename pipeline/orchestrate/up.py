@@ -39,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import yaml
@@ -48,6 +49,7 @@ from pipeline.broker import kafka_answers
 from pipeline.config import Config, redacted
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, StopOutcome, Supervisor, http_ok
 from pipeline.procutil import free_port, port_free
+from pipeline.stack import STACK_FILE, clear_pointer, write_pointer, write_stack
 
 log = logging.getLogger(__name__)
 HELP = "Start broker, engine(s), proxy, judge, trainer and syncer as processes; Ctrl-C stops all."
@@ -61,6 +63,7 @@ class Stack:
     run_dir: Path
     supervisor: Supervisor
     broker_data_dir: Path | None = None  # durable embedded broker's storage; None: external or memory
+    broker_kind: str = "external"  # kafka or tansu: the broker start_stack started
     metrics: dict[str, str] = field(default_factory=dict)  # stage -> metrics URL
     replicas: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_REPLICAS))
     front_url: str | None = None  # the round-robin front of several proxies (None: one proxy)
@@ -73,15 +76,20 @@ class Stack:
         """Base URL users talk to: the front of the proxies, or the one proxy."""
         return self.front_url or f"http://{self.config.proxy.host}:{self.config.proxy.port}"
 
-    def stop(self) -> dict[str, StopOutcome]:
-        """Stop every stage in reverse start order (the embedded broker last); how each ended."""
-        return self.supervisor.stop_all()
+    def stop(self, keep_broker: bool = False) -> dict[str, StopOutcome]:
+        """Stop every stage in reverse start order (the embedded broker last, or not at all with
+        ``keep_broker``: the topics can then be read with no writer left); how each ended."""
+        return self.supervisor.stop_all(keep=("broker",) if keep_broker else ())
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--run-dir", help="where config, logs, weights and checkpoints go (default runs/<time>)")
     parser.add_argument("--external-broker", action="store_true",
                         help="use kafka.bootstrap_servers as is instead of starting the embedded broker")
+    parser.add_argument("--broker", choices=("auto", "kafka", "tansu"), default="auto", dest="broker_kind",
+                        help="the broker to start: Apache Kafka (jars from deploy/install-kafka.sh, Java >= 17), the "
+                             "embedded Tansu, or auto (default): Kafka when installed, else Tansu; a run dir keeps "
+                             "the kind its broker log was written by")
     parser.add_argument("--memory-broker", action="store_true",
                         help="embedded broker with memory storage (everything is gone at stop) instead of its "
                              "durable log in <run-dir>/broker")
@@ -91,6 +99,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-trainer", action="store_true", help="serve and judge only (collect data)")
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
     parser.add_argument("--dashboard-port", type=int, help="port of the web dashboard (default: a free one)")
+    parser.add_argument("--proxy-port", type=int, help="port of the proxy URL clients use (default: a free one); "
+                        "keep it fixed so an agent's configured base URL stays valid across restarts")
     parser.add_argument("--replicas", metavar="STAGE=N,...", type=parse_replicas, default=None,
                         help="scale out the stateless stages, e.g. proxy=2,judge=2,engine=2: N proxies behind a "
                              "round-robin front, N judges in one consumer group, N engines (each with its syncer) "
@@ -145,11 +155,12 @@ def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
                  "export_dir": str(run_dir / "weights"), "metrics_file": str(run_dir / "trainer_metrics.jsonl")})
 
 
-def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], int]:
+def broker_stage_args(run_dir: Path, durable: bool = True, kind: str = "auto") -> tuple[list[str], int]:
     """``pipeline broker`` arguments for the embedded broker of ``run_dir`` and its port.
 
     Durable: data in ``run_dir/broker``, on the port its last run used when that is free (so a
     restarted broker, or a second ``up``, is found where clients expect it). Memory: a free port.
+    ``kind``: ``pipeline broker --kind`` (auto: Apache Kafka when installed, else Tansu).
     """
     port = 0
     data_dir = run_dir / "broker"
@@ -161,7 +172,7 @@ def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], i
         if port and not port_free(port):
             port = 0
     port = port or free_port()
-    args = ["broker", "--port", str(port), "--broker-log", str(run_dir / "logs" / "broker-servers.log")]
+    args = ["broker", "--kind", kind, "--port", str(port), "--broker-log", str(run_dir / "logs" / "broker-servers.log")]
     if durable:
         args += ["--data-dir", str(data_dir)]
     return args, port
@@ -170,20 +181,28 @@ def broker_stage_args(run_dir: Path, durable: bool = True) -> tuple[list[str], i
 def start_stack(config: Config, run_dir: Path, external_broker: bool = False, engine_url: str | None = None,
                 trainer: bool = True, ready_timeout_s: float = 600.0, durable_broker: bool = True,
                 replicas: dict[str, int] | None = None, restart: RestartPolicy | None = None,
-                dashboard: bool = True, dashboard_port: int | None = None) -> Stack:
+                dashboard: bool = True, dashboard_port: int | None = None, proxy_port: int | None = None,
+                broker_kind: str = "auto") -> Stack:
     """Start every stage for ``config`` and wait until ready. The configuration the stages run
     with (``config`` plus the broker address, ports, URLs and paths chosen here) is
     ``stack.config``; ``config`` itself is not changed.
 
     ``durable_broker``: the embedded broker keeps its log in ``run_dir/broker`` (a later call on
-    the same ``run_dir`` carries on from it); False: memory storage. ``replicas``: counts of
+    the same ``run_dir`` carries on from it); False: memory storage. ``broker_kind``: ``auto``
+    (Apache Kafka when installed, else Tansu; :func:`pipeline.broker.resolve_kind`), ``kafka``
+    or ``tansu``; the kind started is ``stack.broker_kind``. ``replicas``: counts of
     ``proxy``, ``judge`` and ``engine`` (see the module docstring; default 1 each). ``restart``:
     the supervisor's :class:`RestartPolicy` (restarts happen in :meth:`Supervisor.check` /
-    :meth:`Supervisor.watch`, which the caller runs).
+    :meth:`Supervisor.watch`, which the caller runs). ``proxy_port``: the port of the URL users
+    get (the proxy, or the front of several; None: a free one). Once ready, the services'
+    addresses are written to ``run_dir/stack.json`` (:mod:`pipeline.stack`).
 
     Raises:
-        StageFailed: a stage exited or did not become ready (its log tail is in the message).
+        StageFailed: a stage exited or did not become ready (its log tail is in the message), or
+            ``proxy_port`` is taken.
     """
+    if proxy_port and not port_free(proxy_port):
+        raise StageFailed(f"--proxy-port {proxy_port}: the port is in use (another `pipeline up`?)")
     run_dir.mkdir(parents=True, exist_ok=True)
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
     sup = Supervisor(run_dir / "logs", policy=restart)
@@ -195,7 +214,10 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
 
     try:
         if not external_broker:
-            bargs, bport = broker_stage_args(run_dir, durable_broker)
+            from pipeline.broker import resolve_kind
+
+            stack.broker_kind = resolve_kind(broker_kind, run_dir / "broker" if durable_broker else None)
+            bargs, bport = broker_stage_args(run_dir, durable_broker, stack.broker_kind)
             bootstrap = f"127.0.0.1:{bport}"
             sup.start("broker", bargs, ready=lambda: kafka_answers(bootstrap), timeout_s=min(ready_timeout_s, 180.0))
             config = update(kafka={"bootstrap_servers": bootstrap})
@@ -220,7 +242,7 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
             config = update(engine={"teacher_url": f"http://127.0.0.1:{teacher_port}"})
         proxies = replica_names("proxy", reps["proxy"])
         for name in proxies:
-            stack.proxy_urls[name] = f"http://127.0.0.1:{free_port()}"
+            stack.proxy_urls[name] = f"http://127.0.0.1:{proxy_port if proxy_port and len(proxies) == 1 else free_port()}"
         config = update(proxy={"port": int(stack.proxy_urls[proxies[0]].rsplit(":", 1)[1])})
         buffered = config.proxy.buffer_dir is not None
         if buffered:  # the proxy's durable event buffer lives with the run
@@ -228,12 +250,7 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
         cfg_path = run_dir / "config.yaml"
 
         def write_config() -> None:
-            data = redacted(config)
-            from pipeline.config import SECRETS
-
-            for section, key in SECRETS:  # secrets stay in the environment, children inherit it
-                data[section].pop(key, None)
-            cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
+            write_config_file(config, cfg_path)
 
         def stage(name: str, args: list[str], ready_path: str | None = None, port: int | None = None,
                   timeout_s: float = ready_timeout_s, ready_url: str | None = None):
@@ -267,7 +284,7 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
             extra = ["--buffer-dir", str(run_dir / f"proxy-buffer-{i}")] if buffered and len(proxies) > 1 else []
             stage(name, ["proxy", "--port", str(port), *extra], "/healthz", port)
         if len(proxies) > 1:
-            fport = free_port()
+            fport = proxy_port or free_port()
             stack.front_url = f"http://127.0.0.1:{fport}"
             stage("front", ["front", "--port", str(fport), "--health-path", "/healthz",
                             *[a for n in proxies for a in ("--backend", stack.proxy_urls[n])]],
@@ -290,22 +307,70 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
             stack.dashboard_url = f"http://{config.dashboard.host}:{config.dashboard.port}/"
             sup.start("dashboard", ["dashboard", "--config", str(cfg_path)],
                       ready=http_ok(f"{stack.dashboard_url}healthz"), timeout_s=ready_timeout_s)
+        write_stack(run_dir, stack_record(stack))
     except BaseException:
         stack.stop()
         raise
     return stack
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Sum of each Prometheus sample name at ``url`` (labels summed). Empty dict if unreachable."""
+def write_config_file(config: Config, path: Path) -> None:
+    """Write ``config`` as the YAML file every stage of a stack is started with (``--config``);
+    secrets are left out (they stay in the environment, which the stages inherit)."""
+    from pipeline.config import SECRETS
+
+    data = redacted(config)
+    for section, key in SECRETS:
+        data[section].pop(key, None)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def served_model(config: Config) -> dict:
+    """``{"id", "context_window"}`` of the policy engine as its ``/v1/models`` reports them (the
+    CPU engine and SGLang both give ``max_model_len``); ``engine.model`` and None when it does not say."""
+    headers = {"Authorization": f"Bearer {config.engine.api_key.get_secret_value()}"} if config.engine.api_key else {}
+    try:
+        card = httpx.get(f"{config.engine.url}/v1/models", headers=headers, timeout=10.0).json()["data"][0]
+        window = card.get("max_model_len")
+        return {"id": str(card["id"]), "context_window": window if isinstance(window, int) else None}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return {"id": config.engine.served_model_name or config.engine.model, "context_window": None}
+
+
+def stack_record(stack: Stack) -> dict:
+    """What ``stack.json`` says about ``stack`` (see :mod:`pipeline.stack` for the fields)."""
+    c = stack.config
+    return {"bootstrap": c.kafka.bootstrap_servers, "topics_prefix": c.topics.prefix,
+            "proxy_url": stack.proxy_url, "openai_base_url": f"{stack.proxy_url}/v1",
+            "proxy_urls": dict(stack.proxy_urls), "engine_url": c.engine.url, "engine_urls": dict(stack.engine_urls),
+            "teacher_url": c.engine.teacher_url, "dashboard_url": stack.dashboard_url, "metrics": dict(stack.metrics),
+            "config": str((stack.run_dir / "config.yaml").resolve()), "model": served_model(c)}
+
+
+def _samples(url: str) -> list:
+    """The Prometheus samples served at ``url`` (empty if unreachable)."""
     try:
         text = httpx.get(url, timeout=2.0).text
     except httpx.HTTPError:
-        return {}
+        return []
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of each Prometheus sample name at ``url`` (labels summed). Empty dict if unreachable."""
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
+    for s in _samples(url):
+        out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def scrape_by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """The samples of counter/gauge ``name`` at ``url`` summed per value of ``label`` (replicas
+    and other labels summed). Empty dict if unreachable or absent."""
+    out: dict[str, float] = {}
+    for s in _samples(url):
+        if s.name == name and label in s.labels:
+            out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
     return out
 
 
@@ -333,25 +398,58 @@ def status_line(stack: Stack) -> str:
             f" | restarts {sum(stack.supervisor.restarts().values())}")
 
 
+def start_interruptibly(stop: threading.Event, start: Callable[[], Stack]) -> Stack:
+    """``start()`` (a :func:`start_stack` call) with Ctrl-C / SIGTERM raising KeyboardInterrupt
+    inside it, so a signal during start-up stops every stage started so far at once (start_stack
+    stops them before re-raising); once it returns, both signals only set ``stop``. Main thread only.
+
+    Raises:
+        KeyboardInterrupt: a signal arrived during start-up (a second one only sets ``stop``, so
+            it cannot cut the clean-up short). Whatever ``start()`` raises.
+    """
+    def on_signal(*_) -> None:
+        stop.set()
+
+    def interrupt(*_) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+    try:
+        return start()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+
 def run(args, config: Config) -> int:
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     config = _apply_defaults(config, run_dir, args)
     replicas = args.replicas or (parse_replicas("proxy=2,judge=2,engine=2") if args.scale else None)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"starting the stack in {run_dir} (logs in {run_dir / 'logs'}) ...", flush=True)
     policy = RestartPolicy(max_fast_failures=max(1, args.max_fast_failures))
     try:
-        stack = start_stack(config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
-                            durable_broker=not args.memory_broker, replicas=replicas, restart=policy,
-                            dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port)
+        stack = start_interruptibly(stop, lambda: start_stack(
+            config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
+            durable_broker=not args.memory_broker, replicas=replicas, restart=policy,
+            dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
+            proxy_port=args.proxy_port, broker_kind=args.broker_kind))
     except StageFailed as e:
         print(f"pipeline up: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # start_stack stopped every stage it had started
+        print("pipeline up: stopped during start-up; every stage it had started was stopped", file=sys.stderr)
+        return 130
     config = stack.config
+    stack_file = run_dir / STACK_FILE
+    write_pointer(stack_file)
+    kind = {"kafka": "Apache Kafka, ", "tansu": "Tansu, "}.get(stack.broker_kind, "")
     storage = ("external" if args.external_broker else
-               f"durable log in {stack.broker_data_dir}" if stack.broker_data_dir else "memory storage")
+               kind + (f"durable log in {stack.broker_data_dir}" if stack.broker_data_dir else
+                       "temporary log, removed at stop" if stack.broker_kind == "kafka" else "memory storage"))
     print(f"ready: proxy {stack.proxy_url}/v1  engine {config.engine.url}  broker {config.kafka.bootstrap_servers}"
           f" ({storage})", flush=True)
     if stack.front_url:
@@ -363,6 +461,9 @@ def run(args, config: Config) -> int:
         print(f"dashboard: {stack.dashboard_url}  (conversation text "
               f"{'shown' if config.dashboard.show_text else 'hidden; --set dashboard.show_text=true shows it'})",
               flush=True)
+    model = json.loads(stack_file.read_text()).get("model") or {}
+    print(f"stack: {stack_file} (model {model.get('id')}, context {model.get('context_window')} tokens); "
+          "`pipeline tail`, `pipeline connect openclaw` ... find it there", flush=True)
     print("point an OpenAI client at the proxy (headers X-Session-Id, X-Turn-Type, X-Session-Done); Ctrl-C stops",
           flush=True)
     fatal: list[StageFailed] = []
@@ -381,8 +482,18 @@ def run(args, config: Config) -> int:
         print(f"pipeline up: {fatal[0]}", file=sys.stderr, flush=True)
         rc = 1
     print("stopping ...", flush=True)
+    clear_pointer(stack_file)
     print(stop_summary(stack.stop()), flush=True)
+    print(run_dir_note(run_dir), flush=True)
     return rc
+
+
+def run_dir_note(run_dir: Path) -> str:
+    """The line ``pipeline up`` and ``pipeline demo`` end with: the run folder's size and how to free it."""
+    from pipeline.orchestrate.clean import disk_usage, human
+
+    return (f"the run folder {run_dir} takes {human(disk_usage(run_dir))} (checkpoints, exported weights, broker "
+            f"data, logs); 'pipeline clean {run_dir}' removes it")
 
 
 def stop_summary(outcomes: dict[str, StopOutcome]) -> str:

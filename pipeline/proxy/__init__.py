@@ -2,7 +2,9 @@
 
 ``python -m pipeline proxy`` serves ``POST /v1/chat/completions`` (non-stream and real
 streaming), ``GET /v1/models``, ``/healthz``, ``/readyz``, ``/metrics`` and
-``POST /v1/sessions/{id}/end``; see :mod:`pipeline.proxy.app` for the request path.
+``POST /v1/sessions/{id}/end``; see :mod:`pipeline.proxy.app` for the request path. ``POST
+/v1/responses`` (:mod:`pipeline.proxy.responses`) and ``POST /v1/messages``
+(:mod:`pipeline.proxy.messages`) are translated into the same chat path (:mod:`pipeline.proxy.doors`).
 
 Session metadata (headers, or body fields ``session_id``/``turn_type``/``session_done`` that are
 stripped before forwarding) and the defaults:
@@ -14,11 +16,16 @@ client sends                   what happens
                                ``next_state`` and ``turn`` events — training data flows
 ``X-Turn-Type: side``          recorded as a side turn (no index, no next state)
 ``X-Session-Done: true``       served and recorded, then ``session_end`` (reason ``header``)
-nothing                        ``proxy.anonymous``: ``record`` (default) — its own one-turn
-                               session ``anon-<request id>``: ``turn`` (index 0) then
-                               ``session_end`` (reason ``no_session``), so the judge can close
-                               it; ``skip`` — served, not recorded; ``reject`` — 400. Always
-                               counted in ``pipeline_proxy_requests_without_session_total``.
+no session id                  derived (``docs/sessions.md``, :mod:`pipeline.proxy.identity`):
+                               an agent marker (OpenClaw's ``sessionId=`` footer ->
+                               ``openclaw:<id>``), the ``user`` field (``user:<value>``), the
+                               session of the recorded turn the messages continue, else a new
+                               ``conv-<hash>``; the turn's ``session_source`` says which. With
+                               none of header/body/marker/user, ``proxy.anonymous``: ``record``
+                               (default, as above), ``skip`` (served, not recorded) or
+                               ``reject`` (400); counted in
+                               ``pipeline_proxy_requests_without_session_total``
+an unfilled id (``${VAR}``)    ignored with an ``x-session-warning`` header; the next rule decides
 =============================  ===============================================================
 
 Kafka never blocks serving (:mod:`pipeline.proxy.publisher`); a weight sync announced on

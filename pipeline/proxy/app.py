@@ -5,12 +5,16 @@ pydantic model, no middleware stack: the request is parsed once with orjson and 
 :mod:`pipeline.proxy.validate`). Every other route (``/v1/models``, ``/healthz``, ``/readyz``,
 ``/metrics``, ``POST /v1/sessions/{id}/end``) is an ordinary FastAPI app. Serve it with
 ``uvicorn.run(ProxyApp(config), loop="uvloop", http="httptools")`` (what ``pipeline proxy`` does).
+``POST /v1/responses`` and ``POST /v1/messages`` are translated into a chat request and served by
+:meth:`ProxyApp.chat` too (:mod:`pipeline.proxy.doors`): same validation, sessions and turns.
 
 Per request (main turn of a known session):
 
 1. API key check (401), body size (413), JSON (400), fields (400), session metadata (400);
+   the session by the rules of :mod:`pipeline.proxy.identity` (``docs/sessions.md``);
 2. weight-sync hold (bounded; 503 only with ``proxy.sync_strict``);
-3. turn index + ``next_state`` (published now, before the engine sees the request);
+3. turn index reserved; the previous turn's ``next_state`` is published once the engine accepted
+   the request (a request it refuses or never answers is undone: no turn, no index, no next state);
 4. forward with ``logprobs``/``return_token_ids``/``return_prompt_token_ids`` added; the user gets
    the answer without the extras it did not ask for (streams are forwarded chunk by chunk).
    In front of SGLang (no token ids on streamed chat, log-prob ``bytes`` of decoded text) a
@@ -38,6 +42,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -52,14 +57,20 @@ from pipeline.chat import chat_options
 from pipeline.config import Config
 from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
+from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import ProxyError, bad_request, error_body, generation_aborted, upstream_error
+from pipeline.proxy.messages import MessagesDoor
+from pipeline.proxy.names import ServedModels
 from pipeline.proxy.publisher import DurableSend, EventPublisher
 from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, policy_version, repair_logprob_bytes,
                                    strip_response)
-from pipeline.proxy.sessions import SessionTable
+from pipeline.proxy.identity import Chain, Conversations, claim, prompt_chain
+from pipeline.proxy.responses import ResponsesDoor
+from pipeline.proxy.sessions import MainTurn, SessionTable
 from pipeline.proxy.upstream import Upstream, sse_batches
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
-from pipeline.sampling import effective_temperature, logprob_processors
+from pipeline.proxy.validate import json_body
+from pipeline.sampling import CHAT_DEFAULTED, effective_temperature, logprob_processors, with_generation_defaults
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +81,25 @@ _SSE_HDRS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-co
 _DONE = b"data: [DONE]\n\n"
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
+def _nothing() -> None:
+    pass
+
+
+@dataclass(slots=True)
+class _Route:
+    """Where one request's turn goes: its session, the rule that decided (``source``), whether the
+    session is new for it (``fresh``), the recorded turn it continues (``hit``) and its prefix
+    digests (``chain``); ``mt`` and ``admitted`` track its reserved index until the engine takes it."""
+
+    sid: str
+    source: str
+    fresh: bool
+    hit: Any
+    chain: Chain | None
+    rid: str
+    created: int
+    mt: MainTurn | None = None
+    admitted: bool = False
 
 
 def _is_abort_chunk(data: bytes) -> bool:
@@ -82,6 +110,22 @@ def _is_abort_chunk(data: bytes) -> bool:
         return False
     return isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
                                          for c in obj.get("choices") or ())
+
+
+async def _watch_disconnect(receive, gone: asyncio.Event, on_gone=None) -> None:
+    """Read ASGI messages until ``http.disconnect``; then set ``gone`` and call ``on_gone()``."""
+    while True:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            gone.set()
+            if on_gone is not None:
+                on_gone()
+            return
+
+
+def _names_distribution(sampling: dict) -> bool:
+    """The request set every parameter a model's generation_config could default."""
+    return all(sampling.get(k) is not None for k in CHAT_DEFAULTED)
 
 
 def _continued_prefix(user_view: dict) -> str | None:
@@ -116,11 +160,13 @@ class ProxyApp:
         self.pc = pc
         self.topic = config.topics.name("turns")
         self.sessions = SessionTable(pc.max_sessions, pc.session_idle_s)
+        self.convs = Conversations(pc.session_prefixes)
         self.publisher = publisher or EventPublisher(
             config, max_buffer=pc.buffer_max_events, buffer_dir=pc.buffer_dir, buffer_max_bytes=pc.buffer_max_bytes,
             buffer_fsync=pc.buffer_fsync, delivery_timeout_ms=pc.publish_delivery_timeout_ms,
             linger_s=pc.publish_linger_ms / 1000, kafka_client=pc.kafka_client)
         self.upstream = Upstream(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
+        self.names = ServedModels(lambda: self.upstream.call("GET", "/v1/models"), pc.model_aliases, pc.unknown_model)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
@@ -130,6 +176,8 @@ class ProxyApp:
         self._caps: tuple[bool, bool] | None = None  # engine streams chat token ids, sends raw log-prob bytes
         self._model_files: tuple[Any, dict] | None = None  # (TokenBytes or None, chat defaults) of the served model
         self._model_files_lock = asyncio.Lock()
+        self._gen_defaults: dict | None = None  # the served model's generation_config chat defaults
+        self._gen_unreadable = False  # it could not be read: a turn's distribution may be unknown
         # request ids: <random process prefix>-<counter> (no syscall per request); 64 random bits so
         # two proxy processes (replicas, restarts) never issue the same id: sample ids derive from it
         self._rid_prefix = os.urandom(8).hex() + "-"
@@ -137,6 +185,7 @@ class ProxyApp:
         self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
         self._client = None  # EngineClient for the SGLang streaming path, created on first use
         self.api = self._build_api()
+        self.doors = {"/v1/responses": ResponsesDoor(self), "/v1/messages": MessagesDoor(self)}  # same turns
 
     # ---- ASGI entry -----------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -147,6 +196,8 @@ class ProxyApp:
             else:
                 await self._send_json(send, 405, error_body(f"method {scope['method']} not allowed on {_CHAT}; use POST",
                                                             code="method_not_allowed"), [(b"allow", b"POST")])
+        elif kind == "http" and scope["path"] in self.doors:  # other APIs, translated to chat
+            await self.doors[scope["path"]](scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:
@@ -304,15 +355,12 @@ class ProxyApp:
             self._auth(headers)
             if not content_type_ok(headers.get(b"content-type")):
                 raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
-            raw = await self._read_body(headers, receive)
-            try:
-                req = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
-            if not isinstance(req, dict):
-                raise bad_request(f"the request body must be a JSON object, got {type(req).__name__}")
-            meta = session_meta(headers, req, self.pc.default_turn_type)
+            req = json_body(await self._read_body(headers, receive))
+            meta = session_meta(headers, req, self.pc.default_turn_type, scope.get("previous_session"))
             check_request(req)
+            served = await self.names.resolve(req.get("model"))  # 404 model_not_found for other names
+            if served is not None:
+                req["model"] = served  # what the turn records: the id the engine serves
             stream = req.get("stream") is True
             status = await self._serve(req, meta, rid, created, t0, stream, receive, send)
         except ProxyError as e:
@@ -334,43 +382,68 @@ class ProxyApp:
         M.CACHE.request(status, stream).inc()
         M.CACHE.latency[stream].observe(time.perf_counter() - t0)
 
-    async def _serve(self, req: dict, meta: SessionMeta, rid: str, created: int, t0: float, stream: bool,
-                     receive, send) -> int:
-        sid = meta.session_id
-        record = True
-        if sid is None:
+    def _route(self, req: dict, meta: SessionMeta, rid: str, created: int) -> tuple[_Route | None, list]:
+        """The session of a request by the rules of :mod:`pipeline.proxy.identity` (None: not
+        recorded, ``proxy.anonymous=skip``) and the ``(field, reason)`` of each ignored value."""
+        warnings = list(meta.warnings)
+        claimed, source = claim(meta.session_id, meta.source, req["messages"], req.get("user"), warnings)
+        for f, why in warnings:
+            M.SESSION_IDS_IGNORED.labels(f, why).inc()
+        if claimed is None:
             M.WITHOUT_SESSION.inc()
-            mode = self.pc.anonymous
-            if mode == "reject":
+            if self.pc.anonymous == "reject":
                 raise bad_request("X-Session-Id is required by this proxy (proxy.anonymous=reject)",
                                   param="X-Session-Id", code="missing_session_id")
-            record = mode == "record"
-            sid = f"anon-{rid}"
-        try:
-            held = await self.gate.wait()
-        except TimeoutError as e:
-            M.SYNC_HOLD.observe(self.pc.sync_hold_timeout_s)
-            if self.pc.sync_strict:
-                raise ProxyError(503, f"{e}; retry shortly", "server_error", code="weight_sync") from None
-            log.warning("request %s: %s, serving it anyway", rid, e)
+            if self.pc.anonymous == "skip":
+                return None, warnings
+        if meta.turn_type == "side" and claimed is not None:  # touches no state: the id as given
+            route = _Route(claimed, source, True, None, None, rid, created)
         else:
-            if held:
-                M.SYNC_HOLD.observe(held)
+            chain = prompt_chain(req["messages"], req.get("continue_final_message") is True)
+            sid, fresh, hit = self.sessions.route(claimed, chain, rid, self.convs)
+            if claimed is None:
+                source = "new" if fresh else "continuation"
+            route = _Route(sid, source, fresh, hit, chain, rid, created)
+        M.SESSION_SOURCE.labels(source).inc()
+        return route, warnings
+
+    def _admit(self, route: _Route) -> None:
+        """The engine accepted the request: publish the previous turn's next state now (once)."""
+        if route.admitted:
+            return
+        route.admitted = True
+        mt = route.mt
+        if mt is None:
+            return
+        self.convs.accepted(route.hit, route.chain)
+        if self.sessions.accept(route.sid, mt):
+            self._publish(events.NextState(session_id=route.sid, messages=mt.next_state,
+                                           after_turn_index=mt.after_turn_index, request_id=route.rid,
+                                           created_at=route.created, after_request_id=mt.after_request_id),
+                          route.sid)
+
+    def _unadmit(self, route: _Route | None, why: str) -> None:
+        """A main request the engine refused or never answered: as if it had not been sent."""
+        if route is not None and route.mt is not None and not route.admitted:
+            self.sessions.cancel(route.sid, route.mt)
+            M.REFUSED.labels(why).inc()
+
+    async def _serve(self, req: dict, meta: SessionMeta, rid: str, created: int, t0: float, stream: bool,
+                     receive, send) -> int:
+        route, warnings = self._route(req, meta, rid, created)
+        record = route is not None
+        await self._hold(rid)
         turn_index = None
         if record and meta.turn_type == "main":
-            if meta.session_id is None:
-                turn_index = 0
-            else:
-                mt = self.sessions.begin(sid, req["messages"],
-                                         continue_final=req.get("continue_final_message") is True)
-                turn_index = mt.turn_index
-                if mt.next_state is not None:
-                    self._publish(events.NextState(session_id=sid, messages=mt.next_state,
-                                                   after_turn_index=mt.after_turn_index, request_id=rid,
-                                                   created_at=created), sid)
+            route.mt = self.sessions.begin(route.sid, req["messages"], fresh=route.fresh,
+                                           continued=route.hit[1].request_of(route.sid) if route.hit else None,
+                                           continue_final=req.get("continue_final_message") is True)
+            turn_index = route.mt.turn_index
         extra = [(b"x-request-id", rid.encode())]
-        if meta.session_id is not None:
-            extra.append((b"x-session-id", sid.encode()))
+        if record:
+            extra += [(b"x-session-id", route.sid.encode()), (b"x-session-source", route.source.encode())]
+        if warnings:
+            extra.append((b"x-session-warning", "; ".join(f"{f} ignored ({w})" for f, w in warnings).encode()))
         if turn_index is not None:
             extra.append((b"x-turn-index", str(turn_index).encode()))
         keep = (req.get("logprobs") is True, req.get("return_token_ids") is True,
@@ -383,88 +456,136 @@ class ProxyApp:
         if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
             req["logprobs"] = True
             req["return_token_ids"] = True
-        if record and (meta.done or meta.session_id is None):  # published before the response completes
-            reason = "header" if meta.session_id else "no_session"
-            send.before_final = lambda: self._end(sid, reason)
+        if record and meta.done:  # published before the response completes
+            send.before_final = lambda: self._end(route.sid, "header")
+        admit = (lambda: self._admit(route)) if record else _nothing
         try:
             if stream:
-                on_done = (lambda rec, cause=None: self._record(rec, meta, sid, turn_index, rid, created, user_view,
-                                                                cause)) if record else None
-                status = await self._stream(req, keep, extra, t0, receive, send, on_done)
+                async def recorded(rec: Recorded, cause: str | None = None) -> None:
+                    self._record(rec, meta, route, turn_index, user_view, cause, await self._defaults_for(rec))
+
+                on_done = recorded if record else None
+                status = await self._stream(req, keep, extra, t0, receive, send, on_done, admit)
             else:
                 repair = keep[0] and not (await self._engine_caps())[1]
                 if repair:  # SGLang's log-prob bytes: the ids let the proxy give each token's raw bytes
                     req["return_token_ids"] = True
                     if req.get("top_logprobs"):
                         req["return_meta_info"] = True
-                status = await self._unary(orjson.dumps(req), keep, extra, send, record, meta, sid, turn_index, rid,
-                                           created, user_view, repair)
-        except BaseException:
-            if record and meta.done and meta.session_id is not None:  # the client said the session is over
+                status = await self._unary(orjson.dumps(req), keep, extra, send, meta, route, turn_index,
+                                           user_view, admit, repair)
+        except BaseException as e:
+            self._unadmit(route, str(e.status) if isinstance(e, ProxyError) else type(e).__name__)
+            if record and meta.done:  # the client said the session is over
                 send.run_before_final()
             send.before_final = None
             raise
+        self._unadmit(route, str(status))
         send.run_before_final()  # the response did not complete (client gone): end the session anyway
         return status
+
+    async def _hold(self, rid: str) -> None:
+        """Wait out a weight sync announced on ``control`` (bounded; 503 with ``sync_strict``)."""
+        try:
+            held = await self.gate.wait()
+        except TimeoutError as e:
+            M.SYNC_HOLD.observe(self.pc.sync_hold_timeout_s)
+            if self.pc.sync_strict:
+                raise ProxyError(503, f"{e}; retry shortly", "server_error", code="weight_sync") from None
+            log.warning("request %s: %s, serving it anyway", rid, e)
+        else:
+            if held:
+                M.SYNC_HOLD.observe(held)
 
     def _end(self, sid: str, reason: str) -> None:
         self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms()), sid)
         self.sessions.end(sid)
 
     @staticmethod
-    def _distribution(rec: Recorded, sampling: dict) -> tuple[float, list[str]]:
+    def _distribution(rec: Recorded, sampling: dict, defaults: dict | None = None) -> tuple[float, list[str]]:
         """(effective temperature, logprob processors) of a turn's log-probs: what the engine
-        reported (``metadata.sampling_params``: the CPU engine), else the request under SGLang's
-        rules (greedy -> 1.0; an unset temperature is 1.0 after ``proxy.default_temperature``)."""
+        reported (``metadata.sampling_params``: the CPU engine, and EngineClient's ``/generate``
+        chat path, which reports what it sent), else the request as an engine's chat path
+        completes it: absent temperature / top_p / top_k / min_p / repetition_penalty from
+        ``defaults`` (the served model's generation_config), then SGLang's rules (greedy -> 1.0;
+        still unset -> 1.0; ``proxy.default_temperature`` is already in the request)."""
         sp = rec.sampling_params
         if sp is not None and isinstance(sp.get("temperature"), (int, float)):
             try:
                 return effective_temperature(sp["temperature"]), logprob_processors(sp)
             except ValueError:
                 pass
+        used = with_generation_defaults(sampling, defaults)
         try:
-            temp = effective_temperature(sampling.get("temperature"))
+            temp = effective_temperature(used.get("temperature"))
         except ValueError:
             temp = 1.0
-        return temp, logprob_processors(sampling)
+        return temp, logprob_processors(used)
 
-    def _record(self, rec: Recorded, meta: SessionMeta, sid: str, turn_index: int | None, rid: str, created: int,
-                user_view: dict, cause: str | None = None) -> None:
+    async def _defaults_for(self, rec: Recorded) -> dict | None:
+        """The served model's generation_config defaults when the engine did not report the
+        parameters it sampled with (they complete the request, as the engine's chat path does);
+        None when they are needed and could not be read (the distribution is then unknown)."""
+        if rec.sampling_params is not None:
+            return {}
+        if self._gen_defaults is None:
+            await asyncio.to_thread(self._read_generation_defaults)
+        return None if self._gen_unreadable else self._gen_defaults
+
+    def _record(self, rec: Recorded, meta: SessionMeta, route: _Route, turn_index: int | None, user_view: dict,
+                cause: str | None, defaults: dict | None) -> None:
         """Publish the turn of one answer. A generation that did not finish (``cause`` names why,
         or the engine gave no OpenAI finish reason) is recorded with ``finish_reason`` ``abort``
-        (or its own non-OpenAI value) and does not become the session's latest completed turn."""
+        (or its own non-OpenAI value) and does not become the session's latest completed turn.
+        ``defaults``: :meth:`_defaults_for`; None (the engine reported no sampling parameters and
+        the model's generation_config is unreadable) records the turn without token ids and
+        log-probs (as an engine that gave none): the distribution they came from is unknown, and
+        a guessed temperature would look like data; it trains nothing."""
         finished = cause is None and rec.finished
         if not finished:
             M.UNFINISHED.labels(cause or ("engine_abort" if rec.finish_reason == "abort" else "no_finish_reason")).inc()
-        if not rec.complete:
+        if defaults is None and rec.complete and not _names_distribution(user_view["sampling"]):
+            M.TURNS_WITHOUT_IDS.inc()
+            log.warning("request %s: the engine reported no sampling parameters and the model's generation_config "
+                        "is unreadable: recorded without token ids and log-probs (unknown distribution)", route.rid)
+            token_ids, logprobs = [], []
+        elif not rec.complete:
             M.TURNS_WITHOUT_IDS.inc()
             log.warning("request %s: engine answer lacks token ids or log-probs (%d ids, %d log-probs, prompt %s);"
-                        " recorded without them", rid, len(rec.token_ids), len(rec.logprobs),
+                        " recorded without them", route.rid, len(rec.token_ids), len(rec.logprobs),
                         "present" if rec.prompt_ids is not None else "missing")
             token_ids, logprobs = [], []
         else:
             token_ids, logprobs = rec.token_ids, rec.logprobs
-        temperature, processors = self._distribution(rec, user_view["sampling"])
+        temperature, processors = self._distribution(rec, user_view["sampling"], defaults or {})
         reason = rec.finish_reason if finished else (
             rec.finish_reason if isinstance(rec.finish_reason, str) and rec.finish_reason and cause is None else "abort")
+        sid = route.sid
         turn = events.Turn(
-            session_id=sid, turn_type=meta.turn_type, turn_index=turn_index, request_id=rid, created_at=created,
+            session_id=sid, turn_type=meta.turn_type, turn_index=turn_index, request_id=route.rid,
+            created_at=route.created,
             policy_version=self._version(rec.weight_version), model=user_view["model"] or rec.model,
             messages=user_view["messages"], tools=user_view["tools"], sampling=user_view["sampling"],
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
-            logprob_temperature=temperature if logprobs else None, logprob_processors=processors)
-        if finished and turn_index is not None and meta.session_id is not None:
-            self.sessions.complete(sid, turn_index, rec.response.get("content"), rec.response.get("tool_calls"),
-                                   prefix=_continued_prefix(user_view))
+            logprob_temperature=temperature if logprobs else None, logprob_processors=processors,
+            session_source=route.source)
+        if finished and turn_index is not None:
+            content, calls, prefix = rec.response.get("content"), rec.response.get("tool_calls"), _continued_prefix(user_view)
+            self.sessions.complete(sid, turn_index, content, calls, prefix=prefix, request_id=route.rid)
+            if prefix:
+                content = prefix + (content if isinstance(content, str) else "")
+            self.convs.record(route.chain.with_answer(content, calls), sid, route.rid)
         self._publish(turn, sid)
         M.TURNS.labels(meta.turn_type).inc()
 
-    async def _unary(self, body: bytes, keep: tuple, extra: list, send, record: bool, meta: SessionMeta, sid: str,
-                     turn_index: int | None, rid: str, created: int, user_view: dict, repair: bool = False) -> int:
+    async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
+                     turn_index: int | None, user_view: dict, admit, repair: bool = False) -> int:
         status, data = await self.upstream.call("POST", _CHAT, body)
         if status >= 400:
             raise self._engine_error(status, data)
+        admit()
+        record = route is not None
         if record or repair or b'"abort"' in data:
             try:
                 resp = orjson.loads(data)
@@ -474,7 +595,7 @@ class ProxyApp:
                 raise upstream_error("the engine returned no 'choices'")
             rec = from_response(resp)
             if record:
-                self._record(rec, meta, sid, turn_index, rid, created, user_view)
+                self._record(rec, meta, route, turn_index, user_view, None, await self._defaults_for(rec))
             elif rec.finish_reason == "abort":
                 M.UNFINISHED.labels("engine_abort").inc()
             if rec.finish_reason == "abort":  # not an OpenAI value: the client gets an error to retry
@@ -520,8 +641,6 @@ class ProxyApp:
         return self._model_files
 
     def _read_model_files(self) -> tuple[Any, dict]:
-        from pipeline.engine.model import generation_defaults
-        from pipeline.models import ModelNotFound, resolve_model
         from pipeline.tokenbytes import TokenBytesError, load_token_bytes
 
         name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
@@ -530,23 +649,33 @@ class ProxyApp:
         except TokenBytesError as e:
             log.error("no tokenizer for %s (%s): log-prob bytes of partial characters are sent as null", name, e)
             tb = None
-        try:
-            defaults = generation_defaults(resolve_model(name, cache))
-        except (ModelNotFound, OSError) as e:
-            log.error("no generation_config for %s (%s): streamed chat without token-id streaming uses no "
-                      "model defaults", name, e)
-            defaults = {}
-        return tb, defaults
+        return tb, self._read_generation_defaults()
 
-    async def _stream(self, req: dict, keep: tuple, extra: list, t0: float, receive, send, on_done) -> int:
-        """Forward a stream chunk by chunk; ``on_done(record)`` (None: not recorded) runs before ``[DONE]``
+    def _read_generation_defaults(self) -> dict:
+        """The served model's generation_config chat defaults (read once; ``{}`` when unreadable)."""
+        from pipeline.engine.model import generation_defaults
+        from pipeline.models import ModelNotFound, resolve_model
+
+        if self._gen_defaults is None:
+            name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
+            try:
+                self._gen_defaults = generation_defaults(resolve_model(name, cache))
+            except (ModelNotFound, OSError) as e:
+                log.error("no generation_config for %s (%s): turns of an engine that does not report its "
+                          "sampling parameters are recorded without token ids and log-probs unless the request "
+                          "names its sampling (set proxy.tokenizer to the served model's folder)", name, e)
+                self._gen_defaults, self._gen_unreadable = {}, True
+        return self._gen_defaults
+
+    async def _stream(self, req: dict, keep: tuple, extra: list, t0: float, receive, send, on_done, admit) -> int:
+        """Forward a stream chunk by chunk; ``on_done(record)`` (a coroutine; None: not recorded) runs before ``[DONE]``
         is forwarded (so the turn is queued and the session updated before the client can send its next
         request). Against an engine that cannot stream token ids on chat, a recorded turn or one whose
         log-probs are shown goes through :meth:`_stream_via_client` (ids, raw log-prob bytes)."""
         if on_done is not None or keep[0]:
             native, raw = await self._engine_caps()
             if not native and (on_done is not None or not raw):
-                return await self._stream_via_client(req, keep, extra, t0, send, on_done)
+                return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit)
         if on_done is None:
             keep = None
         resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
@@ -557,19 +686,11 @@ class ProxyApp:
             ctype = resp.headers.get("Content-Type", "")
             if "text/event-stream" not in ctype:
                 raise upstream_error(f"the engine answered a stream request with {ctype or 'no content type'}")
+            admit()
             recorder = StreamRecorder(*keep[:3]) if keep is not None else None
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
             gone = asyncio.Event()
-
-            async def watch() -> None:
-                while True:
-                    m = await receive()
-                    if m["type"] == "http.disconnect":
-                        gone.set()
-                        resp.close()
-                        return
-
-            watcher = asyncio.ensure_future(watch())
+            watcher = asyncio.ensure_future(_watch_disconnect(receive, gone, resp.close))
             first = True
             finished = aborted = False
             try:
@@ -598,7 +719,7 @@ class ProxyApp:
                 if not gone.is_set():
                     cause = "timeout" if e.status == 504 else "engine_error"
                     if recorder is not None and recorder.rec.token_ids:
-                        on_done(recorder.finish(), cause)
+                        await on_done(recorder.finish(), cause)
                     else:
                         M.UNFINISHED.labels(cause).inc()
                     await self._sse_error(send, e)
@@ -606,7 +727,7 @@ class ProxyApp:
                     return 502
             if gone.is_set():
                 if recorder is not None and recorder.rec.token_ids:
-                    on_done(recorder.finish(), "client_disconnect")  # what the user saw before leaving
+                    await on_done(recorder.finish(), "client_disconnect")  # what the user saw before leaving
                 else:
                     M.UNFINISHED.labels("client_disconnect").inc()
                 return 499
@@ -616,7 +737,7 @@ class ProxyApp:
             if recorder is not None:
                 rec = recorder.finish()
                 if cause is None or rec.token_ids:
-                    on_done(rec, cause)
+                    await on_done(rec, cause)
                 elif cause is not None:
                     M.UNFINISHED.labels(cause).inc()
             elif cause is not None:
@@ -640,10 +761,14 @@ class ProxyApp:
         await send({"type": "http.response.body", "more_body": True, "body": b"data: " + e.body() + b"\n\n" + _DONE})
         await send({"type": "http.response.body", "body": b""})
 
-    async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, send, on_done) -> int:
+    async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, receive, send,
+                                 on_done, admit) -> int:
         """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
         ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``. A chat field
-        that path cannot serve as the engine's own chat path would is refused (400 naming it)."""
+        that path cannot serve as the engine's own chat path would is refused (400 naming it).
+        A client that leaves mid-stream is handled as on the native path: reading stops, the
+        engine's generation is aborted (``/abort_request``, by closing the client's stream), the
+        tokens sent so far are recorded as an ``abort`` turn and ``client_disconnect`` is counted."""
         from pipeline.client import EngineClient, EngineError, EngineTimeout, generate_path_refusal
 
         body = {k: v for k, v in req.items() if k not in ("return_token_ids", "stream")}
@@ -654,46 +779,80 @@ class ProxyApp:
             self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s)
         self._client.token_bytes, self._client.chat_defaults = await self._served_model()
         recorder = StreamRecorder(*keep[:3])
-        it = self._client.chat_stream(body, token_ids=True).__aiter__()
-        started = False
+        gen = self._client.chat_stream(body, token_ids=True)
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+        started: list[bool] = []  # one entry once the response has started
         try:
-            while True:
-                try:
-                    chunk = await it.__anext__()
-                except StopAsyncIteration:
-                    break
-                if not started:
-                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
-                    started = True
-                    M.TTFT.observe(time.perf_counter() - t0)
-                out = recorder.feed(orjson.dumps(chunk))
-                if recorder.aborted:
-                    break
-                await send({"type": "http.response.body", "body": b"data: " + out + b"\n\n", "more_body": True})
+            await self._forward_chunks(gen, recorder, gone, send, extra, t0, started, admit)
         except EngineError as e:
             err = (upstream_error(str(e.message), 504) if isinstance(e, EngineTimeout) else
                    self._engine_error(e.status, orjson.dumps({"message": e.message})) if e.status else
                    upstream_error(f"the engine is unreachable or failed: {e.message}"))
-            if recorder.rec.token_ids:
-                on_done(recorder.finish(), "timeout" if err.status == 504 else "engine_error")
-            if not started:
+            if not started:  # refused or failed before any answer: no generation to record
                 raise err from None
+            await self._unfinished(recorder.finish(), "timeout" if err.status == 504 else "engine_error", on_done)
             await self._sse_error(send, err)
             return 502
+        finally:
+            watcher.cancel()
+            await gen.aclose()  # a stream closed before its end aborts the engine's generation
+        if gone.is_set():
+            await self._unfinished(recorder.finish(), "client_disconnect", on_done)  # what the user saw
+            return 499
         if not started:
+            admit()
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
         rec = recorder.finish()
         if recorder.aborted or rec.finish_reason is None:
-            if on_done is not None and rec.token_ids:
-                on_done(rec, "engine_abort" if recorder.aborted else "truncated")
-            elif on_done is None:
-                M.UNFINISHED.labels("engine_abort" if recorder.aborted else "truncated").inc()
+            await self._unfinished(rec, "engine_abort" if recorder.aborted else "truncated", on_done)
             await self._sse_error(send, generation_aborted())
             return 503
         if on_done is not None:
-            on_done(rec)
+            await on_done(rec)
         await send({"type": "http.response.body", "body": _DONE})
         return 200
+
+    @staticmethod
+    async def _forward_chunks(gen, recorder: StreamRecorder, gone: asyncio.Event, send, extra: list, t0: float,
+                              started: list, admit) -> None:
+        """Forward ``gen``'s chat chunks through ``recorder`` until it ends, the engine aborts
+        or ``gone`` is set (then the pending read is cancelled: ``gen`` is closed mid-stream);
+        ``admit()`` runs when the engine's first chunk arrives (it accepted the request)."""
+        it = gen.__aiter__()
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                await asyncio.wait((nxt, left), return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():  # the client left while the engine was generating
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    return
+                try:
+                    chunk = nxt.result()
+                except StopAsyncIteration:
+                    return
+                if not started:
+                    admit()
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
+                    started.append(True)
+                    M.TTFT.observe(time.perf_counter() - t0)
+                out = recorder.feed(orjson.dumps(chunk))
+                if recorder.aborted or gone.is_set():
+                    return
+                await send({"type": "http.response.body", "body": b"data: " + out + b"\n\n", "more_body": True})
+        finally:
+            left.cancel()
+
+    @staticmethod
+    async def _unfinished(rec: Recorded, cause: str, on_done) -> None:
+        """A generation that did not finish: recorded as an ``abort`` turn when it is recorded and
+        produced tokens (``_record`` counts it), else only counted (``cause``)."""
+        if on_done is not None and rec.token_ids:
+            await on_done(rec, cause)
+        else:
+            M.UNFINISHED.labels(cause).inc()
 
     # ---- the FastAPI part -------------------------------------------------------------------------
     def _build_api(self) -> FastAPI:
@@ -729,6 +888,9 @@ class ProxyApp:
             self._auth(headers)
             headers[b"x-session-id"] = session_id.encode("utf-8", "replace")
             meta = session_meta(headers, {}, "main")
+            if meta.session_id is None:  # an unfilled template is no session to end
+                raise bad_request(f"{session_id[:60]!r} is not a session id ({meta.warnings[0][1]})",
+                                  param="session_id", code="invalid_session_id")
             self._end(meta.session_id, "api")
             await self.publisher.durable()
             return {"session_id": meta.session_id, "ended": True}

@@ -43,6 +43,10 @@ class ProxyError(PipelineError):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class ClientGone(PipelineError):
+    """The client disconnected before its request body arrived (nothing is answered)."""
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> bytes:
     """Serialise an OpenAI-style error object."""

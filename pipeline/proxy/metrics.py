@@ -19,8 +19,18 @@ LATENCY = Histogram("pipeline_proxy_request_latency_seconds",
 TTFT = Histogram("pipeline_proxy_ttft_seconds", "Streaming: request arrival to first chunk sent",
                  buckets=_LAT_BUCKETS)
 WITHOUT_SESSION = Counter("pipeline_proxy_requests_without_session_total",
-                          "Requests without X-Session-Id (recorded as one-turn sessions, or skipped/"
-                          "rejected per proxy.anonymous)")
+                          "Requests no client-given value names a session of (header, body, agent marker, "
+                          "user field): sessions derived by continuation, or skipped/rejected per proxy.anonymous")
+SESSION_SOURCE = Counter("pipeline_proxy_session_source_total",
+                         "Recorded requests by the rule that decided their session: header, body, marker:<agent>, "
+                         "user, continuation, new", ["source"])
+SESSION_IDS_IGNORED = Counter("pipeline_proxy_session_ids_ignored_total",
+                              "Session values that are not ids (unfilled template, empty, invalid), by field; the "
+                              "request is served under the next rule and the response says so in x-session-warning",
+                              ["field", "reason"])
+REFUSED = Counter("pipeline_proxy_refused_requests_total",
+                  "Main requests the engine refused or never answered (by HTTP status or error): no turn, no turn "
+                  "index, no next state", ["status"])
 TURNS = Counter("pipeline_proxy_turns_total", "Turn events queued for publishing", ["turn_type"])
 TURNS_WITHOUT_IDS = Counter("pipeline_proxy_turns_without_token_ids_total",
                             "Turns whose engine response lacked token ids or log-probs")
@@ -48,6 +58,9 @@ SYNC_HOLD = Histogram("pipeline_proxy_sync_hold_seconds", "Time a request was he
                       buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
 SYNC_PAUSED = Gauge("pipeline_proxy_sync_paused", "1 while the control topic says a weight sync runs")
 POLICY_VERSION = Gauge("pipeline_proxy_policy_version", "Policy version of the latest served turn")
+DOOR_REQUESTS = Counter("pipeline_proxy_door_requests_total",
+                        "Requests to the Responses (/v1/responses) and Messages (/v1/messages) front doors, by "
+                        "status (each also counts as a chat request once translated)", ["api", "status"])
 SESSIONS = Gauge("pipeline_proxy_sessions", "Sessions held in memory")
 
 

@@ -25,7 +25,12 @@ Rules (documented defaults, see :mod:`pipeline.proxy`):
   message is the start of this turn's own reply, so it is neither counted nor taken as the
   previous answer (the messages before it are the next state), and the continued turn is
   recognised later by prefix + continuation, as clients echo it.
+- The next state is only proposed by :meth:`SessionTable.begin`; :meth:`SessionTable.accept`
+  (the engine took the request) marks it published, :meth:`SessionTable.cancel` undoes a request
+  the engine refused: its index is given back unless a later one was taken meanwhile.
 - Side turns (``X-Turn-Type: side``) touch no state.
+- Which session a request is in: :meth:`SessionTable.route` (a reused id's new conversation gets
+  a sub-session ``<id>~<hash>``; ``docs/sessions.md``).
 
 State is bounded: at most ``max_sessions`` (least recently used dropped first) and sessions idle
 for ``idle_s`` seconds are dropped by :meth:`SessionTable.expire`.
@@ -40,31 +45,16 @@ from typing import Any
 
 import orjson
 
+from pipeline.proxy.identity import Chain, Conversations, assistant_parts, content_id
+
 _FINGERPRINTS_KEPT = 32
 _NOT_NEW = ("system", "developer")
 
 
 def fingerprint(content: Any, tool_calls: Any) -> int:
-    """A process-local hash of an assistant message's content and tool calls.
-
-    Whitespace at the ends of the content and the JSON formatting of tool-call arguments are
-    normalised, so a client that re-serialises the message still matches.
-    """
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    parts: list[Any] = [content.strip() if isinstance(content, str) else ""]
-    for tc in tool_calls or ():
-        fn = tc.get("function") if isinstance(tc, dict) else None
-        if not isinstance(fn, dict):
-            continue
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = orjson.dumps(orjson.loads(args), option=orjson.OPT_SORT_KEYS).decode()
-            except orjson.JSONDecodeError:
-                args = args.strip()
-        parts.append((fn.get("name"), args))
-    return hash(tuple(parts))
+    """A process-local hash of an assistant message in its normal form
+    (:func:`pipeline.proxy.identity.assistant_parts`: a client that re-serialises it still matches)."""
+    return hash(orjson.dumps(assistant_parts(content, tool_calls)))
 
 
 @dataclass(slots=True)
@@ -74,8 +64,12 @@ class SessionState:
     next_index: int = 0
     last_done: int | None = None  # latest main turn whose response completed
     prints: OrderedDict = field(default_factory=OrderedDict)  # fingerprint -> turn index
+    rids: OrderedDict = field(default_factory=OrderedDict)  # turn index -> request id (completed turns)
     next_state_for: OrderedDict = field(default_factory=OrderedDict)  # after_turn_index values published
     touched: float = 0.0
+    #: request ids of turns recorded before this state existed that its requests continued
+    #: (the session resumed after it was dropped)
+    adopted: OrderedDict = field(default_factory=OrderedDict)
 
 
 @dataclass(slots=True)
@@ -86,11 +80,17 @@ class MainTurn:
         turn_index: the index assigned to this request's turn.
         next_state: messages to publish as the previous turn's next state, or None.
         after_turn_index: the turn that next state follows.
+        after_request_id: the request id of that turn, when this proxy recorded it.
+        prev_next_index: the session's ``next_index`` before this request (for :meth:`SessionTable.cancel`).
+        created: the session's state was created by this request.
     """
 
     turn_index: int
     next_state: list | None
     after_turn_index: int | None
+    after_request_id: str | None = None
+    prev_next_index: int = 0
+    created: bool = False
 
 
 class SessionTable:
@@ -125,14 +125,24 @@ class SessionTable:
         return st
 
     def begin(self, session_id: str, messages: list, now: float | None = None,
-              continue_final: bool = False) -> MainTurn:
-        """Assign the turn index of a main request and find its next state (atomic).
+              continue_final: bool = False, fresh: bool = False, continued: str | None = None) -> MainTurn:
+        """Reserve the turn index of a main request and find its next state (atomic).
 
+        The next state is only proposed: publish it after :meth:`accept` (the engine took the
+        request); a request the engine refuses is undone with :meth:`cancel`.
         ``continue_final``: the request continues its trailing assistant message
         (``continue_final_message``); that message is the start of this turn's reply, not an
-        earlier answer, and is left out of the rules.
+        earlier answer, and is left out of the rules. ``fresh``: the session was just derived
+        for this request (``new``, or a sub-session of a new conversation): no next state.
+        ``continued``: the request id of the recorded turn :meth:`route` found it continues
+        (kept, so that the session's later requests continuing that turn stay in it).
         """
+        created = session_id not in self._s
         st = self._state(session_id, time.monotonic() if now is None else now)
+        if continued is not None:
+            st.adopted[continued] = True
+            while len(st.adopted) > _FINGERPRINTS_KEPT:
+                st.adopted.popitem(last=False)
         if continue_final and messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
         n_asst = 0
@@ -141,7 +151,8 @@ class SessionTable:
             if m.get("role") == "assistant":
                 n_asst += 1
                 last = i
-        index = max(st.next_index, n_asst)
+        prev = st.next_index
+        index = max(prev, n_asst)
         st.next_index = index + 1
         if last >= 0:
             new = messages[last + 1:]
@@ -152,16 +163,86 @@ class SessionTable:
         else:
             new = [m for m in messages if m.get("role") not in _NOT_NEW]
             after = st.last_done
-        if after is None or after >= index or not new or after in st.next_state_for:
-            return MainTurn(index, None, None)
-        st.next_state_for[after] = True
+        if fresh or after is None or after >= index or not new or after in st.next_state_for:
+            return MainTurn(index, None, None, prev_next_index=prev, created=created)
+        return MainTurn(index, new, after, st.rids.get(after), prev, created)
+
+    def accept(self, session_id: str, mt: MainTurn) -> bool:
+        """The engine accepted the request of ``mt``: True when its next state is to be published
+        now (once per previous turn: a concurrent or repeated request does not publish it again)."""
+        if mt.next_state is None:
+            return False
+        st = self._s.get(session_id)
+        if st is None:  # dropped meanwhile (capacity): the mark is gone with it
+            return True
+        if mt.after_turn_index in st.next_state_for:
+            return False
+        st.next_state_for[mt.after_turn_index] = True
         if len(st.next_state_for) > _FINGERPRINTS_KEPT:
             st.next_state_for.popitem(last=False)
-        return MainTurn(index, new, after)
+        return True
+
+    def cancel(self, session_id: str, mt: MainTurn) -> None:
+        """Undo :meth:`begin` of a request the engine refused or never answered: the index is
+        given back unless a later request of the session took one meanwhile (then it stays a
+        gap, never a duplicate), and a session this request created is forgotten."""
+        st = self._s.get(session_id)
+        if st is None:
+            return
+        if st.next_index == mt.turn_index + 1:
+            st.next_index = mt.prev_next_index
+        if mt.created and st.next_index == 0 and st.last_done is None:
+            del self._s[session_id]
+
+    def route(self, claimed: str | None, chain: Chain, rid: str, convs: Conversations) -> tuple[str, bool, Any]:
+        """``(session id, fresh, continued hit)`` of a request (see ``docs/sessions.md``).
+
+        No claimed id: the session of the recorded turn it continues (:class:`Conversations`),
+        else a new ``conv-<hash>`` (fresh). A claimed id (header, body, marker, user) ``S``: the
+        continued turn's session when it is ``S`` or one of its sub-sessions; else ``S`` itself,
+        or the one turn of ``S``'s family it continues when other sessions recorded the same one;
+        unless ``S`` already has a completed turn here and the request is another conversation
+        (it continues no turn of ``S``, or only an ambiguous or branched one, and its last
+        assistant message is no answer of ``S``): that gets its own sub-session ``S~<hash>`` (fresh).
+        A continued turn of ``S`` that ``S``'s state does not know (``S`` was dropped and another
+        conversation took ``S`` since) is such another conversation too: continuing ``S`` would
+        publish its reply as the next state of the other conversation's turn.
+        """
+        hit = convs.find(chain)
+        cont = convs.continues(hit, chain)
+        if claimed is None:
+            if cont is not None:
+                return cont, False, hit
+            return content_id("conv-", rid), True, None
+        sub = claimed[:239] + "~"  # a sub-session id stays within 256 characters
+        if cont is None or not (cont == claimed or cont.startswith(sub)):
+            cont = convs.continues_claimed(hit, chain, claimed, sub)  # ambiguous only for unclaimed requests
+        if cont is not None:
+            if self._knows(cont, hit[1].request_of(cont)):
+                return cont, False, hit
+            return content_id(sub, rid), True, None
+        st = self._s.get(claimed)
+        if st is None or st.last_done is None:
+            return claimed, False, None
+        a = chain.last_assistant
+        if hit is None and a is not None and fingerprint(a.get("content"), a.get("tool_calls")) in st.prints:
+            return claimed, False, None  # S's conversation with an earlier message changed (a dated system prompt)
+        if hit is None and len(chain.at_assistant) > st.last_done:
+            return claimed, False, None  # it carries S's history by count: a client that rewrites its answers
+        return content_id(sub, rid), True, None
+
+    def _knows(self, session_id: str, request_id: str | None) -> bool:
+        """The state of ``session_id`` is the conversation of the recorded turn of request
+        ``request_id``: no state (it was dropped: it is re-created), no completed turn yet, or
+        it completed or continued that turn."""
+        st = self._s.get(session_id)
+        return (st is None or st.last_done is None or request_id is None or request_id in st.adopted
+                or request_id in st.rids.values())
 
     def complete(self, session_id: str, turn_index: int, content: Any, tool_calls: Any,
-                 prefix: str | None = None) -> None:
-        """Record that main turn ``turn_index`` answered with this content / tool calls.
+                 prefix: str | None = None, request_id: str | None = None) -> None:
+        """Record that main turn ``turn_index`` (request ``request_id``) answered with this
+        content / tool calls.
 
         ``prefix``: the assistant text the turn continued (``continue_final_message``); a client
         echoes the whole message, prefix + continuation, so that is recognised too.
@@ -177,6 +258,10 @@ class SessionTable:
             st.prints[fingerprint(prefix + (content if isinstance(content, str) else ""), tool_calls)] = turn_index
         while len(st.prints) > _FINGERPRINTS_KEPT:
             st.prints.popitem(last=False)
+        if request_id is not None:
+            st.rids[turn_index] = request_id
+            while len(st.rids) > _FINGERPRINTS_KEPT:
+                st.rids.popitem(last=False)
 
     def end(self, session_id: str) -> None:
         """Forget a session (after ``X-Session-Done``)."""

@@ -8,23 +8,26 @@ Session metadata comes from the headers ``X-Session-Id``, ``X-Turn-Type`` (``mai
 and ``X-Session-Done`` (``true``/``false``, also ``1``/``0``/``yes``/``no``), or from the body
 fields ``session_id``, ``turn_type`` and ``session_done`` (for clients that can only set
 ``extra_body``). A header wins over a body field; body fields are always removed before the
-request is forwarded.
+request is forwarded. A session id that is an unfilled template or empty
+(:func:`pipeline.proxy.identity.unfilled`) is not an error: it is ignored (listed in
+``SessionMeta.warnings``) and the next rule decides (:mod:`pipeline.proxy.identity`).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from pipeline.chatbody import CHAT_FIELDS, ROLES, ChatBodyError, check_chat_body
 from pipeline.proxy.errors import ProxyError, bad_request
+from pipeline.proxy.identity import SESSION_ID, unfilled
 
 SESSION_FIELDS = ("session_id", "turn_type", "session_done")
 #: request fields recorded as the turn's sampling parameters: the table's ``recorded`` fields, and two
 #: SGLang extensions outside it (forwarded untouched) that constrain decoding (no OPD term then)
 SAMPLING_KEYS = tuple(k for k, f in CHAT_FIELDS.items() if f.recorded) + ("json_schema", "structural_tag")
-_SESSION_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -37,11 +40,15 @@ class SessionMeta:
         session_id: the client's id, or None when it sent none.
         turn_type: ``main`` (part of the trajectory) or ``side`` (auxiliary call, no turn index).
         done: the client says this request ends the session.
+        source: ``header`` or ``body`` (where ``session_id`` came from), None without one.
+        warnings: ``(field, reason)`` of each session id ignored (``empty``, ``template``).
     """
 
     session_id: str | None
     turn_type: str
     done: bool
+    source: str | None = None
+    warnings: list = field(default_factory=list)
 
 
 def _is_int(v: Any) -> bool:
@@ -58,13 +65,16 @@ def _parse_bool(raw: Any, name: str) -> bool:
     raise bad_request(f"{name} must be true or false, got {str(raw)[:40]!r}", param=name)
 
 
-def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str) -> SessionMeta:
+def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str,
+                 previous_session: str | None = None) -> SessionMeta:
     """Read (and strip from ``body``) the session metadata.
 
     Args:
         headers: lower-cased raw header names -> raw values.
         body: the parsed request; ``session_id``/``turn_type``/``session_done`` are popped.
         default_turn_type: used when a session id is given without a turn type.
+        previous_session: the session of the stored response the request continues (a front
+            door's ``previous_response_id``), taken when the client gives no id of its own.
     Raises:
         ProxyError: 400 on an unusable session id, turn type or done flag.
     """
@@ -72,14 +82,22 @@ def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str
     b_type = body.pop("turn_type", None)
     b_done = body.pop("session_done", None)
     h = headers.get(b"x-session-id")
-    if h is not None:
-        sid: Any = h.decode("latin-1").strip()
-    else:
-        sid = b_sid
-    if sid is not None:
-        if not isinstance(sid, str) or not _SESSION_ID.match(sid):
-            raise bad_request("session id (X-Session-Id) must be 1-256 printable ASCII characters without spaces",
-                              param="X-Session-Id", code="invalid_session_id")
+    sid = source = None
+    warnings: list = []
+    for name, src, raw in (("X-Session-Id", "header", None if h is None else h.decode("latin-1")),
+                           ("session_id", "body", b_sid),
+                           ("previous_response_id", "previous_response", previous_session)):
+        if raw is None:
+            continue
+        why = unfilled(raw)
+        if why is not None:
+            warnings.append((name, why))
+            continue
+        if not isinstance(raw, str) or not SESSION_ID.match(raw.strip()):
+            raise bad_request(f"session id ({name}) must be 1-256 printable ASCII characters without spaces",
+                              param=name, code="invalid_session_id")
+        sid, source = raw.strip(), src
+        break
     h = headers.get(b"x-turn-type")
     tt: Any = h.decode("latin-1").strip().lower() if h is not None else b_type
     if tt is None or tt == "":
@@ -90,7 +108,7 @@ def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str
     h = headers.get(b"x-session-done")
     raw_done = h.decode("latin-1") if h is not None else b_done
     done = False if raw_done is None else _parse_bool(raw_done, "X-Session-Done")
-    return SessionMeta(sid, tt, done)
+    return SessionMeta(sid, tt, done, source, warnings)
 
 
 def check_request(body: Any) -> None:
@@ -112,6 +130,21 @@ def check_request(body: Any) -> None:
         check_chat_body(body)
     except ChatBodyError as e:
         raise bad_request(e.message, param=e.param, code=e.code) from None
+
+
+def json_body(raw: bytes) -> dict:
+    """A request body parsed as a JSON object.
+
+    Raises:
+        ProxyError: 400 ``invalid_json`` when it is not JSON, 400 when it is not an object.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 def content_type_ok(value: bytes | None) -> bool:

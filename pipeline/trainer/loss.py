@@ -36,11 +36,13 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, normalize: bool = False, eps:
         rewards: ``[n]`` scalar rewards (Binary RL: the PRM majority vote in {-1, 0, 1}); the
             values of samples without a reward are ignored.
         mask: ``[n, L]`` response-token mask.
-        normalize: subtract the mean reward and divide by the population standard deviation plus
-            ``eps``, both taken over the samples that carry a reward (slime's GRPO group
-            normalisation, with the batch as the group: online samples of a live agent do not
-            come in groups of the same prompt). One rewarded sample, or equal rewards, give zero
-            advantage (no NaN).
+        normalize: subtract the mean reward and divide by the **Bessel-corrected** (sample,
+            ``n - 1``) standard deviation plus ``eps``, both taken over the samples that carry a
+            reward: slime's GRPO group normalisation (``torch.std``'s default), with the batch as
+            the group (online samples of a live agent do not come in groups of the same prompt).
+            OpenClaw-RL itself runs Binary RL with ``--disable-rewards-normalization`` (reward =
+            advantage), which is this function's default; when on, it follows slime. One
+            rewarded sample (no ``n - 1`` spread), or equal rewards, give zero advantage (no NaN).
         has_reward: ``[n]`` bool, which samples carry an RL signal (default: all). A sample
             without one gets advantage exactly 0 and takes no part in the normalisation.
     Returns:
@@ -52,7 +54,8 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, normalize: bool = False, eps:
     r = torch.where(present, r, torch.zeros_like(r))
     if normalize and bool(present.any()):
         kept = r[present]
-        r = torch.where(present, (r - kept.mean()) / (kept.std(unbiased=False) + eps), torch.zeros_like(r))
+        std = kept.std(unbiased=True) if kept.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
+        r = torch.where(present, (r - kept.mean()) / (std + eps), torch.zeros_like(r))
     return r[:, None] * mask.to(r.dtype)
 
 

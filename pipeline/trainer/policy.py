@@ -297,7 +297,10 @@ class PolicyTrainer:
         """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
 
         ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
-        that are not :func:`batch.trainable` are ignored. A batch without any trainable token
+        that are not :func:`batch.trainable` are not trained; with ``trainer.count_masked_samples``
+        they still count in the ``sum_of_sample_mean`` denominator (the loss is divided by
+        ``len(samples)``, slime's global batch size: 2 trainable samples of 16 weigh 1/16 each,
+        not 1/2), else it is the number of trained samples. A batch without any trainable token
         makes no optimizer step (``skipped``): Adam's moments would still move the weights.
         ``policy_version`` is the version of the weights being trained (the stage's); it splits
         the train-vs-rollout figure (below). An optimizer step whose loss or gradients hold NaN/inf
@@ -323,10 +326,14 @@ class PolicyTrainer:
         """
         cfg, par = self.cfg, self.par
         t0 = time.perf_counter()
+        batch_size = len(samples)  # the batch as handed in (with count_masked_samples: masked ones too)
         prep = self._prepare(samples, weights)
         samples, micro, old_cache, ref_cache = prep.samples, prep.micro, prep.old_cache, prep.ref_cache
         rl_adv = prep.rl_adv
         num_samples = len(samples)
+        # sum_of_sample_mean's denominator: the trained samples, or (trainer.count_masked_samples)
+        # every sample of the batch, masked ones included, as slime divides by the global batch size
+        loss_samples = batch_size if cfg.count_masked_samples else num_samples
         num_tokens = sum(s.response_length for s in samples)
         sampled = [s for s in samples if s.rollout_log_probs is not None]  # the TIS figure's samples
         num_rollout_samples, num_rollout_tokens = len(sampled), sum(s.response_length for s in sampled)
@@ -362,7 +369,7 @@ class PolicyTrainer:
                     ref_log_probs=ref, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type,
                     rollout_log_probs=mb.rollout_log_probs.to(dev), tis_cap=cfg.tis_cap, tis_floor=cfg.tis_floor,
                     train_log_probs=train, has_rollout=mb.has_rollout, sample_weights=mb.weights.to(dev),
-                    agg=cfg.loss_agg, num_samples=num_samples, num_tokens=num_tokens,
+                    agg=cfg.loss_agg, num_samples=loss_samples, num_tokens=num_tokens,
                     num_rollout_samples=num_rollout_samples, num_rollout_tokens=num_rollout_tokens)
                 # Megatron DDP averages gradients over DP ranks; the loss is already a global mean
                 (loss * par.dp).backward()

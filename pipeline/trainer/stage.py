@@ -250,7 +250,6 @@ class TrainerStage:
     def _one_step(self, progress: Progress) -> bool:
         """Train one batch; False when stopping (no batch)."""
         cfg = self.cfg
-        t0 = time.perf_counter()
         batch = None
         if self.par.is_main and not self.stop.is_set():
             batch = self.source.next_batch(self.version, self.stop)
@@ -259,6 +258,7 @@ class TrainerStage:
         if payload is None:
             return False
         samples, weights, stopping = payload
+        t_batch = time.perf_counter()  # the wait for a full batch (consume_s) is not part of step_s
         result = self.policy.train_batch(samples, weights, policy_version=self.version)
         if not result.skipped:
             self._check_weights(f"step {self.step + 1}")
@@ -286,7 +286,7 @@ class TrainerStage:
         record["checkpoint_s"] = time.perf_counter() - t1
         if not result.skipped:
             self._export_and_sync(record)
-        step_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - t_batch
         record.update(step_s=step_s, samples_per_s=record["train_samples"] / step_s,
                       tokens_per_s=record["train_tokens"] / step_s,
                       train_tokens_per_s=record["train_tokens"] / max(

@@ -82,7 +82,7 @@ class WeightPublisher:
             self._published(version, str(location), sha256)
             waiting = [e for e in dict.fromkeys(self.cfg.engines)]
             if waiting:
-                self._await(version, meta.partition, meta.offset, waiting, report, stop)
+                self._await(version, meta.partition, meta.offset, waiting, report, stop, sha256)
             for engine in waiting:
                 if engine not in report.applied and engine not in report.failed:
                     report.failed[engine] = f"no answer within {self.cfg.sync_timeout_s:.0f} s"
@@ -107,7 +107,9 @@ class WeightPublisher:
             log.warning("could not write %s: %s", Path(self.cfg.export_dir) / PUBLISHED, e)
 
     def _await(self, version: int, partition: int, offset: int, engines: list[str], report: SyncReport,
-               stop: threading.Event | None) -> None:
+               stop: threading.Event | None, sha256: str | None = None) -> None:
+        """Collect the engines' answers for ``version``; an answer about other content (another
+        ``sha256`` under the same number: an earlier export) is not an answer to this sync."""
         consumer = TopicReader(self.config, self.topic, Offset(offset), partitions=[partition], name="trainer",
                                dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S, stop=stop)
         try:
@@ -117,6 +119,8 @@ class WeightPublisher:
                 for rec in consumer.poll(timeout_ms=200):
                     ev = rec.event
                     if ev.run_id != self.cfg.run_id or ev.policy_version != version or ev.engine_id not in pending:
+                        continue
+                    if sha256 is not None and ev.sha256 is not None and ev.sha256 != sha256:
                         continue
                     if ev.action == "applied":
                         report.applied.append(ev.engine_id)

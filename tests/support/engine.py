@@ -36,26 +36,28 @@ from tests.support.servers import serve_server
 def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, subprocess: bool = False,
                    threads: int | None = None, weight_version: str = "0", max_batch_size: int = 16,
                    context_length: int | None = 2048, api_key: str | None = None, seed: int = 0,
-                   start_timeout_s: float = 180.0) -> Iterator[str]:
+                   start_timeout_s: float = 180.0, prefix_cache_bytes: int = 1 << 30) -> Iterator[str]:
     """Serve ``model`` (``tiny-random`` | ``smollm2-135m`` | HF folder) and yield its base URL.
 
     Args:
         cache_dir: where built-in models live (default ``~/.cache/openclaw-pipeline``).
         subprocess: run the engine as a child process instead of a thread of this process.
         threads: torch threads (in-process mode changes this process's setting); None = all cores.
-        weight_version, max_batch_size, context_length, api_key, seed: engine settings.
+        weight_version, max_batch_size, context_length, api_key, seed, prefix_cache_bytes: engine
+            settings (``prefix_cache_bytes=0``: no prefix cache).
     Raises:
         RuntimeError: the engine did not come up within ``start_timeout_s``.
     """
     if subprocess:
         with _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size, context_length,
-                                api_key, seed, start_timeout_s) as url:
+                                api_key, seed, start_timeout_s, prefix_cache_bytes) as url:
             yield url
         return
     from pipeline.engine.runtime import build_state, make_server
 
     state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
-                        weight_version=weight_version, seed=seed, threads=threads)
+                        weight_version=weight_version, seed=seed, threads=threads,
+                        prefix_cache_bytes=prefix_cache_bytes)
     try:
         with serve_server(make_server(state, api_key=api_key), backlog=128, start_timeout_s=start_timeout_s,
                           config_loop=False) as url:
@@ -67,9 +69,10 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
 @contextlib.contextmanager
 def _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size, context_length, api_key, seed,
-                       start_timeout_s) -> Iterator[str]:
+                       start_timeout_s, prefix_cache_bytes) -> Iterator[str]:
     cmd = [sys.executable, "-m", "pipeline", "engine", "--model", model, "--host", "127.0.0.1", "--port", "0",
-           "--weight-version", str(weight_version), "--max-batch-size", str(max_batch_size), "--seed", str(seed)]
+           "--weight-version", str(weight_version), "--max-batch-size", str(max_batch_size), "--seed", str(seed),
+           "--prefix-cache-bytes", str(prefix_cache_bytes)]
     if cache_dir:
         cmd += ["--cache-dir", str(cache_dir)]
     if threads:
@@ -120,3 +123,22 @@ def _wait_health(url: str, deadline: float) -> None:
             pass
         time.sleep(0.05)
     raise RuntimeError(f"engine at {url} not healthy in time")
+
+
+def perturbed_copy(out, model: str = "tiny-random", seed: int = 123, scale: float = 0.05):
+    """Save into folder ``out`` a copy of ``model`` with every weight shifted by seeded Gaussian
+    noise of std ``scale`` (same architecture and tokenizer: new weights an engine accepts)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.models import resolve_model
+
+    src = resolve_model(model)
+    net = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    net.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out

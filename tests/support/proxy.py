@@ -32,3 +32,14 @@ def running_proxy(config, engine_url: str, *, follow_control: bool = False, publ
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def stack(config, script=None, **proxy_settings: Any) -> Iterator[tuple[str, Any, Any]]:
+    """A :class:`tests.support.servers.StandInEngine` answering by ``script`` and the real proxy
+    in front of it; yield ``(proxy base url, app, engine)``."""
+    from tests.support.servers import StandInEngine
+
+    up = StandInEngine(script)
+    with serve_app(up) as up_url, running_proxy(config, up_url, **proxy_settings) as (url, app):
+        yield url, app, up

@@ -581,6 +581,8 @@ class StandInJudge(StandInServer):
         if start >= len(ids):
             return 400, {"error": {"message": "logprob_start_len is higher than the number of input tokens"}}
         k = int(body.get("top_logprobs_num") or 0)
+        t = float((body.get("sampling_params") or {}).get("temperature", 1.0))
+        t = 1.0 if t < 1e-6 else t  # the fake log-probs scale with 1/T, as a temperature-scaled teacher's do
         positions = range(start + 1, len(ids)) if start >= 0 else range(0)
         choice_lp = None
         if self.tokenizer is not None and start >= 0:
@@ -591,10 +593,10 @@ class StandInJudge(StandInServer):
                 choice_lp = 0.0 if f"\\boxed{{{m.group(1)}}}" in tail else -5.0
         entries, tops = [], []
         for i in positions:
-            lp = choice_lp if choice_lp is not None else fake_logprob(ids[i], i)
+            lp = choice_lp if choice_lp is not None else fake_logprob(ids[i], i) / t
             entries.append([lp, ids[i], None])
             if k:
-                tops.append([[fake_logprob(ids[i] + j, i) - j, ids[i] + j, None] for j in range(k)])
+                tops.append([[(fake_logprob(ids[i] + j, i) - j) / t, ids[i] + j, None] for j in range(k)])
         if start == 0:
             entries.insert(0, [None, ids[0], None])
             if k:

@@ -10,13 +10,20 @@ answers differently, so the proxy's SGLang paths can be tested on a CPU:
 - chat with ``stream: true`` and ``return_token_ids`` / ``return_prompt_token_ids`` /
   ``return_meta_info`` is a 400 (SGLang raises ``ValueError`` there);
 - every ``bytes`` of ``logprobs.content`` and of its ``top_logprobs`` is rewritten to
-  ``list(token.encode())``, so half an emoji reads ``[239, 191, 189]`` as SGLang sends it.
+  ``list(token.encode())``, so half an emoji reads ``[239, 191, 189]`` as SGLang sends it;
+- chat answers carry ``metadata.weight_version`` only (our engine's ``metadata.sampling_params``,
+  the parameters it really sampled with, is removed: SGLang does not report them);
+- with ``temp_scaled_logprobs=False`` (SGLang started without ``SGLANG_TEMP_SCALED_LOGPROBS=1``)
+  the prompt log-probs of ``/generate`` are those of temperature 1.0 whatever the request says
+  (the request's ``temperature`` is dropped from a prefill-only ``max_new_tokens: 0`` call);
+- ``generate_chunk_delay_s`` spaces the chunks of a streamed ``/generate`` (a slower engine).
 
 Everything else (``/generate``, ``/v1/tokenize``, ``/model_info``, weights, ...) passes through.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -29,6 +36,9 @@ _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")
 
 def sglang_bytes(obj: Any) -> None:
     """Rewrite log-prob ``bytes`` in a chat response or chunk the way SGLang fills them (in place)."""
+    md = obj.get("metadata")
+    if isinstance(md, dict):
+        md.pop("sampling_params", None)
     for c in obj.get("choices") or ():
         lp = c.get("logprobs") if isinstance(c, dict) else None
         for item in (lp or {}).get("content") or ():
@@ -40,9 +50,12 @@ def sglang_bytes(obj: Any) -> None:
 class SglangStyleEngine(StandInServer):
     """ASGI app in front of ``engine_url`` (see the module docstring). Create inside no loop."""
 
-    def __init__(self, engine_url: str) -> None:
+    def __init__(self, engine_url: str, *, temp_scaled_logprobs: bool = True,
+                 generate_chunk_delay_s: float = 0.0) -> None:
         super().__init__()
         self.engine_url = engine_url.rstrip("/")
+        self.temp_scaled_logprobs = temp_scaled_logprobs
+        self.generate_chunk_delay_s = generate_chunk_delay_s
         self.requests: list[tuple[str, Any]] = []  # (path, parsed body) of every POST seen
         self._http: httpx.AsyncClient | None = None
 
@@ -86,11 +99,20 @@ class SglangStyleEngine(StandInServer):
             sglang_bytes(obj)
             return await send_json(send, 200, obj)
         headers = {"content-type": "application/json"} if body else {}
+        sp = req.get("sampling_params") if path == "/generate" and isinstance(req, dict) else None
+        if isinstance(sp, dict) and sp.get("max_new_tokens") == 0 and not self.temp_scaled_logprobs:
+            sp.pop("temperature", None)
+            body = orjson.dumps(req)
         if isinstance(req, dict) and req.get("stream"):
             async with self._http.stream(method, url, content=body, headers=headers) as r:
                 await send({"type": "http.response.start", "status": r.status_code,
                             "headers": [(b"content-type", r.headers.get("content-type", "").encode())]})
-                async for part in r.aiter_raw():
+                async for part in (r.aiter_lines() if self.generate_chunk_delay_s else r.aiter_raw()):
+                    if self.generate_chunk_delay_s:
+                        if not part:
+                            continue
+                        await asyncio.sleep(self.generate_chunk_delay_s)  # pacing, not a wait for a state
+                        part = (part + "\n\n").encode()
                     await send({"type": "http.response.body", "body": part, "more_body": True})
             return await send({"type": "http.response.body", "body": b""})
         r = await self._http.request(method, url, content=body or None, headers=headers)

@@ -64,6 +64,9 @@ function tick(v) {  // axis labels that stay readable for tiny values (KL, misma
   if (a >= 0.01) return String(+v.toFixed(3));
   return v.toExponential(0);
 }
+function clock(sec) {  // time-axis labels with hours and minutes, never bare seconds
+  return new Date(sec * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false });
+}
 function updateChart(id, data) {
   const c = S.charts[id];
   if (!c) return;
@@ -82,7 +85,7 @@ function updateChart(id, data) {
         const xs = u.data[0].filter((x) => x !== null), lo = Math.min(...xs), hi = Math.max(...xs);
         return lo === hi ? [lo - pad, hi + pad] : [lo, hi];
       } } },
-      axes: [c.opts.time ? { size: 30 } : { size: 30, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
+      axes: [c.opts.time ? { size: 30, values: (u, splits) => splits.map(clock) } : { size: 30, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
         { size: 52, values: (u, splits) => splits.map(tick) }],
       series: [{ label: c.opts.time ? "time" : (c.opts.x || "step") },
         ...c.labels.map((l, i) => ({ label: l, stroke: COLORS[i % COLORS.length], width: 1.5,
@@ -111,9 +114,12 @@ function buildOverview() {
         tile("n-next-states", "next states"), tile("n-session-ends", "session ends"),
         tile("n-waiting", "waiting for next state"), tile("n-judge-waiting", "judge: sessions waiting")),
        chart("traffic", "turns and samples per second", ["turns/s", "samples/s"], { time: true })], true),
+    card("Held-out evaluation", "Success on fixed held-out prompts per policy version (written by pipeline demo), with n.",
+      [h("div", { id: "evals" }), chart("evals", "held-out success by policy version", ["success", "accuracy"], { x: "version", height: 120 })]),
     card("Judge votes", "PRM votes on the samples (+1 good, 0 unsure, −1 bad, failed = no valid answer); the majority is the Binary-RL reward. Hint acceptance: OPD hint votes that produced a usable hint.",
       [h("div", { id: "votes" }), h("div", { class: "tiles" }, tile("n-hint-votes", "hint votes accepted"),
-        tile("n-hint-samples", "distillation samples with a hint"), tile("n-judge-dropped", "turns dropped by the judge"))]),
+        tile("n-hint-samples", "distillation samples with a hint"), tile("n-judge-dropped", "turns dropped by the judge"),
+        tile("n-judge-unjudged", "turns ended without a judgement, by reason"))]),
     card("Samples", "Scored training samples on the samples topic, by kind; masked samples (loss mask 0) are kept for accounting but not trained.",
       h("div", { class: "tiles" }, tile("n-samples", "samples"), tile("n-kind-rl", "rl"), tile("n-kind-opd", "opd"),
         tile("n-kind-opdrl", "opd+rl"), tile("n-masked-share", "masked share"), tile("n-trained", "trained"),
@@ -124,7 +130,7 @@ function buildOverview() {
        h("div", { class: "charts" }, chart("loss", "loss", ["loss"]), chart("kl", "KL", ["kl", "ppo_kl"]),
          chart("entropy", "entropy (nats/token)", ["entropy"]), chart("clip", "clip fraction", ["pg_clipfrac"]),
          chart("mismatch", "train − rollout |Δ log-prob| (nats)", ["logprob_abs_diff"]),
-         chart("reward", "batch reward mean", ["reward_mean"]), chart("steptime", "seconds per step", ["step_s", "sync_s"]))], true),
+         chart("reward", "batch reward mean", ["reward_mean"]), chart("steptime", "seconds per step (step; sync; waiting for the batch, consume_s)", ["step_s", "sync_s", "consume_s"]))], true),
     card("Policy versions and weight syncs", "Each sync on the control topic: pause → weights → applied by every engine → resume. Paused = resume − pause; the proxy holds requests meanwhile (hold count and mean from its metrics).",
       [chart("versions", "policy version over time", ["version"], { time: true, height: 110 }),
         h("div", { class: "tiles" }, tile("n-hold-count", "requests held"), tile("n-hold-mean", "mean hold (s)"),
@@ -132,8 +138,6 @@ function buildOverview() {
         h("div", { id: "syncs" })]),
     card("Consumer lag", "Records each consumer group has not committed yet, per topic (the broker's committed offsets against the high watermark).", h("div", { id: "lag" })),
     card("Dead letters", "Records a stage could not decode or process, per dead-letter topic, with the latest errors.", h("div", { id: "dlq" })),
-    card("Held-out evaluation", "Success on fixed held-out prompts per policy version (written by pipeline demo), with n.",
-      [h("div", { id: "evals" }), chart("evals", "held-out success by policy version", ["success", "accuracy"], { x: "version", height: 120 })]),
     card("Stages and topics", "Prometheus endpoints scraped, and records read from each topic by this dashboard (assign mode: no consumer group, nothing committed).", h("div", { id: "stages" })),
   );
   view.appendChild(grid);
@@ -168,6 +172,8 @@ function renderOverview(o) {
   setText("n-hint-samples", j.hint_samples ? `${j.hint_samples_with_hint}/${j.hint_samples}` : "–");
   const dropped = live.judge_dropped || {};
   setText("n-judge-dropped", Object.keys(dropped).length ? Object.entries(dropped).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
+  const unjudged = live.judge_unjudged || {};
+  setText("n-judge-unjudged", Object.keys(unjudged).length ? Object.entries(unjudged).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
 
   setText("n-samples", num(s.total)); setText("n-kind-rl", num(s.by_kind.rl || 0));
   setText("n-kind-opd", num(s.by_kind.opd || 0)); setText("n-kind-opdrl", num(s.by_kind["opd+rl"] || 0));
@@ -183,7 +189,7 @@ function renderOverview(o) {
   updateChart("loss", [sx, col("loss")]); updateChart("kl", [sx, col("kl"), col("ppo_kl")]);
   updateChart("entropy", [sx, col("entropy")]); updateChart("clip", [sx, col("pg_clipfrac")]);
   updateChart("mismatch", [sx, col("logprob_abs_diff")]); updateChart("reward", [sx, col("reward_mean")]);
-  updateChart("steptime", [sx, col("step_s"), col("sync_s")]);
+  updateChart("steptime", [sx, col("step_s"), col("sync_s"), col("consume_s")]);
 
   const syncs = o.syncs.filter((x) => x.resume_ms || x.pause_ms);
   const vx = [], vy = [];
@@ -215,7 +221,7 @@ function renderOverview(o) {
   const stages = Object.entries(o.stages || {});
   replace("stages", h("div", {},
     stages.length ? table(["stage", "metrics", "endpoint"], stages.map(([k, v]) =>
-      [k, h("span", { class: `pill ${v.up ? "ok" : "no"}` }, v.up ? "up" : "down"), v.url])) : h("p", { class: "muted" }, "no Prometheus endpoint configured (--metrics STAGE=URL)"),
+      [k, h("span", { class: `pill ${v.busy ? "busy" : v.up ? "ok" : "no"}`, title: v.error || "" }, v.busy ? "busy" : v.up ? "up" : "down"), v.url])) : h("p", { class: "muted" }, "no Prometheus endpoint configured (--metrics STAGE=URL)"),
     table(["topic", "records read", "undecodable"], Object.entries(o.topics.records).sort().map(([k, v]) =>
       [k, h("span", { id: `records-${k}` }, num(v)), num(o.topics.undecodable[k] || 0)]))));
 }

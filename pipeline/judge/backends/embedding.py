@@ -44,6 +44,7 @@ text is longer than ``judge.hint_min_chars``, that text (clipped) is the hint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib.util
 import json
@@ -149,6 +150,16 @@ def training_examples() -> list[dict]:
     return load_examples() + generated_examples() + labelled_replies()
 
 
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes (hashed once per process for a given size and mtime)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
 class Embedder:
     """Sentence embeddings with MiniLM on the CPU: ``encode(list[str]) -> float32 [N, 384]``."""
 
@@ -184,9 +195,11 @@ class Embedder:
         return self.base_fingerprint()
 
     def base_fingerprint(self) -> str:
-        """:meth:`fingerprint` of the weights on disk."""
-        parts = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in sorted(self.path.iterdir())
-                 if p.is_file()]
+        """:meth:`fingerprint` of the weights on disk: the sha256 of every file's name and content
+        (never sizes or mtimes, which differ between two installs of the same package, so every
+        clone of a commit with the same packages finds the same cache entries)."""
+        parts = [f"{p.name}:{_file_sha256(str(p), p.stat().st_size, p.stat().st_mtime_ns)}"
+                 for p in sorted(self.path.iterdir()) if p.is_file()]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def encode(self, texts: list[str], batch_size: int = 64):

@@ -1,0 +1,90 @@
+"""Which model a request names: the served model, an alias of it, or an error.
+
+A request's ``model`` must name what the engine serves (its ``/v1/models`` ids) or an alias from
+``proxy.model_aliases`` (alias -> served id, e.g. ``{"gpt-4o-mini": "smollm2-135m"}`` for a client
+whose model name cannot be changed; ``default`` always stands for the served model, as on
+SGLang). Any other name is served by the served model (``proxy.unknown_model: serve``, the
+default: agents whose model name cannot be set still work) or answered 404 ``model_not_found``
+in the front door's own error shape (``reject``). Either way the answer's ``model`` and the
+turn's ``model`` are the served id: training data never carries a name the engine did not serve
+(``gpt-9`` served by SmolLM2 and echoed back as ``gpt-9`` was). A request without ``model``
+gets the served one.
+
+The served ids are read from the engine once (and again, at most every
+:data:`REFRESH_S` seconds, when a name is not among them: an engine restarted with another
+model); an engine that cannot answer ``/v1/models`` is not a reason to refuse a request, so its
+names are then taken on trust (the engine itself decides).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import orjson
+
+from pipeline.proxy.errors import ProxyError
+
+REFRESH_S = 5.0
+
+
+def model_not_found(name: object, served: list[str], aliases: dict[str, str]) -> ProxyError:
+    """The 404 for a model name that is neither served nor an alias."""
+    offer = ", ".join(repr(s) for s in served) or "nothing yet"
+    hint = f"; aliases: {', '.join(sorted(aliases))}" if aliases else "; map other names with proxy.model_aliases"
+    return ProxyError(404, f"The model {str(name)[:80]!r} does not exist here: this proxy serves {offer}{hint}",
+                      param="model", code="model_not_found")
+
+
+class ServedModels:
+    """Resolves request model names against the engine's served ids and the configured aliases.
+
+    Args:
+        fetch: ``async () -> (status, body)`` of the engine's ``GET /v1/models``.
+        aliases: alias -> served id (``proxy.model_aliases``).
+        unknown: ``serve`` (any name, answered and recorded as the served id) or ``reject`` (404
+            ``model_not_found``).
+    """
+
+    def __init__(self, fetch: Callable[[], Awaitable[tuple[int, bytes]]], aliases: dict[str, str] | None = None,
+                 unknown: str = "serve") -> None:
+        self._fetch = fetch
+        self.aliases = dict(aliases or {})
+        self.default = "default"  # SGLang's name for the served model
+        self.unknown = unknown
+        self.served: list[str] = []
+        self._read_at: float | None = None
+
+    async def _refresh(self) -> None:
+        self._read_at = time.monotonic()
+        try:
+            status, data = await self._fetch()
+            body = orjson.loads(data) if status < 400 else None
+        except Exception:  # noqa: BLE001 - an unreachable engine is reported by the request itself
+            return
+        ids = [m.get("id") for m in (body or {}).get("data") or () if isinstance(m, dict)]
+        if ids and all(isinstance(i, str) for i in ids):
+            self.served = ids
+
+    async def resolve(self, name: object) -> str | None:
+        """The served id a request's ``model`` stands for (None: the engine gave no ids, take the
+        request as it is).
+
+        Raises:
+            ProxyError: 404 ``model_not_found`` (``unknown: reject``), 400 for a non-string name.
+        """
+        if name is not None and not isinstance(name, str):
+            raise ProxyError(400, f"'model' must be a string, got {type(name).__name__}", param="model",
+                             code="invalid_type")
+        known = name in (None, self.default) or name in self.served or name in self.aliases
+        if self._read_at is None or (not (self.served and known) and time.monotonic() - self._read_at >= REFRESH_S):
+            await self._refresh()
+        if not self.served:
+            return None
+        if name is None or name == self.default or name in self.served:
+            return self.served[0] if name in (None, self.default) else name
+        if name in self.aliases:
+            return self.aliases[name]
+        if self.unknown == "serve":
+            return self.served[0]
+        raise model_not_found(name, self.served, self.aliases)
