@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.client import EngineClient  # noqa: E402
-from tests.support.engine import running_engine  # noqa: E402
+from pipeline.testing.engine import running_engine  # noqa: E402
 
 
 def _prompt(n: int) -> list[int]:

@@ -6,7 +6,7 @@
     latency (next state published -> sample read back by a consumer) at a paced rate below
     capacity. Targets on this machine: >= 2,000 turns/s, p50 <= 50 ms.
 (b) judge HTTP calls/s with m=3 votes (the ``llm`` backend) against an instant judge server
-    (``tests.support.servers.StandInJudge(instant=True)`` in a subprocess), as a ratio of what a bare httpx client reaches
+    (``pipeline.testing.servers.StandInJudge(instant=True)`` in a subprocess), as a ratio of what a bare httpx client reaches
     against the same server in the same run with the same concurrency (target >= 0.8); and, since
     the judge's client is aiohttp, also the ratio to a bare aiohttp client (the judge's own overhead).
 
@@ -34,13 +34,13 @@ import uuid
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the stand-in judge
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pipeline
 
 from pipeline.bus import EventProducer, Record, TopicReader  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.judge.samples import sample_id  # noqa: E402
+from pipeline.testing.judge import make_next_state, make_turn  # noqa: E402
 from pipeline.topics import apply_topics, load_topics  # noqa: E402
-from tests.support.judge import make_next_state, make_turn  # noqa: E402
 
 PROMPT = list(range(1000, 1300))  # 300 prompt tokens
 RESPONSE = list(range(2000, 2100))  # 100 response tokens
@@ -211,7 +211,7 @@ def bench_http(seconds: float, concurrency: int, votes: int = 3, rounds: int = 2
     from pipeline.judge.prompts import JudgeInput, prm_messages
 
     root = Path(__file__).resolve().parents[1]
-    srv = subprocess.Popen([sys.executable, "-m", "tests.support.servers", "instant-judge"], stdin=subprocess.PIPE,
+    srv = subprocess.Popen([sys.executable, "-m", "pipeline.testing.servers", "instant-judge"], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True, cwd=root)
     try:
         port = int(srv.stdout.readline().split()[1])

@@ -6,7 +6,7 @@
 One run starts, each in its own process:
 
 - a real broker (the embedded Tansu, topics created with a ``bench-`` prefix);
-- ``upstream``: :class:`tests.support.servers.StandInEngine`, a stand-in OpenAI-compatible
+- ``upstream``: :class:`pipeline.testing.servers.StandInEngine`, a stand-in OpenAI-compatible
   engine that answers instantly (the same ~6 KB answer with 67 token ids and log-probs for every
   request; streamed as 69 SSE chunks, ``--token-ms`` apart: 5 ms = 200 tokens/s per stream, a
   fast GPU engine; 1 ms is a stress test of the per-chunk cost);
@@ -57,7 +57,7 @@ TURNS_PER_SESSION = 8
 def serve_upstream(port: int, token_ms: float) -> None:
     import uvicorn
 
-    from tests.support.servers import Reply, StandInEngine
+    from pipeline.testing.servers import Reply, StandInEngine
 
     app = StandInEngine(lambda req: Reply(content=REPLY), fixed=True, record=False, always_extras=True,
                         token_interval_s=token_ms / 1000)

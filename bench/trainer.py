@@ -82,8 +82,8 @@ def bench_cpu(args) -> None:
     from pipeline.syncer import Syncer
     from pipeline.topics import apply_topics, load_topics
     from pipeline.trainer.stage import TrainerStage
-    from tests.support.engine import running_engine
-    from tests.support.trainer import megatron_runtime
+    from pipeline.testing.engine import running_engine
+    from pipeline.testing.trainer import megatron_runtime
 
     rows = []
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:

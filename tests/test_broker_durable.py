@@ -23,8 +23,8 @@ from kafka.structs import OffsetAndMetadata
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.orchestrate.up import start_stack
-from tests.support.servers import StandInEngine, serve_app
-from tests.support.topics import read_events
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.topics import read_events
 
 CHAT = "/v1/chat/completions"
 

@@ -29,10 +29,10 @@ import pytest
 
 from pipeline.models import resolve_model
 from pipeline.chatbody import CHAT_FIELDS
-from tests.support.engine import running_engine
-from tests.support.proxy import running_proxy
-from tests.support.servers import serve_app
-from tests.support.sglang_style import SglangStyleEngine
+from pipeline.testing.engine import running_engine
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import serve_app
+from pipeline.testing.sglang_style import SglangStyleEngine
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from pipeline.orchestrate.clean import disk_usage, human, users_of
-from tests.support.waiting import wait_for
+from pipeline.testing.waiting import wait_for
 
 
 def _run_dir(tmp_path):

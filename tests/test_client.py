@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
 from pipeline.procutil import free_port
-from tests.support.engine import running_engine
+from pipeline.testing.engine import running_engine
 
 MSG = [{"role": "user", "content": "Name a fruit."}]
 

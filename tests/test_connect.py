@@ -12,7 +12,6 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.stack import write_stack
-from tests.support.engine import running_engine
 
 USER_CONFIG = """// my OpenClaw settings
 {
@@ -24,10 +23,8 @@ USER_CONFIG = """// my OpenClaw settings
 """
 
 
-@pytest.fixture(scope="module")
-def engine_url():
-    with running_engine("tiny-random", threads=1, context_length=2048) as url:
-        yield url
+#: the conftest ``engine_url`` engine's settings: the tests check a served context window of 2048
+ENGINE_SETTINGS = {"context_length": 2048}
 
 
 @pytest.fixture

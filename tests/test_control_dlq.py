@@ -23,8 +23,8 @@ from pipeline.config import load_config
 from pipeline.proxy.control import ControlFollower
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from conftest import read_all
-from tests.support.servers import StandInEngine, serve_app
-from tests.support.waiting import until
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.waiting import until
 
 
 def _bad_control_values() -> list[tuple[bytes | None, str]]:

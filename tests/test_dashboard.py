@@ -17,7 +17,7 @@ from pipeline import events
 from pipeline.bus import Offset, Time, TopicReader
 from pipeline.dashboard import views
 from tests.dashboard_helpers import MARK, DashboardServer, marked_conversation, topic_records
-from tests.support.topics import publish
+from pipeline.testing.topics import publish
 
 SESSIONS = ("s-alpha", "s-beta")
 

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from pipeline.client import EngineClient
-from tests.support.engine import running_engine
-from tests.support.waiting import sse_events
+from pipeline.testing.engine import running_engine
+from pipeline.testing.waiting import sse_events
 
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
 

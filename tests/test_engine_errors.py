@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.engine import running_engine
+from pipeline.testing.engine import running_engine
 
 
 MSG = [{"role": "user", "content": "hi"}]

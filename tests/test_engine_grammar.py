@@ -22,7 +22,7 @@ from pipeline.engine.grammar import Matcher, check_grammar, json_grammar, tool_c
 from pipeline.engine.sampler import allowed_tokens
 from pipeline.models import resolve_model
 from pipeline.sampling import logprob_processors
-from tests.support.engine import running_engine
+from pipeline.testing.engine import running_engine
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.client import EngineClient
 from pipeline.engine.prefix_cache import PrefixCache, common_prefix
-from tests.support.engine import perturbed_copy, running_engine
+from pipeline.testing.engine import perturbed_copy, running_engine
 
 TOL = 1e-5
 

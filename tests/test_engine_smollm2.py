@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipeline.client import EngineClient
-from tests.support.engine import running_engine
+from pipeline.testing.engine import running_engine
 
 pytestmark = pytest.mark.slow
 

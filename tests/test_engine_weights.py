@@ -9,7 +9,7 @@ import torch
 
 from pipeline.client import EngineClient, EngineError
 from pipeline.models import resolve_model
-from tests.support.engine import perturbed_copy, running_engine
+from pipeline.testing.engine import perturbed_copy, running_engine
 
 SEQ = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 330, 1024, 77, 5]
 

@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from pipeline.orchestrate.front import Backend, Front, parse_backends
-from tests.support.servers import StandInServer, serve_app
-from tests.support.waiting import wait_for
+from pipeline.testing.servers import StandInServer, serve_app
+from pipeline.testing.waiting import wait_for
 
 
 class Dropper:

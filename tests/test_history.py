@@ -27,7 +27,7 @@ from pipeline.simulate.feedback import THANKS_BRIEF, TOO_LONG
 from pipeline.topics import apply_topics, load_topics
 
 from conftest import make_config
-from tests.support.topics import publish, read_records
+from pipeline.testing.topics import publish, read_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "examples" / "conversations.jsonl"
 
@@ -110,8 +110,8 @@ def run_cli(*args, timeout=180):
 
 
 def judge_samples(config, backend, n_turns: int) -> dict[str, events.Sample]:
-    from tests.support.judge import JudgeThread
-    from tests.support.topics import read_events
+    from pipeline.testing.judge import JudgeThread
+    from pipeline.testing.topics import read_events
 
     with JudgeThread(config, mode="rl", backend=backend, group_id="judge-test"):
         got = read_events(config, "samples", n_turns, timeout_s=90)

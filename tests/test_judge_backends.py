@@ -26,9 +26,9 @@ from pipeline.config import load_config
 from pipeline.chat import ChatRenderer, load_tokenizer
 from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
-from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
-from tests.support.servers import StandInJudge
-from tests.support.topics import publish, read_events
+from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
+from pipeline.testing.servers import StandInJudge
+from pipeline.testing.topics import publish, read_events
 
 FIXTURE = Path(__file__).parent / "fixtures" / "judge_next_states.jsonl"
 DEV = Path(__file__).resolve().parent.parent / "pipeline" / "judge" / "data" / "tuning_next_states.jsonl"
@@ -129,7 +129,7 @@ def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embe
 @pytest.mark.slow
 def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
     from pipeline.client import EngineClient
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
     from pipeline.judge.backends.choice import ChoiceBackend
     from pipeline.judge.teacher import Teacher
 

@@ -22,8 +22,8 @@ from pipeline import events
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.evaluate import Tally, evaluate, load_rows, report, row_conversation, row_role
 from pipeline.judge.parse import hint_rejection
-from tests.support.judge import JudgeThread
-from tests.support.topics import publish, read_events
+from pipeline.testing.judge import JudgeThread
+from pipeline.testing.topics import publish, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "judge_next_states.jsonl"
@@ -243,8 +243,8 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
 def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     """OPD in the stream: accepted hints with their length, rejections by reason, backend failures."""
     from pipeline.chat import ChatRenderer, load_tokenizer
-    from tests.support.judge import make_next_state, make_turn
-    from tests.support.servers import StandInJudge
+    from pipeline.testing.judge import make_next_state, make_turn
+    from pipeline.testing.servers import StandInJudge
 
     class Failing(LabelEcho):
         async def hint(self, inp):

@@ -16,9 +16,9 @@ import time
 from pipeline.bus import EventProducer
 from pipeline.procutil import free_port
 from conftest import scrape
-from tests.support.judge import check_samples, scripted_stream
-from tests.support.servers import StandInJudge
-from tests.support.topics import read_events
+from pipeline.testing.judge import check_samples, scripted_stream
+from pipeline.testing.servers import StandInJudge
+from pipeline.testing.topics import read_events
 
 N_SESSIONS, TURNS = 40, 5
 

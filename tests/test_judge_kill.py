@@ -26,9 +26,9 @@ from pipeline.bus import EventProducer, TopicReader
 from pipeline.config import load_config
 from pipeline.topics import apply_topics, load_topics
 from conftest import scrape
-from tests.support.judge import check_samples, scripted_stream
-from tests.support.servers import StandInJudge
-from tests.support.topics import read_events
+from pipeline.testing.judge import check_samples, scripted_stream
+from pipeline.testing.servers import StandInJudge
+from pipeline.testing.topics import read_events
 
 N_SESSIONS, TURNS = 36, 5
 

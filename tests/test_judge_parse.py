@@ -151,7 +151,7 @@ def test_teacher_scores_through_the_client_aligned_with_top_k_and_refuses_bad_an
     from pipeline.chat import load_tokenizer
     from pipeline.config import load_config
     from pipeline.judge.teacher import Teacher
-    from tests.support.servers import StandInJudge
+    from pipeline.testing.servers import StandInJudge
 
     entries = [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 13, None]]
     tops = [[[-0.1, 11, None], [-2.0, 99, None]], [[-0.2, 12, None]], None]

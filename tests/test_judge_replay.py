@@ -32,12 +32,8 @@ from pipeline.judge.teacher import TeacherOutput
 
 
 # ---- 1. null hint, real engine --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine_url():
-    from tests.support.engine import running_engine
-
-    with running_engine("tiny-random", threads=1, context_length=512) as url:
-        yield url
+#: the conftest ``engine_url`` engine's settings
+ENGINE_SETTINGS = {"context_length": 512}
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +259,9 @@ def test_a_restart_inside_an_ended_conversation_copies_its_published_decisions()
 
 # ---- 3. through the broker ----------------------------------------------------------------------------
 def test_two_groups_fast_and_throttled_with_a_restart_produce_identical_samples(kafka_config):
-    from tests.support.servers import StandInJudge
-    from tests.support.judge import JudgeThread, scripted_stream
-    from tests.support.topics import publish, read_events
+    from pipeline.testing.servers import StandInJudge
+    from pipeline.testing.judge import JudgeThread, scripted_stream
+    from pipeline.testing.topics import publish, read_events
 
     c = kafka_config
     evs, expected = scripted_stream(12, 4, seed=3, window=6, vote_delay_s=0.01)

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from pipeline import events
-from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
-from tests.support.servers import StandInJudge
-from tests.support.topics import publish, read_events
+from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
+from pipeline.testing.servers import StandInJudge
+from pipeline.testing.topics import publish, read_events
 
 ZERO = "<<score: \\boxed{0}>>"
 UP = "<<score: \\boxed{1}>>"

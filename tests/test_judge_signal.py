@@ -18,10 +18,10 @@ import pytest
 from pipeline import events
 from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
 from pipeline.judge.prompts import inject_hint
-from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
-from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
-from tests.support.topics import publish, read_events
+from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import Reply, StandInEngine, StandInJudge, serve_app
+from pipeline.testing.topics import publish, read_events
 
 CHAT = "/v1/chat/completions"
 UP = "<<score: \\boxed{1}>>"
@@ -90,7 +90,7 @@ def test_case2_teacher_prompt_is_the_student_prompt_with_the_hint(kafka_config, 
     """An OPD turn whose request has tools (and tool_choice, chat_template_kwargs), served by the
     real engine through the proxy: the teacher's prompt ids are the student's with the hint
     inserted, nothing else changed (the tools the student saw, no default system prompt)."""
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="opd")
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -131,7 +131,7 @@ def test_case2_teacher_prompt_is_the_student_prompt_with_the_hint(kafka_config, 
 # ---- case 5: greedy turns are trained at the temperature of their log-probs -------------------------
 def test_case5_greedy_turns_carry_the_engines_effective_temperature(kafka_config, judge_server):
     from pipeline.client import EngineClient
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="rl")
     with running_engine("tiny-random", threads=1, context_length=1024) as eng, running_proxy(c, eng) as (url, app):
@@ -216,7 +216,7 @@ def test_options_that_shape_the_log_probs_are_recorded_and_the_teacher_refuses_t
     reproduce: the turn says so, and a combine sample keeps its reward but gets no OPD term."""
     from prometheus_client import REGISTRY
 
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="combine")
     before = REGISTRY.get_sample_value("pipeline_judge_teacher_unsupported_total",

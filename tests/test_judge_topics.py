@@ -15,9 +15,9 @@ from prometheus_client import REGISTRY
 from pipeline import events
 from pipeline.bus import EventProducer, consumer_kwargs
 from pipeline.chat import ChatRenderer, load_tokenizer
-from tests.support.judge import JudgeThread, make_next_state, make_turn, short_id
-from tests.support.servers import StandInJudge, fake_logprob
-from tests.support.topics import publish, read_events
+from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
+from pipeline.testing.servers import StandInJudge, fake_logprob
+from pipeline.testing.topics import publish, read_events
 
 B1, BM1, B0 = "\\boxed{1}", "\\boxed{-1}", "\\boxed{0}"
 

@@ -15,10 +15,9 @@ import orjson
 import pytest
 
 from pipeline.models import resolve_model
-from tests.support.engine import running_engine
-from tests.support.proxy import running_proxy
-from tests.support.servers import serve_app
-from tests.support.sglang_style import SglangStyleEngine
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import serve_app
+from pipeline.testing.sglang_style import SglangStyleEngine
 
 EMOJI = " \U0001F602"  # " 😂": b" \xf0\x9f\x98" + b"\x82" in SmolLM2's tokenizer
 
@@ -49,10 +48,8 @@ def raw_bytes(tokenizer):
     return lambda t: bytes(dec[ch] for ch in tokenizer.convert_ids_to_tokens(t))
 
 
-@pytest.fixture(scope="module")
-def engine_url():
-    with running_engine("tiny-random", threads=2) as url:
-        yield url
+#: the conftest ``engine_url`` engine's settings
+ENGINE_SETTINGS = {"threads": 2}
 
 
 @pytest.fixture(scope="module")

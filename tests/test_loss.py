@@ -162,10 +162,10 @@ def test_masked_positions_do_not_matter(bad):
         lp = inputs["lp"].clone().requires_grad_(True)
         adv = L.combine_advantages(L.grpo_advantages(T([1.0, -1.0, 0.5]), mask),
                                    L.opd_advantages(inputs["teacher"], inputs["old"], mask)) + inputs["adv"]
-        loss, stats = L.policy_loss(lp, inputs["old"], adv, mask, eps_clip=0.2, eps_clip_c=3.0,
-                                    entropy=inputs["ent"], entropy_coef=0.01, ref_log_probs=inputs["ref"],
-                                    kl_coef=0.1, rollout_log_probs=inputs["rollout"], tis_cap=2.0,
-                                    train_log_probs=inputs["train"], agg=agg)
+        params = L.LossParams(eps_clip=0.2, eps_clip_c=3.0, entropy_coef=0.01, kl_coef=0.1, tis_cap=2.0, agg=agg)
+        loss, stats = L.policy_loss(lp, inputs["old"], adv, mask, params, entropy=inputs["ent"],
+                                    ref_log_probs=inputs["ref"], rollout_log_probs=inputs["rollout"],
+                                    train_log_probs=inputs["train"])
         loss.backward()
         return loss, stats, lp.grad
 
@@ -189,7 +189,7 @@ def test_empty_batches_give_zero_not_nan():
         masked = torch.ones(2, 3, requires_grad=True)
         assert L.aggregate(masked, torch.zeros(2, 3), mode).item() == 0.0
     loss, stats = L.policy_loss(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4),
-                                eps_clip=0.2)
+                                L.LossParams(eps_clip=0.2))
     assert loss.item() == 0.0 and all(not torch.isnan(s) for s in stats.values())
 
 
@@ -218,8 +218,8 @@ def test_policy_loss_total_by_hand():
     mask = T([[1.0, 1.0]])
     ent = T([[0.5, 1.5]])
     ref = T([[-1.5, -1.0]])  # k1 = [0.5, -1.0] -> mean -0.25
-    loss, s = L.policy_loss(lp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28, entropy=ent,
-                            entropy_coef=0.1, ref_log_probs=ref, kl_coef=0.5, kl_type="k1")
+    params = L.LossParams(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.1, kl_coef=0.5, kl_type="k1")
+    loss, s = L.policy_loss(lp, old, adv, mask, params, entropy=ent, ref_log_probs=ref)
     # pg = mean(-2 * 1) = -2 ; entropy mean 1.0 ; loss = -2 - 0.1 * 1 + 0.5 * (-0.25) = -2.225
     assert close(s["pg_loss"], -2.0) and close(s["entropy"], 1.0) and close(s["kl"], -0.25)
     assert close(loss, -2.225)
@@ -231,14 +231,16 @@ def test_policy_loss_total_by_hand():
 
 def test_policy_loss_with_tis_needs_rollout_and_train_log_probs():
     lp = T([[0.0]])
+    tis = L.LossParams(eps_clip=0.2, tis_cap=2.0)
     with pytest.raises(ValueError):
-        L.policy_loss(lp, lp, lp, T([[1.0]]), eps_clip=0.2, tis_cap=2.0, train_log_probs=lp)
+        L.policy_loss(lp, lp, lp, T([[1.0]]), tis, train_log_probs=lp)
     with pytest.raises(ValueError):  # the ratio is trainer vs engine: the trainer's log-probs are needed
-        L.policy_loss(lp, lp, lp, T([[1.0]]), eps_clip=0.2, tis_cap=2.0, rollout_log_probs=lp)
-    loss, s = L.policy_loss(lp, lp, T([[1.0]]), T([[1.0]]), eps_clip=0.2, tis_cap=2.0,
-                            rollout_log_probs=T([[-math.log(4.0)]]), train_log_probs=lp)
+        L.policy_loss(lp, lp, lp, T([[1.0]]), tis, rollout_log_probs=lp)
+    loss, s = L.policy_loss(lp, lp, T([[1.0]]), T([[1.0]]), tis, rollout_log_probs=T([[-math.log(4.0)]]),
+                            train_log_probs=lp)
     assert close(s["tis"], 2.0) and close(loss, -2.0)  # exp(0 + log 4) = 4, capped at 2
-    assert "tis" not in L.policy_loss(lp, lp, T([[1.0]]), T([[1.0]]), eps_clip=0.2)[1]  # TIS off: no figure
+    no_tis = L.LossParams(eps_clip=0.2)
+    assert "tis" not in L.policy_loss(lp, lp, T([[1.0]]), T([[1.0]]), no_tis)[1]  # TIS off: no figure
 
 
 def test_tis_weight_is_trainer_vs_rollout_not_the_ppo_behaviour_log_probs():
@@ -253,8 +255,9 @@ def test_tis_weight_is_trainer_vs_rollout_not_the_ppo_behaviour_log_probs():
     has_rollout = torch.tensor([True, False])
     old = torch.where(has_rollout[:, None], rollout, train)
     cap, floor = 1.2, 0.9
-    loss, s = L.policy_loss(lp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28, tis_cap=cap, tis_floor=floor,
-                            rollout_log_probs=rollout, train_log_probs=train, has_rollout=has_rollout)
+    params = L.LossParams(eps_clip=0.2, eps_clip_high=0.28, tis_cap=cap, tis_floor=floor)
+    loss, s = L.policy_loss(lp, old, adv, mask, params, rollout_log_probs=rollout, train_log_probs=train,
+                            has_rollout=has_rollout)
     # by hand: weights clip(exp([0.3, -0.3, 0.05]), 0.9, 1.2) = [1.2, 0.9, 1.05127]
     w = [min(max(math.exp(d), floor), cap) for d in (0.3, -0.3, 0.05)]
     assert w[:2] == [1.2, 0.9]
@@ -264,5 +267,6 @@ def test_tis_weight_is_trainer_vs_rollout_not_the_ppo_behaviour_log_probs():
     pg0 = [max(-r, -min(max(r, 0.8), 1.28)) * wi for r, wi in zip(ratio, w)]
     want = (sum(pg0) / 3 + (-1.0)) / 2  # the imported row: ratio 1, weight 1
     assert close(loss, want)
-    assert "tis" not in L.policy_loss(lp, old, adv, mask, eps_clip=0.2, tis_cap=cap, rollout_log_probs=rollout,
-                                      train_log_probs=train, has_rollout=torch.tensor([False, False]))[1]
+    assert "tis" not in L.policy_loss(lp, old, adv, mask, L.LossParams(eps_clip=0.2, tis_cap=cap),
+                                      rollout_log_probs=rollout, train_log_probs=train,
+                                      has_rollout=torch.tensor([False, False]))[1]

@@ -9,13 +9,6 @@ import torch
 
 from pipeline.models import resolve_model
 from pipeline.trainer import model as M
-from tests.support.trainer import megatron_runtime
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    with megatron_runtime(tp=1) as par:
-        yield par
 
 
 def _hf_logits(path, ids):

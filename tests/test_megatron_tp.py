@@ -35,7 +35,7 @@ def test_tp2_tiny_matches_transformers_and_exports(tmp_path):
 
     from pipeline.config import load_config
     from pipeline.trainer.policy import PolicyTrainer
-    from tests.support.trainer import megatron_runtime
+    from pipeline.testing.trainer import megatron_runtime
 
     with megatron_runtime(tp=1, threads=1) as par:
         pt = PolicyTrainer(load_config(None, trainer=_TRAIN).trainer, path, par)

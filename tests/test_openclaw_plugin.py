@@ -56,8 +56,8 @@ def test_plugin_ends_the_session_at_the_real_proxy(kafka_config, tmp_path):
     for ``openclaw:<id>``; a shutdown ends nothing."""
     from pipeline import events
     from tests.conftest import read_all
-    from tests.support.engine import running_engine
-    from tests.support.proxy import running_proxy
+    from pipeline.testing.engine import running_engine
+    from pipeline.testing.proxy import running_proxy
 
     script = PLUGIN / f".session-end-{tmp_path.name}.mjs"  # beside index.ts: its import resolves
     script.write_text(SESSION_END)

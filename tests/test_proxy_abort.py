@@ -13,11 +13,11 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 
-from tests.support.judge import JudgeThread, short_id
-from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, StandInEngine, StandInJudge, serve_app
-from tests.support.topics import read_events
-from tests.support.waiting import sse_events
+from pipeline.testing.judge import JudgeThread, short_id
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import Reply, StandInEngine, StandInJudge, serve_app
+from pipeline.testing.topics import read_events
+from pipeline.testing.waiting import sse_events
 
 
 CHAT = "/v1/chat/completions"
@@ -42,7 +42,7 @@ def _judge(config, server):
 
 def test_engine_abort_mid_stream_is_an_error_for_the_client_and_never_trained(kafka_config):
     """A stream the real engine aborts after a few tokens; the user continues the session."""
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
 
     c = kafka_config
     before = _unfinished("engine_abort")

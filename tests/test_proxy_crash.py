@@ -28,9 +28,9 @@ from pipeline.config import load_config
 from pipeline.procutil import free_port
 from pipeline.proxy.buffer import DB_NAME
 from pipeline.topics import apply_topics, load_topics
-from tests.support.servers import StandInEngine, serve_app
-from tests.support.topics import read_events
-from tests.support.waiting import wait_for
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.topics import read_events
+from pipeline.testing.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 

@@ -31,22 +31,15 @@ from hypothesis import strategies as st
 from pipeline.proxy.errors import ProxyError
 from pipeline.proxy.messages import MessagesDoor, chat_messages, content_blocks, stop_reason
 from pipeline.proxy.responses import ResponsesDoor, ResponseStore, input_messages, output_items
-from tests.support.engine import running_engine
-from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, StandInEngine, serve_app
-from tests.support.topics import read_records
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import Reply, StandInEngine, serve_app
+from pipeline.testing.topics import read_records
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 R_TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city", "parameters": WEATHER}]
 A_TOOLS = [{"name": "get_weather", "description": "weather of a city", "input_schema": WEATHER}]
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                                 "parameters": WEATHER}}]
-
-
-@pytest.fixture(scope="module")
-def engine_url():
-    with running_engine("tiny-random", threads=1) as url:
-        yield url
 
 
 def _session(config, key: str, n: int) -> list:

@@ -11,20 +11,13 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.support.engine import running_engine
-from tests.support.proxy import running_proxy
-from tests.support.topics import read_events, read_records
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.topics import read_events, read_records
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def engine_url():
-    with running_engine("tiny-random", threads=1) as url:
-        yield url
 
 
 def test_openai_client_stream_and_non_stream_with_tools_and_exact_ids(engine_url, kafka_config):

@@ -15,10 +15,10 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.proxy import running_proxy, stack
-from tests.support.servers import Reply, StandInEngine, serve_app
-from tests.support.topics import read_events, read_records
-from tests.support.waiting import sse_events
+from pipeline.testing.proxy import running_proxy, stack
+from pipeline.testing.servers import Reply, StandInEngine, serve_app
+from pipeline.testing.topics import read_events, read_records
+from pipeline.testing.waiting import sse_events
 
 
 CHAT = "/v1/chat/completions"

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from pipeline.proxy import metrics as M
-from tests.support.proxy import stack
-from tests.support.servers import Reply
-from tests.support.topics import read_events
+from pipeline.testing.proxy import stack
+from pipeline.testing.servers import Reply
+from pipeline.testing.topics import read_events
 
 CHAT = "/v1/chat/completions"
 FOOTER = "Runtime: agent=main | session=agent:main:main | sessionId={} | model=pipeline/m"

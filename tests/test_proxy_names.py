@@ -80,9 +80,9 @@ def test_every_front_door_answers_an_unknown_model_404_in_its_own_shape_and_reco
     import httpx
     import openai
 
-    from tests.support.proxy import running_proxy
-    from tests.support.servers import Reply, StandInEngine, serve_app
-    from tests.support.topics import read_records
+    from pipeline.testing.proxy import running_proxy
+    from pipeline.testing.servers import Reply, StandInEngine, serve_app
+    from pipeline.testing.topics import read_records
 
     config = kafka_config.replace(proxy={"unknown_model": "reject", "model_aliases": {"gpt-4o-mini": "scripted"}})
     up = StandInEngine(lambda req: Reply(content="hello"))

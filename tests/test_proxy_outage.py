@@ -20,10 +20,10 @@ from pipeline.procutil import free_port
 from pipeline.config import load_config
 from pipeline.proxy.publisher import EventPublisher
 from pipeline.topics import apply_topics, load_topics
-from tests.support.proxy import running_proxy
-from tests.support.servers import StandInEngine, serve_app
-from tests.support.topics import read_events, read_records
-from tests.support.waiting import until
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.topics import read_events, read_records
+from pipeline.testing.waiting import until
 
 CHAT = "/v1/chat/completions"
 

@@ -9,10 +9,10 @@ import httpx
 from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.proxy import metrics as M
-from tests.support.proxy import running_proxy
-from tests.support.servers import StandInEngine, serve_app
-from tests.support.topics import read_events
-from tests.support.waiting import until
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.topics import read_events
+from pipeline.testing.waiting import until
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "q"}]}

@@ -157,12 +157,12 @@ def test_loss_functions_match_the_reference(b, normalize, w, clip, tis, kl, agg)
     opd = L.opd_advantages(_pad(rows, length, "teacher"), old, mask, has_teacher=flag("teacher"))
     adv = L.combine_advantages(grpo, opd, *w)
     logp = _pad(rows, length, "logp")
+    params = L.LossParams(eps_clip=clip[0], eps_clip_high=clip[1], eps_clip_c=clip[2], kl_coef=0.1, kl_type=kl,
+                          tis_cap=tis[0] if tis else None, tis_floor=tis[1] if tis else 0.0, agg=agg)
     loss, stats = L.policy_loss(
-        logp, old, adv, mask, eps_clip=clip[0], eps_clip_high=clip[1], eps_clip_c=clip[2],
-        ref_log_probs=_pad(rows, length, "ref"), kl_coef=0.1, kl_type=kl,
-        rollout_log_probs=_pad(rows, length, "rollout"), tis_cap=tis[0] if tis else None,
-        tis_floor=tis[1] if tis else 0.0, train_log_probs=_pad(rows, length, "old"), has_rollout=flag("rollout"),
-        sample_weights=torch.tensor([row["weight"] for row in rows], dtype=torch.float64), agg=agg)
+        logp, old, adv, mask, params, ref_log_probs=_pad(rows, length, "ref"),
+        rollout_log_probs=_pad(rows, length, "rollout"), train_log_probs=_pad(rows, length, "old"),
+        has_rollout=flag("rollout"), sample_weights=torch.tensor([row["weight"] for row in rows], dtype=torch.float64))
     samples = [ref.RefSample(row["r"], row["reward"], row["teacher"], row["rollout"], weight=row["weight"])
                for row in rows]
     want = ref.objective(samples, [row["logp"] for row in rows], [row["old"] for row in rows], w_rl=w[0],

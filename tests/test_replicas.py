@@ -15,10 +15,10 @@ from pipeline import events
 from pipeline.judge.backends.constant import ConstantBackend
 from pipeline.orchestrate.front import Backend, Front
 from test_front import running_front
-from tests.support.judge import JudgeThread, short_id
-from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, StandInEngine, serve_app
-from tests.support.topics import read_events
+from pipeline.testing.judge import JudgeThread, short_id
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import Reply, StandInEngine, serve_app
+from pipeline.testing.topics import read_events
 
 SESSIONS, TURNS = 3, 4
 

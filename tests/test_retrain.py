@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import events
 from pipeline.history.store import to_line
-from tests.support.topics import read_records
+from pipeline.testing.topics import read_records
 
 pytestmark = pytest.mark.slow(seconds=45)
 

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.judge.backends.llm import CallFailed, HttpJudge
 from pipeline.retry import Transient, retrying
-from tests.support.servers import serve_app
+from pipeline.testing.servers import serve_app
 
 
 def test_only_transient_failures_are_retried():

@@ -2,7 +2,7 @@
 
 Real parts: the CPU engine (tiny-random copied into a folder whose ``generation_config.json``
 sets a default temperature, and in one copy a repetition penalty), the real proxy, the broker.
-SGLang is :class:`tests.support.sglang_style.SglangStyleEngine`, a stand-in (our CPU engine
+SGLang is :class:`pipeline.testing.sglang_style.SglangStyleEngine`, a stand-in (our CPU engine
 answering as SGLang does: no token ids on streamed chat, no ``metadata.sampling_params``).
 
 - Case 2: a request without ``temperature`` is sampled by the engine at the generation-config
@@ -27,12 +27,12 @@ import pytest
 from conftest import make_config
 from pipeline import events
 from pipeline.models import resolve_model
-from tests.support.engine import running_engine
-from tests.support.proxy import running_proxy
-from tests.support.servers import serve_app
-from tests.support.sglang_style import SglangStyleEngine
-from tests.support.topics import read_events
-from tests.support.waiting import wait_for
+from pipeline.testing.engine import running_engine
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import serve_app
+from pipeline.testing.sglang_style import SglangStyleEngine
+from pipeline.testing.topics import read_events
+from pipeline.testing.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 T_DEFAULT = 0.6

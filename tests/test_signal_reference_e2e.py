@@ -12,7 +12,7 @@ test writes into each next state.
 
 Each test runs on two engine paths (the ``run`` fixture's parameter): ``native``, the CPU engine
 itself, and ``sglang``, the SGLang-shaped stand-in
-(:class:`tests.support.sglang_style.SglangStyleEngine`: no token ids on streamed chat, no
+(:class:`pipeline.testing.sglang_style.SglangStyleEngine`: no token ids on streamed chat, no
 reported sampling parameters) in front of the CPU engine serving tiny-random whose
 ``generation_config.json`` sets temperature 0.6 and a repetition penalty of 1.3. There a request
 without ``temperature`` is sampled at 0.6 with the penalty (its turn must say both), and the
@@ -74,9 +74,9 @@ import pytest
 import reference_method as ref
 from conftest import make_config
 from pipeline import events
-from tests.support.judge import JudgeThread
-from tests.support.servers import StandInJudge
-from tests.support.topics import read_events
+from pipeline.testing.judge import JudgeThread
+from pipeline.testing.servers import StandInJudge
+from pipeline.testing.topics import read_events
 
 TOL = 1e-6
 CHAT = "/v1/chat/completions"
@@ -326,14 +326,6 @@ def expected_samples(mode: str) -> dict:
 MODES = ("rl", "opd", "combine")
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    from tests.support.trainer import megatron_runtime
-
-    with megatron_runtime(tp=1, threads=2) as par:
-        yield par
-
-
 #: the sglang path's model: tiny-random with these generation_config defaults (Qwen3 ships 0.6)
 GENERATION_CONFIG = {"temperature": 0.6, "repetition_penalty": 1.3}
 
@@ -342,14 +334,14 @@ GENERATION_CONFIG = {"temperature": 0.6, "repetition_penalty": 1.3}
 def _engine_path(path: str, tmp_path_factory):
     """``(engine URL the proxy uses, CPU engine URL, proxy's engine.model)``: ``native`` is the
     CPU engine serving tiny-random; ``sglang`` is the SGLang-shaped stand-in
-    (:class:`tests.support.sglang_style.SglangStyleEngine`) in front of the CPU engine serving
+    (:class:`pipeline.testing.sglang_style.SglangStyleEngine`) in front of the CPU engine serving
     tiny-random with :data:`GENERATION_CONFIG` in its generation_config.json."""
     import shutil
 
     from pipeline.models import resolve_model
-    from tests.support.engine import running_engine
-    from tests.support.servers import serve_app
-    from tests.support.sglang_style import SglangStyleEngine
+    from pipeline.testing.engine import running_engine
+    from pipeline.testing.servers import serve_app
+    from pipeline.testing.sglang_style import SglangStyleEngine
 
     model = "tiny-random"
     if path == "sglang":
@@ -376,7 +368,7 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
     from transformers import AutoTokenizer
 
     from pipeline.models import resolve_model
-    from tests.support.proxy import running_proxy
+    from pipeline.testing.proxy import running_proxy
     from pipeline.topics import apply_topics, load_topics
     from pipeline.trainer.source import SampleSource
 
@@ -406,7 +398,7 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
                 cm = c.replace(judge={"url": servers[mode].url, "mode": mode,
                                       "group_id": f"{c.topics.prefix}judge-{mode}"})
                 judges.enter_context(JudgeThread(cm))
-            judged = read_events(c, "samples", total, timeout_s=60, settle_s=1.0)
+            judged = read_events(c, "samples", total, timeout_s=240, settle_s=1.0)  # a loaded CI worker
         assert len(judged) == total, sorted(s.sample_id for s in judged)
         teacher, unhinted = {}, {}
         for fx in FIXTURES:

@@ -16,10 +16,10 @@ from pipeline.simulate.evaluate import evaluate
 from pipeline.simulate.feedback import THANKS_BRIEF, THANKS_CORRECT
 from pipeline.simulate.runner import SimulationPlan, simulate, summarize
 from pipeline.simulate.users import UserSettings
-from tests.support.engine import running_engine
-from tests.support.proxy import running_proxy
-from tests.support.servers import Reply, StandInEngine
-from tests.support.topics import read_records
+from pipeline.testing.engine import running_engine
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import Reply, StandInEngine
+from pipeline.testing.topics import read_records
 
 LONG = " ".join(["blah"] * 50)
 GOLD = {p.question: p for p in load_gsm8k("train") + load_gsm8k("heldout")}

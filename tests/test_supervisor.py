@@ -21,7 +21,7 @@ import pytest
 from pipeline.orchestrate.supervisor import RestartPolicy, Stage, StageFailed, StopOutcome, Supervisor, http_ok
 from pipeline.orchestrate.up import Stack, parse_replicas, replica_names, status_line, stop_summary
 from pipeline.procutil import free_port
-from tests.support.waiting import wait_for
+from pipeline.testing.waiting import wait_for
 
 
 def _front_args(port: int) -> list[str]:

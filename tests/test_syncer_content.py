@@ -18,8 +18,8 @@ import contextlib
 import shutil
 
 from pipeline import events
-from tests.support.engine import running_engine
-from tests.support.trainer import shifted_export
+from pipeline.testing.engine import running_engine
+from pipeline.testing.trainer import shifted_export
 from test_syncer_reconcile import _config, _control, _info, _publish, _start, _stop
 
 

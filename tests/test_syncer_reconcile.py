@@ -16,9 +16,9 @@ import pytest
 from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.config import load_config
-from tests.support.engine import running_engine
-from tests.support.trainer import shifted_export
-from tests.support.waiting import wait_for
+from pipeline.testing.engine import running_engine
+from pipeline.testing.trainer import shifted_export
+from pipeline.testing.waiting import wait_for
 
 TOKENS = list(range(200, 230))
 
@@ -59,7 +59,7 @@ def _version(url) -> str | None:
 
 
 def _control(cfg, want: int, timeout_s: float = 15.0) -> list[events.Control]:
-    from tests.support.topics import read_events
+    from pipeline.testing.topics import read_events
 
     return read_events(cfg, "control", want, timeout_s, settle_s=0.2)
 

@@ -15,7 +15,7 @@ from pipeline import events
 from pipeline.config import load_config
 from pipeline.syncer import Syncer
 from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
-from tests.support.servers import StandInEngine, serve_app
+from pipeline.testing.servers import StandInEngine, serve_app
 
 
 def _weights(tmp_path, corrupt: bool = False) -> events.Control:

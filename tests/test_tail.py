@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline import events
 from tests.dashboard_helpers import MARK, marked_conversation
-from tests.support.topics import publish
+from pipeline.testing.topics import publish
 
 ROOT = Path(__file__).resolve().parents[1]
 

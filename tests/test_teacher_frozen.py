@@ -2,7 +2,7 @@
 
 Real parts: the CPU engine serving tiny-random (the teacher), the judge's :class:`Teacher`, a
 real :class:`pipeline.judge.app.JudgeApp` on the broker for the start-up refusal. SGLang is
-:class:`tests.support.sglang_style.SglangStyleEngine`, a stand-in (our CPU engine answering as
+:class:`pipeline.testing.sglang_style.SglangStyleEngine`, a stand-in (our CPU engine answering as
 SGLang does), configured both ways: started with ``SGLANG_TEMP_SCALED_LOGPROBS=1`` (prompt
 log-probs at the requested temperature) and without it (at T = 1 whatever is asked).
 
@@ -25,21 +25,15 @@ from pipeline.chat import ChatRenderer, load_tokenizer
 from pipeline.config import load_config
 from pipeline.judge.samples import opd_sample
 from pipeline.judge.teacher import Teacher, TeacherMisconfigured, TeacherUnsupported
-from tests.support.engine import running_engine
-from tests.support.judge import make_turn
-from tests.support.servers import serve_app
-from tests.support.sglang_style import SglangStyleEngine
+from pipeline.testing.engine import running_engine
+from pipeline.testing.judge import make_turn
+from pipeline.testing.servers import serve_app
+from pipeline.testing.sglang_style import SglangStyleEngine
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("tiny-random")
-
-
-@pytest.fixture(scope="module")
-def engine_url():
-    with running_engine("tiny-random", threads=1) as url:
-        yield url
 
 
 def _check(config, tokenizer) -> None:
@@ -95,7 +89,7 @@ def test_live_policy_teacher_scores_only_with_the_turns_own_weights(tmp_path, to
     """Allowed explicitly: a v0 turn is scored while the engine serves v0; after a sync to v1 the
     same turn gets no teacher (reason ``teacher_version``) instead of v1's log-probs."""
     from pipeline.client import EngineClient
-    from tests.support.trainer import shifted_export
+    from pipeline.testing.trainer import shifted_export
 
     renderer = ChatRenderer(tokenizer)
     turn = make_turn("live", 0, renderer=renderer, policy_version=0)

@@ -62,7 +62,7 @@ def test_dp2_uneven_batches_complete_and_match_single_process(tmp_path):
     from pipeline.models import resolve_model
     from pipeline.procutil import free_port
     from pipeline.trainer.policy import PolicyTrainer
-    from tests.support.trainer import megatron_runtime
+    from pipeline.testing.trainer import megatron_runtime
 
     path = resolve_model("tiny-random")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

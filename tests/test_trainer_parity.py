@@ -30,9 +30,9 @@ async def _rollout(url, temperature):
 
 
 def test_trainer_logprobs_equal_engine_rollout_logprobs_smollm2():
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
     from pipeline.trainer.policy import PolicyTrainer
-    from tests.support.trainer import megatron_runtime
+    from pipeline.testing.trainer import megatron_runtime
 
     temperature = 0.7
     with running_engine("smollm2-135m", threads=2) as url:

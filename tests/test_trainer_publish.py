@@ -21,7 +21,7 @@ def _sample(i, reward, kind="rl", mask=1, teacher=None):
 
 def test_trainer_publishes_steps_with_trained_samples_and_their_advantages(kafka_config, tmp_path):
     from pipeline.trainer.stage import TrainerStage
-    from tests.support.trainer import megatron_runtime
+    from pipeline.testing.trainer import megatron_runtime
 
     base = kafka_config.model_dump(mode="python")
     cfg = load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=dict(

@@ -56,25 +56,21 @@ def _produce_unchecked(config, samples):
 
 
 def _read(config, topic: str, want: int, timeout_s: float = 20.0) -> list[events.Event]:
-    from tests.support.topics import read_records
+    from pipeline.testing.topics import read_records
 
     return [r.event for r in read_records(config, topic, want, timeout_s, settle_s=0.2)]
 
 
 def _trained_export(export_dir, version: int, shift: float = 0.01):
     """Export ``v<version>`` = base weights + ``shift``; returns its tensors."""
-    from tests.support.trainer import shifted_export
+    from pipeline.testing.trainer import shifted_export
 
     folder, _ = shifted_export(export_dir, version, shift)
     return _weights(folder)
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    from tests.support.trainer import megatron_runtime
-
-    with megatron_runtime(tp=1, threads=1) as par:
-        yield par
+#: the conftest ``runtime`` fixture's settings
+RUNTIME_SETTINGS = {"threads": 1}
 
 
 def _weights(folder):

@@ -6,7 +6,7 @@ from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.config import load_config
 from pipeline.trainer.source import DedupWindow, SampleSource
-from tests.support.topics import read_records
+from pipeline.testing.topics import read_records
 
 
 def _cfg(kafka_config, **trainer):

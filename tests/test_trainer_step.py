@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from pipeline import events
-from pipeline.config import load_config
-from pipeline.models import resolve_model
+from pipeline.testing.trainer import param_copies, policy_trainer
 from pipeline.trainer import batch as B
 
 
@@ -58,27 +57,6 @@ def test_split_bounds_samples_and_tokens():
     assert B.split([], 4) == []
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    from tests.support.trainer import megatron_runtime
-
-    with megatron_runtime(tp=1, threads=2) as par:
-        yield par
-
-
-def _trainer(par, **kw):
-    from pipeline.trainer.policy import PolicyTrainer
-
-    t = dict(model="tiny-random", lr=1e-3, micro_batch_size=4)
-    t.update(kw)
-    cfg = load_config(None, trainer=t).trainer
-    return PolicyTrainer(cfg, resolve_model("tiny-random"), par)
-
-
-def _params(pt):
-    return {n: p.detach().clone() for n, p in pt.model.named_parameters()}
-
-
 def test_log_probs_and_entropy_match_full_softmax(runtime):
     from pipeline.trainer.policy import token_log_probs
 
@@ -100,7 +78,7 @@ def test_log_probs_and_entropy_match_full_softmax(runtime):
 
 
 def test_positive_advantage_raises_logprob_negative_lowers(runtime):
-    pt = _trainer(runtime)
+    pt = policy_trainer(runtime)
     samples = [_sample(0, reward=1.0), _sample(1, reward=-1.0)]
     before = pt.log_probs(samples)
     for s, lp in zip(samples, before):
@@ -117,7 +95,7 @@ def test_positive_advantage_raises_logprob_negative_lowers(runtime):
 def test_imported_samples_use_recomputed_behaviour_log_probs(runtime):
     # imported turns carry no rollout log-probs; the trainer's own log-probs are the behaviour
     # policy, so the ratio starts at 1 and the sample is trained
-    pt = _trainer(runtime)
+    pt = policy_trainer(runtime)
     s = _sample(0, reward=1.0, source="import", rollout_log_probs=None)
     before = pt.log_probs([s])[0]
     res = pt.train_batch([s, _sample(1, reward=-1.0, source="import", rollout_log_probs=None)])
@@ -130,9 +108,9 @@ def test_micro_batching_does_not_change_the_update(runtime):
     samples = [_sample(i, n_prompt=3 + i, n_resp=2 + (i % 3), reward=(-1.0) ** i) for i in range(6)]
     results = []
     for mbs, agg in ((1, "sum_of_sample_mean"), (6, "sum_of_sample_mean"), (2, "token_mean"), (6, "token_mean")):
-        pt = _trainer(runtime, micro_batch_size=mbs, loss_agg=agg)
+        pt = policy_trainer(runtime, micro_batch_size=mbs, loss_agg=agg)
         pt.train_batch(samples)
-        results.append(_params(pt))
+        results.append(param_copies(pt))
     for a, b in ((0, 1), (2, 3)):
         for k in results[a]:
             assert torch.allclose(results[a][k], results[b][k], atol=1e-6), k
@@ -141,19 +119,19 @@ def test_micro_batching_does_not_change_the_update(runtime):
 
 
 def test_empty_batch_makes_no_optimizer_step(runtime):
-    pt = _trainer(runtime)
-    before = _params(pt)
+    pt = policy_trainer(runtime)
+    before = param_copies(pt)
     masked = [_sample(0, loss_mask=0), _sample(1, loss_mask=0)]
     res = pt.train_batch(masked)
     assert res.skipped and res.metrics["train_samples"] == 0 and pt.optimizer_steps == 0
-    assert all(torch.equal(before[k], v) for k, v in _params(pt).items())
+    assert all(torch.equal(before[k], v) for k, v in param_copies(pt).items())
     res = pt.train_batch([_sample(2)], weights=[0.0])  # a dropped (weight 0) sample trains nothing either
     assert res.skipped
 
 
 def test_options_recompute_tis_kl_entropy_opd(runtime):
-    pt = _trainer(runtime, old_log_probs="recompute", tis_cap=2.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.01,
-                  steps_per_batch=2, eps_clip_c=3.0, normalize_advantages=True)
+    pt = policy_trainer(runtime, old_log_probs="recompute", tis_cap=2.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.01,
+                        steps_per_batch=2, eps_clip_c=3.0, normalize_advantages=True)
     assert pt.ref_model is not None
     opd = _sample(0, kind="opd", reward=None, teacher_log_probs=[-0.5, -1.0, -2.0, -0.1])
     both = _sample(1, kind="opd+rl", teacher_log_probs=[-1.0] * 4, reward=1.0)
@@ -173,17 +151,17 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(runtime, tmp_path):
     from pipeline.trainer import checkpoint as C
 
     samples = [_sample(i, reward=(-1.0) ** i) for i in range(3)]
-    a = _trainer(runtime)
+    a = policy_trainer(runtime)
     a.train_batch(samples)
     C.save(tmp_path, 1, runtime, a.state_dict(), {"policy_version": 1, "offsets": {"t": {"0": 3}}})
     a.train_batch(samples)  # uninterrupted second step
-    b = _trainer(runtime)
+    b = policy_trainer(runtime)
     meta, state = C.load(C.latest(tmp_path), runtime)
     assert meta["step"] == 1 and meta["offsets"] == {"t": {"0": 3}}
     b.load_state_dict(state)
     assert b.optimizer_steps == 1
     b.train_batch(samples)  # resumed second step: same Adam moments, same result
-    pa, pb = _params(a), _params(b)
+    pa, pb = param_copies(a), param_copies(b)
     assert all(torch.allclose(pa[k], pb[k], atol=1e-7) for k in pa)
     with pytest.raises(ValueError, match="tensor parallel"):
         from dataclasses import replace

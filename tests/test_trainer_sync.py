@@ -22,7 +22,7 @@ def _config(kafka_config, tmp_path, **trainer):
 
 
 def _control_log(config, timeout_s: float = 10.0, want: int = 1) -> list[events.Control]:
-    from tests.support.topics import read_events
+    from pipeline.testing.topics import read_events
 
     return read_events(config, "control", want, timeout_s, settle_s=0.2)
 
@@ -55,10 +55,10 @@ async def _score(url, tokens, start):
 
 
 def test_training_step_raises_positive_response_logprob_on_the_engine(kafka_config, tmp_path):
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
     from pipeline.syncer import Syncer
     from pipeline.trainer.stage import TrainerStage
-    from tests.support.trainer import megatron_runtime
+    from pipeline.testing.trainer import megatron_runtime
 
     cfg = _config(kafka_config, tmp_path)
     cfg = cfg.replace(syncer={"engine_id": "engine-0"})

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from pipeline import events
-from pipeline.config import load_config
-from pipeline.models import resolve_model
+from pipeline.testing.trainer import param_copies, policy_trainer
 
 
 def _sample(i, n_prompt=6, n_resp=4, reward=1.0, **kw):
@@ -41,32 +40,12 @@ def _bad(source: str) -> events.Sample:
     raise ValueError(source)
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    from tests.support.trainer import megatron_runtime
-
-    with megatron_runtime(tp=1, threads=2) as par:
-        yield par
-
-
-def _trainer(par, **kw):
-    from pipeline.trainer.policy import PolicyTrainer
-
-    t = dict(model="tiny-random", lr=1e-3, micro_batch_size=4)
-    t.update(kw)
-    return PolicyTrainer(load_config(None, trainer=t).trainer, resolve_model("tiny-random"), par)
-
-
-def _params(pt):
-    return {n: p.detach().clone() for n, p in pt.model.named_parameters()}
-
-
 # ---- case 1 (step side): a step whose loss or gradient is not finite is skipped ---------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_nonfinite_step_is_skipped_and_changes_nothing(runtime, dtype):
-    pt = _trainer(runtime, dtype=dtype)
-    before = _params(pt)
+    pt = policy_trainer(runtime, dtype=dtype)
+    before = param_copies(pt)
     for n, source in enumerate(["teacher_-inf", "rollout_nan", "reward_nan", "reward_inf"], start=1):
         batch = _good_batch()
         batch.insert(1, _bad(source))
@@ -75,14 +54,14 @@ def test_nonfinite_step_is_skipped_and_changes_nothing(runtime, dtype):
         assert res.skipped and res.metrics["nonfinite_steps"] == 1.0, source
         assert pt.optimizer_steps == 0 and pt.nonfinite_steps == n, source
         assert not math.isfinite(res.metrics["loss"]), source  # the bad value reached the loss: the guard caught it
-        after = _params(pt)
+        after = param_copies(pt)
         assert all(torch.equal(before[k], after[k]) for k in before), source
     assert pt.nonfinite_weights() == []
     # the next, good batch trains exactly like a trainer that never saw the bad ones
-    ref = _trainer(runtime, dtype=dtype)
+    ref = policy_trainer(runtime, dtype=dtype)
     pt.train_batch(_good_batch())
     ref.train_batch(_good_batch())
-    a, b = _params(pt), _params(ref)
+    a, b = param_copies(pt), param_copies(ref)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(before[k], a[k]) for k in a)  # and that step did move the weights
 
@@ -94,7 +73,7 @@ def test_one_nonfinite_step_of_several_skips_only_that_step(runtime):
         return (REGISTRY.get_sample_value("pipeline_trainer_nonfinite_steps_total"),
                 REGISTRY.get_sample_value("pipeline_trainer_optimizer_steps_total"))
 
-    pt = _trainer(runtime, steps_per_batch=2)
+    pt = policy_trainer(runtime, steps_per_batch=2)
     bad0, taken0 = counts()
     res = pt.train_batch([_sample(0, reward=1.0), _bad("teacher_-inf")])
     assert res.skipped and res.metrics["nonfinite_steps"] == 2.0 and pt.optimizer_steps == 0
@@ -105,7 +84,7 @@ def test_one_nonfinite_step_of_several_skips_only_that_step(runtime):
 
 
 def test_nonfinite_weights_are_named(runtime):
-    pt = _trainer(runtime)
+    pt = policy_trainer(runtime)
     assert pt.nonfinite_weights() == []
     name, p = next((n, p) for n, p in pt.model.named_parameters() if "layernorm" in n)
     with torch.no_grad():
@@ -144,11 +123,12 @@ def test_nonfinite_fields_name_every_bad_value():
 def test_restart_applies_configured_hyperparameters_and_keeps_moments(runtime, tmp_path, caplog):
     from pipeline.trainer import checkpoint as C
 
-    a = _trainer(runtime, lr=1e-3, weight_decay=0.0)
+    a = policy_trainer(runtime, lr=1e-3, weight_decay=0.0)
     a.train_batch(_good_batch())
     C.save(tmp_path, 1, runtime, a.state_dict(), {"policy_version": 1})
     saved = {k: v.clone() for k, v in _moments(a).items()}
-    b = _trainer(runtime, lr=1e-5, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, clip_grad=0.5)
+    b = policy_trainer(runtime, lr=1e-5, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6,
+                       clip_grad=0.5)
     _, state = C.load(C.latest(tmp_path), runtime)
     with caplog.at_level(logging.WARNING, logger="pipeline.trainer.policy"):
         b.load_state_dict(state)
@@ -184,13 +164,13 @@ def _moments(pt) -> dict[str, torch.Tensor]:
 # ---- case 5: no weight decay on norm weights and biases ---------------------------------------
 
 def test_weight_decay_skips_norm_weights(runtime):
-    pt = _trainer(runtime, lr=1e-2, weight_decay=0.1)
-    before = _params(pt)
+    pt = policy_trainer(runtime, lr=1e-2, weight_decay=0.1)
+    before = param_copies(pt)
     # reward 0 (Binary RL: the advantage is the reward): the gradient is exactly 0 and so is Adam's
     # update; only the decoupled weight decay can change a weight: w <- w * (1 - lr * wd) = 0.999 w
     res = pt.train_batch([_sample(0, reward=0.0), _sample(1, reward=0.0)])
     assert not res.skipped and res.metrics["grad_norm"] == 0.0 and pt.optimizer_steps == 1
-    after = _params(pt)
+    after = param_copies(pt)
     norms = [k for k in before if before[k].dim() == 1]
     mats = [k for k in before if before[k].dim() > 1]
     assert any("input_layernorm" in k for k in norms) and any("final_layernorm" in k for k in norms)

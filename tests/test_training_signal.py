@@ -22,25 +22,9 @@ from pipeline.config import load_config
 from pipeline.judge import samples as S
 from pipeline.judge.backends.base import Verdict
 from pipeline.judge.teacher import TeacherOutput
-from pipeline.models import resolve_model
+from pipeline.testing.trainer import policy_trainer
 
 TOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    from tests.support.trainer import megatron_runtime
-
-    with megatron_runtime(tp=1, threads=2) as par:
-        yield par
-
-
-def _trainer(par, **kw):
-    from pipeline.trainer.policy import PolicyTrainer
-
-    t = dict(model="tiny-random", lr=1e-3, micro_batch_size=4)
-    t.update(kw)
-    return PolicyTrainer(load_config(None, trainer=t).trainer, resolve_model("tiny-random"), par)
 
 
 def _turn(session: str, n_prompt: int = 5, n_resp: int = 3, *, seed: int = 0, log_probs=None,
@@ -84,7 +68,7 @@ def _close(a, b, tol=TOL):
 def test_vote_without_hint_has_no_distillation_term(runtime, old_mode):
     """Issue 11 case 3: kind opd+rl, vote +1, no hint; recomputed old log-probs drift
     [+0.3, -0.3, +0.2] from rollout. Was [0.7, 1.3, 0.8] with recomputed old log-probs."""
-    pt = _trainer(runtime, old_log_probs=old_mode)
+    pt = policy_trainer(runtime, old_log_probs=old_mode)
     turn = _turn("c3")
     recomputed = _model_log_probs(pt, turn)
     drift = [0.3, -0.3, 0.2]
@@ -98,7 +82,7 @@ def test_vote_without_hint_has_no_distillation_term(runtime, old_mode):
 def test_imported_turn_vote_without_hint(runtime, old_mode):
     """Issue 11 case 3, imported turn (no rollout log-probs), vote -1. Was
     ``-1 + (0 - recomputed)`` per token (the zeros stood in for the teacher)."""
-    pt = _trainer(runtime, old_log_probs=old_mode)
+    pt = policy_trainer(runtime, old_log_probs=old_mode)
     turn = _turn("c3i", source="import")
     s = _wire(S.combine_sample(turn, -1, None, None, [[-1], [-1]], "test"))
     assert max(abs(x) for x in pt.log_probs([s])[0]) > 0.1  # recomputed log-probs are far from 0
@@ -112,7 +96,7 @@ def test_imported_turn_vote_without_hint(runtime, old_mode):
 def test_normalisation_runs_over_samples_with_a_reward(runtime, votes):
     """Issue 11 case 4: combine, normalize_advantages, rewards [v0, v1, hint only, hint only].
     Was: the hint-only samples entered the normalisation as reward 0 ([1, 1, -1, -1])."""
-    pt = _trainer(runtime, normalize_advantages=True)
+    pt = policy_trainer(runtime, normalize_advantages=True)
     teacher_lp = [-0.5, -1.5, -0.25]
     batch = [_wire(S.combine_sample(_turn(f"c4-{i}"), v, None, None, [[v], [-1]], "test"))
              for i, v in enumerate(votes)]
@@ -136,9 +120,10 @@ def test_tis_weight_is_one_without_rollout_log_probs(runtime):
     exp(old - 0) clipped, i.e. the imported sample's loss scaled by ~exp(-|log p|); then a figure
     of 1.0."""
     imported = _wire(S.rl_sample(_turn("tis", source="import"), Verdict(1, [1]), False, "test"))
-    m = _trainer(runtime, old_log_probs="recompute", tis_cap=2.0).train_batch([imported], policy_version=0).metrics
+    m = policy_trainer(runtime, old_log_probs="recompute", tis_cap=2.0).train_batch(
+        [imported], policy_version=0).metrics
     assert "tis" not in m
-    assert m["loss"] == _trainer(runtime).train_batch([imported], policy_version=0).metrics["loss"]
+    assert m["loss"] == policy_trainer(runtime).train_batch([imported], policy_version=0).metrics["loss"]
 
 
 def test_tis_needs_recomputed_behaviour_log_probs():
@@ -158,7 +143,7 @@ def test_tis_weight_is_the_trainer_vs_engine_ratio_per_token(runtime, old_mode):
     (decoupled PPO: the PPO ratio is against the trainer's recomputed log-probs); the ``tis``
     figure leaves out the imported sample. Drifts [+0.3, -0.3, +0.05] with cap 1.2, floor 0.9
     give weights [1.2, 0.9, e^0.05]."""
-    pt = _trainer(runtime, old_log_probs=old_mode, tis_cap=1.2, tis_floor=0.9)
+    pt = policy_trainer(runtime, old_log_probs=old_mode, tis_cap=1.2, tis_floor=0.9)
     turn = _turn("tis-drift")
     recomputed = _model_log_probs(pt, turn)
     drift = [0.3, -0.3, 0.05]
@@ -180,7 +165,7 @@ def test_tis_weight_is_the_trainer_vs_engine_ratio_per_token(runtime, old_mode):
 def test_mismatch_figure_leaves_out_imported_samples_and_splits_versions(runtime):
     """Imported samples never enter the train-vs-rollout figure; samples of the trainer's own
     version (engine/trainer mismatch) and of older versions (drift) are reported apart."""
-    pt = _trainer(runtime)
+    pt = policy_trainer(runtime)
     current = _turn("mm-cur", version=3)
     current = _with_log_probs(current, _model_log_probs(pt, current))  # the engine agrees exactly
     stale = _turn("mm-old", version=2)
@@ -198,7 +183,7 @@ def test_mismatch_figure_leaves_out_imported_samples_and_splits_versions(runtime
 
 
 def test_reward_mean_counts_only_samples_with_a_reward(runtime):
-    pt = _trainer(runtime)
+    pt = policy_trainer(runtime)
     rl = _wire(S.combine_sample(_turn("rm-0"), 1, None, None, [[1], [-1]], "test"))
     hint_only = _wire(S.combine_sample(_turn("rm-1"), 0, "a hint here", TeacherOutput([-1.0, -2.0, -3.0]),
                                        [[0], [1]], "test"))
@@ -221,9 +206,9 @@ def test_all_failed_votes_carry_no_rl_term(runtime):
     good = judged(_turn("af-good"), [1, 1, None], False)
     failed = judged(_turn("af-failed"), [None, None, None], True)
     assert (failed.reward, failed.loss_mask) == (None, 0)
-    adv = _trainer(runtime, normalize_advantages=True).advantages([good, failed])
+    adv = policy_trainer(runtime, normalize_advantages=True).advantages([good, failed])
     assert adv[1] == [] and adv[0] == [0.0] * 3  # the only rewarded sample: nothing to normalise against
-    pt, alone = _trainer(runtime), _trainer(runtime)
+    pt, alone = policy_trainer(runtime), policy_trainer(runtime)
     assert pt.advantages([good, failed]) == [[1.0] * 3, []]
     m = pt.train_batch([good, failed], policy_version=0).metrics
     want = alone.train_batch([good], policy_version=0).metrics
@@ -237,9 +222,9 @@ def test_grad_norm_is_absent_when_not_measured(runtime):
     """With ``clip_grad`` 0 Megatron's optimizer measures no gradient norm: the step has no
     ``grad_norm`` figure (was 0.0, which reads as "no gradient"); with clipping it is measured."""
     batch = [_wire(S.rl_sample(_turn("gn"), Verdict(1, [1]), False, "test"))]
-    m = _trainer(runtime, clip_grad=0.0).train_batch(batch, policy_version=0).metrics
+    m = policy_trainer(runtime, clip_grad=0.0).train_batch(batch, policy_version=0).metrics
     assert "grad_norm" not in m and m["loss"] != 0.0
-    assert _trainer(runtime).train_batch(batch, policy_version=0).metrics["grad_norm"] > 0.0
+    assert policy_trainer(runtime).train_batch(batch, policy_version=0).metrics["grad_norm"] > 0.0
 
 
 # ------------------------------------------------------------------ case 5 (trainer half)
@@ -265,7 +250,7 @@ def test_greedy_turn_is_trained_at_the_temperature_of_its_log_probs(runtime, kaf
     import asyncio
 
     from pipeline.bus import EventProducer
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
     from pipeline.trainer.stage import TrainerStage
 
     with running_engine("tiny-random", threads=1) as url:
@@ -346,7 +331,7 @@ _OFF = {"tis_cap": dict(tis_cap=None), "dual_clip": dict(dual_clip=None), "eps_c
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trainer_matches_the_reference(runtime, name):
     kw, binding = CONFIGS[name]
-    pt = _trainer(runtime, **kw)
+    pt = policy_trainer(runtime, **kw)
     cfg = pt.cfg
     batch, weights = _fixture_batch(pt)
     if cfg.kl_coef:  # move the policy away from the frozen reference first, so KL is not 0
@@ -445,8 +430,8 @@ _TRAINERS: dict = {}
 def _property_trainer(par, normalize, recompute):
     key = (normalize, recompute)
     if key not in _TRAINERS:  # one trainer per configuration (never trained: same weights)
-        _TRAINERS[key] = _trainer(par, normalize_advantages=normalize,
-                                  old_log_probs="recompute" if recompute else "rollout")
+        _TRAINERS[key] = policy_trainer(par, normalize_advantages=normalize,
+                                        old_log_probs="recompute" if recompute else "rollout")
     return _TRAINERS[key]
 
 
@@ -472,8 +457,9 @@ def test_count_masked_samples_divides_by_the_whole_batch(runtime):
     masked = [_wire(S.rl_sample(_turn(f"cm-m{i}"), Verdict(0, [0]), False, "test")) for i in range(6)]
     assert all(s.loss_mask == 0 for s in masked)
     kw = dict(old_log_probs="recompute")  # ratio 1 on the first step: pg_loss = -A per token
-    counted = _trainer(runtime, count_masked_samples=True, **kw).train_batch(good + masked, policy_version=0).metrics
-    plain = _trainer(runtime, **kw).train_batch(good + masked, policy_version=0).metrics
+    counted = policy_trainer(runtime, count_masked_samples=True, **kw).train_batch(
+        good + masked, policy_version=0).metrics
+    plain = policy_trainer(runtime, **kw).train_batch(good + masked, policy_version=0).metrics
     assert counted["train_samples"] == plain["train_samples"] == 2.0
     assert plain["pg_loss"] != 0.0
     _close([counted["pg_loss"]], [plain["pg_loss"] * 2 / 8])
@@ -486,6 +472,6 @@ def test_normalisation_uses_the_bessel_corrected_std(runtime):
     GRPO normalisation, torch's default). Rewards [1, -1]: mean 0, std sqrt(2) -> +-0.7071. Was the
     population std (1) -> +-1."""
     batch = [_wire(S.rl_sample(_turn(f"bs-{i}"), Verdict(v, [v]), False, "test")) for i, v in enumerate((1, -1))]
-    got = _trainer(runtime, normalize_advantages=True).advantages(batch)
+    got = policy_trainer(runtime, normalize_advantages=True).advantages(batch)
     _close(got[0], [1 / math.sqrt(2)] * 3)
     _close(got[1], [-1 / math.sqrt(2)] * 3)

@@ -20,9 +20,9 @@ from pipeline import events
 from pipeline.config import load_config
 from pipeline.orchestrate.supervisor import RestartPolicy
 from pipeline.orchestrate.up import start_stack, status_line
-from tests.support.servers import StandInEngine, serve_app
-from tests.support.topics import read_events
-from tests.support.waiting import process_gone, wait_for
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.topics import read_events
+from pipeline.testing.waiting import process_gone, wait_for
 
 
 def _turn(url: str, sid: str, msgs: list, done: bool = False) -> httpx.Response:

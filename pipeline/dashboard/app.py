@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from dataclasses import dataclass
 from pathlib import Path
+from typing import AsyncIterator
 
 import orjson
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -45,89 +47,156 @@ def _error(status: int, message: str, kind: str) -> Response:
     return _json({"error": {"message": message, "type": kind}}, status)
 
 
-def create_app(config: Config, state: DashboardState, follower: TopicFollower | None = None,
-               scraper: Scraper | None = None) -> FastAPI:
-    """Build the FastAPI app over ``state`` (``follower``/``scraper`` add reader and Prometheus info)."""
-    app = FastAPI(title="openclaw-pipeline dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    keys = [k.get_secret_value().encode() for k in config.proxy.api_keys]
-    push_s = config.dashboard.push_interval_s
-    refresh_s = max(push_s, config.dashboard.scrape_interval_s)
+@dataclass
+class Dashboard:
+    """What the dashboard's routes share, kept as ``app.state.dashboard`` (read by the routes
+    through the :func:`dashboard` dependency).
 
-    def authorized(request: Request) -> bool:
-        if not keys:
+    Attributes:
+        config: the pipeline config (``dashboard.start`` is reported with the reader's state).
+        state: the state the routes read.
+        follower: the topic reader (None: reported as not caught up, no error).
+        scraper: the Prometheus scraper (None: no stages, live numbers or lag).
+        keys: the API keys ``/api/*`` accepts (``proxy.api_keys``; empty: no key needed).
+        push_s: ``dashboard.push_interval_s``: how often ``/api/stream`` looks for a change.
+        refresh_s: the longest time between two ``/api/stream`` events (at least ``push_s``,
+            else ``dashboard.scrape_interval_s``).
+    """
+
+    config: Config
+    state: DashboardState
+    follower: TopicFollower | None
+    scraper: Scraper | None
+    keys: list[bytes]
+    push_s: float
+    refresh_s: float
+
+    @classmethod
+    def of(cls, config: Config, state: DashboardState, follower: TopicFollower | None,
+           scraper: Scraper | None) -> "Dashboard":
+        """The shared state of an app over ``state``, its keys and intervals read from ``config``."""
+        push_s = config.dashboard.push_interval_s
+        return cls(config, state, follower, scraper, [k.get_secret_value().encode() for k in config.proxy.api_keys],
+                   push_s, max(push_s, config.dashboard.scrape_interval_s))
+
+    def authorized(self, request: Request) -> bool:
+        """True when no key is needed or ``request`` sends ``Authorization: Bearer <one of keys>``."""
+        if not self.keys:
             return True
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         given = key.strip().encode()
-        return scheme.lower() == "bearer" and any(hmac.compare_digest(given, k) for k in keys)
+        return scheme.lower() == "bearer" and any(hmac.compare_digest(given, k) for k in self.keys)
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if request.url.path.startswith("/api/") and request.url.path != "/api/config" and not authorized(request):
-            return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (one of proxy.api_keys)",
-                          "authentication_error")
-        return await call_next(request)
-
-    def overview() -> dict:
-        extra = scraper.snapshot() if scraper is not None else {"stages": {}, "live": {}, "lag": []}
+    def overview(self) -> dict:
+        """The ``/api/overview`` object: the state's overview plus scraper and reader info."""
+        follower = self.follower
+        extra = self.scraper.snapshot() if self.scraper is not None else {"stages": {}, "live": {}, "lag": []}
         extra["reader"] = {"caught_up": bool(follower and follower.caught_up),
-                           "error": follower.error if follower else None, "start": config.dashboard.start}
-        return state.overview(extra)
+                           "error": follower.error if follower else None, "start": self.config.dashboard.start}
+        return self.state.overview(extra)
 
-    @app.get("/", include_in_schema=False)
-    async def index() -> FileResponse:
-        return FileResponse(STATIC / "index.html", media_type="text/html")
 
+async def dashboard(request: Request) -> Dashboard:
+    """The app's :class:`Dashboard` (a route dependency)."""
+    return request.app.state.dashboard
+
+
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+async def index() -> FileResponse:
+    """The page."""
+    return FileResponse(STATIC / "index.html", media_type="text/html")
+
+
+@router.get("/healthz")
+async def healthz(d: Dashboard = Depends(dashboard)) -> Response:
+    """Liveness, whether the topic reader has caught up and its error."""
+    return _json({"ok": True, "caught_up": bool(d.follower and d.follower.caught_up),
+                  "reader_error": d.follower.error if d.follower else None})
+
+
+@router.get("/api/config")
+async def api_config(d: Dashboard = Depends(dashboard)) -> Response:
+    """What the page needs to start (no key needed)."""
+    return _json({"auth": bool(d.keys), "show_text": d.state.text})
+
+
+@router.get("/api/overview")
+async def api_overview(d: Dashboard = Depends(dashboard)) -> Response:
+    """Counters, timelines, trainer steps, syncs, lag, dead letters."""
+    return _json(d.overview())
+
+
+@router.get("/api/sessions")
+async def api_sessions(q: str = Query("", max_length=256), limit: int = Query(50, ge=1, le=1000),
+                       d: Dashboard = Depends(dashboard)) -> Response:
+    """Recent sessions (at most ``limit``), those whose id contains ``q`` when given."""
+    return _json({"sessions": d.state.sessions_list(q, limit), "total": len(d.state.session_ids)})
+
+
+@router.get("/api/sessions/{session_id:path}")
+async def api_session(session_id: str, d: Dashboard = Depends(dashboard)) -> Response:
+    """One session's turns, next states, samples and training outcome (404 when not read)."""
+    s = d.state.session(session_id)
+    if s is None:
+        return _error(404, f"no session {session_id!r} in what the dashboard has read", "not_found")
+    return _json(s)
+
+
+@router.get("/api/stream")
+async def api_stream(request: Request, d: Dashboard = Depends(dashboard)) -> StreamingResponse:
+    """Server-sent ``overview`` events (:func:`_overview_events`) until the client leaves."""
+    return StreamingResponse(_overview_events(request, d), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _overview_events(request: Request, d: Dashboard) -> AsyncIterator[bytes]:
+    """An ``overview`` event after each change of the state (looked for every ``push_s``) and at
+    least one per ``refresh_s``: the live Prometheus numbers change without records."""
+    seen = -1
+    since = 0.0  # seconds since the last event
+    while not await request.is_disconnected():
+        if d.state.version != seen or since >= d.refresh_s:
+            seen = d.state.version
+            since = 0.0
+            data = await asyncio.to_thread(lambda: orjson.dumps(d.overview(), option=orjson.OPT_NON_STR_KEYS))
+            yield b"event: overview\ndata: " + data + b"\n\n"
+        await asyncio.sleep(d.push_s)
+        since += d.push_s
+
+
+async def _require_key(request: Request, call_next):
+    """Middleware: 401 for an ``/api/*`` request (but ``/api/config``) without an accepted key."""
+    if (request.url.path.startswith("/api/") and request.url.path != "/api/config"
+            and not request.app.state.dashboard.authorized(request)):
+        return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (one of proxy.api_keys)",
+                      "authentication_error")
+    return await call_next(request)
+
+
+async def _bad_request(request: Request, exc: RequestValidationError) -> Response:
+    """422 naming each invalid parameter."""
+    where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+    return _error(422, f"bad request: {where}", "invalid_request_error")
+
+
+async def _not_found(request: Request, exc) -> Response:
+    """404 as a JSON error."""
+    return _error(404, f"no route {request.url.path}", "not_found")
+
+
+def create_app(config: Config, state: DashboardState, follower: TopicFollower | None = None,
+               scraper: Scraper | None = None) -> FastAPI:
+    """Build the FastAPI app over ``state`` (``follower``/``scraper`` add reader and Prometheus info)."""
+    # the router's own routes, not app.include_router(router): FastAPI 0.165 includes a router as one
+    # wrapper entry, and app.routes would not list them
+    app = FastAPI(title="openclaw-pipeline dashboard", docs_url=None, redoc_url=None, openapi_url=None,
+                  routes=router.routes)
+    app.state.dashboard = Dashboard.of(config, state, follower, scraper)
+    app.middleware("http")(_require_key)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        return _json({"ok": True, "caught_up": bool(follower and follower.caught_up),
-                      "reader_error": follower.error if follower else None})
-
-    @app.get("/api/config")
-    async def api_config() -> Response:
-        return _json({"auth": bool(keys), "show_text": state.text})
-
-    @app.get("/api/overview")
-    async def api_overview() -> Response:
-        return _json(overview())
-
-    @app.get("/api/sessions")
-    async def api_sessions(q: str = Query("", max_length=256), limit: int = Query(50, ge=1, le=1000)) -> Response:
-        return _json({"sessions": state.sessions_list(q, limit), "total": len(state.session_ids)})
-
-    @app.get("/api/sessions/{session_id:path}")
-    async def api_session(session_id: str) -> Response:
-        s = state.session(session_id)
-        if s is None:
-            return _error(404, f"no session {session_id!r} in what the dashboard has read", "not_found")
-        return _json(s)
-
-    @app.get("/api/stream")
-    async def api_stream(request: Request) -> StreamingResponse:
-        async def events():
-            seen = -1
-            since = 0.0  # seconds since the last event: live Prometheus numbers change without records
-            while not await request.is_disconnected():
-                if state.version != seen or since >= refresh_s:
-                    seen = state.version
-                    since = 0.0
-                    data = await asyncio.to_thread(lambda: orjson.dumps(overview(), option=orjson.OPT_NON_STR_KEYS))
-                    yield b"event: overview\ndata: " + data + b"\n\n"
-                await asyncio.sleep(push_s)
-                since += push_s
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> Response:
-        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
-        return _error(422, f"bad request: {where}", "invalid_request_error")
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc) -> Response:
-        return _error(404, f"no route {request.url.path}", "not_found")
-
+    app.add_exception_handler(RequestValidationError, _bad_request)
+    app.add_exception_handler(404, _not_found)
     return app
-

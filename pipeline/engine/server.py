@@ -44,6 +44,14 @@ at once (SGLang refuses unless idle: here running rows keep their own KV, so it 
 Chat responses (and the first and last stream chunks) carry the effective sampling parameters
 in ``metadata.sampling_params`` (after greedy normalisation and generation-config defaults), so
 a caller records the temperature the log-probs really are of.
+
+Layout: the routes form four ``APIRouter`` objects: ``info_router`` (health, model and server info,
+``/metrics``), ``openai_router`` (``/v1/chat/completions``, ``/v1/models``, tokenize /
+detokenize; OpenAI error shapes), ``native_router`` (``/generate``, ``/update_weights_from_disk``;
+SGLang's ``{"error": {"message"}}``) and ``control_router`` (pause, continue, abort, flush).
+:func:`create_app` adds the middleware and error handlers and includes them; the routes reach the
+one shared :class:`EngineState` in ``app.state.engine`` through the dependencies ``Engine`` and
+``Running`` (the latter answers 503 before reading the body when the model thread is not running).
 """
 
 from __future__ import annotations
@@ -56,10 +64,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Callable
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -170,6 +178,35 @@ class EngineState:
         if rid in self.inflight:
             raise ValueError(f"Duplicate request ID detected: {rid}")
         return rid
+
+    def unavailable(self) -> ApiError | None:
+        """The 503 to answer while shutting down or once the model thread has died; None while serving."""
+        if self.shutting_down or not self.worker.alive:
+            return ApiError(503, "engine is not running", type_="503")
+        return None
+
+
+async def engine_state(request: Request) -> EngineState:
+    """Dependency: the app's shared :class:`EngineState` (``app.state.engine``, set by :func:`create_app`)."""
+    return request.app.state.engine
+
+
+Engine = Annotated[EngineState, Depends(engine_state)]
+
+
+async def running_engine(state: Engine) -> EngineState:
+    """Dependency: the shared :class:`EngineState` of a route that needs the model thread.
+
+    Raises:
+        ApiError: 503 ``"engine is not running"`` (see :meth:`EngineState.unavailable`), before
+            the body is read.
+    """
+    if (err := state.unavailable()) is not None:
+        raise err
+    return state
+
+
+Running = Annotated[EngineState, Depends(running_engine)]
 
 
 async def read_json(request: Request, *, openai: bool) -> dict:
@@ -404,6 +441,36 @@ async def wait_all(request: Request, gens: list[Generation], poll_s: float = 0.5
             g.cancel()
 
 
+async def wait_response(request: Request, gens: list[Generation]) -> Response | None:
+    """:func:`wait_all` for a non-streamed answer: None once every generation finished, else the
+    response to send instead (499, empty, when the client went away; the failure's status with an
+    OpenAI error body when a generation failed)."""
+    try:
+        if not await wait_all(request, gens):
+            return Response(status_code=499)  # client closed the request; nobody reads this
+    except RequestFailed as e:
+        return openai_error(e.status, str(e), str(e.status))
+    return None
+
+
+async def generate_stream(gens: list[Generation], with_text: bool, prompt_ids: bool) -> AsyncIterator[bytes]:
+    """SSE of a streamed ``/generate``: the cumulative output after every update (with ``index``
+    when there are several sequences), an error event if a generation fails, then ``[DONE]``.
+    ``gens`` are cancelled when it ends, whether finished, failed or closed by the client."""
+    try:
+        async for i, g in _merge(gens):
+            out = g.generate_output(with_text=with_text, prompt_ids=prompt_ids)
+            if len(gens) > 1:
+                out["index"] = i
+            yield sse(out)
+    except RequestFailed as e:
+        yield sse({"error": {"message": str(e), "type": "internal_error", "code": e.status, "retryable": True}})
+    finally:
+        for g in gens:
+            g.cancel()
+    yield SSE_DONE
+
+
 # ---------------------------------------------------------------------------------------------
 # chat
 # ---------------------------------------------------------------------------------------------
@@ -605,13 +672,304 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
 
 
 # ---------------------------------------------------------------------------------------------
+# health, info and metrics routes
+# ---------------------------------------------------------------------------------------------
+info_router = APIRouter()
+
+
+@info_router.get("/ping")
+@info_router.get("/health")
+async def health(state: Engine):
+    """200 while serving, 503 when shutting down or the model thread died (empty bodies)."""
+    return Response(status_code=503 if state.unavailable() else 200)
+
+
+@info_router.get("/health_generate")
+async def health_generate(state: Engine):
+    """200 once a one-token greedy generation finished within 20 s; 503 otherwise (empty bodies)."""
+    if state.unavailable():
+        return Response(status_code=503)
+    item = Item(state.new_rid(f"HEALTH_CHECK_{uuid.uuid4().hex}"), [0],
+                SamplingParams(max_new_tokens=1, top_k=1))
+    try:
+        await asyncio.wait_for(Generation(state, item).start().wait(), 20.0)
+    except (asyncio.TimeoutError, RequestFailed):
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@info_router.get("/get_model_info")
+@info_router.get("/model_info")
+def model_info(state: Engine):
+    lm = state.worker.loaded
+    return {"model_path": state.model_path, "tokenizer_path": state.tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": state.worker.version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": lm.model_type, "architectures": lm.architectures}
+
+
+@info_router.get("/get_server_info")
+@info_router.get("/server_info")
+def server_info(state: Engine):
+    running, waiting = state.worker.load
+    return {"version": f"{ENGINE_NAME}-{VERSION}", "engine": ENGINE_NAME, "model_path": state.model_path,
+            "served_model_name": state.served_model_name, "tokenizer_path": state.tokenizer_path,
+            "context_length": state.context_length, "max_req_input_len": state.context_length - 1,
+            "max_running_requests": state.worker.max_batch_size, "weight_version": state.worker.version,
+            "incremental_streaming_output": False, "chat_stream_token_ids": True,
+            "logprob_token_bytes": True,
+            "tool_call_parser": "pipeline-tool-call", "reasoning_parser": None, "dtype": "float32",
+            "device": "cpu", "startup_time": state.started,
+            "internal_states": [{"running_requests": running, "waiting_requests": waiting,
+                                 "decode_steps": state.worker.steps, "prefix_cache": prefix_info(state)}]}
+
+
+def prefix_info(state: EngineState) -> dict:
+    """The prefix cache's bounds, size (``entries``, ``bytes``) and hit counters, for ``/server_info``."""
+    pc = state.worker.prefix_cache
+    return {"enabled": pc.enabled, "max_bytes": pc.max_bytes, "max_entries": pc.max_entries,
+            "min_tokens": pc.min_tokens, "entries": len(pc), "bytes": pc.nbytes,
+            **dataclasses.asdict(pc.stats)}
+
+
+@info_router.get("/metrics")
+async def metrics(state: Engine):
+    """Prometheus text; the load and prefix-cache gauges are sampled at scrape time."""
+    running, waiting = state.worker.load
+    state.metrics.running.set(running)
+    state.metrics.waiting.set(waiting)
+    state.metrics.prefix_entries.set(len(state.worker.prefix_cache))
+    state.metrics.prefix_bytes.set(state.worker.prefix_cache.nbytes)
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI-compatible routes: errors are {"object": "error", ...}
+# ---------------------------------------------------------------------------------------------
+openai_router = APIRouter()
+
+
+@openai_router.post("/v1/chat/completions")
+async def chat(request: Request, state: Running):
+    body: ChatBody = validate(ChatBody, await read_json(request, openai=True))
+    try:
+        prompt, params, tools = chat_setup(state, body)
+        rid, items = chat_items(state, body, prompt, params)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    gens = [Generation(state, it).start() for it in items]
+    if body.stream:
+        return StreamingResponse(chat_stream(state, body, rid, gens, tools), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    if (early := await wait_response(request, gens)) is not None:
+        return early
+    return ORJSONResponse(chat_response(state, body, rid, gens, tools))
+
+
+def model_card(state: EngineState) -> dict:
+    """The served model as an OpenAI ``model`` object (``created``: engine start, Unix seconds)."""
+    return {"id": state.served_model_name, "object": "model", "created": int(state.started),
+            "owned_by": ENGINE_NAME, "root": state.model_path, "parent": None,
+            "max_model_len": state.context_length}
+
+
+@openai_router.get("/v1/models")
+async def models(state: Engine):
+    return ORJSONResponse({"object": "list", "data": [model_card(state)]})
+
+
+@openai_router.get("/v1/models/{model_id:path}")
+async def model_by_id(model_id: str, state: Engine):
+    """The model card; 404 ``model_not_found`` (OpenAI's shape) for any other id."""
+    if model_id != state.served_model_name:
+        return ORJSONResponse({"error": {"message": f"The model '{model_id}' does not exist",
+                                         "type": "invalid_request_error", "param": "model",
+                                         "code": "model_not_found"}}, status_code=404)
+    return ORJSONResponse(model_card(state))
+
+
+@openai_router.post("/v1/tokenize")
+@openai_router.post("/tokenize")
+async def tokenize(request: Request, state: Engine):
+    """Token ids of ``messages`` (rendered with the chat template) or of ``prompt`` (one string,
+    or a list: then ``tokens`` and ``count`` are lists too)."""
+    body: TokenizeBody = validate(TokenizeBody, await read_json(request, openai=True))
+    try:
+        if body.messages is not None:
+            tools = normalise_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+            ids = state.renderer.render_ids(body.messages, tools,
+                                            add_generation_prompt=body.add_generation_prompt,
+                                            continue_final_message=body.continue_final_message,
+                                            chat_template_kwargs=body.chat_template_kwargs)
+            if body.add_special_tokens:
+                ids = list(state.tokenizer.build_inputs_with_special_tokens(ids))
+        elif body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            if isinstance(body.prompt, list):
+                tokens = [list(state.tokenizer.encode(p, add_special_tokens=add)) for p in body.prompt]
+                return ORJSONResponse({"tokens": tokens, "count": [len(t) for t in tokens],
+                                       "max_model_len": state.context_length})
+            ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=add))
+        else:
+            raise ValueError("either prompt or messages is required")
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return ORJSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context_length})
+
+
+@openai_router.post("/v1/detokenize")
+@openai_router.post("/detokenize")
+async def detokenize(request: Request, state: Engine):
+    body: DetokenizeBody = validate(DetokenizeBody, await read_json(request, openai=True))
+    try:
+        state.check_ids(body.tokens, "tokens") if body.tokens else None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return ORJSONResponse({"text": state.tokenizer.decode(body.tokens)})
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang-native routes: /generate and weight updates (errors are {"error": {"message"}})
+# ---------------------------------------------------------------------------------------------
+native_router = APIRouter()
+
+
+@native_router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request, state: Running):
+    """One output object, or a list for a batch (several prompts or ``n > 1``); SSE when ``stream``."""
+    body: GenerateBody = validate(GenerateBody, await read_json(request, openai=False))
+    try:
+        items, is_batch = generate_items(state, body)
+    except ValueError as e:
+        raise ApiError(400, str(e), native=True) from None
+    gens = [Generation(state, it).start() for it in items]
+    with_text, prompt_ids = body.return_text_in_logprobs, body.return_prompt_token_ids
+    if body.stream:
+        return StreamingResponse(generate_stream(gens, with_text, prompt_ids), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    if (early := await wait_response(request, gens)) is not None:
+        return early
+    outs = [g.generate_output(with_text=with_text, prompt_ids=prompt_ids) for g in gens]
+    return ORJSONResponse(outs if is_batch else outs[0])
+
+
+def _thread_future() -> tuple[asyncio.Future, Callable[[Any], None]]:
+    """A future of the running loop and a callback, safe to call from the model thread, that sets
+    its result (the first call wins; later ones are ignored)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def resolve(value: Any) -> None:
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(value))
+
+    return fut, resolve
+
+
+def _weights_failed(state: EngineState, message: str) -> ORJSONResponse:
+    """The 400 of a refused weight update (counted as a failure; the served weights are unchanged)."""
+    state.metrics.weight_updates.labels("failure").inc()
+    return ORJSONResponse({"success": False, "message": message, "num_paused_requests": 0}, status_code=400)
+
+
+@native_router.post("/update_weights_from_disk")
+async def update_weights(request: Request, state: Engine):
+    """Load ``model_path`` (must fit the served model) and swap it in once no request runs on the
+    old weights (or at once with ``abort_all_requests``); one update at a time."""
+    body: UpdateWeightsBody = validate(UpdateWeightsBody, await read_json(request, openai=False))
+    from pipeline.engine.model import ModelLoadError, load_model
+    from pipeline.models import ModelNotFound, resolve_model
+
+    async with state.update_lock:
+        try:
+            path = await asyncio.to_thread(resolve_model, body.model_path, state.cache_dir)
+            loaded = await asyncio.to_thread(load_model, path, like=state.worker.loaded,
+                                             tokenizer=state.tokenizer)
+        except (ModelNotFound, ModelLoadError, OSError) as e:
+            return _weights_failed(state, f"Failed to update weights: {e}")
+        if loaded.vocab_size != state.vocab_size:
+            return _weights_failed(state, f"Failed to update weights: vocabulary size {loaded.vocab_size} differs "
+                                          f"from the served model's {state.vocab_size}")
+        fut, on_done = _thread_future()
+        version = None if body.weight_version is None else str(body.weight_version)
+        state.worker.swap(loaded, version, on_done, abort_all=body.abort_all_requests)
+        new_version = await fut
+        if new_version is None:
+            return _weights_failed(state, "Failed to update weights: superseded by another update")
+        state.model_path = str(path)
+        state.metrics.set_version(new_version)
+        state.metrics.weight_updates.labels("success").inc()
+    msg = f"Succeeded to update model weights. Weight version updated to {new_version}."
+    return ORJSONResponse({"success": True, "message": msg, "num_paused_requests": 0,
+                           "weight_version": new_version})
+
+
+# ---------------------------------------------------------------------------------------------
+# control routes: pause / continue / abort / flush
+# ---------------------------------------------------------------------------------------------
+control_router = APIRouter()
+
+
+@control_router.post("/pause_generation")
+async def pause(request: Request, state: Engine):
+    body: PauseBody = validate(PauseBody, await read_json(request, openai=False))
+    state.worker.pause(body.mode)
+    return ORJSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@control_router.post("/continue_generation")
+async def continue_generation(request: Request, state: Engine):
+    await read_json(request, openai=False)
+    state.worker.resume()
+    return ORJSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@control_router.post("/abort_request")
+async def abort_request(request: Request, state: Engine):
+    """Abort every in-flight request whose rid starts with ``rid`` (all with ``abort_all``); 200, empty."""
+    body: AbortBody = validate(AbortBody, await read_json(request, openai=False))
+    msg = body.abort_message or "Abort by user request."
+    for rid, g in list(state.inflight.items()):
+        if body.abort_all or (body.rid and rid.startswith(body.rid)):
+            state.worker.abort(g.req, msg)
+    return Response(status_code=200)
+
+
+@control_router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(state: Running):
+    """Empty the prefix cache between two decode steps (waits up to 60 s); plain-text answer."""
+    fut, on_done = _thread_future()
+    state.worker.flush_prefix_cache(on_done)
+    dropped = await asyncio.wait_for(fut, 60.0)
+    return PlainTextResponse(f"Cache flushed.\n{dropped} prefix-cache entries dropped.\n")
+
+
+# ---------------------------------------------------------------------------------------------
 # app
 # ---------------------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: ApiError):
+    return exc.response()
+
+
+async def _validation_error(request: Request, exc: RequestValidationError):
+    return openai_error(400, str(exc.errors()), "Bad Request")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return openai_error(exc.status_code, str(exc.detail), str(exc.status_code))
+
+
+async def _unexpected_error(request: Request, exc: Exception):
+    log.exception("unexpected error on %s", request.url.path)
+    return openai_error(500, f"internal error: {type(exc).__name__}: {exc}", "500")
+
+
 def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``state`` (the worker thread must already be started).
 
-    ``api_key``: when set, every route except ``/health``, ``/ping`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>`` (401 otherwise), like SGLang's ``--api-key``.
+    ``state`` is kept in ``app.state.engine``, where the routes' dependencies (``Engine``,
+    ``Running``) find it. ``api_key``: when set, every route except ``/health``, ``/ping`` and
+    ``/metrics`` needs ``Authorization: Bearer <api_key>`` (401 otherwise), like SGLang's
+    ``--api-key``.
     """
     app = FastAPI(title="pipeline CPU engine (SGLang HTTP subset)", version=VERSION, docs_url=None,
                   redoc_url=None, openapi_url=None)
@@ -619,270 +977,10 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        return openai_error(400, str(exc.errors()), "Bad Request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        return openai_error(exc.status_code, str(exc.detail), str(exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        return openai_error(500, f"internal error: {type(exc).__name__}: {exc}", "500")
-
-    def _unavailable() -> ApiError | None:
-        if state.shutting_down or not state.worker.alive:
-            return ApiError(503, "engine is not running", type_="503")
-        return None
-
-    # ---- health & info ---------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        return Response(status_code=503 if _unavailable() else 200)
-
-    @app.get("/ping")
-    async def ping():
-        return Response(status_code=503 if _unavailable() else 200)
-
-    @app.get("/health_generate")
-    async def health_generate():
-        if _unavailable():
-            return Response(status_code=503)
-        item = Item(state.new_rid(f"HEALTH_CHECK_{uuid.uuid4().hex}"), [0],
-                    SamplingParams(max_new_tokens=1, top_k=1))
-        try:
-            await asyncio.wait_for(Generation(state, item).start().wait(), 20.0)
-        except (asyncio.TimeoutError, RequestFailed):
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    def model_info() -> dict:
-        lm = state.worker.loaded
-        return {"model_path": state.model_path, "tokenizer_path": state.tokenizer_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": state.worker.version,
-                "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": lm.model_type, "architectures": lm.architectures}
-
-    app.get("/model_info")(lambda: model_info())
-    app.get("/get_model_info")(lambda: model_info())
-
-    def server_info() -> dict:
-        running, waiting = state.worker.load
-        return {"version": f"{ENGINE_NAME}-{VERSION}", "engine": ENGINE_NAME, "model_path": state.model_path,
-                "served_model_name": state.served_model_name, "tokenizer_path": state.tokenizer_path,
-                "context_length": state.context_length, "max_req_input_len": state.context_length - 1,
-                "max_running_requests": state.worker.max_batch_size, "weight_version": state.worker.version,
-                "incremental_streaming_output": False, "chat_stream_token_ids": True,
-                "logprob_token_bytes": True,
-                "tool_call_parser": "pipeline-tool-call", "reasoning_parser": None, "dtype": "float32",
-                "device": "cpu", "startup_time": state.started,
-                "internal_states": [{"running_requests": running, "waiting_requests": waiting,
-                                     "decode_steps": state.worker.steps, "prefix_cache": prefix_info()}]}
-
-    def prefix_info() -> dict:
-        pc = state.worker.prefix_cache
-        return {"enabled": pc.enabled, "max_bytes": pc.max_bytes, "max_entries": pc.max_entries,
-                "min_tokens": pc.min_tokens, "entries": len(pc), "bytes": pc.nbytes,
-                **dataclasses.asdict(pc.stats)}
-
-    app.get("/server_info")(lambda: server_info())
-    app.get("/get_server_info")(lambda: server_info())
-
-    def model_card() -> dict:
-        return {"id": state.served_model_name, "object": "model", "created": int(state.started),
-                "owned_by": ENGINE_NAME, "root": state.model_path, "parent": None,
-                "max_model_len": state.context_length}
-
-    @app.get("/v1/models")
-    async def models():
-        return ORJSONResponse({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model_by_id(model_id: str):
-        if model_id != state.served_model_name:
-            return ORJSONResponse({"error": {"message": f"The model '{model_id}' does not exist",
-                                             "type": "invalid_request_error", "param": "model",
-                                             "code": "model_not_found"}}, status_code=404)
-        return ORJSONResponse(model_card())
-
-    @app.get("/metrics")
-    async def metrics():
-        running, waiting = state.worker.load
-        state.metrics.running.set(running)
-        state.metrics.waiting.set(waiting)
-        state.metrics.prefix_entries.set(len(state.worker.prefix_cache))
-        state.metrics.prefix_bytes.set(state.worker.prefix_cache.nbytes)
-        return Response(state.metrics.render(), media_type=state.metrics.content_type)
-
-    # ---- generation ------------------------------------------------------------------------
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        if (err := _unavailable()) is not None:
-            raise err
-        body: GenerateBody = validate(GenerateBody, await read_json(request, openai=False))
-        try:
-            items, is_batch = generate_items(state, body)
-        except ValueError as e:
-            raise ApiError(400, str(e), native=True) from None
-        gens = [Generation(state, it).start() for it in items]
-        with_text, prompt_ids = body.return_text_in_logprobs, body.return_prompt_token_ids
-        if body.stream:
-            async def stream():
-                try:
-                    async for i, g in _merge(gens):
-                        out = g.generate_output(with_text=with_text, prompt_ids=prompt_ids)
-                        if len(gens) > 1:
-                            out["index"] = i
-                        yield sse(out)
-                except RequestFailed as e:
-                    yield sse({"error": {"message": str(e), "type": "internal_error", "code": e.status,
-                                         "retryable": True}})
-                finally:
-                    for g in gens:
-                        g.cancel()
-                yield SSE_DONE
-            return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            if not await wait_all(request, gens):
-                return Response(status_code=499)  # client closed the request; nobody reads this
-        except RequestFailed as e:
-            return openai_error(e.status, str(e), str(e.status))
-        outs = [g.generate_output(with_text=with_text, prompt_ids=prompt_ids) for g in gens]
-        return ORJSONResponse(outs if is_batch else outs[0])
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        if (err := _unavailable()) is not None:
-            raise err
-        body: ChatBody = validate(ChatBody, await read_json(request, openai=True))
-        try:
-            prompt, params, tools = chat_setup(state, body)
-            rid, items = chat_items(state, body, prompt, params)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        gens = [Generation(state, it).start() for it in items]
-        if body.stream:
-            return StreamingResponse(chat_stream(state, body, rid, gens, tools), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        try:
-            if not await wait_all(request, gens):
-                return Response(status_code=499)
-        except RequestFailed as e:
-            return openai_error(e.status, str(e), str(e.status))
-        return ORJSONResponse(chat_response(state, body, rid, gens, tools))
-
-    # ---- tokenizer -------------------------------------------------------------------------
-    @app.post("/v1/tokenize")
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body: TokenizeBody = validate(TokenizeBody, await read_json(request, openai=True))
-        try:
-            if body.messages is not None:
-                tools = normalise_tools([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
-                ids = state.renderer.render_ids(body.messages, tools,
-                                                add_generation_prompt=body.add_generation_prompt,
-                                                continue_final_message=body.continue_final_message,
-                                                chat_template_kwargs=body.chat_template_kwargs)
-                if body.add_special_tokens:
-                    ids = list(state.tokenizer.build_inputs_with_special_tokens(ids))
-            elif body.prompt is not None:
-                add = True if body.add_special_tokens is None else body.add_special_tokens
-                if isinstance(body.prompt, list):
-                    tokens = [list(state.tokenizer.encode(p, add_special_tokens=add)) for p in body.prompt]
-                    return ORJSONResponse({"tokens": tokens, "count": [len(t) for t in tokens],
-                                           "max_model_len": state.context_length})
-                ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=add))
-            else:
-                raise ValueError("either prompt or messages is required")
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        return ORJSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context_length})
-
-    @app.post("/v1/detokenize")
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body: DetokenizeBody = validate(DetokenizeBody, await read_json(request, openai=True))
-        try:
-            state.check_ids(body.tokens, "tokens") if body.tokens else None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        return ORJSONResponse({"text": state.tokenizer.decode(body.tokens)})
-
-    # ---- weights & control -----------------------------------------------------------------
-    @app.post("/update_weights_from_disk")
-    async def update_weights(request: Request):
-        body: UpdateWeightsBody = validate(UpdateWeightsBody, await read_json(request, openai=False))
-        from pipeline.engine.model import ModelLoadError, load_model
-        from pipeline.models import ModelNotFound, resolve_model
-
-        def fail(msg: str) -> ORJSONResponse:
-            state.metrics.weight_updates.labels("failure").inc()
-            return ORJSONResponse({"success": False, "message": msg, "num_paused_requests": 0}, status_code=400)
-
-        async with state.update_lock:
-            try:
-                path = await asyncio.to_thread(resolve_model, body.model_path, state.cache_dir)
-                loaded = await asyncio.to_thread(load_model, path, like=state.worker.loaded,
-                                                 tokenizer=state.tokenizer)
-            except (ModelNotFound, ModelLoadError, OSError) as e:
-                return fail(f"Failed to update weights: {e}")
-            if loaded.vocab_size != state.vocab_size:
-                return fail(f"Failed to update weights: vocabulary size {loaded.vocab_size} differs from the "
-                            f"served model's {state.vocab_size}")
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future = loop.create_future()
-
-            def on_done(version: str | None) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(version))
-
-            version = None if body.weight_version is None else str(body.weight_version)
-            state.worker.swap(loaded, version, on_done, abort_all=body.abort_all_requests)
-            new_version = await fut
-            if new_version is None:
-                return fail("Failed to update weights: superseded by another update")
-            state.model_path = str(path)
-            state.metrics.set_version(new_version)
-            state.metrics.weight_updates.labels("success").inc()
-        msg = f"Succeeded to update model weights. Weight version updated to {new_version}."
-        return ORJSONResponse({"success": True, "message": msg, "num_paused_requests": 0,
-                               "weight_version": new_version})
-
-    @app.post("/pause_generation")
-    async def pause(request: Request):
-        body: PauseBody = validate(PauseBody, await read_json(request, openai=False))
-        state.worker.pause(body.mode)
-        return ORJSONResponse({"message": "Generation paused successfully.", "status": "ok"})
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request):
-        await read_json(request, openai=False)
-        state.worker.resume()
-        return ORJSONResponse({"message": "Generation continued successfully.", "status": "ok"})
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body: AbortBody = validate(AbortBody, await read_json(request, openai=False))
-        msg = body.abort_message or "Abort by user request."
-        for rid, g in list(state.inflight.items()):
-            if body.abort_all or (body.rid and rid.startswith(body.rid)):
-                state.worker.abort(g.req, msg)
-        return Response(status_code=200)
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        if (err := _unavailable()) is not None:
-            raise err
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        state.worker.flush_prefix_cache(lambda n: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(n)))
-        dropped = await asyncio.wait_for(fut, 60.0)
-        return PlainTextResponse(f"Cache flushed.\n{dropped} prefix-cache entries dropped.\n")
-
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    for router in (info_router, openai_router, native_router, control_router):
+        app.include_router(router)
     return app

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ import httpx
 from pipeline.config import Config
 from pipeline.jsonl import read_jsonl
 from pipeline.orchestrate.up import Stack, run_dir_note, scrape, scrape_by_label, start_interruptibly, start_stack
-from pipeline.orchestrate.supervisor import StageFailed
+from pipeline.orchestrate.supervisor import StageFailed, StopOutcome
 
 log = logging.getLogger(__name__)
 HELP = "The main job: start every stage, simulate GSM8K users until K trainer steps and a weight sync, report."
@@ -251,7 +252,7 @@ def figure(report: dict):
     """The report's figure: held-out success per policy version (left), training health per step (right).
 
     Left: success with its Wilson 95% interval per point and the value written on it, n per
-    version, the target line (twice version 0's success, the verdict's learning signal), GSM8K
+    version, the target line (the high end of version 0's interval, the verdict's learning signal), GSM8K
     accuracy (guard), the reward of the samples each version generated, and words per reply on
     its own axis from zero with the brevity limit. Right: batch reward mean, KL and the mean
     |train - rollout| log-prob (nats) per trainer step, stale samples (policy drift) apart from
@@ -264,81 +265,114 @@ def figure(report: dict):
     from matplotlib.ticker import MaxNLocator
 
     ev = report.get("evaluations", [])
-    steps = report.get("trainer", {}).get("per_step") or []
     fig = plt.figure(figsize=(13, 6))
     grid = fig.add_gridspec(3, 2, width_ratios=(1.6, 1), hspace=0.45, wspace=0.32)
     ax = fig.add_subplot(grid[:, 0])
     if ev:
-        xs = [int(e["policy_version"]) for e in ev]
-        rates = [e["success_rate"] for e in ev]
-        ns = [int(e.get("n", 0)) for e in ev]
-        lo, hi = zip(*(wilson_interval(round(r * n), n) for r, n in zip(rates, ns)))
-        ax.errorbar(xs, rates, yerr=[[r - a for r, a in zip(rates, lo)], [b - r for r, b in zip(rates, hi)]],
-                    fmt="o-", capsize=4, color="C0", label="held-out success (brevity), Wilson 95% interval")
-        for x, r, n in zip(xs, rates, ns):
-            ax.annotate(f"{r:.0%}\nn={n}", (x, r), textcoords="offset points", xytext=(7, 4), fontsize=8, color="C0")
-        ax.plot(xs, [e["accuracy"] for e in ev], "s-", color="C1", label="held-out GSM8K accuracy (guard)")
-        target = success_target(report)
-        if target is not None:
-            ax.axhline(target, color="C2", ls="--", lw=1)
-            ax.text(xs[0], target, f" target: above {target:.0%} (version 0's 95% upper bound)", color="C2",
-                    fontsize=8, va="bottom")
-    sv = {v: d for v, d in report["topics"]["samples_by_policy_version"].items() if d["reward_mean"] is not None}
-    if sv:
-        vx, vy = [int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()]
-        ax.plot(vx, vy, "^--", color="C3", label=f"reward of samples it generated, (mean+1)/2 (hollow: n<{FEW_SAMPLES})")
-        few = [(x, y, d.get("rewarded", d["samples"])) for x, y, d in zip(vx, vy, sv.values())
-               if d.get("rewarded", d["samples"]) < FEW_SAMPLES]
-        for x, y, n in few:
-            ax.plot([x], [y], "^", ms=9, mfc="white", color="C3")
-            ax.annotate(f"n={n}", (x, y), textcoords="offset points", xytext=(6, -12), fontsize=7, color="C3")
+        _plot_success(ax, report)
+    _plot_sample_rewards(ax, report["topics"]["samples_by_policy_version"])
     ax.set_xlabel("policy version")
     ax.set_ylabel("rate")
     ax.set_ylim(-0.02, 1.05)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ev:
-        ax2 = ax.twinx()
-        words = [e["words_per_reply"] for e in ev]
-        ax2.plot([int(e["policy_version"]) for e in ev], words, "d:", color="grey", label="words per reply (guard)")
-        limit = report.get("brevity_max_words")
-        if limit:
-            ax2.axhline(limit, color="grey", ls="-.", lw=0.8)
-            ax2.text(ax.get_xlim()[1], limit, f"{limit} words ", color="grey", fontsize=8, ha="right", va="bottom")
-        ax2.set_ylim(0, max(words + [limit or 0]) * 1.15 + 1)
-        ax2.set_ylabel("words per reply")
-        ax2.legend(loc="upper right", fontsize=8)
+        _plot_words(ax, ev, report.get("brevity_max_words"))
     ax.legend(loc="upper left", fontsize=8)
     mode = {"rl": "Binary RL", "opd": "OPD", "combine": "Binary RL + OPD"}.get(report["judge"]["mode"], "RL")
     ax.set_title(f"Online {mode} on simulated GSM8K users ({report['model']}, judge {report['judge']['backend']})",
                  fontsize=10)
+    _plot_health(fig, grid, report)
+    return fig
+
+
+def _plot_success(ax, report: dict) -> None:
+    """Held-out success per version with its Wilson 95% interval, the value and n written on each
+    point, GSM8K accuracy, and the target line (:func:`success_target`)."""
+    ev = report["evaluations"]
+    xs = [int(e["policy_version"]) for e in ev]
+    rates = [e["success_rate"] for e in ev]
+    ns = [int(e.get("n", 0)) for e in ev]
+    lo, hi = zip(*(wilson_interval(round(r * n), n) for r, n in zip(rates, ns)))
+    ax.errorbar(xs, rates, yerr=[[r - a for r, a in zip(rates, lo)], [b - r for r, b in zip(rates, hi)]],
+                fmt="o-", capsize=4, color="C0", label="held-out success (brevity), Wilson 95% interval")
+    for x, r, n in zip(xs, rates, ns):
+        ax.annotate(f"{r:.0%}\nn={n}", (x, r), textcoords="offset points", xytext=(7, 4), fontsize=8, color="C0")
+    ax.plot(xs, [e["accuracy"] for e in ev], "s-", color="C1", label="held-out GSM8K accuracy (guard)")
+    target = success_target(report)
+    if target is not None:
+        ax.axhline(target, color="C2", ls="--", lw=1)
+        ax.text(xs[0], target, f" target: above {target:.0%} (version 0's 95% upper bound)", color="C2",
+                fontsize=8, va="bottom")
+
+
+def _plot_sample_rewards(ax, by_version: dict) -> None:
+    """The mean reward of the samples each version generated, as (mean+1)/2; a point from fewer
+    than :data:`FEW_SAMPLES` rewarded samples is hollow, with its n."""
+    sv = {v: d for v, d in by_version.items() if d["reward_mean"] is not None}
+    if not sv:
+        return
+    vx, vy = [int(v) for v in sv], [(d["reward_mean"] + 1) / 2 for d in sv.values()]
+    ax.plot(vx, vy, "^--", color="C3", label=f"reward of samples it generated, (mean+1)/2 (hollow: n<{FEW_SAMPLES})")
+    few = [(x, y, d.get("rewarded", d["samples"])) for x, y, d in zip(vx, vy, sv.values())
+           if d.get("rewarded", d["samples"]) < FEW_SAMPLES]
+    for x, y, n in few:
+        ax.plot([x], [y], "^", ms=9, mfc="white", color="C3")
+        ax.annotate(f"n={n}", (x, y), textcoords="offset points", xytext=(6, -12), fontsize=7, color="C3")
+
+
+def _plot_words(ax, ev: list[dict], limit: int | None) -> None:
+    """Words per reply per version on a second axis of ``ax``, from zero, with the brevity ``limit``."""
+    ax2 = ax.twinx()
+    words = [e["words_per_reply"] for e in ev]
+    ax2.plot([int(e["policy_version"]) for e in ev], words, "d:", color="grey", label="words per reply (guard)")
+    if limit:
+        ax2.axhline(limit, color="grey", ls="-.", lw=0.8)
+        ax2.text(ax.get_xlim()[1], limit, f"{limit} words ", color="grey", fontsize=8, ha="right", va="bottom")
+    ax2.set_ylim(0, max(words + [limit or 0]) * 1.15 + 1)
+    ax2.set_ylabel("words per reply")
+    ax2.legend(loc="upper right", fontsize=8)
+
+
+def _plot_health(fig, grid, report: dict) -> None:
+    """The right column, one panel per row of ``grid``: batch reward mean, KL and the
+    |train - rollout| log-prob per trainer step."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps = report.get("trainer", {}).get("per_step") or []
     kl_off = report.get("trainer", {}).get("kl_coef") == 0
     health = (("reward_mean", "batch reward mean"),
               ("kl", "KL to the reference: term off (kl_coef 0); ppo_kl dashed" if kl_off else "KL (kl; ppo_kl dashed)"),
               ("logprob_abs_diff_stale", "|train - rollout| log-prob, nats, log scale: stale (drift); own version dashed"))
     for row, (key, title) in enumerate(health):
         hx = fig.add_subplot(grid[row, 1])
-        pts = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
-        if pts:
-            hx.plot(*zip(*pts), "o-", ms=3, color=f"C{row + 4}")
-        if key == "kl":
-            kl2 = [(r["step"], r["ppo_kl"]) for r in steps if r.get("ppo_kl") is not None]
-            if kl2:
-                hx.plot(*zip(*kl2), "o--", ms=3, color="C7")
-        if key == "logprob_abs_diff_stale":  # the engine/trainer mismatch (~1e-6) beside the drift
-            own = [(r["step"], r["logprob_abs_diff_current"]) for r in steps if r.get("logprob_abs_diff_current")]
-            if own:
-                hx.plot(*zip(*own), "o--", ms=3, color="C7")
-            if pts or own:
-                hx.set_yscale("log")
-            pts = pts or own
-        if not pts:
+        if not _plot_per_step(hx, steps, key, f"C{row + 4}"):
             hx.text(0.5, 0.5, "no trainer step", transform=hx.transAxes, ha="center", va="center", color="grey")
         hx.set_title(title, fontsize=9)
         hx.xaxis.set_major_locator(MaxNLocator(integer=True))
         hx.tick_params(labelsize=8)
         if row == len(health) - 1:
             hx.set_xlabel("trainer step")
-    return fig
+
+
+def _plot_per_step(hx, steps: list[dict], key: str, color: str) -> bool:
+    """``key`` per trainer step on ``hx``, with its dashed companion: ``ppo_kl`` beside ``kl``; beside
+    the stale samples' log-prob |diff| (drift), the own version's (the engine/trainer mismatch,
+    ~1e-6), on a log scale. False when there was nothing to plot."""
+    pts = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+    if pts:
+        hx.plot(*zip(*pts), "o-", ms=3, color=color)
+    if key == "kl":
+        kl2 = [(r["step"], r["ppo_kl"]) for r in steps if r.get("ppo_kl") is not None]
+        if kl2:
+            hx.plot(*zip(*kl2), "o--", ms=3, color="C7")
+    if key == "logprob_abs_diff_stale":
+        own = [(r["step"], r["logprob_abs_diff_current"]) for r in steps if r.get("logprob_abs_diff_current")]
+        if own:
+            hx.plot(*zip(*own), "o--", ms=3, color="C7")
+        if pts or own:
+            hx.set_yscale("log")
+        pts = pts or own
+    return bool(pts)
 
 
 def run(args, config: Config) -> int:
@@ -364,118 +398,200 @@ def run(args, config: Config) -> int:
 
     metrics_out = EventProducer(config, name="demo")  # held-out evaluations, for the dashboard
     sim: Simulator | None = None
-    evaluations: list[dict] = []
     notes: list[str] = []
-    rc = 0
     try:
+        heldout = HeldOut(config, args, metrics_out)
+        heldout.evaluate(engine_version(config.engine.url))
+        sim = Simulator(stack, run_dir, args)
+        rc = simulate_until_done(args, stack, sim, heldout, stop, t0, notes)
+    finally:
+        ending = shut_down(stack, sim, metrics_out, notes)
+    write_report(demo_report(config, t0, sim, heldout.results, ending, notes), report_dir)
+    leftover = [p for p in stack.supervisor.pids() if _alive(p)]
+    if leftover:
+        print(f"pipeline demo: processes left running: {leftover}", file=sys.stderr)
+        rc = 1
+    return rc
+
+
+class HeldOut:
+    """The held-out evaluations of a demo run, straight against the engine: the same GSM8K prompts
+    (``--eval-prompts``) and sampling seed (``--eval-seed``) for every policy version; none with
+    ``--no-eval``. Each is published on the ``metrics`` topic by ``producer``."""
+
+    def __init__(self, config: Config, args, producer) -> None:
         from pipeline.simulate.datasets import load_gsm8k
+
+        self.config, self.args, self.producer = config, args, producer
+        self.prompts = load_gsm8k("heldout")[: args.eval_prompts]
+        self.results: list[dict] = []  # one per evaluation, in order
+
+    def evaluate(self, expected: str | None) -> None:
+        """Evaluate the version the engine serves now (the newest version its replies name, else
+        ``expected``), keep, publish and print the result."""
+        if self.args.no_eval:
+            return
         from pipeline.simulate.evaluate import evaluate
 
-        heldout = load_gsm8k("heldout")[: args.eval_prompts]
+        te = time.monotonic()
+        res = evaluate(self.config.engine.url, self.prompts, self.args.max_tokens, concurrency=len(self.prompts),
+                       seed=self.args.eval_seed)
+        versions = res.get("policy_versions") or [expected]
+        res["policy_version"] = str(max(versions, key=lambda v: int(v) if str(v).isdigit() else -1))
+        res["seconds"] = round(time.monotonic() - te, 1)
+        self.results.append(res)
+        publish_evaluation(self.producer, self.config, res)
+        print(f"[demo] held-out eval, policy version {res['policy_version']}: success {res['success_rate']:.2f}"
+              f"  accuracy {res['accuracy']:.2f}  words/reply {res['words_per_reply']:.1f}"
+              f"  ({res['n']} replies, {res['seconds']} s)", flush=True)
 
-        def do_eval(expected: str | None) -> None:
-            if args.no_eval:
-                return
-            te = time.monotonic()
-            res = evaluate(config.engine.url, heldout, args.max_tokens, concurrency=len(heldout), seed=args.eval_seed)
-            versions = res.get("policy_versions") or [expected]
-            res["policy_version"] = str(max(versions, key=lambda v: int(v) if str(v).isdigit() else -1))
-            res["seconds"] = round(time.monotonic() - te, 1)
-            evaluations.append(res)
-            publish_evaluation(metrics_out, config, res)
-            print(f"[demo] held-out eval, policy version {res['policy_version']}: success {res['success_rate']:.2f}"
-                  f"  accuracy {res['accuracy']:.2f}  words/reply {res['words_per_reply']:.1f}"
-                  f"  ({res['n']} replies, {res['seconds']} s)", flush=True)
 
-        do_eval(engine_version(config.engine.url))
-        sim = Simulator(stack, run_dir, args)
-        evaluated = {e["policy_version"] for e in evaluations}
-        deadline = t0 + args.max_minutes * 60
-        last_status = 0.0
-        while not stop.is_set():
-            tlog = [r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r]
-            steps = len(tlog)
-            final_version = str(tlog[-1].get("policy_version")) if tlog else None
-            version = engine_version(config.engine.url)
-            if version is not None and version not in evaluated and version != "0":
-                # freeze users and trainer so the held-out replies all come from this version
-                frozen = [sim.proc] + [s.proc for s in stack.supervisor.stages if s.name == "trainer" and s.alive]
-                _signal_all(frozen, signal.SIGSTOP)
-                try:
-                    do_eval(engine_version(config.engine.url) or version)
-                finally:
-                    _signal_all(frozen, signal.SIGCONT)
-                evaluated.add(version)
-            if steps >= args.steps and version == final_version and (args.no_eval or version in evaluated):
-                break
-            dead = [d for d in stack.supervisor.dead() if not (d.name == "trainer" and d.proc.returncode == 0)]
-            if dead:
-                names = ", ".join(f"{s.name} (exit {s.proc.returncode}, log {s.log_path})" for s in dead)
-                notes.append(f"stage(s) exited early: {names}")
-                print(f"pipeline demo: {notes[-1]}", file=sys.stderr)
-                rc = 1
-                break
-            if time.monotonic() > deadline:
-                notes.append(f"stopped at the {args.max_minutes:.0f}-minute limit with {steps} trainer steps")
-                print(f"[demo] {notes[-1]}", flush=True)
-                break
-            if time.monotonic() - last_status > 20:
-                last_status = time.monotonic()
-                j = scrape(stack.metrics.get("judge", ""))
-                print(f"[demo] {time.monotonic() - t0:5.0f} s  replies {len(sim.records()):4d}  samples "
-                      f"{j.get('pipeline_judge_samples_total', 0):4.0f}  trainer steps {steps}  engine version "
-                      f"{version}", flush=True)
-            stop.wait(2.0)
-        if stop.is_set():
-            notes.append("interrupted by the user")
+def simulate_until_done(args, stack: Stack, sim: Simulator, heldout: HeldOut, stop: threading.Event, t0: float,
+                        notes: list[str]) -> int:
+    """Let the simulated users talk to the stack until the trainer has made ``--steps`` updates
+    and the engine serves (and, with evaluations, was evaluated at) the last one's version; each
+    new version the engine applies on the way is evaluated (:func:`evaluate_frozen`). A stage
+    that exits early (the trainer's clean exit apart), the ``--max-minutes`` limit or ``stop``
+    end it sooner, with a note in ``notes``. Progress is printed every 20 s.
+
+    Returns:
+        The exit code: 1 when a stage exited early, else 0.
+    """
+    config = stack.config
+    evaluated = {e["policy_version"] for e in heldout.results}
+    deadline = t0 + args.max_minutes * 60
+    last_status, rc = 0.0, 0
+    while not stop.is_set():
+        steps_log = trainer_steps(config)
+        final_version = str(steps_log[-1].get("policy_version")) if steps_log else None
+        version = engine_version(config.engine.url)
+        if version is not None and version not in evaluated and version != "0":
+            evaluate_frozen(stack, sim, heldout, version)
+            evaluated.add(version)
+        if len(steps_log) >= args.steps and version == final_version and (args.no_eval or version in evaluated):
+            break
+        dead = [d for d in stack.supervisor.dead() if not (d.name == "trainer" and d.proc.returncode == 0)]
+        if dead:
+            names = ", ".join(f"{s.name} (exit {s.proc.returncode}, log {s.log_path})" for s in dead)
+            notes.append(f"stage(s) exited early: {names}")
+            print(f"pipeline demo: {notes[-1]}", file=sys.stderr)
+            rc = 1
+            break
+        if time.monotonic() > deadline:
+            notes.append(f"stopped at the {args.max_minutes:.0f}-minute limit with {len(steps_log)} trainer steps")
+            print(f"[demo] {notes[-1]}", flush=True)
+            break
+        if time.monotonic() - last_status > 20:
+            last_status = time.monotonic()
+            j = scrape(stack.metrics.get("judge", ""))
+            print(f"[demo] {time.monotonic() - t0:5.0f} s  replies {len(sim.records()):4d}  samples "
+                  f"{j.get('pipeline_judge_samples_total', 0):4.0f}  trainer steps {len(steps_log)}  engine version "
+                  f"{version}", flush=True)
+        stop.wait(2.0)
+    if stop.is_set():
+        notes.append("interrupted by the user")
+    return rc
+
+
+def evaluate_frozen(stack: Stack, sim: Simulator, heldout: HeldOut, version: str) -> None:
+    """Evaluate the engine's new ``version`` with the simulated users and the trainer frozen
+    (SIGSTOP, SIGCONT after), so that every held-out reply comes from that version."""
+    frozen = [sim.proc] + [s.proc for s in stack.supervisor.stages if s.name == "trainer" and s.alive]
+    _signal_all(frozen, signal.SIGSTOP)
+    try:
+        heldout.evaluate(engine_version(stack.config.engine.url) or version)
     finally:
-        if sim is not None:
-            sim.stop()
-        metrics_out.close()
-        unjudged = judge_unjudged(stack)  # from the judge's metrics, while it still serves them
-        print("[demo] stopping every stage ...", flush=True)
-        codes = stack.stop(keep_broker=True)  # no writer left: the counts below are the topics' final ones
-        try:
-            turn_events = read_topic(config, "turns")
-            sample_events = read_topic(config, "samples")
-            control_events = read_topic(config, "control")
-        except Exception as e:  # the report must still be written
-            notes.append(f"could not read topics: {e}")
-            turn_events, sample_events, control_events = [], [], []
-        codes = stack.stop()
+        _signal_all(frozen, signal.SIGCONT)
+
+
+def trainer_steps(config: Config) -> list[dict]:
+    """The trainer's per-step records so far (the lines of its metrics file that have a ``step``)."""
+    return [r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r]
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What a demo run left for its report once every stage stopped.
+
+    Attributes:
+        unjudged: :func:`judge_unjudged`, read while the judge still served its metrics.
+        stopped: how each stage stopped, by name.
+        topics: ``turns``, ``samples`` and ``control`` -> every event on that topic at the end
+            (no events when the topics could not be read).
+    """
+
+    unjudged: dict
+    stopped: dict[str, StopOutcome]
+    topics: dict[str, list]
+
+
+def shut_down(stack: Stack, sim: Simulator | None, producer, notes: list[str]) -> Ending:
+    """Stop the simulated users (``sim``, when started) and every stage, the broker last: the
+    topics are read in between, with no writer left, so their counts are the final ones (a read
+    that fails leaves them empty, with a note in ``notes``)."""
+    if sim is not None:
+        sim.stop()
+    producer.close()
+    unjudged = judge_unjudged(stack)  # from the judge's metrics, while it still serves them
+    print("[demo] stopping every stage ...", flush=True)
+    stack.stop(keep_broker=True)
+    names = ("turns", "samples", "control")
+    try:
+        topics = {name: read_topic(stack.config, name) for name in names}
+    except Exception as e:  # the report must still be written
+        notes.append(f"could not read topics: {e}")
+        topics = {name: [] for name in names}
+    return Ending(unjudged, stack.stop(), topics)
+
+
+def demo_report(config: Config, t0: float, sim: Simulator | None, evaluations: list[dict], ending: Ending,
+                notes: list[str]) -> dict:
+    """The content of ``report.json`` (the run started at monotonic time ``t0``; ``evaluations``:
+    :attr:`HeldOut.results`), with the :func:`verdict` when there are two evaluations or more."""
     from pipeline.simulate.runner import summarize
     from pipeline.simulate.users import UserSettings
 
-    steps_log = [r for r in trainer_log(Path(config.trainer.metrics_file)) if "step" in r]
+    steps_log = trainer_steps(config)
     sim_summary = summarize(sim.records() if sim else [])
     report = {
         "duration_s": round(time.monotonic() - t0, 1),
         "model": config.engine.model,
         "judge": {"mode": config.judge.mode, "backend": config.judge.backend},
-        "trainer": {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
-                    "lr": config.trainer.lr, "kl_coef": config.trainer.kl_coef,
-                    # trained = went through a trainer step (the batches' sizes, from the trainer's log)
-                    "samples_trained": int(sum(r.get("batch_samples") or 0 for r in steps_log)),
-                    "rollout_batch_size": config.trainer.rollout_batch_size,
-                    "last_step": steps_log[-1] if steps_log else None,
-                    # per step; the train-vs-rollout log-prob |diff| (nats) of samples of the
-                    # trainer's own version (engine/trainer mismatch) apart from stale ones (drift)
-                    "per_step": [{k: r.get(k) for k in (
-                        "step", "policy_version", "reward_mean", "kl", "ppo_kl", "logprob_abs_diff",
-                        "logprob_abs_diff_current", "logprob_tokens_current", "logprob_abs_diff_stale",
-                        "logprob_tokens_stale", "loss", "step_s")} for r in steps_log]},
-        "versions_applied": sorted({c.policy_version for c in control_events if c.action == "applied"}),
-        "topics": summarize_topics(turn_events, sample_events),
-        "unjudged": unjudged,
+        "trainer": _trainer_summary(config, steps_log),
+        "versions_applied": sorted({c.policy_version for c in ending.topics["control"] if c.action == "applied"}),
+        "topics": summarize_topics(ending.topics["turns"], ending.topics["samples"]),
+        "unjudged": ending.unjudged,
         "simulator": sim_summary,
         "evaluations": [with_interval(e) for e in evaluations],
         "brevity_max_words": UserSettings().max_words,  # the users' and the evaluation's reply limit (default)
-        "stages_stopped": {k: str(v) for k, v in codes.items()},  # "stopped", or how a stage ended otherwise
+        "stages_stopped": {k: str(v) for k, v in ending.stopped.items()},  # "stopped", or how it ended otherwise
         "notes": notes,
     }
     v = verdict(evaluations)
     if v is not None:
         report["verdict"] = v
+    return report
+
+
+def _trainer_summary(config: Config, steps_log: list[dict]) -> dict:
+    """The report's ``trainer`` section from the trainer's per-step records."""
+    return {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
+            "lr": config.trainer.lr, "kl_coef": config.trainer.kl_coef,
+            # trained = went through a trainer step (the batches' sizes, from the trainer's log)
+            "samples_trained": int(sum(r.get("batch_samples") or 0 for r in steps_log)),
+            "rollout_batch_size": config.trainer.rollout_batch_size,
+            "last_step": steps_log[-1] if steps_log else None,
+            # per step; the train-vs-rollout log-prob |diff| (nats) of samples of the
+            # trainer's own version (engine/trainer mismatch) apart from stale ones (drift)
+            "per_step": [{k: r.get(k) for k in (
+                "step", "policy_version", "reward_mean", "kl", "ppo_kl", "logprob_abs_diff",
+                "logprob_abs_diff_current", "logprob_tokens_current", "logprob_abs_diff_stale",
+                "logprob_tokens_stale", "loss", "step_s")} for r in steps_log]}
+
+
+def write_report(report: dict, report_dir: Path) -> None:
+    """Write ``report.json`` and ``report.png`` into ``report_dir`` (a plot that fails is printed,
+    not raised) and print the console summary."""
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "report.json").write_text(json.dumps(report, indent=2))
     try:
@@ -483,11 +599,6 @@ def run(args, config: Config) -> int:
     except Exception as e:
         print(f"[demo] plot failed: {e}", file=sys.stderr)
     print_summary(report, report_dir)
-    leftover = [p for p in stack.supervisor.pids() if _alive(p)]
-    if leftover:
-        print(f"pipeline demo: processes left running: {leftover}", file=sys.stderr)
-        rc = 1
-    return rc
 
 
 def publish_evaluation(producer, config: Config, res: dict) -> None:

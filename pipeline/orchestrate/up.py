@@ -31,6 +31,7 @@ line; only repeated fast failures stop the stack, with the stage's log tail.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -178,14 +179,280 @@ def broker_stage_args(run_dir: Path, durable: bool = True, kind: str = "auto") -
     return args, port
 
 
+def _local(port: int, path: str = "") -> str:
+    """``http://127.0.0.1:<port><path>``: where a stage of the stack serves."""
+    return f"http://127.0.0.1:{port}{path}"
+
+
+@dataclass(frozen=True)
+class BrokerChoice:
+    """The embedded broker a stack starts (:func:`choose_broker`).
+
+    Attributes:
+        kind: ``kafka`` or ``tansu``.
+        args: its ``pipeline broker`` command line.
+        port: the port it listens on (clients bootstrap from ``127.0.0.1:<port>``).
+        data_dir: its durable storage (None: memory storage).
+    """
+
+    kind: str
+    args: tuple[str, ...]
+    port: int
+    data_dir: Path | None
+
+    @property
+    def bootstrap(self) -> str:
+        """``kafka.bootstrap_servers`` of the stages."""
+        return f"127.0.0.1:{self.port}"
+
+
+def choose_broker(run_dir: Path, durable: bool, kind: str) -> BrokerChoice:
+    """The embedded broker of ``run_dir``: ``kind`` resolved (:func:`pipeline.broker.resolve_kind`;
+    ``auto`` keeps the kind a durable log was written by), its arguments and port
+    (:func:`broker_stage_args`). Reads the run folder; starts nothing."""
+    from pipeline.broker import resolve_kind
+
+    data_dir = run_dir / "broker" if durable else None
+    kind = resolve_kind(kind, data_dir)
+    args, port = broker_stage_args(run_dir, durable, kind)
+    return BrokerChoice(kind, tuple(args), port, data_dir)
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One process of a stack: ``python -m pipeline <args>``, supervised as ``name`` (log ``logs/<name>.log``).
+
+    Attributes:
+        name: the stage's name.
+        args: its ``pipeline`` command line.
+        ready: what answers once it is ready (the next stage starts only then): a URL that answers
+            2xx (``probe`` ``http``), or the broker's bootstrap address (``probe`` ``kafka``).
+        timeout_s: how long it may take to become ready.
+        metrics: its ``/metrics`` URL (None: it serves none).
+        probe: ``http`` or ``kafka`` (see ``ready``).
+    """
+
+    name: str
+    args: tuple[str, ...]
+    ready: str
+    timeout_s: float
+    metrics: str | None = None
+    probe: str = "http"
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """Every process of a stack in start order, what they run with and where they serve (:func:`plan_stack`).
+
+    Attributes:
+        config: what the stages run with: ``config.yaml`` from the first stage after the broker on.
+        final_config: ``config`` with the dashboard's port and every stage's metrics URL: the file
+            is rewritten with it before the dashboard starts (without a dashboard: ``config``).
+        config_path: ``<run-dir>/config.yaml``, every stage's ``--config``.
+        broker: the embedded broker, started first (None: an external broker).
+        stages: started once the topics exist, in order: engines, teacher, engine front, proxies,
+            front, judges, trainer, syncers.
+        dashboard: started last (None: no dashboard).
+        broker_kind, broker_data_dir, replicas, metrics, engine_urls, proxy_urls, front_url,
+            dashboard_url: as :class:`Stack`'s (``metrics``: each stage's, in start order).
+    """
+
+    config: Config
+    final_config: Config
+    config_path: Path
+    broker: PlannedStage | None
+    stages: tuple[PlannedStage, ...]
+    dashboard: PlannedStage | None
+    broker_kind: str
+    broker_data_dir: Path | None
+    replicas: dict[str, int]
+    metrics: dict[str, str]
+    engine_urls: dict[str, str]
+    proxy_urls: dict[str, str]
+    front_url: str | None
+    dashboard_url: str | None
+
+
+@dataclass(frozen=True)
+class _Ports:
+    """The ports a stack's stages serve on (metrics ports apart)."""
+
+    engines: dict[str, int]  # engine stage -> port
+    engine_front: int | None  # the front of several engines
+    teacher: int | None  # the OPD teacher the stack starts (None: none, or a configured one)
+    syncer_ready: dict[str, int]  # engine stage -> its syncer's /readyz (several engines, when syncers serve one)
+    proxies: dict[str, int]  # proxy stage -> port
+    front: int | None  # the front of several proxies
+
+
+def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broker: BrokerChoice | None = None,
+               engine_url: str | None = None, trainer: bool = True, ready_timeout_s: float = 600.0,
+               replicas: dict[str, int] | None = None, dashboard: bool = True, dashboard_port: int | None = None,
+               proxy_port: int | None = None) -> StackPlan:
+    """What :func:`start_stack` starts for the same arguments: every process's command line,
+    readiness probe and metrics URL in start order, the configuration they run with and the
+    addresses they serve. Starts, reads and writes nothing: ``broker`` is the embedded broker
+    (:func:`choose_broker`; None: ``config``'s external one), ``new_port()`` gives every other
+    port (:func:`pipeline.procutil.free_port`: a free one per call).
+    """
+    reps = {**DEFAULT_REPLICAS, **(replicas or {})}
+    broker_stage = None
+    if broker is not None:
+        config = config.replace(kafka={"bootstrap_servers": broker.bootstrap})
+        broker_stage = PlannedStage("broker", broker.args, broker.bootstrap, min(ready_timeout_s, 180.0),
+                                    probe="kafka")
+    engines = replica_names("engine", reps["engine"]) if engine_url is None else []
+    proxies = replica_names("proxy", reps["proxy"])
+    config, ports = _assign_ports(config, run_dir, engines, proxies, proxy_port, new_port)
+    config_path = run_dir / "config.yaml"
+    stage = functools.partial(_stage, new_port, config_path, ready_timeout_s)
+    stages = (*_engine_stages(stage, config, ports), *_proxy_stages(stage, config, run_dir, ports),
+              *_consumer_stages(stage, config, ports, replica_names("judge", reps["judge"]), trainer))
+    metrics = {s.name: s.metrics for s in stages}
+    final, dash, dash_url = config, None, None
+    if dashboard:  # reads the topics and every stage's metrics; serves no /metrics of its own
+        final = config.replace(dashboard={"port": dashboard_port or new_port(), "metrics_urls": metrics})
+        dash_url = f"http://{final.dashboard.host}:{final.dashboard.port}/"
+        dash = PlannedStage("dashboard", ("dashboard", "--config", str(config_path)), f"{dash_url}healthz",
+                            ready_timeout_s)
+    return StackPlan(config, final, config_path, broker_stage, stages, dash,
+                     broker_kind=broker.kind if broker else "external",
+                     broker_data_dir=broker.data_dir if broker else None, replicas=reps, metrics=metrics,
+                     engine_urls={name: _local(port) for name, port in ports.engines.items()},
+                     proxy_urls={name: _local(port) for name, port in ports.proxies.items()},
+                     front_url=None if ports.front is None else _local(ports.front), dashboard_url=dash_url)
+
+
+def _assign_ports(config: Config, run_dir: Path, engines: list[str], proxies: list[str], proxy_port: int | None,
+                  new_port: Callable[[], int]) -> tuple[Config, _Ports]:
+    """The service ports of ``engines`` (none: an engine URL was given), the teacher, ``proxies``
+    and their fronts, and ``config`` pointed at them: the trainer waits for every engine at a sync,
+    the policy URL is the engine front's (several engines) or the engine's, the teacher's URL is
+    set when the judge mode needs one and none is configured, the proxy's port is the first
+    proxy's, and its durable event buffer lives with the run. ``proxy_port``: the port users get
+    (the one proxy's, or the front's of several; None: a free one)."""
+    if len(engines) > 1:
+        config = config.replace(trainer={"engines": [f"engine-{i}" for i in range(len(engines))]})
+    engine_ports = {name: new_port() for name in engines}
+    if engines:
+        config = config.replace(engine={"port": engine_ports[engines[0]], "url": _local(engine_ports[engines[0]])})
+    engine_front = new_port() if len(engines) > 1 else None
+    if engine_front:  # proxies, judge backends and the teacher's default see the engine front
+        config = config.replace(engine={"url": _local(engine_front)})
+    teacher = None
+    if config.judge.mode != "rl" and not config.engine.teacher_url:
+        teacher = new_port()
+        config = config.replace(engine={"teacher_url": _local(teacher)})
+    readyz = len(engines) > 1 and "ready_port" in type(config.syncer).model_fields
+    syncer_ready = {name: new_port() for name in engines} if readyz else {}
+    proxy_ports = {name: (proxy_port if len(proxies) == 1 else None) or new_port() for name in proxies}
+    config = config.replace(proxy={"port": proxy_ports[proxies[0]]})
+    if config.proxy.buffer_dir is not None:  # the proxy's durable event buffer lives with the run
+        config = config.replace(proxy={"buffer_dir": str(run_dir / "proxy-buffer")})
+    front = (proxy_port or new_port()) if len(proxies) > 1 else None
+    return config, _Ports(engine_ports, engine_front, teacher, syncer_ready, proxy_ports, front)
+
+
+def _stage(new_port: Callable[[], int], config_path: Path, timeout_s: float, name: str, args: list[str],
+           ready_path: str | None = None, port: int | None = None, ready_url: str | None = None) -> PlannedStage:
+    """Stage ``name`` with ``args`` plus the stack's config file and a metrics port of its own
+    (``--set metrics_port``). A stage with a ``port`` (engines, proxies, fronts) serves its
+    metrics there, the others on the metrics port; it is ready when ``ready_url``, else
+    ``ready_path`` on ``port``, else its metrics URL answers."""
+    metrics_port = new_port()
+    metrics = _local(port or metrics_port, "/metrics")
+    ready = ready_url or (_local(port, ready_path) if ready_path else metrics)
+    return PlannedStage(name, (*args, "--config", str(config_path), "--set", f"metrics_port={metrics_port}"),
+                        ready, timeout_s, metrics)
+
+
+def _engine_stages(stage: Callable[..., PlannedStage], config: Config, ports: _Ports) -> list[PlannedStage]:
+    """The policy engines, the OPD teacher (the same model: the frozen initial policy) and, for
+    several engines, their front (round robin; a request that failed before its answer started
+    is tried on the next engine; an engine is in rotation while its syncer's ``/readyz`` says
+    it serves the published weights, or, with no such syncer, while its ``/health`` answers)."""
+    out = [stage(name, ["engine", "--model", config.engine.model, "--port", str(port)], "/health", port)
+           for name, port in ports.engines.items()]
+    if ports.teacher is not None:
+        out.append(stage("teacher", ["engine", "--model", config.engine.model, "--port", str(ports.teacher)],
+                         "/health", ports.teacher))
+    if ports.engine_front is not None:
+        probe = {name: _local(ports.syncer_ready[name], "/readyz") if name in ports.syncer_ready
+                 else _local(port, "/health") for name, port in ports.engines.items()}
+        backends = [a for name, port in ports.engines.items() for a in ("--backend", f"{_local(port)}={probe[name]}")]
+        out.append(stage("engine-front", ["front", "--port", str(ports.engine_front), "--retry", "any", *backends],
+                         ready_url=_local(ports.engine_front, "/_front/status")))
+    return out
+
+
+def _proxy_stages(stage: Callable[..., PlannedStage], config: Config, run_dir: Path,
+                  ports: _Ports) -> list[PlannedStage]:
+    """The proxies (several: each its own durable buffer ``proxy-buffer-<i>``) and, for several,
+    their round-robin front."""
+    own_buffers = len(ports.proxies) > 1 and config.proxy.buffer_dir is not None
+    out = []
+    for i, (name, port) in enumerate(ports.proxies.items()):
+        buffer = ["--buffer-dir", str(run_dir / f"proxy-buffer-{i}")] if own_buffers else []
+        out.append(stage(name, ["proxy", "--port", str(port), *buffer], "/healthz", port))
+    if ports.front is not None:
+        out.append(stage("front", ["front", "--port", str(ports.front), "--health-path", "/healthz",
+                                   *[a for port in ports.proxies.values() for a in ("--backend", _local(port))]],
+                         ready_url=_local(ports.front, "/_front/status")))
+    return out
+
+
+def _consumer_stages(stage: Callable[..., PlannedStage], config: Config, ports: _Ports, judges: list[str],
+                     trainer: bool) -> list[PlannedStage]:
+    """The judges (one consumer group) and, with ``trainer``, the trainer and the syncers (one per
+    engine when there are several, each with its engine id)."""
+    out = [stage(name, ["judge", "--mode", config.judge.mode]) for name in judges]
+    if not trainer:
+        return out
+    out.append(stage("trainer", ["trainer"]))
+    if len(ports.engines) <= 1:
+        return [*out, stage("syncer", ["syncer", "--engine", config.engine.url])]
+    for i, (name, port) in enumerate(ports.engines.items()):
+        ready = ["--ready-port", str(ports.syncer_ready[name])] if name in ports.syncer_ready else []
+        out.append(stage(f"syncer-{i}", ["syncer", "--engine", _local(port), "--engine-id", f"engine-{i}", *ready]))
+    return out
+
+
+def launch_stack(plan: StackPlan, supervisor: Supervisor) -> None:
+    """Start ``plan``'s processes in order, each once the one before is ready: the embedded
+    broker; then, the topics created and ``config.yaml`` written, every stage; then, the file
+    rewritten with the dashboard's section, the dashboard. What started is left to the caller
+    to stop.
+
+    Raises:
+        StageFailed: a stage exited or was not ready in time (its log tail is in the message).
+    """
+    from pipeline.topics import apply_topics, load_topics
+
+    if plan.broker is not None:
+        _launch(supervisor, plan.broker)
+    apply_topics(plan.config, load_topics(plan.config.topics.file))
+    write_config_file(plan.config, plan.config_path)
+    for stage in plan.stages:
+        _launch(supervisor, stage)
+    if plan.dashboard is not None:
+        write_config_file(plan.final_config, plan.config_path)
+        _launch(supervisor, plan.dashboard)
+
+
+def _launch(supervisor: Supervisor, stage: PlannedStage) -> None:
+    """Start ``stage`` and wait until it is ready."""
+    ready = (lambda: kafka_answers(stage.ready)) if stage.probe == "kafka" else http_ok(stage.ready)
+    supervisor.start(stage.name, list(stage.args), ready=ready, timeout_s=stage.timeout_s)
+
+
 def start_stack(config: Config, run_dir: Path, external_broker: bool = False, engine_url: str | None = None,
                 trainer: bool = True, ready_timeout_s: float = 600.0, durable_broker: bool = True,
                 replicas: dict[str, int] | None = None, restart: RestartPolicy | None = None,
                 dashboard: bool = True, dashboard_port: int | None = None, proxy_port: int | None = None,
                 broker_kind: str = "auto") -> Stack:
-    """Start every stage for ``config`` and wait until ready. The configuration the stages run
-    with (``config`` plus the broker address, ports, URLs and paths chosen here) is
-    ``stack.config``; ``config`` itself is not changed.
+    """Start every stage for ``config`` and wait until ready: :func:`plan_stack`, then
+    :func:`launch_stack`. The configuration the stages run with (``config`` plus the broker
+    address, ports, URLs and paths chosen here) is ``stack.config``; ``config`` itself is not changed.
 
     ``durable_broker``: the embedded broker keeps its log in ``run_dir/broker`` (a later call on
     the same ``run_dir`` carries on from it); False: memory storage. ``broker_kind``: ``auto``
@@ -195,7 +462,8 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
     the supervisor's :class:`RestartPolicy` (restarts happen in :meth:`Supervisor.check` /
     :meth:`Supervisor.watch`, which the caller runs). ``proxy_port``: the port of the URL users
     get (the proxy, or the front of several; None: a free one). Once ready, the services'
-    addresses are written to ``run_dir/stack.json`` (:mod:`pipeline.stack`).
+    addresses are written to ``run_dir/stack.json`` (:mod:`pipeline.stack`). On any error or
+    interrupt every stage started so far is stopped before it is re-raised.
 
     Raises:
         StageFailed: a stage exited or did not become ready (its log tail is in the message), or
@@ -204,109 +472,17 @@ def start_stack(config: Config, run_dir: Path, external_broker: bool = False, en
     if proxy_port and not port_free(proxy_port):
         raise StageFailed(f"--proxy-port {proxy_port}: the port is in use (another `pipeline up`?)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    reps = {**DEFAULT_REPLICAS, **(replicas or {})}
-    sup = Supervisor(run_dir / "logs", policy=restart)
-    stack = Stack(config, run_dir, sup, replicas=reps)
-
-    def update(**sections) -> Config:
-        stack.config = config.replace(**sections)
-        return stack.config
-
+    supervisor = Supervisor(run_dir / "logs", policy=restart)
+    broker = None if external_broker else choose_broker(run_dir, durable_broker, broker_kind)
+    plan = plan_stack(config, run_dir, free_port, broker=broker, engine_url=engine_url, trainer=trainer,
+                      ready_timeout_s=ready_timeout_s, replicas=replicas, dashboard=dashboard,
+                      dashboard_port=dashboard_port, proxy_port=proxy_port)
+    stack = Stack(plan.final_config, run_dir, supervisor, broker_data_dir=plan.broker_data_dir,
+                  broker_kind=plan.broker_kind, metrics=plan.metrics, replicas=plan.replicas,
+                  front_url=plan.front_url, dashboard_url=plan.dashboard_url, proxy_urls=plan.proxy_urls,
+                  engine_urls=plan.engine_urls)
     try:
-        if not external_broker:
-            from pipeline.broker import resolve_kind
-
-            stack.broker_kind = resolve_kind(broker_kind, run_dir / "broker" if durable_broker else None)
-            bargs, bport = broker_stage_args(run_dir, durable_broker, stack.broker_kind)
-            bootstrap = f"127.0.0.1:{bport}"
-            sup.start("broker", bargs, ready=lambda: kafka_answers(bootstrap), timeout_s=min(ready_timeout_s, 180.0))
-            config = update(kafka={"bootstrap_servers": bootstrap})
-            stack.broker_data_dir = run_dir / "broker" if durable_broker else None
-        from pipeline.topics import apply_topics, load_topics
-
-        apply_topics(config, load_topics(config.topics.file))
-        engines = replica_names("engine", reps["engine"]) if engine_url is None else []
-        if len(engines) > 1:
-            config = update(trainer={"engines": [f"engine-{i}" for i in range(len(engines))]})
-        for name in engines:
-            stack.engine_urls[name] = f"http://127.0.0.1:{free_port()}"
-        if engines:
-            config = update(engine={"port": int(stack.engine_urls[engines[0]].rsplit(":", 1)[1]),
-                                    "url": stack.engine_urls[engines[0]]})
-        engine_front_port = free_port() if len(engines) > 1 else None
-        if engine_front_port:  # proxies, judge backends and the teacher's default see the engine front
-            config = update(engine={"url": f"http://127.0.0.1:{engine_front_port}"})
-        teacher_port = None
-        if config.judge.mode != "rl" and not config.engine.teacher_url:
-            teacher_port = free_port()
-            config = update(engine={"teacher_url": f"http://127.0.0.1:{teacher_port}"})
-        proxies = replica_names("proxy", reps["proxy"])
-        for name in proxies:
-            stack.proxy_urls[name] = f"http://127.0.0.1:{proxy_port if proxy_port and len(proxies) == 1 else free_port()}"
-        config = update(proxy={"port": int(stack.proxy_urls[proxies[0]].rsplit(":", 1)[1])})
-        buffered = config.proxy.buffer_dir is not None
-        if buffered:  # the proxy's durable event buffer lives with the run
-            config = update(proxy={"buffer_dir": str(run_dir / "proxy-buffer")})
-        cfg_path = run_dir / "config.yaml"
-
-        def write_config() -> None:
-            write_config_file(config, cfg_path)
-
-        def stage(name: str, args: list[str], ready_path: str | None = None, port: int | None = None,
-                  timeout_s: float = ready_timeout_s, ready_url: str | None = None):
-            mport = free_port()
-            stack.metrics[name] = f"http://127.0.0.1:{port or mport}/metrics"
-            url = ready_url or (f"http://127.0.0.1:{port}{ready_path}" if ready_path else stack.metrics[name])
-            return sup.start(name, [*args, "--config", str(cfg_path), "--set", f"metrics_port={mport}"],
-                             ready=http_ok(url), timeout_s=timeout_s)
-
-        write_config()
-        for name in engines:
-            port = int(stack.engine_urls[name].rsplit(":", 1)[1])
-            stage(name, ["engine", "--model", config.engine.model, "--port", str(port)], "/health", port)
-        if teacher_port is not None:
-            stage("teacher", ["engine", "--model", config.engine.model, "--port", str(teacher_port)], "/health",
-                  teacher_port)
-        syncer_ready: dict[str, str] = {}  # engine stage -> its syncer's /readyz (when the syncer serves one)
-        if len(engines) > 1:
-            readyz = "ready_port" in type(config.syncer).model_fields
-            for i, name in enumerate(engines):
-                if readyz:
-                    syncer_ready[name] = f"http://127.0.0.1:{free_port()}/readyz"
-            backends = [f"{stack.engine_urls[n]}={syncer_ready.get(n, stack.engine_urls[n] + '/health')}"
-                        for n in engines]
-            stage("engine-front", ["front", "--port", str(engine_front_port), "--retry", "any",
-                                   *[a for b in backends for a in ("--backend", b)]],
-                  ready_url=f"http://127.0.0.1:{engine_front_port}/_front/status")
-        write_config()
-        for i, name in enumerate(proxies):
-            port = int(stack.proxy_urls[name].rsplit(":", 1)[1])
-            extra = ["--buffer-dir", str(run_dir / f"proxy-buffer-{i}")] if buffered and len(proxies) > 1 else []
-            stage(name, ["proxy", "--port", str(port), *extra], "/healthz", port)
-        if len(proxies) > 1:
-            fport = proxy_port or free_port()
-            stack.front_url = f"http://127.0.0.1:{fport}"
-            stage("front", ["front", "--port", str(fport), "--health-path", "/healthz",
-                            *[a for n in proxies for a in ("--backend", stack.proxy_urls[n])]],
-                  ready_url=f"{stack.front_url}/_front/status")
-        for name in replica_names("judge", reps["judge"]):
-            stage(name, ["judge", "--mode", config.judge.mode])
-        if trainer:
-            stage("trainer", ["trainer"])
-            if len(engines) > 1:
-                for i, name in enumerate(engines):
-                    args = ["syncer", "--engine", stack.engine_urls[name], "--engine-id", f"engine-{i}"]
-                    if name in syncer_ready:
-                        args += ["--ready-port", syncer_ready[name].rsplit(":", 1)[1].split("/")[0]]
-                    stage(f"syncer-{i}", args)
-            else:
-                stage("syncer", ["syncer", "--engine", config.engine.url])
-        if dashboard:  # reads the topics and every stage's metrics; serves no /metrics of its own
-            config = update(dashboard={"port": dashboard_port or free_port(), "metrics_urls": dict(stack.metrics)})
-            write_config()
-            stack.dashboard_url = f"http://{config.dashboard.host}:{config.dashboard.port}/"
-            sup.start("dashboard", ["dashboard", "--config", str(cfg_path)],
-                      ready=http_ok(f"{stack.dashboard_url}healthz"), timeout_s=ready_timeout_s)
+        launch_stack(plan, supervisor)
         write_stack(run_dir, stack_record(stack))
     except BaseException:
         stack.stop()

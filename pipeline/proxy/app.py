@@ -676,84 +676,102 @@ class ProxyApp:
             native, raw = await self._engine_caps()
             if not native and (on_done is not None or not raw):
                 return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit)
-        if on_done is None:
-            keep = None
         resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
         watcher = None
         try:
-            if resp.status >= 400:
-                raise self._engine_error(resp.status, await resp.read())
-            ctype = resp.headers.get("Content-Type", "")
-            if "text/event-stream" not in ctype:
-                raise upstream_error(f"the engine answered a stream request with {ctype or 'no content type'}")
+            await self._check_stream(resp)
             admit()
-            recorder = StreamRecorder(*keep[:3]) if keep is not None else None
+            recorder = StreamRecorder(*keep[:3]) if on_done is not None else None
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
             gone = asyncio.Event()
             watcher = asyncio.ensure_future(_watch_disconnect(receive, gone, resp.close))
-            first = True
-            finished = aborted = False
             try:
-                async for batch in sse_batches(resp):
-                    parts = []
-                    for data in batch:
-                        if data == b"[DONE]":
-                            finished = True
-                            break
-                        if recorder is not None:
-                            data = recorder.feed(data)
-                            aborted = recorder.aborted
-                        else:
-                            aborted = b'"abort"' in data and _is_abort_chunk(data)
-                        if aborted:  # never forwarded: the client gets an error event instead
-                            break
-                        parts.append(b"data: " + data + b"\n\n")
-                    if parts:
-                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-                        if first:
-                            first = False
-                            M.TTFT.observe(time.perf_counter() - t0)
-                    if finished or aborted:
-                        break
+                finished, aborted = await self._relay(resp, recorder, send, t0)
             except ProxyError as e:
-                if not gone.is_set():
-                    cause = "timeout" if e.status == 504 else "engine_error"
-                    if recorder is not None and recorder.rec.token_ids:
-                        await on_done(recorder.finish(), cause)
-                    else:
-                        M.UNFINISHED.labels(cause).inc()
-                    await self._sse_error(send, e)
-                    log.warning("stream broke: %s", e.message)
-                    return 502
+                if not gone.is_set():  # else the break is the client leaving (resp.close): 499 below
+                    return await self._stream_broke(e, recorder, send, on_done)
             if gone.is_set():
-                if recorder is not None and recorder.rec.token_ids:
-                    await on_done(recorder.finish(), "client_disconnect")  # what the user saw before leaving
-                else:
-                    M.UNFINISHED.labels("client_disconnect").inc()
+                await self._unfinished(recorder, "client_disconnect", on_done)  # what the user saw before leaving
                 return 499
-            cause = ("engine_abort" if aborted else
-                     "engine_error" if recorder is not None and recorder.error is not None else
-                     "truncated" if not finished and (recorder is None or recorder.rec.finish_reason is None) else None)
-            if recorder is not None:
-                rec = recorder.finish()
-                if cause is None or rec.token_ids:
-                    await on_done(rec, cause)
-                elif cause is not None:
-                    M.UNFINISHED.labels(cause).inc()
-            elif cause is not None:
-                M.UNFINISHED.labels(cause).inc()
-            if cause in ("engine_abort", "truncated"):
-                await self._sse_error(send, generation_aborted(
-                    "the engine aborted the generation before it finished" if aborted else
-                    "the engine closed the stream before the generation finished"))
-                return 503 if aborted else 502
-            await send({"type": "http.response.body", "body": _DONE, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            return 502 if cause == "engine_error" else 200
+            return await self._stream_end(recorder, finished, aborted, send, on_done)
         finally:
             if watcher is not None:
                 watcher.cancel()
             resp.release()
+
+    async def _check_stream(self, resp) -> None:
+        """Raise the engine's error for an error answer to a stream request, and a 502 for an
+        answer that is not an event stream."""
+        if resp.status >= 400:
+            raise self._engine_error(resp.status, await resp.read())
+        ctype = resp.headers.get("Content-Type", "")
+        if "text/event-stream" not in ctype:
+            raise upstream_error(f"the engine answered a stream request with {ctype or 'no content type'}")
+
+    @staticmethod
+    async def _relay(resp, recorder: StreamRecorder | None, send, t0: float) -> tuple[bool, bool]:
+        """Forward the engine's SSE events to the client, one body message per batch read (each
+        event through ``recorder`` when the turn is recorded), until ``[DONE]``, an ``abort``
+        chunk (never forwarded: the client gets an error event instead) or the stream's end; the
+        first body message sent is the time to first token. Returns ``(finished, aborted)``:
+        ``[DONE]`` was read, the engine aborted the generation. Raises ProxyError when the
+        engine's stream breaks or times out."""
+        first = True
+        finished = aborted = False
+        async for batch in sse_batches(resp):
+            parts = []
+            for data in batch:
+                if data == b"[DONE]":
+                    finished = True
+                    break
+                if recorder is not None:
+                    data = recorder.feed(data)
+                    aborted = recorder.aborted
+                else:
+                    aborted = b'"abort"' in data and _is_abort_chunk(data)
+                if aborted:
+                    break
+                parts.append(b"data: " + data + b"\n\n")
+            if parts:
+                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                if first:
+                    first = False
+                    M.TTFT.observe(time.perf_counter() - t0)
+            if finished or aborted:
+                break
+        return finished, aborted
+
+    async def _stream_broke(self, e: ProxyError, recorder: StreamRecorder | None, send, on_done) -> int:
+        """The engine's stream broke (``e``; a 504 is a timeout) while the client listened: what
+        was generated is recorded as unfinished, the client gets ``e`` as the last event (502)."""
+        cause = "timeout" if e.status == 504 else "engine_error"
+        await self._unfinished(recorder, cause, on_done)
+        await self._sse_error(send, e)
+        log.warning("stream broke: %s", e.message)
+        return 502
+
+    async def _stream_end(self, recorder: StreamRecorder | None, finished: bool, aborted: bool, send,
+                          on_done) -> int:
+        """The engine's stream ended (``finished``: with ``[DONE]``): the turn is recorded (an
+        unfinished one when the engine aborted it, sent an error event or closed the stream
+        before the generation finished), then the client's stream is closed with ``[DONE]``
+        (200, or 502 after an engine error event), or with a ``generation_aborted`` error event
+        (503 for an engine abort, 502 for a stream closed early). Returns the status counted."""
+        cause = ("engine_abort" if aborted else
+                 "engine_error" if recorder is not None and recorder.error is not None else
+                 "truncated" if not finished and (recorder is None or recorder.rec.finish_reason is None) else None)
+        if cause is not None:
+            await self._unfinished(recorder, cause, on_done)
+        elif recorder is not None:
+            await on_done(recorder.finish(), cause)
+        if cause in ("engine_abort", "truncated"):
+            await self._sse_error(send, generation_aborted(
+                "the engine aborted the generation before it finished" if aborted else
+                "the engine closed the stream before the generation finished"))
+            return 503 if aborted else 502
+        await send({"type": "http.response.body", "body": _DONE, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return 502 if cause == "engine_error" else 200
 
     @staticmethod
     async def _sse_error(send, e: ProxyError) -> None:
@@ -791,21 +809,21 @@ class ProxyApp:
                    upstream_error(f"the engine is unreachable or failed: {e.message}"))
             if not started:  # refused or failed before any answer: no generation to record
                 raise err from None
-            await self._unfinished(recorder.finish(), "timeout" if err.status == 504 else "engine_error", on_done)
+            await self._unfinished(recorder, "timeout" if err.status == 504 else "engine_error", on_done)
             await self._sse_error(send, err)
             return 502
         finally:
             watcher.cancel()
             await gen.aclose()  # a stream closed before its end aborts the engine's generation
         if gone.is_set():
-            await self._unfinished(recorder.finish(), "client_disconnect", on_done)  # what the user saw
+            await self._unfinished(recorder, "client_disconnect", on_done)  # what the user saw
             return 499
         if not started:
             admit()
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
         rec = recorder.finish()
         if recorder.aborted or rec.finish_reason is None:
-            await self._unfinished(rec, "engine_abort" if recorder.aborted else "truncated", on_done)
+            await self._unfinished(recorder, "engine_abort" if recorder.aborted else "truncated", on_done)
             await self._sse_error(send, generation_aborted())
             return 503
         if on_done is not None:
@@ -846,11 +864,12 @@ class ProxyApp:
             left.cancel()
 
     @staticmethod
-    async def _unfinished(rec: Recorded, cause: str, on_done) -> None:
+    async def _unfinished(recorder: StreamRecorder | None, cause: str, on_done) -> None:
         """A generation that did not finish: recorded as an ``abort`` turn when it is recorded and
-        produced tokens (``_record`` counts it), else only counted (``cause``)."""
-        if on_done is not None and rec.token_ids:
-            await on_done(rec, cause)
+        produced tokens (``_record`` counts it), else only counted (``cause``; ``recorder``: None
+        when the turn is not recorded)."""
+        if on_done is not None and recorder is not None and recorder.rec.token_ids:
+            await on_done(recorder.finish(), cause)
         else:
             M.UNFINISHED.labels(cause).inc()
 

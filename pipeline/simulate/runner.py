@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
-from typing import Iterable
+from typing import Any, Iterable, Iterator
 
 import orjson
 
@@ -76,6 +76,110 @@ def summarize(records: Iterable[TurnRecord | dict]) -> dict:
     return out
 
 
+def _session_items(plan: SimulationPlan) -> list:
+    """The item each of the ``plan.sessions`` sessions asks, in session order: items picked with
+    ``plan.seed``, each asked by ``plan.repeat`` consecutive sessions.
+
+    Raises:
+        ValueError: unknown dataset or split.
+    """
+    if plan.dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {plan.dataset!r}; choose from {DATASETS}")
+    items = load_gsm8k(plan.split) if plan.dataset == "gsm8k" else load_mt_bench()
+    repeat = max(1, plan.repeat)
+    return [it for it in pick(items, -(-plan.sessions // repeat), plan.seed) for _ in range(repeat)][:plan.sessions]
+
+
+class _ReplyLog:
+    """The replies of a run as they arrive: kept in ``records``, counted (``graded`` replies and
+    their ``success`` count, for the progress bar) and appended to the JSONL file at ``path``
+    (None: no file), flushed line by line so an interrupted run keeps its replies."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.file = open(path, "ab") if path else None
+        self.records: list[TurnRecord] = []
+        self.graded = self.success = 0
+
+    def add(self, rec: TurnRecord) -> None:
+        """Record one reply (a session's ``on_record``)."""
+        self.records.append(rec)
+        if rec.graded:
+            self.graded += 1
+            self.success += bool(rec.success)
+        if self.file is not None:
+            self.file.write(orjson.dumps(rec.to_json()) + b"\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        """Close the JSONL file (if any)."""
+        if self.file is not None:
+            self.file.close()
+
+
+@dataclass
+class _Run:
+    """The sessions of one :func:`simulate` call, shared by its workers.
+
+    ``todo``: ``(index, item)`` of the sessions not yet started (one iterator: each session is
+    taken by exactly one worker); ``bar``: the tqdm progress bar or None; ``stop``: no session
+    starts once it is set; ``results``: the finished sessions; ``started``: sessions begun.
+    """
+
+    plan: SimulationPlan
+    settings: UserSettings
+    client: ChatClient
+    prefix: str
+    todo: Iterator[tuple[int, Any]]
+    replies: _ReplyLog
+    bar: Any
+    stop: asyncio.Event | None
+    results: list[SessionResult] = field(default_factory=list)
+    started: int = 0
+
+    async def worker(self) -> None:
+        """Run the sessions of ``todo`` one at a time until it is empty or ``stop`` is set."""
+        run_session = gsm8k_session if self.plan.dataset == "gsm8k" else mt_bench_session
+        for i, item in self.todo:
+            if self.stop is not None and self.stop.is_set():
+                break  # never start a session after the stop
+            self.started += 1
+            res = await run_session(self.client, f"{self.prefix}-{i:05d}", item, self.settings, seed=self.plan.seed,
+                                    on_record=self.replies.add)
+            self.results.append(res)
+            if self.bar is not None:
+                self.bar.set_postfix(success=f"{self.replies.success}/{self.replies.graded}", refresh=False)
+                self.bar.update(1)
+
+    def summary(self) -> dict:
+        """:func:`simulate`'s result (see there)."""
+        plan, results = self.plan, self.results
+        failed = [r for r in results if r.error]
+        return {"dataset": plan.dataset, "feedback": self.settings.feedback if plan.dataset == "gsm8k" else None,
+                "sessions": len(results), "sessions_failed": len(failed),
+                "sessions_cancelled": self.started - len(results), "requests": sum(r.requests for r in results),
+                "errors": [r.error for r in failed[:5]], **summarize(self.replies.records)}
+
+
+async def _until_done_or_stopped(workers: list[asyncio.Task], stop: asyncio.Event | None) -> None:
+    """Wait for every worker to end; setting ``stop`` cancels them (repeatedly: a cancellation can be
+    swallowed inside an HTTP client). Workers' exceptions are left in their tasks."""
+    watcher = None
+    if stop is not None:
+        async def watch() -> None:
+            await stop.wait()
+            while any(not w.done() for w in workers):
+                for w in workers:
+                    w.cancel()
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*workers, return_exceptions=True)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
 async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, *, model: str = "default",
                    api_key: str | None = None, timeout_s: float = 300.0, log_path: str | Path | None = None,
                    progress: bool = True, stop: asyncio.Event | None = None) -> dict:
@@ -90,27 +194,9 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
     Raises:
         ValueError: unknown dataset or split.
     """
-    if plan.dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {plan.dataset!r}; choose from {DATASETS}")
-    items = load_gsm8k(plan.split) if plan.dataset == "gsm8k" else load_mt_bench()
-    repeat = max(1, plan.repeat)
-    chosen = [it for it in pick(items, -(-plan.sessions // repeat), plan.seed) for _ in range(repeat)][:plan.sessions]
+    chosen = _session_items(plan)
     prefix = plan.session_prefix or f"sim-{plan.dataset}-{uuid.uuid4().hex[:8]}"
-    run_session = gsm8k_session if plan.dataset == "gsm8k" else mt_bench_session
-
-    log_file = open(log_path, "ab") if log_path else None
-    records: list[TurnRecord] = []
-    counts = {"graded": 0, "success": 0}
-
-    def on_record(rec: TurnRecord) -> None:
-        records.append(rec)
-        if rec.graded:
-            counts["graded"] += 1
-            counts["success"] += bool(rec.success)
-        if log_file is not None:
-            log_file.write(orjson.dumps(rec.to_json()) + b"\n")
-            log_file.flush()
-
+    replies = _ReplyLog(log_path)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -118,48 +204,16 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
         bar = tqdm(total=len(chosen), desc=f"simulate {plan.dataset}", unit="session")
     client = ChatClient(base_url, model=model, api_key=api_key, timeout_s=timeout_s,
                         max_connections=max(8, plan.concurrency * 2))
-    todo = iter(enumerate(chosen))
-    results: list[SessionResult] = []
-    started = [0]
-
-    async def worker() -> None:
-        for i, item in todo:  # one shared iterator: each session is taken by exactly one worker
-            if stop is not None and stop.is_set():
-                break  # never start a session after the stop
-            started[0] += 1
-            res = await run_session(client, f"{prefix}-{i:05d}", item, settings, seed=plan.seed, on_record=on_record)
-            results.append(res)
-            if bar is not None:
-                bar.set_postfix(success=f"{counts['success']}/{counts['graded']}", refresh=False)
-                bar.update(1)
-
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(plan.concurrency, len(chosen) or 1)))]
-    watcher = None
-    if stop is not None:
-        async def watch() -> None:
-            await stop.wait()
-            # a cancellation can be swallowed inside an HTTP client: repeat until every worker ended
-            while any(not w.done() for w in workers):
-                for w in workers:
-                    w.cancel()
-                await asyncio.sleep(0.05)
-
-        watcher = asyncio.create_task(watch())
+    run = _Run(plan, settings, client, prefix, iter(enumerate(chosen)), replies, bar, stop)
+    workers = [asyncio.create_task(run.worker()) for _ in range(max(1, min(plan.concurrency, len(chosen) or 1)))]
     try:
-        await asyncio.gather(*workers, return_exceptions=True)
+        await _until_done_or_stopped(workers, stop)
     finally:
-        if watcher is not None:
-            watcher.cancel()
         await client.aclose()
         if bar is not None:
             bar.close()
-        if log_file is not None:
-            log_file.close()
+        replies.close()
     for w in workers:  # a bug in a session must not vanish silently
         if not w.cancelled() and w.exception() is not None:
             raise w.exception()
-    summary = summarize(records)
-    failed = [r for r in results if r.error]
-    return {"dataset": plan.dataset, "feedback": settings.feedback if plan.dataset == "gsm8k" else None,
-            "sessions": len(results), "sessions_failed": len(failed), "sessions_cancelled": started[0] - len(results),
-            "requests": sum(r.requests for r in results), "errors": [r.error for r in failed[:5]], **summary}
+    return run.summary()

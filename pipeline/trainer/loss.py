@@ -10,9 +10,13 @@ follow OpenClaw-RL's use of slime (``slime/utils/ppo_utils.py`` and the policy l
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainerConfig
 
 Tensor = torch.Tensor
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -251,28 +255,66 @@ def staleness_weights(sample_versions: Tensor, trainer_version: int, max_stalene
 # ---------------------------------------------------------------- total loss
 
 
-def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, *,
-                eps_clip: float, eps_clip_high: float | None = None, eps_clip_c: float | None = None,
-                entropy: Tensor | None = None, entropy_coef: float = 0.0,
-                ref_log_probs: Tensor | None = None, kl_coef: float = 0.0, kl_type: KLType = "low_var_kl",
-                rollout_log_probs: Tensor | None = None, tis_cap: float | None = None, tis_floor: float = 0.0,
-                train_log_probs: Tensor | None = None,
+@dataclass(frozen=True)
+class LossParams:
+    """The hyper-parameters of :func:`policy_loss` (one set per run, from the trainer config).
+
+    Fields:
+        eps_clip: PPO clip range below 1 (ratio >= ``1 - eps_clip``), in (0, 1).
+        eps_clip_high: clip range above 1 (DAPO clip-higher; ratio <= ``1 + eps_clip_high``),
+            > 0; None: ``eps_clip``.
+        eps_clip_c: dual-clip constant c > 1 (the loss of a negative-advantage token is capped at
+            ``-A * c``); None: off.
+        entropy_coef: weight (>= 0) of the entropy bonus (nats), subtracted from the loss.
+        kl_coef: weight (>= 0) of the KL penalty (nats) to the reference policy, added to the loss.
+        kl_type: the per-token KL estimator of :func:`approx_kl`.
+        tis_cap: upper clamp (> 0) of the truncated importance-sampling weight
+            ``exp(train - rollout log-prob)`` (:func:`truncated_is_weights`); None: TIS off.
+        tis_floor: lower clamp (>= 0, below ``tis_cap``) of that weight.
+        agg: how per-token values reduce to a scalar (:func:`aggregate`).
+    """
+
+    eps_clip: float
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: KLType = "low_var_kl"
+    tis_cap: float | None = None
+    tis_floor: float = 0.0
+    agg: LossAgg = "sum_of_sample_mean"
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> LossParams:
+        """The loss hyper-parameters of the ``trainer`` config section (``loss_agg`` -> ``agg``)."""
+        return cls(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+                   entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type,
+                   tis_cap=cfg.tis_cap, tis_floor=cfg.tis_floor, agg=cfg.loss_agg)
+
+
+def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, params: LossParams, *,
+                entropy: Tensor | None = None, ref_log_probs: Tensor | None = None,
+                rollout_log_probs: Tensor | None = None, train_log_probs: Tensor | None = None,
                 has_rollout: Tensor | None = None, sample_weights: Tensor | None = None,
-                agg: LossAgg = "sum_of_sample_mean", num_samples: int | None = None, num_tokens: int | None = None,
+                num_samples: int | None = None, num_tokens: int | None = None,
                 num_rollout_samples: int | None = None, num_rollout_tokens: int | None = None
                 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The trainer's objective for one micro-batch: ``pg_loss - entropy_coef * entropy + kl_coef * kl``.
 
-    Every term is aggregated with :func:`aggregate` (``agg``, global ``num_samples`` /
-    ``num_tokens``, ``sample_weights``), so summing micro-batch losses gives the batch loss.
-    ``pg_loss`` is the PPO surrogate of :func:`ppo_policy_loss`, multiplied per token by
-    :func:`truncated_is_weights` when ``tis_cap`` is set: ``exp(train_log_probs -
-    rollout_log_probs)`` truncated to ``[tis_floor, tis_cap]`` (needs both; samples marked False
-    in ``has_rollout`` ``[n]`` get weight 1). The KL term needs ``ref_log_probs`` (a frozen
-    reference model); the entropy term needs ``entropy``.
+    The hyper-parameters (clip ranges, coefficients, TIS clamps, aggregation) come from
+    ``params`` (:class:`LossParams`). Every term is aggregated with :func:`aggregate`
+    (``params.agg``, global ``num_samples`` / ``num_tokens``, ``sample_weights``), so summing
+    micro-batch losses gives the batch loss. ``pg_loss`` is the PPO surrogate of
+    :func:`ppo_policy_loss`, multiplied per token by :func:`truncated_is_weights` when
+    ``params.tis_cap`` is set: ``exp(train_log_probs - rollout_log_probs)`` truncated to
+    ``[tis_floor, tis_cap]`` (needs both; samples marked False in ``has_rollout`` ``[n]`` get
+    weight 1). The KL term needs ``ref_log_probs`` (a frozen reference model); the entropy term
+    needs ``entropy``.
 
     Args: ``[n, L]`` tensors as in the module docstring (``train_log_probs``: the trainer's
-    log-probs before the update, no grad); ``sample_weights`` ``[n]``; ``num_rollout_samples`` /
+    log-probs before the update, no grad); ``params``: the loss hyper-parameters;
+    ``sample_weights`` ``[n]``; ``num_samples`` / ``num_tokens``: the global batch's
+    denominators of :func:`aggregate` (default: in this call); ``num_rollout_samples`` /
     ``num_rollout_tokens``: the global batch's counts of trained samples (tokens) that have
     rollout log-probs (default: in this call), the denominators of the ``tis`` statistic.
     Returns:
@@ -283,37 +325,38 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
         log-probs has no ratio, so no fake 1 enters the figure; summed over micro-batches with the
         global counts it is the batch's figure, and a batch without any such sample has none).
     Raises:
-        ValueError: ``tis_cap`` without ``rollout_log_probs`` or ``train_log_probs``.
+        ValueError: ``tis_cap`` without ``rollout_log_probs`` or ``train_log_probs``; ``eps_clip_c <= 1``.
     Source: slime ``policy_loss_function`` (OpenClaw-RL's trainer).
     """
     def agg_(x: Tensor) -> Tensor:
-        return aggregate(x, mask, agg, sample_weights, num_samples, num_tokens)
+        return aggregate(x, mask, params.agg, sample_weights, num_samples, num_tokens)
 
     keep = mask != 0  # masked-out positions are zeroed before any arithmetic (no NaN in the graph)
     log_probs, old_log_probs, advantages = (_select(x, keep) for x in (log_probs, old_log_probs, advantages))
     entropy, ref_log_probs, rollout_log_probs, train_log_probs = (
         None if x is None else _select(x, keep) for x in (entropy, ref_log_probs, rollout_log_probs, train_log_probs))
 
-    pg, clipfrac, ppo_kl = ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
+    pg, clipfrac, ppo_kl = ppo_policy_loss(log_probs, old_log_probs, advantages, params.eps_clip,
+                                           params.eps_clip_high, params.eps_clip_c)
     zero = log_probs.sum() * 0.0
     tis = tis_stat = None
-    if tis_cap is not None:
+    if params.tis_cap is not None:
         if rollout_log_probs is None or train_log_probs is None:
             raise ValueError("tis_cap needs rollout_log_probs and train_log_probs (the trainer's own log-probs "
                              "before the update)")
-        tis = truncated_is_weights(train_log_probs, rollout_log_probs, tis_cap, tis_floor, has_rollout)
+        tis = truncated_is_weights(train_log_probs, rollout_log_probs, params.tis_cap, params.tis_floor, has_rollout)
         pg = pg * tis
         tis_mask = keep if has_rollout is None else keep & has_rollout.to(keep.device, torch.bool)[:, None]
         if bool(tis_mask.any()):
-            tis_stat = aggregate(tis, tis_mask, agg, sample_weights, num_rollout_samples, num_rollout_tokens)
+            tis_stat = aggregate(tis, tis_mask, params.agg, sample_weights, num_rollout_samples, num_rollout_tokens)
     pg_loss = agg_(pg)
     loss = pg_loss
     ent = agg_(entropy) if entropy is not None else zero
-    if entropy_coef and entropy is not None:
-        loss = loss - entropy_coef * ent
-    kl = agg_(approx_kl(log_probs, ref_log_probs, kl_type)) if ref_log_probs is not None else zero
-    if kl_coef and ref_log_probs is not None:
-        loss = loss + kl_coef * kl
+    if params.entropy_coef and entropy is not None:
+        loss = loss - params.entropy_coef * ent
+    kl = agg_(approx_kl(log_probs, ref_log_probs, params.kl_type)) if ref_log_probs is not None else zero
+    if params.kl_coef and ref_log_probs is not None:
+        loss = loss + params.kl_coef * kl
     stats = {"pg_loss": pg_loss, "pg_clipfrac": agg_(clipfrac), "ppo_kl": agg_(ppo_kl), "entropy": ent, "kl": kl}
     if tis_stat is not None:
         stats["tis"] = tis_stat

@@ -141,6 +141,16 @@ class _Prepared:
     train_cache: list[torch.Tensor | None]
 
 
+def _signal_metrics(prep: _Prepared) -> dict[str, float]:
+    """``rl_samples`` / ``opd_samples`` (trained samples with a reward / with teacher log-probs) and
+    ``reward_mean`` (over the samples with a reward; absent when none) of a prepared batch."""
+    metrics = {"rl_samples": float(prep.has_reward.sum()),
+               "opd_samples": float(sum(s.teacher_log_probs is not None for s in prep.samples))}
+    if bool(prep.has_reward.any()):
+        metrics["reward_mean"] = float(prep.rewards[prep.has_reward].mean())
+    return metrics
+
+
 @dataclass
 class StepResult:
     """What one :meth:`PolicyTrainer.train_batch` did (scalars; seconds for times).
@@ -152,6 +162,32 @@ class StepResult:
     metrics: dict[str, float]
     skipped: bool
     sample_advantages: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Tally:
+    """What :meth:`PolicyTrainer.train_batch` accumulates over its optimizer steps.
+
+    ``diff``: this rank's train-vs-rollout ``|log-prob|`` sums and token counts (``current``,
+    ``current_n``, ``stale``, ``stale_n``; first step); ``adv_means``: ``[kept samples]`` mean
+    advantage per sample, this rank's share (first step); ``sums``: the DP-reduced loss statistics
+    summed over steps; ``fb_s`` / ``opt_s``: seconds of forward/backward and of the optimizer;
+    ``applied``: steps that changed the weights; ``grad_norm``: the last applied step's norm.
+    """
+
+    diff: dict[str, torch.Tensor]
+    adv_means: torch.Tensor
+    sums: dict[str, float] = field(default_factory=dict)
+    fb_s: float = 0.0
+    opt_s: float = 0.0
+    applied: int = 0
+    grad_norm: float | None = None
+
+    @classmethod
+    def empty(cls, num_samples: int) -> _Tally:
+        """Nothing accumulated yet, for a batch of ``num_samples`` kept samples."""
+        return cls({k: torch.zeros((), dtype=torch.float64) for k in ("current", "current_n", "stale", "stale_n")},
+                   torch.zeros(num_samples, dtype=torch.float64))
 
 
 class PolicyTrainer:
@@ -168,6 +204,7 @@ class PolicyTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, self.par, self.hf_dir = cfg, par, Path(hf_dir)
+        self.loss_params = L.LossParams.from_config(cfg)  # the config is frozen: built once
         self.arch = M.Arch.from_hf(self.hf_dir)
         self.dtype = resolve_dtype(cfg.dtype, par.device)
         t0 = time.perf_counter()
@@ -324,77 +361,95 @@ class PolicyTrainer:
         their token counts ``logprob_tokens_current`` / ``logprob_tokens_stale``. A figure
         without tokens is absent, never 0; the split needs ``policy_version``.
         """
-        cfg, par = self.cfg, self.par
         t0 = time.perf_counter()
-        batch_size = len(samples)  # the batch as handed in (with count_masked_samples: masked ones too)
+        # prepare: trainable samples, RL advantages, this rank's micro-batches and their log-probs
         prep = self._prepare(samples, weights)
-        samples, micro, old_cache, ref_cache = prep.samples, prep.micro, prep.old_cache, prep.ref_cache
-        rl_adv = prep.rl_adv
-        num_samples = len(samples)
-        # sum_of_sample_mean's denominator: the trained samples, or (trainer.count_masked_samples)
-        # every sample of the batch, masked ones included, as slime divides by the global batch size
-        loss_samples = batch_size if cfg.count_masked_samples else num_samples
-        num_tokens = sum(s.response_length for s in samples)
-        sampled = [s for s in samples if s.rollout_log_probs is not None]  # the TIS figure's samples
-        num_rollout_samples, num_rollout_tokens = len(sampled), sum(s.response_length for s in sampled)
-        metrics: dict[str, float] = {"train_samples": float(num_samples), "train_tokens": float(num_tokens)}
-        if num_samples == 0:
+        totals = self._loss_totals(prep, batch_size=len(samples))
+        metrics = {"train_samples": float(len(prep.samples)), "train_tokens": float(totals["num_tokens"])}
+        if not prep.samples:  # no trainable token: no step (Adam's moments would still move the weights)
             return StepResult(metrics, skipped=True)
-        metrics["rl_samples"] = float(prep.has_reward.sum())
-        metrics["opd_samples"] = float(sum(s.teacher_log_probs is not None for s in samples))
-        if bool(prep.has_reward.any()):
-            metrics["reward_mean"] = float(prep.rewards[prep.has_reward].mean())
+        metrics.update(_signal_metrics(prep))
         pre_s = time.perf_counter() - t0
-        sums: dict[str, float] = {}
-        diff = {k: torch.zeros((), dtype=torch.float64) for k in ("current", "current_n", "stale", "stale_n")}
-        adv_means = torch.zeros(num_samples, dtype=torch.float64)  # per kept sample, this rank's share
-        fb_s = opt_s = 0.0
-        grad_norm = None  # of the last optimizer step taken (None: none taken, or not measured)
-        applied = 0  # optimizer steps that changed the weights (finite loss and gradients)
-        entropy_mode = "grad" if cfg.entropy_coef else "metric"
-        for step in range(cfg.steps_per_batch):
+        tally = _Tally.empty(len(prep.samples))
+        for step in range(self.cfg.steps_per_batch):
+            # forward/backward over the micro-batches, then guards and the optimizer step
             t1 = time.perf_counter()
-            self.ddp.train()
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            step_stats: dict[str, torch.Tensor] = {}
-            for mb, old, ref, train in zip(micro, old_cache, ref_cache, prep.train_cache):
-                logp, ent = self._forward(self.ddp, mb, entropy_mode)
-                dev = logp.device
-                mask = mb.mask.to(dev)
-                adv = self._advantages(mb, old, rl_adv[mb.index])
-                loss, stats = L.policy_loss(
-                    logp, old, adv, mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                    eps_clip_c=cfg.eps_clip_c, entropy=ent, entropy_coef=cfg.entropy_coef,
-                    ref_log_probs=ref, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type,
-                    rollout_log_probs=mb.rollout_log_probs.to(dev), tis_cap=cfg.tis_cap, tis_floor=cfg.tis_floor,
-                    train_log_probs=train, has_rollout=mb.has_rollout, sample_weights=mb.weights.to(dev),
-                    agg=cfg.loss_agg, num_samples=loss_samples, num_tokens=num_tokens,
-                    num_rollout_samples=num_rollout_samples, num_rollout_tokens=num_rollout_tokens)
-                # Megatron DDP averages gradients over DP ranks; the loss is already a global mean
-                (loss * par.dp).backward()
-                stats["loss"] = loss.detach()
-                for k, v in stats.items():
-                    step_stats[k] = step_stats.get(k, 0.0) + v.float().cpu()
-                if step == 0:
-                    self._mismatch(diff, logp, mb, policy_version)
-                    adv_means[mb.index] = ((adv.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).double().cpu()
+            step_stats = self._forward_backward(prep, totals, tally if step == 0 else None, policy_version)
             t2 = time.perf_counter()
-            ok, step_norm, _ = self._optimizer_step(step_stats.get("loss"))
+            ok, step_norm, _ = self._optimizer_step(step_stats.get("loss"))  # guards: no step on NaN/inf
             t3 = time.perf_counter()
-            fb_s += t2 - t1
-            opt_s += t3 - t2
+            tally.fb_s += t2 - t1
+            tally.opt_s += t3 - t2
             if ok:
-                applied += 1
-                grad_norm = step_norm
+                tally.applied += 1
+                tally.grad_norm = step_norm
             else:
                 log.warning("optimizer step skipped: non-finite loss or gradients (%d skipped so far); "
                             "the weights and the optimizer state are unchanged", self.nonfinite_steps)
             for k, v in self._all_reduce_dp(step_stats).items():
-                sums[k] = sums.get(k, 0.0) + v
-        n = cfg.steps_per_batch
-        metrics.update({k: v / n for k, v in sums.items()})
-        d = self._all_reduce_dp(diff)
+                tally.sums[k] = tally.sums.get(k, 0.0) + v
+        # metrics (collective over DP)
+        metrics.update(self._tally_metrics(tally, policy_version, pre_s))
+        per_sample = self._sample_advantages(prep, tally.adv_means)
+        return StepResult(metrics, skipped=tally.applied == 0, sample_advantages=per_sample)
+
+    def _loss_totals(self, prep: _Prepared, batch_size: int) -> dict[str, int]:
+        """The global batch's denominators, as :func:`loss.policy_loss` keyword arguments.
+
+        ``num_samples``: ``sum_of_sample_mean``'s denominator, the trained samples, or
+        (``trainer.count_masked_samples``) all ``batch_size`` samples handed in, masked ones
+        included, as slime divides by the global batch size; ``num_tokens``: the trained response
+        tokens; ``num_rollout_samples`` / ``num_rollout_tokens``: the same for the trained samples
+        that have rollout log-probs (the ``tis`` figure's samples).
+        """
+        samples = prep.samples
+        sampled = [s for s in samples if s.rollout_log_probs is not None]
+        return {"num_samples": batch_size if self.cfg.count_masked_samples else len(samples),
+                "num_tokens": sum(s.response_length for s in samples),
+                "num_rollout_samples": len(sampled),
+                "num_rollout_tokens": sum(s.response_length for s in sampled)}
+
+    def _forward_backward(self, prep: _Prepared, totals: dict[str, int], first: _Tally | None,
+                          policy_version: int | None) -> dict[str, torch.Tensor]:
+        """One optimizer step's gradients: forward, loss and backward over this rank's micro-batches.
+
+        Gradients accumulate in Megatron DDP's (zeroed) grad buffers. ``totals``: the global
+        denominators (:meth:`_loss_totals`). ``first`` (on the first step only) collects the
+        train-vs-rollout figure and each sample's mean advantage. Returns this rank's summed
+        detached statistics of :func:`loss.policy_loss` plus ``loss`` (``{}`` without micro-batches).
+        """
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        entropy_mode = "grad" if self.cfg.entropy_coef else "metric"
+        step_stats: dict[str, torch.Tensor] = {}
+        for mb, old, ref, train in zip(prep.micro, prep.old_cache, prep.ref_cache, prep.train_cache):
+            logp, ent = self._forward(self.ddp, mb, entropy_mode)
+            dev = logp.device
+            mask = mb.mask.to(dev)
+            adv = self._advantages(mb, old, prep.rl_adv[mb.index])
+            loss, stats = L.policy_loss(
+                logp, old, adv, mask, self.loss_params, entropy=ent, ref_log_probs=ref,
+                rollout_log_probs=mb.rollout_log_probs.to(dev), train_log_probs=train, has_rollout=mb.has_rollout,
+                sample_weights=mb.weights.to(dev), **totals)
+            # Megatron DDP averages gradients over DP ranks; the loss is already a global mean
+            (loss * self.par.dp).backward()
+            stats["loss"] = loss.detach()
+            for k, v in stats.items():
+                step_stats[k] = step_stats.get(k, 0.0) + v.float().cpu()
+            if first is not None:
+                self._mismatch(first.diff, logp, mb, policy_version)
+                first.adv_means[mb.index] = ((adv.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)).double().cpu()
+        return step_stats
+
+    def _tally_metrics(self, tally: _Tally, policy_version: int | None, pre_s: float) -> dict[str, float]:
+        """The batch's step metrics from ``tally`` (collective over DP; see :meth:`train_batch`):
+        loss statistics averaged over the optimizer steps, the train-vs-rollout figures,
+        ``grad_norm``, timings (``pre_s``: seconds of preparation, counted as forward/backward) and
+        ``nonfinite_steps``."""
+        n = self.cfg.steps_per_batch
+        metrics = {k: v / n for k, v in tally.sums.items()}
+        d = self._all_reduce_dp(tally.diff)
         if d["current_n"] + d["stale_n"] > 0:
             metrics["logprob_abs_diff"] = (d["current"] + d["stale"]) / (d["current_n"] + d["stale_n"])
         if policy_version is not None:
@@ -403,19 +458,23 @@ class PolicyTrainer:
                 if d[f"{part}_n"] > 0:
                     metrics[f"logprob_abs_diff_{part}"] = d[part] / d[f"{part}_n"]
         # no step taken, or no clipping (Megatron then measures no norm and returns 0.0): no figure, not 0
-        if grad_norm is not None and cfg.clip_grad > 0:
-            metrics["grad_norm"] = float(grad_norm)
-        metrics["forward_backward_s"] = fb_s + pre_s
-        metrics["optimizer_s"] = opt_s
-        if par.dp > 1:  # each sample was on exactly one DP rank: a sum gathers them
+        if tally.grad_norm is not None and self.cfg.clip_grad > 0:
+            metrics["grad_norm"] = float(tally.grad_norm)
+        metrics["forward_backward_s"] = tally.fb_s + pre_s
+        metrics["optimizer_s"] = tally.opt_s
+        metrics["nonfinite_steps"] = float(n - tally.applied)
+        return metrics
+
+    def _sample_advantages(self, prep: _Prepared, adv_means: torch.Tensor) -> dict[int, float]:
+        """Input index -> mean advantage of each trained sample (collective over DP: each sample
+        was on exactly one DP rank, so a sum gathers them)."""
+        if self.par.dp > 1:
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
 
-            adv_means = adv_means.to(par.device)
+            adv_means = adv_means.to(self.par.device)
             dist.all_reduce(adv_means, group=ps.get_data_parallel_group())
-        per_sample = {prep.keep[i]: float(a) for i, a in enumerate(adv_means.cpu().tolist())}
-        metrics["nonfinite_steps"] = float(cfg.steps_per_batch - applied)
-        return StepResult(metrics, skipped=applied == 0, sample_advantages=per_sample)
+        return {prep.keep[i]: float(a) for i, a in enumerate(adv_means.cpu().tolist())}
 
     @staticmethod
     def _mismatch(acc: dict[str, torch.Tensor], logp: torch.Tensor, mb: B.MicroBatch,

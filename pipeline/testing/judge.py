@@ -4,7 +4,7 @@ stream with its expected samples.
 - :func:`make_turn` / :func:`make_next_state`: small ``turns``-topic events.
 - :class:`JudgeThread`: a real :class:`pipeline.judge.app.JudgeApp` in a background thread.
 - :func:`scripted_stream` / :func:`check_samples`: an interleaved multi-session stream whose votes
-  are scripted for :class:`tests.support.servers.StandInJudge`, and the check of a samples stream
+  are scripted for :class:`pipeline.testing.servers.StandInJudge`, and the check of a samples stream
   against what it should give (crash, rebalance and replay tests).
 - :func:`short_id`: a sample id without its request id.
 """

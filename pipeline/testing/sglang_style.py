@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.support.servers import send_json, send_raw, StandInServer
+from pipeline.testing.servers import send_json, send_raw, StandInServer
 
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 

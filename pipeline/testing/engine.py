@@ -2,16 +2,18 @@
 
 Usage::
 
-    from tests.support.engine import running_engine
+    from pipeline.testing.engine import running_engine
 
     def test_something():
         with running_engine("tiny-random") as url:          # in this process, ~1-3 s
             ...  # EngineClient(url), httpx, the proxy pointed at url ...
 
-    @pytest.fixture(scope="module")
-    def engine_url():
-        with running_engine("tiny-random") as url:
-            yield url
+    @pytest.fixture(scope="module")   # one engine for a whole test file
+    def url():
+        with running_engine("tiny-random", threads=2) as u:
+            yield u
+
+(``tests/conftest.py`` has such a fixture, ``engine_url``.)
 
 ``subprocess=True`` runs ``python -m pipeline engine`` instead (own process and torch threads,
 ~5-8 s to start; use it when a test needs to kill the engine or must not share torch's
@@ -29,7 +31,7 @@ import threading
 import time
 from typing import Iterator
 
-from tests.support.servers import serve_server
+from pipeline.testing.servers import serve_server
 
 
 @contextlib.contextmanager

@@ -51,3 +51,21 @@ def shifted_export(export_dir, version: int, shift: float = 0.01, model: str = "
     tensors = {k: v + shift for k, v in load_file(src / "model.safetensors").items()}
     out = write_hf_folder(tensors, src, Path(export_dir) / f"v{version:06d}", torch.float32)
     return out.path, out.sha256
+
+
+def policy_trainer(par, **trainer_settings):
+    """A :class:`pipeline.trainer.policy.PolicyTrainer` of ``tiny-random`` on the runtime ``par``
+    (what :func:`megatron_runtime` yields): learning rate 1e-3, micro-batches of 4 samples, and
+    ``trainer_settings`` overriding any field of the ``trainer`` config section."""
+    from pipeline.config import load_config
+    from pipeline.models import resolve_model
+    from pipeline.trainer.policy import PolicyTrainer
+
+    t = dict(model="tiny-random", lr=1e-3, micro_batch_size=4)
+    t.update(trainer_settings)
+    return PolicyTrainer(load_config(None, trainer=t).trainer, resolve_model("tiny-random"), par)
+
+
+def param_copies(pt) -> dict:
+    """Detached copies of the parameters of ``pt.model`` by name (to compare across a step)."""
+    return {n: p.detach().clone() for n, p in pt.model.named_parameters()}

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator
 
-from tests.support.servers import serve_app
+from pipeline.testing.servers import serve_app
 
 
 @contextlib.contextmanager
@@ -36,9 +36,9 @@ def running_proxy(config, engine_url: str, *, follow_control: bool = False, publ
 
 @contextlib.contextmanager
 def stack(config, script=None, **proxy_settings: Any) -> Iterator[tuple[str, Any, Any]]:
-    """A :class:`tests.support.servers.StandInEngine` answering by ``script`` and the real proxy
+    """A :class:`pipeline.testing.servers.StandInEngine` answering by ``script`` and the real proxy
     in front of it; yield ``(proxy base url, app, engine)``."""
-    from tests.support.servers import StandInEngine
+    from pipeline.testing.servers import StandInEngine
 
     up = StandInEngine(script)
     with serve_app(up) as up_url, running_proxy(config, up_url, **proxy_settings) as (url, app):

@@ -3,7 +3,7 @@
 One way to serve, two stand-ins:
 
 - :func:`serve_app`: run any ASGI app with uvicorn in a daemon thread on a free 127.0.0.1
-  port; yield its base URL. Every stand-in (and the real proxy, see ``tests/support/proxy.py``)
+  port; yield its base URL. Every stand-in (and the real proxy, see ``pipeline/testing/proxy.py``)
   is served by it.
 - :class:`StandInEngine`: a stand-in inference engine (OpenAI-compatible chat completions in
   the shapes of our engine and SGLang: ``token_ids``, ``prompt_token_ids``,
@@ -33,8 +33,8 @@ Without a directive, score prompts get ``\\boxed{0}`` and hint prompts ``\\boxed
 
 Both stand-ins are ASGI apps (``with serve_app(StandInEngine()) as url``) and context managers
 (``with StandInJudge() as judge: judge.url``). For a benchmark in another process:
-``python -m tests.support.servers judge|instant-judge|engine`` (from the repository root)
-prints ``PORT <n>`` and serves until its stdin closes.
+``python -m pipeline.testing.servers judge|instant-judge|engine`` prints ``PORT <n>`` and
+serves until its stdin closes.
 """
 
 from __future__ import annotations
