@@ -299,3 +299,43 @@ def test_backpressure_pauses_and_resumes(kafka_config):
 
     _run_app_until(app, counting, lambda: len(total) >= 50 and not held, tick=tick, tick_interval_s=0.05)
     assert max_seen[0] <= 10 + 5 * 4, f"backpressure did not bound in-flight records ({max_seen[0]})"
+
+
+def test_a_rebalance_that_outlives_a_poll_still_completes_when_a_topic_appears(kafka_config):
+    """A member subscribed to a topic the broker does not know yet joins with no partitions; when
+    the topic appears, the metadata change makes the leader rejoin. kafka-python 3.0.12 runs that
+    join as a task that a short poll leaves in flight, and the join itself clears the only reason
+    to rejoin, so no later poll awaited the finished task: the member never took its partitions
+    nor heartbeated again (seen in CI as a judge that read nothing for 60 s, and reproduced here
+    about once in 100 joins with 100 ms polls; with 1 ms polls, every time)."""
+    from pipeline.bus.admin import admin_client, create_topics
+
+    topic = kafka_config.topics.name("late")
+    app = ConsumerApp(kafka_config, "g-late", [topic], name="test", accept=None)
+    assigned: list[set] = []
+    got = []
+    t = threading.Thread(target=app.run, args=(got.append,), daemon=True,
+                         kwargs={"install_signals": False, "poll_timeout_ms": 1, "on_assigned": assigned.append})
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not assigned and time.monotonic() < deadline:  # the first join: no partitions yet
+            time.sleep(0.05)
+        assert assigned == [set()]
+        admin = admin_client(kafka_config)
+        try:
+            create_topics(admin, [(topic, 2, 1, {})])
+        finally:
+            admin.close()
+        p = EventProducer(kafka_config, name="test")
+        for k in ("a", "b", "c", "d"):
+            p.send(topic, events.SessionEnd(session_id=k), key=k)
+        p.close()
+        deadline = time.monotonic() + 60
+        while len(got) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(r.event.session_id for r in got) == ["a", "b", "c", "d"]
+        assert assigned[-1] == {(topic, 0), (topic, 1)}
+    finally:
+        app.stop()
+        t.join(30)

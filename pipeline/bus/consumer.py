@@ -63,6 +63,26 @@ class _Tracker:
         return self.outstanding[0] if self.outstanding else self.next_offset
 
 
+def keep_join_awaited(consumer: KafkaConsumer) -> None:
+    """Make the next ``poll`` finish a group join that an earlier poll left in flight.
+
+    kafka-python 3.0.12 runs JoinGroup + SyncGroup as a task; a poll whose time-out ends first
+    returns and leaves the task running, and the next poll awaits it only while the coordinator
+    still says it needs to rejoin. A rejoin caused by a metadata change (a subscribed topic that
+    appeared or grew, seen by the group leader) or a subscription change clears that reason
+    inside the task itself (the assignment snapshot and the joined subscription are taken when
+    the requests are built), so no later poll took the finished task's assignment: the member
+    never owned its partitions and never heartbeated again, silently (the broker expelled it
+    after ``session_timeout_ms``). Reproduced about once in 100 joins with 100 ms polls, every
+    time with 1 ms polls (``tests/test_bus.py``). Marking the rejoin as needed while a join task
+    exists makes the poll await that same task (no second JoinGroup); a task that already ended
+    unawaited is replaced by a fresh join, one extra rebalance. A no-op on a client without
+    these attributes."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is not None and getattr(coordinator, "_join_task", None) is not None:
+        coordinator.rejoin_needed = True
+
+
 class ConsumerApp:
     """Run a handler over a consumer group's records with commit-after-processing semantics.
 
@@ -166,6 +186,7 @@ class ConsumerApp:
         try:
             while not self._stop.is_set():
                 self._drain_acks()
+                keep_join_awaited(self._consumer)
                 batch = self._consumer.poll(timeout_ms=poll_timeout_ms)
                 for tp, recs in batch.items():
                     tracker = self._trackers.get(tp)
