@@ -40,7 +40,8 @@ from pipeline.bus import EventProducer, Record, TopicReader  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.judge.samples import sample_id  # noqa: E402
 from pipeline.testing.judge import make_next_state, make_turn  # noqa: E402
-from pipeline.topics import apply_topics, load_topics  # noqa: E402
+from pipeline.bus.admin import apply_topics  # noqa: E402
+from pipeline.topics import load_topics  # noqa: E402
 
 PROMPT = list(range(1000, 1300))  # 300 prompt tokens
 RESPONSE = list(range(2000, 2100))  # 100 response tokens

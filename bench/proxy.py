@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.broker import EmbeddedBroker
     from pipeline.config import load_config
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     py = sys.executable
     procs: list[subprocess.Popen] = []

@@ -80,7 +80,8 @@ def bench_cpu(args) -> None:
     from pipeline.config import load_config
     from pipeline.models import resolve_model
     from pipeline.syncer import Syncer
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
     from pipeline.trainer.stage import TrainerStage
     from pipeline.testing.engine import running_engine
     from pipeline.testing.trainer import megatron_runtime
@@ -230,7 +231,7 @@ def bench_gpu(args) -> None:
           f"{exported.sha256[:12]}...)", flush=True)
     from transformers import AutoModelForCausalLM
 
-    from pipeline.trainer.model import verify_folder
+    from pipeline.weightsync import verify_folder
 
     t = time.perf_counter()
     verify_folder(out, exported.sha256)

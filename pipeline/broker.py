@@ -529,7 +529,8 @@ def run(args, config) -> int:
         print(f"pipeline broker: {e}", file=sys.stderr)
         return 1
     if args.apply_topics:
-        from pipeline.topics import apply_topics, load_topics
+        from pipeline.bus.admin import apply_topics
+        from pipeline.topics import load_topics
 
         config = config.replace(kafka={"bootstrap_servers": broker.bootstrap})
         for line in apply_topics(config, load_topics(config.topics.file)).lines():

@@ -22,7 +22,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("pipeline.config_cli", "show the effective configuration (YAML + env + flags)"),
     "broker": ("pipeline.broker", "run a local broker: Apache Kafka (when installed) or the embedded Tansu"),
-    "topics": ("pipeline.topics", "apply / list / render the topics of topics.yaml"),
+    "topics": ("pipeline.topics_cli", "apply / list / render the topics of topics.yaml"),
     "engine": ("pipeline.engine.cli", "CPU inference server speaking SGLang's HTTP API"),
     "proxy": ("pipeline.proxy.cli", "OpenAI-compatible proxy that records every turn on Kafka"),
     "judge": ("pipeline.judge.cli", "pair turns with next states and emit scored samples"),
@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline {name}: configuration error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a broker that never answers is a clear one-line error, not a traceback
-        from kafka.errors import BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError
+        from pipeline.bus.admin import is_unreachable
 
-        if isinstance(e, (BrokerNotAvailableError, KafkaConnectionError, KafkaTimeoutError)):
+        if is_unreachable(e):
             print(f"pipeline {name}: cannot reach the Kafka broker at {config.kafka.bootstrap_servers} "
                   f"({type(e).__name__}: {e}); start one with 'pipeline broker' or set --bootstrap",
                   file=sys.stderr)
@@ -136,18 +136,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_topics(name: str, config, args) -> int:
-    """Before a stage runs: its topics exist with topics.yaml's shape (:func:`pipeline.topics.ensure_topics`).
+    """Before a stage runs: its topics exist with topics.yaml's shape (:func:`pipeline.bus.admin.ensure_topics`).
 
     0 to go on; 2 (after a message naming the fix) when a topic has the wrong shape or is missing
     and may not be created. A broker that does not accept connections is left to the stage (the
     proxy buffers, the others report it): checked again at its next start.
     """
     from pipeline.stack import COMMANDS as TALKS_TO_BROKER
-    from pipeline.topics import STAGE_TOPICS, TopicsError, ensure_topics
+    from pipeline.topics import STAGE_TOPICS, TopicsError
 
     if name not in STAGE_TOPICS or (name in TALKS_TO_BROKER and not TALKS_TO_BROKER[name](args)):
         return 0  # not a stage, or an offline mode of one (judge --fit / --eval)
-    from pipeline.bus.admin import broker_reachable
+    from pipeline.bus.admin import broker_reachable, ensure_topics
 
     if not broker_reachable(config):
         logging.getLogger(__name__).warning("topics not checked: the broker at %s does not answer",

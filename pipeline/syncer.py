@@ -5,7 +5,7 @@ committed by its own consumer group (``syncer.group_id``, default ``syncer-<engi
 assigned, never joined: one syncer per engine) and, for each ``weights`` event of its run:
 
 1. verifies the sha256 of ``<location>/model.safetensors`` against the event (a torn or
-   half-copied folder is never loaded);
+   half-copied folder is never loaded; :func:`pipeline.weightsync.verify_folder`);
 2. calls the engine's ``POST /update_weights_from_disk`` with ``model_path = location`` and
    ``weight_version = str(policy_version)`` (through :class:`pipeline.client.EngineClient`).
    Only a failure that can pass is retried (``syncer.retries`` times, exponential back-off from
@@ -29,7 +29,8 @@ once the dead letter is delivered).
 
 Reconciliation (engine or syncer restarts). A syncer that starts first finds the last version
 the trainer published (:func:`last_published`: the newest ``weights`` event of its run on
-``control``, or the trainer's ``published.json`` record when control has aged it out) and, if
+``control``, or the trainer's ``published.json`` record when control has aged it out:
+:func:`pipeline.weightsync.read_published`) and, if
 the engine serves anything else (a restarted engine comes back with its base model as v0),
 applies it and publishes ``applied`` before it reads its consumer group. Then, every
 ``syncer.check_interval_s``, it compares the engine's served version with the last published
@@ -193,7 +194,7 @@ class Syncer:
         """
         from pipeline.client import EngineError
         from pipeline.retry import Transient, retrying_sync
-        from pipeline.trainer.checksum import verify_folder
+        from pipeline.weightsync import verify_folder
 
         tries = self.cfg.retries + 1
 
@@ -251,7 +252,7 @@ class Syncer:
             return None
 
     def _observe(self) -> None:
-        from pipeline.trainer import prom
+        from pipeline import weightsync
 
         # unknown (no engine answer yet, nothing published, a version that is not a number) reads
         # NaN, never a number that could be mistaken for a version (was -1, and "behind" then
@@ -262,10 +263,10 @@ class Syncer:
             served = float(int(self.served)) if self.served is not None else nan
         except ValueError:
             served = nan
-        prom.SYNCER_ENGINE_VERSION.labels(self.engine_id).set(served)
-        prom.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(published)
-        prom.SYNCER_BEHIND.labels(self.engine_id).set(published - served)  # NaN when either is unknown
-        prom.SYNCER_RECONCILES.labels(self.engine_id)  # exported at 0 before the first reconcile
+        weightsync.SYNCER_ENGINE_VERSION.labels(self.engine_id).set(served)
+        weightsync.SYNCER_PUBLISHED_VERSION.labels(self.engine_id).set(published)
+        weightsync.SYNCER_BEHIND.labels(self.engine_id).set(published - served)  # NaN when either is unknown
+        weightsync.SYNCER_RECONCILES.labels(self.engine_id)  # exported at 0 before the first reconcile
         if self.served is not None and self.knows_content(self.served, self.target):
             self.confirmed = self.served
             self.in_sync.set()
@@ -308,14 +309,14 @@ class Syncer:
         if time.monotonic() < self._retry_at:  # the last re-apply failed: back off
             self._observe()
             return False
-        from pipeline.trainer import prom
+        from pipeline import weightsync
 
         log.warning("%s serves weight version %r%s, the trainer's last published version is v%d (sha256 %s): "
                     "re-applying %s", self.engine_id, self.served,
                     " of unknown content" if self.served == want else "", target.policy_version,
                     target.sha256[:12], target.location)
         self.reconciles += 1
-        prom.SYNCER_RECONCILES.labels(self.engine_id).inc()
+        weightsync.SYNCER_RECONCILES.labels(self.engine_id).inc()
         ok, msg = self.apply(target)
         (self.applied if ok else self.failed).append(target.policy_version)
         if ok:
@@ -368,7 +369,7 @@ class Syncer:
     def run(self) -> None:
         """Consume ``control`` and apply ``weights`` events until :attr:`stop` is set."""
         from pipeline.bus import DeadLetterError, EventProducer, TopicReader
-        from pipeline.trainer import prom
+        from pipeline import weightsync
 
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
         try:
@@ -420,8 +421,8 @@ class Syncer:
                     self.target = latest
                     t0 = time.perf_counter()
                     ok, msg = self.apply(latest)
-                    prom.SYNCER_SECONDS.observe(time.perf_counter() - t0)
-                    (prom.SYNCER_APPLIED if ok else prom.SYNCER_FAILED).inc()
+                    weightsync.SYNCER_SECONDS.observe(time.perf_counter() - t0)
+                    (weightsync.SYNCER_APPLIED if ok else weightsync.SYNCER_FAILED).inc()
                     (self.applied if ok else self.failed).append(latest.policy_version)
                     self._publish(producer, "applied" if ok else "failed", latest, msg)
                     self.served = self.served_version()  # what the engine says, not what the apply call claimed
@@ -454,7 +455,7 @@ def last_published(config: Config, run_id: str, timeout_s: float = 60.0,
         TimeoutError: the end of ``control`` was not reached within ``timeout_s``.
     """
     from pipeline.bus import TopicReader
-    from pipeline.trainer.sync import read_published
+    from pipeline.weightsync import read_published
 
     best: events.Control | None = None
     topic = config.topics.name("control")

@@ -170,7 +170,8 @@ def topic_prefix(request) -> str:
 @pytest.fixture
 def kafka_config(broker_bootstrap, topic_prefix) -> Config:
     """Config on the session broker with this test's prefix and all topics.yaml topics created."""
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     config = make_config(broker_bootstrap, topic_prefix)
     apply_topics(config, load_topics(config.topics.file))

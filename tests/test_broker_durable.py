@@ -234,7 +234,8 @@ def test_memory_broker_keeps_nothing_after_a_restart():
     """The contrast: memory storage (tests only) starts empty every time."""
     from pipeline.broker import EmbeddedBroker
     from pipeline.procutil import free_port
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     port = free_port()
     with EmbeddedBroker(port=port) as b:

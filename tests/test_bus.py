@@ -135,12 +135,12 @@ def test_wrong_type_unknown_version_and_tombstone_go_to_a_dlq_created_as_declare
     of another topic's type (the judge used to acknowledge it silently), an unknown schema
     version, a tombstone; the DLQ topic was deleted, so it is created from topics.yaml."""
     import msgpack
-    from kafka import KafkaAdminClient, KafkaProducer
+    from kafka import KafkaProducer
 
-    from pipeline.bus import admin_kwargs
+    from pipeline.bus.admin import admin_client
 
     topic, dlq = kafka_config.topics.name("turns"), kafka_config.topics.dlq("turns")
-    admin = KafkaAdminClient(**admin_kwargs(kafka_config))
+    admin = admin_client(kafka_config)
     admin.delete_topics([dlq], timeout_ms=10_000)
     deadline = time.monotonic() + 10
     while dlq in admin.list_topics() and time.monotonic() < deadline:

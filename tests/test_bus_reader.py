@@ -10,11 +10,12 @@ import time
 
 import msgpack
 import pytest
-from kafka import KafkaAdminClient, KafkaProducer
+from kafka import KafkaProducer
 from prometheus_client import REGISTRY
 
 from pipeline import events
-from pipeline.bus import DeadLetterError, EventProducer, Offset, Time, TopicReader, Undecodable, admin_kwargs
+from pipeline.bus import DeadLetterError, EventProducer, Offset, Time, TopicReader, Undecodable
+from pipeline.bus.admin import admin_client
 from conftest import read_all
 
 
@@ -42,7 +43,7 @@ def _produce_raw(config, topic: str, values: list) -> list[int]:
 
 
 def _delete_topic(config, name: str) -> None:
-    admin = KafkaAdminClient(**admin_kwargs(config))
+    admin = admin_client(config)
     try:
         admin.delete_topics([name], timeout_ms=10_000)
         deadline = time.monotonic() + 10
@@ -54,7 +55,7 @@ def _delete_topic(config, name: str) -> None:
 
 
 def _partitions(config, name: str) -> int:
-    admin = KafkaAdminClient(**admin_kwargs(config))
+    admin = admin_client(config)
     try:
         return len(admin.describe_topics([name])[0]["partitions"])
     finally:
@@ -185,7 +186,7 @@ def test_an_observer_writes_nothing_joins_nothing_and_sees_bad_records(kafka_con
     error, no dead letter is written, no consumer group is created; read() ends when caught up."""
     topic = kafka_config.topics.name("samples")
     offs = _produce_raw(kafka_config, topic, [events.encode(_sample(0))] + [v for v, _ in _bad_values()])
-    admin = KafkaAdminClient(**admin_kwargs(kafka_config))
+    admin = admin_client(kafka_config)
     groups_before = set(map(str, admin.list_groups()))
     with TopicReader(kafka_config, [topic]) as r:
         got = list(r.read())

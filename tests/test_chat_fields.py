@@ -133,7 +133,8 @@ def engine_url(model_dir):
 def proxies(engine_url, model_dir, broker_bootstrap):
     from conftest import make_config
 
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     config = make_config(broker_bootstrap, f"t-fields-{uuid.uuid4().hex[:6]}-")
     apply_topics(config, load_topics(config.topics.file))

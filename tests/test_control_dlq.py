@@ -21,7 +21,7 @@ from kafka import KafkaProducer
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.proxy.control import ControlFollower
-from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
+from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from conftest import read_all
 from pipeline.testing.servers import StandInEngine, serve_app
 from pipeline.testing.waiting import until

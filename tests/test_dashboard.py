@@ -198,11 +198,9 @@ def test_views_redact_every_text_field():
 
 
 def test_reader_start_positions_and_no_group(kafka_config):
-    from kafka import KafkaAdminClient
+    from pipeline.bus.admin import admin_client
 
-    from pipeline.bus import admin_kwargs
-
-    admin = KafkaAdminClient(**admin_kwargs(kafka_config))
+    admin = admin_client(kafka_config)
     groups_before = set(map(str, admin.list_groups()))
     topic = kafka_config.topics.name("turns")
     publish(kafka_config, [events.SessionEnd(session_id="a", reason=str(i)) for i in range(6)], "turns")
@@ -413,7 +411,8 @@ def test_a_finished_run_is_served_from_its_durable_broker_log(tmp_path):
     from pipeline.broker import kafka_answers
     from pipeline.orchestrate.supervisor import Supervisor
     from pipeline.orchestrate.up import broker_stage_args, write_config_file
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     run_dir = tmp_path / "run"
     sup = Supervisor(run_dir / "logs")

@@ -24,7 +24,8 @@ from pipeline.bus import consumer_kwargs
 from pipeline.history.archive import Archiver, archive_topic
 from pipeline.history.store import ArchiveError, partition_files, read_archive
 from pipeline.simulate.feedback import THANKS_BRIEF, TOO_LONG
-from pipeline.topics import apply_topics, load_topics
+from pipeline.bus.admin import apply_topics
+from pipeline.topics import load_topics
 
 from conftest import make_config
 from pipeline.testing.topics import publish, read_records

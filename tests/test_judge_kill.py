@@ -24,7 +24,8 @@ import pytest
 from pipeline.procutil import free_port
 from pipeline.bus import EventProducer, TopicReader
 from pipeline.config import load_config
-from pipeline.topics import apply_topics, load_topics
+from pipeline.bus.admin import apply_topics
+from pipeline.topics import load_topics
 from conftest import scrape
 from pipeline.testing.judge import check_samples, scripted_stream
 from pipeline.testing.servers import StandInJudge

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from pipeline import weightsync
 from pipeline.models import resolve_model
 from pipeline.trainer import model as M
 
@@ -47,7 +48,7 @@ def test_logits_match_transformers_and_export_round_trips(runtime, tmp_path, nam
 
     out = M.export_hf(model, arch, path, tmp_path / "v000001")
     assert out is not None and out.path.is_dir()
-    assert M.verify_folder(out.path, out.sha256) == out.sha256
+    assert weightsync.verify_folder(out.path, out.sha256) == out.sha256
     assert (out.path / "tokenizer.json").exists()
     cfg = json.loads((out.path / "config.json").read_text())
     assert cfg["dtype"] == "float32"
@@ -69,13 +70,13 @@ def test_export_is_atomic_and_checksum_detects_tampering(runtime, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["v1"]  # no temporary folder left behind
     with pytest.raises(FileExistsError):
         M.export_hf(model, arch, path, tmp_path / "v1")
-    with open(out.path / M.WEIGHTS_FILE, "r+b") as f:
+    with open(out.path / weightsync.WEIGHTS_FILE, "r+b") as f:
         f.seek(-1, 2)
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
     with pytest.raises(ValueError, match="sha256"):
-        M.verify_folder(out.path, out.sha256)
+        weightsync.verify_folder(out.path, out.sha256)
 
 
 def test_arch_reads_rope_theta_from_both_config_styles():

@@ -62,7 +62,7 @@ def test_trainer_stage_under_torchrun_tp2(kafka_config, tmp_path):
 
     from pipeline.bus import EventProducer
     from pipeline.procutil import free_port
-    from pipeline.trainer.model import verify_folder
+    from pipeline.weightsync import verify_folder
 
     p = EventProducer(kafka_config, name="test")
     for s in _samples():
@@ -104,6 +104,7 @@ def _worker(hf_dir: str, out_dir: str) -> None:
     import torch
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from pipeline import weightsync
     from pipeline.trainer import dist, model as M
 
     torch.set_num_threads(1)
@@ -131,7 +132,7 @@ def _worker(hf_dir: str, out_dir: str) -> None:
             ref = hf(input_ids=ids).logits
         err = (full - ref).abs().max().item()
         assert err < 1e-5, err
-        src, dst = load_file(Path(hf_dir) / M.WEIGHTS_FILE), load_file(out.path / M.WEIGHTS_FILE)
+        src, dst = load_file(Path(hf_dir) / weightsync.WEIGHTS_FILE), load_file(out.path / weightsync.WEIGHTS_FILE)
         assert set(src) == set(dst) and all(torch.equal(src[k], dst[k]) for k in src)
     else:
         assert out is None

@@ -27,7 +27,8 @@ from pipeline.broker import EmbeddedBroker
 from pipeline.config import load_config
 from pipeline.procutil import free_port
 from pipeline.proxy.buffer import DB_NAME
-from pipeline.topics import apply_topics, load_topics
+from pipeline.bus.admin import apply_topics
+from pipeline.topics import load_topics
 from pipeline.testing.servers import StandInEngine, serve_app
 from pipeline.testing.topics import read_events
 from pipeline.testing.waiting import wait_for

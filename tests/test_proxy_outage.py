@@ -19,7 +19,8 @@ from pipeline.broker import EmbeddedBroker
 from pipeline.procutil import free_port
 from pipeline.config import load_config
 from pipeline.proxy.publisher import EventPublisher
-from pipeline.topics import apply_topics, load_topics
+from pipeline.bus.admin import apply_topics
+from pipeline.topics import load_topics
 from pipeline.testing.proxy import running_proxy
 from pipeline.testing.servers import StandInEngine, serve_app
 from pipeline.testing.topics import read_events, read_records

@@ -59,7 +59,8 @@ def served(request, tmp_path_factory):
 
 
 def _config(broker_bootstrap, folder: str):
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     c = make_config(broker_bootstrap, f"t-sglang-signal-{uuid.uuid4().hex[:6]}-", engine={"model": folder})
     apply_topics(c, load_topics(c.topics.file))

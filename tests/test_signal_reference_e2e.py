@@ -369,7 +369,8 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
 
     from pipeline.models import resolve_model
     from pipeline.testing.proxy import running_proxy
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
     from pipeline.trainer.source import SampleSource
 
     c = make_config(broker_bootstrap, f"t-signal-ref-{uuid.uuid4().hex[:6]}-")

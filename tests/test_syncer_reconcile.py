@@ -227,7 +227,7 @@ def test_syncer_restarted_during_a_sync_completes_it(kafka_config, tmp_path):
 
 def test_control_aged_out_falls_back_to_the_trainers_record(kafka_config, tmp_path):
     from pipeline.syncer import last_published
-    from pipeline.trainer.sync import Published, write_published
+    from pipeline.weightsync import Published, write_published
 
     cfg = _config(kafka_config, tmp_path)
     v3, sha3 = shifted_export(tmp_path / "weights", 3)

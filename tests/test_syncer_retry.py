@@ -14,7 +14,7 @@ import pytest
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.syncer import Syncer
-from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
+from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from pipeline.testing.servers import StandInEngine, serve_app
 
 
@@ -52,11 +52,11 @@ def test_apply_retries_only_transient_answers(tmp_path, statuses, updates, ok):
 
 
 def test_checksum_mismatch_fails_at_once_without_calling_the_engine(tmp_path, caplog, monkeypatch):
-    from pipeline.trainer import checksum
+    from pipeline import weightsync
 
     checks = []
-    real = checksum.verify_folder
-    monkeypatch.setattr(checksum, "verify_folder", lambda *a: checks.append(a) or real(*a))
+    real = weightsync.verify_folder
+    monkeypatch.setattr(weightsync, "verify_folder", lambda *a: checks.append(a) or real(*a))
     engine = StandInEngine()
     with serve_app(engine) as url, caplog.at_level(logging.WARNING, "pipeline.syncer"):
         ok, msg = _syncer(url, retries=5).apply(_weights(tmp_path, corrupt=True))

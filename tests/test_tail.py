@@ -41,11 +41,9 @@ def _tail(cfg: str, *args) -> list[dict]:
 
 
 def _committed(config, group: str) -> dict:
-    from kafka import KafkaAdminClient
+    from pipeline.bus.admin import admin_client
 
-    from pipeline.bus import admin_kwargs
-
-    admin = KafkaAdminClient(**admin_kwargs(config))
+    admin = admin_client(config)
     try:
         return {(tp.topic, tp.partition): om.offset for tp, om in admin.list_group_offsets({group: None})[group].items()}
     finally:
@@ -53,10 +51,11 @@ def _committed(config, group: str) -> dict:
 
 
 def test_tail_decodes_filters_and_leaves_groups_alone(kafka_config, tmp_path):
-    from kafka import KafkaAdminClient, KafkaConsumer
+    from kafka import KafkaConsumer
     from kafka.structs import OffsetAndMetadata, TopicPartition
 
-    from pipeline.bus import admin_kwargs, consumer_kwargs
+    from pipeline.bus import consumer_kwargs
+    from pipeline.bus.admin import admin_client
 
     cfg = _cfg_file(kafka_config, tmp_path)
     a, _ = marked_conversation("s-a", turns=2)
@@ -72,7 +71,7 @@ def test_tail_decodes_filters_and_leaves_groups_alone(kafka_config, tmp_path):
     c.commit({TopicPartition(topic, p): OffsetAndMetadata(1, "", -1) for p in parts})
     c.close()
     before = _committed(kafka_config, group)
-    admin = KafkaAdminClient(**admin_kwargs(kafka_config))
+    admin = admin_client(kafka_config)
     groups_before = set(map(str, admin.list_groups()))
 
     rows = _tail(cfg, "turns", "--session", "s-a")

@@ -14,20 +14,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.bus.admin import admin_client, describe_topics
-from pipeline.topics import STAGE_TOPICS, TopicsError, ensure_topics, load_topics
+from pipeline.bus.admin import admin_client, create_topics, describe_topics, ensure_topics
+from pipeline.topics import STAGE_TOPICS, TopicsError, load_topics
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _create(config, name: str, partitions: int, **configs: str) -> None:
-    from kafka.admin import NewTopic
-
     admin = admin_client(config)
     try:
-        admin.create_topics([NewTopic(config.topics.name(name), partitions, 1, topic_configs=configs)],
-                            timeout_ms=30_000)
+        create_topics(admin, [(config.topics.name(name), partitions, 1, configs)])
     finally:
         admin.close()
 

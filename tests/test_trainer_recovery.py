@@ -176,7 +176,7 @@ def test_latest_pointer_to_a_missing_folder_without_checkpoint_refuses(kafka_con
 def test_from_newest_export_continues_from_its_weights(kafka_config, tmp_path, runtime):
     from pipeline.trainer import prom
     from pipeline.trainer.stage import TrainerStage
-    from pipeline.trainer.sync import read_published
+    from pipeline.weightsync import read_published
 
     cfg = _config(kafka_config, tmp_path, missing_checkpoint="newest_export")
     _trained_export(tmp_path / "weights", 3, shift=0.02)

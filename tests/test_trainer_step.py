@@ -186,7 +186,7 @@ def test_metrics_log_follows_the_checkpoint(tmp_path):
 
 
 def test_export_versions_lists_complete_folders_only(tmp_path):
-    from pipeline.trainer.model import CHECKSUM_FILE
+    from pipeline.weightsync import CHECKSUM_FILE
     from pipeline.trainer.stage import export_versions
 
     for v, complete in ((1, True), (2, True), (3, False)):

@@ -118,7 +118,7 @@ def test_sync_times_out_reports_failed_and_resumes(kafka_config, tmp_path):
 def test_syncer_verifies_checksum_retries_and_reports_failed(kafka_config, tmp_path):
     from pipeline.syncer import Syncer
     from pipeline.procutil import free_port
-    from pipeline.trainer.model import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
+    from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 
     folder = tmp_path / "v000003"
     folder.mkdir()

@@ -1,7 +1,8 @@
 """The Kafka data plane shared by every stage: the one way to read and write Kafka.
 
 - :class:`EventProducer`: idempotent producer (acks=all, compression, bounded in-flight buffer,
-  delivery callbacks, metrics).
+  delivery callbacks, metrics); :data:`NOT_QUEUED`: what its ``send`` raises for a record it did
+  not queue (send it again later).
 - :class:`ConsumerApp`: one consumer-group application per process in the spirit of Quix
   Streams' ``Application``: poll, decode, handle, commit only after processing (or after a
   deferred acknowledgement), pause on backpressure, graceful shutdown on SIGTERM/SIGINT.
@@ -16,11 +17,11 @@
 """
 
 from pipeline.bus.consumer import ConsumerApp
-from pipeline.bus.producer import BufferFull, EventProducer
+from pipeline.bus.producer import NOT_QUEUED, BufferFull, EventProducer
 from pipeline.bus.reader import Offset, Time, TopicMissing, TopicReader, Undecodable, read_events
 from pipeline.bus.records import DECLARED, DeadLetterError, Record, RecordIntake, WrongTopic, stop_on_signals
 from pipeline.bus.settings import admin_kwargs, consumer_kwargs, producer_kwargs
 
 __all__ = ["ConsumerApp", "TopicReader", "read_events", "Offset", "Time", "Undecodable", "Record", "RecordIntake", "DECLARED",
-           "DeadLetterError", "WrongTopic", "TopicMissing", "stop_on_signals", "EventProducer", "BufferFull",
+           "DeadLetterError", "WrongTopic", "TopicMissing", "stop_on_signals", "EventProducer", "BufferFull", "NOT_QUEUED",
            "consumer_kwargs", "producer_kwargs", "admin_kwargs"]

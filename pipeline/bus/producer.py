@@ -7,6 +7,7 @@ import threading
 from typing import Callable
 
 from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
 
 from pipeline import events
 from pipeline.bus.settings import producer_kwargs
@@ -19,6 +20,12 @@ log = logging.getLogger(__name__)
 
 class BufferFull(PipelineError, RuntimeError):
     """More than ``max_pending`` events are unacknowledged and none freed within the wait."""
+
+
+#: what :meth:`EventProducer.send` raises when it did not queue the record, which may be sent
+#: again later: the bound on unacknowledged events stayed full (:class:`BufferFull`), or the
+#: topic's metadata did not come within ``max_block_ms`` (kafka-python's ``KafkaTimeoutError``).
+NOT_QUEUED: tuple[type[Exception], ...] = (BufferFull, KafkaTimeoutError)
 
 
 class EventProducer:

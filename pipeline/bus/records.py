@@ -299,32 +299,17 @@ def ensure_dlq_topic(config: Config, target: str) -> bool:
         pipeline.topics.TopicsError: the broker refused the creation.
         kafka.errors.KafkaError: the broker could not be reached.
     """
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
+    from pipeline.bus.admin import create_topic_if_missing
 
-    from pipeline.bus.settings import admin_kwargs
-    from pipeline.topics import TopicsError
-
-    admin = KafkaAdminClient(**admin_kwargs(config))
-    try:
-        if target in set(admin.list_topics()):
-            return False
-        spec = _declared_spec(config, target)
-        if spec is None:
-            like = next((s for n, s in _specs(config).items() if n.endswith(config.topics.dlq_suffix)), None)
-            parts, rf, cfg = (1, like.replication_factor, like.config) if like else (1, 1, {})
-        else:
-            parts, rf, cfg = spec.partitions, spec.replication_factor, spec.config
-        try:
-            admin.create_topics([NewTopic(target, parts, rf, topic_configs=cfg)], timeout_ms=30_000)
-        except TopicAlreadyExistsError:
-            return False
-        except Exception as e:
-            raise TopicsError(f"broker refused to create dead-letter topic {target}: {e}") from e
-        log.info("created dead-letter topic %s (%d partitions)", target, parts)
-        return True
-    finally:
-        admin.close()
+    spec = _declared_spec(config, target)
+    if spec is None:
+        like = next((s for n, s in _specs(config).items() if n.endswith(config.topics.dlq_suffix)), None)
+        parts, rf, cfg = (1, like.replication_factor, like.config) if like else (1, 1, {})
+    else:
+        parts, rf, cfg = spec.partitions, spec.replication_factor, spec.config
+    if not create_topic_if_missing(config, target, parts, rf, cfg, what="dead-letter topic"):
+        return False
+    log.info("created dead-letter topic %s (%d partitions)", target, parts)
+    return True
 
 

@@ -25,7 +25,7 @@ def producer_kwargs(config: Config) -> dict[str, Any]:
     """Arguments for an idempotent ``KafkaProducer`` (acks=all, compression, bounded blocking).
 
     It never asks the broker to auto-create a topic it sends to (topics come from topics.yaml:
-    :func:`pipeline.topics.ensure_topics`), even on a cluster that allows auto-creation.
+    :func:`pipeline.bus.admin.ensure_topics`), even on a cluster that allows auto-creation.
     """
     k = config.kafka
     return {

@@ -20,6 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.bus import TopicReader
+from pipeline.bus.admin import admin_client, group_lag
 from pipeline.config import Config
 from pipeline.dashboard.state import DashboardState
 
@@ -110,13 +111,6 @@ def total(values: dict[str, float], name: str) -> float | None:
     return sum(hits) if hits else None
 
 
-def _group_id(listed: Any) -> str:
-    """The id of one ``KafkaAdminClient.list_groups()`` entry (a dict in kafka-python 3, a tuple before)."""
-    if isinstance(listed, dict):
-        return str(listed.get("group_id"))
-    return str(listed[0] if isinstance(listed, (tuple, list)) else listed)
-
-
 class Scraper:
     """Background scraper (see the module docstring)."""
 
@@ -180,23 +174,8 @@ class Scraper:
             return []
         try:
             if self._admin is None:
-                from kafka import KafkaAdminClient
-
-                from pipeline.bus import admin_kwargs
-
-                self._admin = KafkaAdminClient(**admin_kwargs(self.config))
-            groups = [_group_id(g) for g in self._admin.list_groups()]
-            out = []
-            topics = {t for t, _ in hws}
-            for g in sorted(set(groups)):
-                offsets = self._admin.list_group_offsets({g: None}).get(g, {})
-                per_topic: dict[str, int] = {}
-                for tp, om in offsets.items():
-                    if tp.topic in topics and (tp.topic, tp.partition) in hws and om.offset >= 0:
-                        per_topic[tp.topic] = per_topic.get(tp.topic, 0) + max(0, hws[(tp.topic, tp.partition)] - om.offset)
-                for topic, n in sorted(per_topic.items()):
-                    out.append({"group": g, "topic": topic, "lag": n})
-            return out
+                self._admin = admin_client(self.config)
+            return group_lag(self._admin, hws)
         except Exception as e:  # noqa: BLE001 - a broker without these admin calls: stages' gauges remain
             log.debug("consumer-group lag unavailable: %s", e)
             return []

@@ -238,19 +238,17 @@ def topic_records(config, topic: str, start: Bound | None, end: Bound | None, st
 # ---- sink -------------------------------------------------------------------------------------
 def ensure_topic(config, name: str, like: str = "turns") -> bool:
     """Create topic ``name`` with the partitions/config of ``like`` in topics.yaml if missing.
-    Returns True when created."""
-    from pipeline.bus.admin import admin_client, create_topics
+    Returns True when created (False when it exists, or another client created it meanwhile).
+
+    Raises:
+        pipeline.topics.TopicsError: topics.yaml is unreadable, or the broker refused the creation.
+        kafka.errors.KafkaError: the broker could not be reached.
+    """
+    from pipeline.bus.admin import create_topic_if_missing
     from pipeline.topics import load_topics
 
     spec = next(s for s in load_topics(config.topics.file) if s.name == like)
-    admin = admin_client(config)
-    try:
-        if name in set(admin.list_topics()):
-            return False
-        create_topics(admin, [(name, spec.partitions, spec.replication_factor, spec.config)])
-        return True
-    finally:
-        admin.close()
+    return create_topic_if_missing(config, name, spec.partitions, spec.replication_factor, spec.config)
 
 
 def replay(records: Iterable[ArchivedRecord], producer, topic: str, *, mark: bool = True, bar=None) -> dict:

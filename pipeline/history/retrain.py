@@ -247,7 +247,8 @@ def run_trainer(sup: Supervisor, cfg_path: Path, steps: int, deadline: float) ->
 def run(args, config: Config) -> int:
     from pipeline.bus import read_events
     from pipeline.orchestrate.up import write_config_file
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     name = args.name or time.strftime("retrain-%Y%m%d-%H%M%S")
     run_dir = Path(args.run_dir or f"runs/{name}")

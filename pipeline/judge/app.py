@@ -35,10 +35,8 @@ import threading
 import time
 from collections import deque
 
-from kafka.errors import KafkaTimeoutError
-
 from pipeline import events
-from pipeline.bus import BufferFull, ConsumerApp, EventProducer
+from pipeline.bus import NOT_QUEUED, ConsumerApp, EventProducer
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
 from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
@@ -183,7 +181,7 @@ class JudgeApp:
             end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=at, turn_index=turn_index)
             try:
                 self.producer.send(self.turns_topic, end, key=sid)
-            except (BufferFull, KafkaTimeoutError) as e:  # proposed again after its next record
+            except NOT_QUEUED as e:  # proposed again after its next record
                 log.warning("%s: could not publish the idle end of %s (%s)", self.name, sid, e)
                 continue
             metrics.IDLE_ENDS.inc()
@@ -308,7 +306,7 @@ class JudgeApp:
                 try:
                     self.producer.send(topic, value, key=job.session_id, on_delivery=on_delivery)
                     break
-                except (BufferFull, KafkaTimeoutError) as e:
+                except NOT_QUEUED as e:
                     log.warning("%s: producer busy (%s), retrying", self.name, e)
                     await asyncio.sleep(0.2)
             if topic == self.samples_topic:

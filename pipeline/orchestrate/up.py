@@ -426,7 +426,8 @@ def launch_stack(plan: StackPlan, supervisor: Supervisor) -> None:
     Raises:
         StageFailed: a stage exited or was not ready in time (its log tail is in the message).
     """
-    from pipeline.topics import apply_topics, load_topics
+    from pipeline.bus.admin import apply_topics
+    from pipeline.topics import load_topics
 
     if plan.broker is not None:
         _launch(supervisor, plan.broker)

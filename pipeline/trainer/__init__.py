@@ -5,7 +5,6 @@ Modules (each small, one purpose):
 - :mod:`~pipeline.trainer.cpu_shim` — megatron-core on a CPU-only torch (gloo), reversible;
 - :mod:`~pipeline.trainer.dist` — process group + Megatron parallel state (one process or torchrun);
 - :mod:`~pipeline.trainer.model` — HF Llama-family <-> Megatron ``GPTModel`` (TP shards, atomic export);
-- :mod:`~pipeline.trainer.checksum` — sha256 of exported folders (torch-free, shared with the syncer);
 - :mod:`~pipeline.trainer.loss` — advantages (GRPO, OPD, combine), PPO clip, KL, TIS, aggregation, staleness;
 - :mod:`~pipeline.trainer.batch` — samples -> padded micro-batch tensors;
 - :mod:`~pipeline.trainer.policy` — model + Megatron DDP + Megatron optimizer; one training step;
@@ -15,5 +14,7 @@ Modules (each small, one purpose):
 - :mod:`~pipeline.trainer.metrics`, :mod:`~pipeline.trainer.prom` — JSONL log, progress bar, Prometheus;
 - :mod:`~pipeline.trainer.stage` / :mod:`~pipeline.trainer.cli` — ``python -m pipeline trainer``.
 
-The per-engine syncer is :mod:`pipeline.syncer` (``python -m pipeline syncer --engine URL``).
+The per-engine syncer is :mod:`pipeline.syncer` (``python -m pipeline syncer --engine URL``); what
+both sides of a weight sync share (folder checksum, ``published.json``, the syncer's metrics) is
+:mod:`pipeline.weightsync`, and durable file writes are :mod:`pipeline.files`.
 """

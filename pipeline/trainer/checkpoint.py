@@ -11,7 +11,7 @@ Layout under ``trainer.checkpoint_dir``::
 
 A checkpoint is written into ``.step_N.tmp`` (every file fsynced, then the folder), renamed
 when complete and the parent folder fsynced; then ``latest`` is replaced the same way (see
-:mod:`pipeline.trainer.files`). So a crash or a power loss leaves either the previous
+:mod:`pipeline.files`). So a crash or a power loss leaves either the previous
 checkpoint or the new one, never a torn one. :func:`latest` trusts the pointer only when it
 names a complete folder; otherwise it falls back to the newest complete ``step_*`` folder.
 The consumed offsets inside ``meta.json`` are the source of truth on restart (the consumer
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.trainer.dist import Parallel
-from pipeline.trainer.files import atomic_write_text, fsync_dir
+from pipeline.files import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 

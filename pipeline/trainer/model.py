@@ -47,9 +47,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-from pipeline.trainer.checksum import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file, verify_folder  # noqa: F401
 from pipeline.errors import PipelineError
-from pipeline.trainer.files import fsync_dir
+from pipeline.files import fsync_dir
+from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

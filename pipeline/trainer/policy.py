@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipeline import events
+from pipeline import events, weightsync
 from pipeline.config import TrainerConfig
 from pipeline.trainer import batch as B
 from pipeline.trainer import loss as L
@@ -620,6 +620,6 @@ class PolicyTrainer:
 
         Raises ``ValueError`` on a checksum mismatch and ``FileNotFoundError`` without weights.
         """
-        M.verify_folder(hf_dir)
+        weightsync.verify_folder(hf_dir)
         M.load_hf_weights(self.model, hf_dir, self.arch)
         self.optimizer.reload_model_params()  # bf16: the fp32 master copies follow the new weights

@@ -1,7 +1,8 @@
-"""Prometheus metrics of the trainer and the syncer (served on ``config.metrics_port`` when set).
+"""Prometheus metrics of the trainer (served on ``config.metrics_port`` when set).
 
 The JSONL log (:mod:`pipeline.trainer.metrics`) has every per-step number; these are the ones
-dashboards and ``pipeline up`` read.
+dashboards and ``pipeline up`` read. The syncer's metrics (``pipeline_syncer_*``) are in
+:mod:`pipeline.weightsync`, the module both sides of a weight sync share.
 """
 
 from __future__ import annotations
@@ -38,23 +39,6 @@ OPTIMIZER_STEPS = Counter("pipeline_trainer_optimizer_steps_total",
 PUBLISHED_VERSION = Gauge("pipeline_trainer_published_version",
                           "Last policy version the trainer published on control (its weights event)")
 SYNC_FAILED = Counter("pipeline_trainer_sync_failures_total", "Engines that failed or timed out a weight sync")
-
-SYNCER_APPLIED = Counter("pipeline_syncer_applied_total", "Weight versions applied to the engine")
-SYNCER_FAILED = Counter("pipeline_syncer_failed_total", "Weight versions that could not be applied (after retries)")
-SYNCER_ENGINE_VERSION = Gauge("pipeline_syncer_engine_weight_version",
-                              "Weights version the engine serves (its /model_info; NaN: unknown or not a number)",
-                              ["engine_id"])
-SYNCER_PUBLISHED_VERSION = Gauge("pipeline_syncer_published_version",
-                                 "Last policy version the trainer published, as this engine's syncer knows it "
-                                 "(NaN: none yet)", ["engine_id"])
-SYNCER_BEHIND = Gauge("pipeline_syncer_engine_versions_behind",
-                      "Published minus served version (0: the engine serves the trainer's latest weights; NaN: either unknown)",
-                      ["engine_id"])
-SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
-                            "Times the engine was found serving another version than the last published one "
-                            "(engine or syncer restart) and the published one was re-applied", ["engine_id"])
-SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
-                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
 
 def observe_step(record: dict) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import events
+from pipeline import events, weightsync
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.models import resolve_model
@@ -63,7 +63,7 @@ def export_versions(export_dir: str | Path) -> list[int]:
     root = Path(export_dir)
     if root.is_dir():
         for p in root.glob("v*"):
-            if p.is_dir() and p.name[1:].isdigit() and (p / M.CHECKSUM_FILE).exists():
+            if p.is_dir() and p.name[1:].isdigit() and (p / weightsync.CHECKSUM_FILE).exists():
                 out.append(int(p.name[1:]))
     return sorted(out)
 
@@ -137,9 +137,9 @@ class TrainerStage:
             elif C.read_synced(self.ckpt_dir) < self.version:
                 need_sync = True
             from pipeline.trainer.source import SampleSource
-            from pipeline.trainer.sync import WeightPublisher, read_published
+            from pipeline.trainer.sync import WeightPublisher
 
-            last = read_published(self.export_dir)
+            last = weightsync.read_published(self.export_dir)
             if last is not None and last.run_id == cfg.run_id:  # the gauge survives a restart
                 prom.PUBLISHED_VERSION.set(last.policy_version)
 
@@ -224,7 +224,7 @@ class TrainerStage:
         reuse = False
         if self.par.is_main and out.exists():
             try:
-                M.verify_folder(out)
+                weightsync.verify_folder(out)
                 reuse = True
             except (OSError, ValueError):
                 shutil.rmtree(out, ignore_errors=True)
@@ -233,7 +233,7 @@ class TrainerStage:
         record["export_s"] = time.perf_counter() - t0
         if not self.par.is_main:
             return
-        sha = exported.sha256 if exported is not None else M.verify_folder(out)
+        sha = exported.sha256 if exported is not None else weightsync.verify_folder(out)
         location = str(out.resolve())
         report = self.publisher.sync(self.version, location, sha, stop=self.stop)
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)

@@ -18,22 +18,24 @@ to ``control.dlq`` and the wait goes on (if the dead letter cannot be written wi
 ``DLQ_GIVE_UP_S`` the record is logged as an error and passed over: the wait commits nothing).
 
 Once the broker holds the ``weights`` event, the trainer also records it in
-``<export_dir>/published.json`` (:func:`write_published`): the last version it published, which
-a (re)starting syncer reconciles its engine to when ``control`` has aged it out.
+``<export_dir>/published.json`` (:func:`pipeline.weightsync.write_published`): the last version
+it published, which a (re)starting syncer reconciles its engine to when ``control`` has aged it
+out. The checksum, that record and the syncer's metrics are :mod:`pipeline.weightsync`, shared
+with the syncer (which imports nothing of the trainer).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import events
 from pipeline.bus import EventProducer, Offset, TopicReader
 from pipeline.config import Config
+from pipeline.weightsync import PUBLISHED, Published, write_published
 
 log = logging.getLogger(__name__)
 
@@ -135,41 +137,3 @@ class WeightPublisher:
         """Flush and close the producer."""
         self.producer.close()
 
-
-# ---- the trainer's record of what it published ------------------------------------------------
-
-PUBLISHED = "published.json"
-
-
-@dataclass(frozen=True)
-class Published:
-    """A ``weights`` event the trainer published: run, policy version, folder, sha256, time (ms)."""
-
-    run_id: str
-    policy_version: int
-    location: str
-    sha256: str
-    created_at: int = 0
-
-
-def write_published(export_dir: str | Path, rec: Published) -> None:
-    """Record ``rec`` in ``<export_dir>/published.json`` (atomic and durable).
-
-    Written right after the broker acknowledged the ``weights`` event, so it never names a
-    version the trainer did not publish. Syncers fall back to it when ``control`` no longer
-    holds any ``weights`` event of the run (retention), see :func:`pipeline.syncer.last_published`.
-    """
-    from pipeline.trainer.files import atomic_write_text
-
-    Path(export_dir).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(export_dir) / PUBLISHED, json.dumps(asdict(rec), sort_keys=True) + "\n")
-
-
-def read_published(export_dir: str | Path) -> Published | None:
-    """The record of :func:`write_published`, or None when absent or unreadable."""
-    try:
-        data = json.loads((Path(export_dir) / PUBLISHED).read_text())
-        return Published(str(data["run_id"]), int(data["policy_version"]), str(data["location"]),
-                         str(data["sha256"]), int(data.get("created_at", 0)))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None

@@ -1,10 +1,11 @@
-"""Durable file writes for the trainer's checkpoints, exports and records.
+"""Durable file writes: the trainer's checkpoints and exports, the weight-sync record.
 
-A rename is atomic but not durable by itself: after a power loss the directory entry of the
-renamed folder (or of a replaced file) may be gone even though the data was fsynced. The
-recipe used everywhere in the trainer is therefore: write into a temporary name, fsync the
-file(s), fsync the temporary folder, rename, fsync the parent folder (POSIX ``rename(2)`` and
-``fsync(2)`` on a directory descriptor; what ext4/xfs need for the rename to survive a crash).
+Torch-free and stage-free (only ``os``), so any stage may use it. A rename is atomic but not
+durable by itself: after a power loss the directory entry of the renamed folder (or of a
+replaced file) may be gone even though the data was fsynced. The recipe used everywhere is
+therefore: write into a temporary name, fsync the file(s), fsync the temporary folder, rename,
+fsync the parent folder (POSIX ``rename(2)`` and ``fsync(2)`` on a directory descriptor; what
+ext4/xfs need for the rename to survive a crash).
 """
 
 from __future__ import annotations

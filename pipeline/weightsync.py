@@ -1,0 +1,146 @@
+"""The weight-sync protocol's shared parts: what the trainer and every syncer must agree on.
+
+One module, torch-free and stage-free (it imports neither :mod:`pipeline.trainer` nor
+:mod:`pipeline.syncer`), used by both sides of a sync:
+
+- the exported folder's layout and its checksum: ``<folder>/model.safetensors`` plus
+  ``model.safetensors.sha256`` (``"<hex>  model.safetensors"``, the ``sha256sum`` format),
+  :func:`sha256_file`, :func:`verify_folder`. The trainer writes them
+  (:func:`pipeline.trainer.model.write_hf_folder`), a syncer checks them before any engine loads the
+  folder;
+- the published record ``<trainer.export_dir>/published.json`` (:class:`Published`,
+  :func:`write_published`, :func:`read_published`): the last ``weights`` event the trainer
+  published, which a (re)starting syncer falls back to when ``control`` has aged it out;
+- the syncer's Prometheus metrics (``pipeline_syncer_*``), defined here once, when this module
+  is first imported (a second definition of a name would raise in ``prometheus_client``).
+
+The messages themselves (``pause`` -> ``weights`` -> ``applied``/``failed`` -> ``resume`` on
+``control``) are :class:`pipeline.events.Control`; the trainer's half of the exchange is
+:mod:`pipeline.trainer.sync`, the syncer's is :mod:`pipeline.syncer`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from pipeline.files import atomic_write_text
+
+# ---- the exported folder and its checksum -----------------------------------------------------
+
+WEIGHTS_FILE = "model.safetensors"
+CHECKSUM_FILE = "model.safetensors.sha256"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
+    """Hex sha256 (64 lowercase hex digits) of the file at ``path``, read ``chunk`` bytes at a time.
+
+    ``chunk`` is in bytes (default 8 MiB: a multi-GiB safetensors file is never held in memory).
+    Raises ``OSError`` (``FileNotFoundError`` included) when the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def verify_folder(path: str | os.PathLike, sha256: str | None = None) -> str:
+    """Recompute the sha256 of ``path/model.safetensors``; compare it to ``sha256`` and the checksum file.
+
+    Args:
+        path: an exported weights folder (``v<N>`` under ``trainer.export_dir``).
+        sha256: the hex digest the ``weights`` event (or ``published.json``) names; None checks
+            only against ``model.safetensors.sha256`` (when that file exists).
+    Returns:
+        The hex digest of ``model.safetensors``.
+    Raises:
+        FileNotFoundError: ``model.safetensors`` is missing.
+        ValueError: a mismatch with ``sha256`` or with the checksum file (a torn, half-copied or
+            tampered folder): an engine must not load it.
+    """
+    path = Path(path)
+    digest = sha256_file(path / WEIGHTS_FILE)
+    if sha256 is not None and digest != sha256:
+        raise ValueError(f"{path}: sha256 {digest} != published {sha256}")
+    side = path / CHECKSUM_FILE
+    if side.exists() and side.read_text().split()[0] != digest:
+        raise ValueError(f"{path}: sha256 {digest} != {CHECKSUM_FILE}")
+    return digest
+
+
+# ---- the trainer's record of what it published ------------------------------------------------
+
+PUBLISHED = "published.json"
+
+
+@dataclass(frozen=True)
+class Published:
+    """A ``weights`` event the trainer published.
+
+    Fields: ``run_id``; ``policy_version`` (the event's version and epoch); ``location`` (the
+    exported folder); ``sha256`` (hex digest of its ``model.safetensors``); ``created_at`` (the
+    event's time, ms since the epoch; 0 when unknown).
+    """
+
+    run_id: str
+    policy_version: int
+    location: str
+    sha256: str
+    created_at: int = 0
+
+
+def write_published(export_dir: str | Path, rec: Published) -> None:
+    """Record ``rec`` in ``<export_dir>/published.json`` (atomic and durable, sorted-key JSON).
+
+    The trainer writes it right after the broker acknowledged the ``weights`` event, so it never
+    names a version the trainer did not publish. Syncers fall back to it when ``control`` no
+    longer holds any ``weights`` event of the run (retention), see
+    :func:`pipeline.syncer.last_published`. Creates ``export_dir`` when missing.
+
+    Raises:
+        OSError: the folder or the file cannot be written.
+    """
+    Path(export_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(export_dir) / PUBLISHED, json.dumps(asdict(rec), sort_keys=True) + "\n")
+
+
+def read_published(export_dir: str | Path) -> Published | None:
+    """The record :func:`write_published` left in ``export_dir``.
+
+    Returns None when it is absent or unreadable (not JSON, a field missing or of the wrong
+    type): the caller then knows only what ``control`` holds. Never raises.
+    """
+    try:
+        data = json.loads((Path(export_dir) / PUBLISHED).read_text())
+        return Published(str(data["run_id"]), int(data["policy_version"]), str(data["location"]),
+                         str(data["sha256"]), int(data.get("created_at", 0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---- the syncer's Prometheus metrics (served on its metrics port) -----------------------------
+# The trainer's own (steps, losses, pipeline_trainer_published_version, sync failures it saw)
+# are in pipeline.trainer.prom.
+
+SYNCER_APPLIED = Counter("pipeline_syncer_applied_total", "Weight versions applied to the engine")
+SYNCER_FAILED = Counter("pipeline_syncer_failed_total", "Weight versions that could not be applied (after retries)")
+SYNCER_ENGINE_VERSION = Gauge("pipeline_syncer_engine_weight_version",
+                              "Weights version the engine serves (its /model_info; NaN: unknown or not a number)",
+                              ["engine_id"])
+SYNCER_PUBLISHED_VERSION = Gauge("pipeline_syncer_published_version",
+                                 "Last policy version the trainer published, as this engine's syncer knows it "
+                                 "(NaN: none yet)", ["engine_id"])
+SYNCER_BEHIND = Gauge("pipeline_syncer_engine_versions_behind",
+                      "Published minus served version (0: the engine serves the trainer's latest weights; NaN: either unknown)",
+                      ["engine_id"])
+SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
+                            "Times the engine was found serving another version than the last published one "
+                            "(engine or syncer restart) and the published one was re-applied", ["engine_id"])
+SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
+                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
