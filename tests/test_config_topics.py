@@ -125,3 +125,35 @@ def test_secrets_only_from_the_environment(tmp_path):
     f.write_text(yaml.safe_dump({"proxy": {"api_keys": ["k"]}}))
     with pytest.raises(ConfigError, match="proxy.api_keys is a secret"):
         load_config(str(f))
+
+
+@pytest.mark.parametrize("raised, want", [("timeout", "KafkaTimeoutError"), ("connection", "KafkaConnectionError"),
+                                          ("refused", "TopicsError")])
+def test_a_creation_the_broker_refuses_is_a_topics_error_and_an_unreachable_broker_stays_so(monkeypatch, raised, want):
+    """``create_topic_if_missing``: a refusal reads "broker refused to create ..."; a time-out or a
+    lost connection stays kafka-python's, so the CLI prints its "cannot reach the Kafka broker"
+    line instead of a traceback (stand-in admin client: the broker's answers are the cases)."""
+    from kafka.errors import InvalidReplicationFactorError, KafkaConnectionError, KafkaTimeoutError
+
+    from pipeline.bus import admin
+
+    errors = {"timeout": KafkaTimeoutError("no answer"), "connection": KafkaConnectionError("lost"),
+              "refused": InvalidReplicationFactorError("rf 3 > 1 broker")}
+
+    class StandInAdmin:
+        def list_topics(self):
+            return ["other"]
+
+        def create_topics(self, *a, **kw):
+            raise errors[raised]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(admin, "admin_client", lambda config: StandInAdmin())
+    with pytest.raises(Exception) as got:
+        admin.create_topic_if_missing(load_config(None), "t", 1, 3, {}, what="topic")
+    assert type(got.value).__name__ == want
+    assert admin.is_unreachable(got.value) == (raised != "refused")
+    if raised == "refused":
+        assert str(got.value).startswith("broker refused to create topic t: ")

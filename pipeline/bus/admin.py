@@ -155,6 +155,8 @@ def create_topic_if_missing(config: Config, name: str, partitions: int, replicat
         except TopicAlreadyExistsError:
             return False
         except Exception as e:
+            if is_unreachable(e):  # not a refusal: the CLI's "cannot reach the Kafka broker" line
+                raise
             raise TopicsError(f"broker refused to create {what} {name}: {e}") from e
         return True
     finally:
