@@ -67,11 +67,15 @@ _EARLY: dict = {}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Files with the longest tests first. Under ``--dist loadfile`` each worker takes whole files
+    """Every test that uses the session broker is marked ``broker`` (``-m "not slow and not broker"``
+    is the fast lane). Files with the longest tests first. Under ``--dist loadfile`` each worker takes whole files
     in collection order, and the suite is CPU-bound on two cores: a long file started last runs
     alone at the end. A file's weight is the sum of its tests' ``slow(seconds=...)`` hints (a
     scheduling hint, never a limit; 30 for a bare ``slow``); the sort is stable."""
     weight: dict = {}
+    for item in items:
+        if "broker_bootstrap" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.broker)
     for item in items:
         for mark in item.iter_markers("slow"):
             weight[item.path] = weight.get(item.path, 0) + mark.kwargs.get("seconds", 30)

@@ -80,6 +80,7 @@ def test_render_strimzi_matches_topics_yaml():
         assert d["spec"]["config"] == s.config and d["spec"]["replicas"] == s.replication_factor
 
 
+@pytest.mark.slow(seconds=13)
 def test_broker_command_and_idempotent_apply():
     port = free_port()
     broker = subprocess.Popen(PY + ["broker", "--port", str(port)], stdout=subprocess.PIPE, text=True)

@@ -119,6 +119,7 @@ def judge_samples(config, backend, n_turns: int) -> dict[str, events.Sample]:
     return {s.sample_id: s for s in got}
 
 
+@pytest.mark.slow(seconds=12)
 def test_archive_stop_broker_new_broker_replay_same_events_and_samples(tmp_path):
     from pipeline.judge.backends import make_backend
 

@@ -49,6 +49,7 @@ def _state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow(seconds=20)
 def test_fine_tuning_pulls_the_labels_apart(embedder, replies):
     texts, labels = replies
     before = _separation(embedder, texts, labels)
@@ -122,6 +123,7 @@ def test_bad_input_raises(embedder, texts, labels, epochs):
         fine_tune(embedder, texts, labels, epochs=epochs)
 
 
+@pytest.mark.slow(seconds=22)
 def test_the_classifier_embeds_user_replies_with_the_tuned_copy_only(embedder, replies, tmp_path):
     texts, labels = replies
     examples = [{"text": t, "label": lab, "role": "user"} for t, lab in zip(texts, labels)]

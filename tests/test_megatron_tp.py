@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow(seconds=25)
 def test_tp2_tiny_matches_transformers_and_exports(tmp_path):
     from pipeline.models import resolve_model
     from pipeline.procutil import free_port

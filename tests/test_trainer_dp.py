@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # two optimizer steps per batch and recomputed behaviour log-probs: more collectives per batch
 _TRAIN = {"model": "tiny-random", "lr": 1e-3, "micro_batch_size": 2, "steps_per_batch": 2,
           "old_log_probs": "recompute", "entropy_coef": 0.01}
@@ -55,6 +57,7 @@ def _run(pt, out_dir: Path, tag: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow(seconds=21)
 def test_dp2_uneven_batches_complete_and_match_single_process(tmp_path):
     from safetensors.torch import load_file
 
