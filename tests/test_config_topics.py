@@ -158,3 +158,32 @@ def test_a_creation_the_broker_refuses_is_a_topics_error_and_an_unreachable_brok
     assert admin.is_unreachable(got.value) == (raised != "refused")
     if raised == "refused":
         assert str(got.value).startswith("broker refused to create topic t: ")
+
+
+def test_applying_topics_to_a_broker_that_stops_answering_is_no_refusal(monkeypatch):
+    """``apply_topics`` (``pipeline topics apply``): a time-out while creating stays kafka-python's
+    (the CLI's "cannot reach" line); a refusal is a TopicsError (stand-in admin client)."""
+    from kafka.errors import InvalidReplicationFactorError, KafkaTimeoutError
+
+    from pipeline.bus import admin
+
+    raised = {}
+
+    class StandInAdmin:
+        def list_topics(self):
+            return []
+
+        def create_topics(self, *a, **kw):
+            raise raised["e"]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(admin, "admin_client", lambda config: StandInAdmin())
+    config = load_config(None)
+    raised["e"] = KafkaTimeoutError("no answer")
+    with pytest.raises(KafkaTimeoutError):
+        admin.apply_topics(config, load_topics(config.topics.file))
+    raised["e"] = InvalidReplicationFactorError("rf 3 > 1 broker")
+    with pytest.raises(TopicsError, match="^broker refused to create topics: "):
+        admin.apply_topics(config, load_topics(config.topics.file))

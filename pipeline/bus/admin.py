@@ -211,6 +211,8 @@ def apply_topics(config: Config, specs: list[TopicSpec], replication_factor: int
             try:
                 create_topics(admin, new)
             except Exception as e:
+                if is_unreachable(e):  # not a refusal: the CLI's "cannot reach the Kafka broker" line
+                    raise
                 raise TopicsError(f"broker refused to create topics: {e}") from e
             report.created = [config.topics.name(s.name) for s in missing]
         present = [s for s in specs if s not in missing]
