@@ -1,6 +1,6 @@
 // Unit tests of the plugin against a recording stand-in of OpenClaw's plugin API and a real
 // local HTTP server as the proxy's session-end endpoint. Run: node --test plugin.test.ts
-// (Node >= 24 runs TypeScript directly; tests/test_openclaw_plugin.py runs it in the suite).
+// (Node >= 24 runs TypeScript directly; tests/e2e/test_openclaw_plugin.py runs it in the suite).
 
 import assert from "node:assert/strict";
 import { createServer } from "node:http";

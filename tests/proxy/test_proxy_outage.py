@@ -1,0 +1,221 @@
+"""Serving never depends on Kafka: the broker stops mid-conversation and comes back.
+
+Each test runs its own embedded broker (memory storage) so it can stop it. A restarted Tansu
+broker has lost its topics (memory only), so the test re-creates them on the same port, as an
+operator would, and then checks that every event published during the outage arrives — in
+session order — or that the loss is counted exactly. A proxy killed during an outage is in
+tests/proxy/test_proxy_crash.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import httpx
+import pytest
+from pipeline import events
+from pipeline.broker import EmbeddedBroker
+from pipeline.procutil import free_port
+from pipeline.config import load_config
+from pipeline.proxy.publisher import EventPublisher
+from pipeline.bus.admin import apply_topics
+from pipeline.topics import load_topics
+from pipeline.testing.proxy import running_proxy
+from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.testing.topics import read_events, read_records
+from pipeline.testing.waiting import until
+
+CHAT = "/v1/chat/completions"
+
+
+@contextlib.contextmanager
+def own_broker():
+    port = free_port()
+    broker = EmbeddedBroker(port=port).start()
+    config = load_config(None, kafka={"bootstrap_servers": broker.bootstrap}, topics={"prefix": "o-"})
+    apply_topics(config, load_topics(config.topics.file))
+    try:
+        yield broker, config
+    finally:
+        crash(broker)
+
+
+def crash(broker: EmbeddedBroker) -> None:
+    """Kill the broker (no graceful shutdown: Tansu's waits seconds for connected clients)."""
+    broker.proc.kill()
+    broker.proc.wait(10)
+
+
+def restart(broker: EmbeddedBroker, config) -> None:
+    broker.start()
+    apply_topics(config, load_topics(config.topics.file))
+
+
+def converse(url: str, session: str, turns: int, history: list | None = None, done: bool = False) -> list:
+    """``turns`` sequential requests of one session; every one must succeed. Returns the history."""
+    msgs = history or [{"role": "user", "content": f"hello from {session}"}]
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for i in range(turns):
+            h = {"X-Session-Id": session}
+            if done and i == turns - 1:
+                h["X-Session-Done"] = "1"
+            r = c.post(CHAT, json={"model": "m", "messages": msgs, "stream": i % 2 == 1}, headers=h)
+            assert r.status_code == 200, r.text
+            if i % 2 == 1:  # streamed: the client assembles the message from the deltas
+                assert r.text.rstrip().endswith("data: [DONE]")
+                msgs = msgs + [{"role": "assistant", "content": "ok"}]  # StandInEngine's default reply
+            else:
+                msgs = msgs + [r.json()["choices"][0]["message"]]
+            msgs = msgs + [{"role": "user", "content": f"more {i}"}]
+    return msgs
+
+
+def _first_occurrences(evs: list) -> list:
+    """Drop re-deliveries (same event seen again), keeping the order of first arrival."""
+    seen, out = set(), []
+    for e in evs:
+        key = (e.TYPE, getattr(e, "request_id", ""), getattr(e, "turn_index", None), getattr(e, "reason", None))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _by_session(recs) -> dict:
+    out: dict = {}
+    for r in recs:
+        out.setdefault(r.key, []).append(r.event)
+    return out
+
+
+@pytest.mark.parametrize("client", ["librdkafka", "kafka-python"])
+def test_broker_outage_mid_conversation_serves_everyone_and_delivers_everything_after(client):
+    with own_broker() as (broker, config), serve_app(StandInEngine()) as up_url, \
+            running_proxy(config, up_url, publish_delivery_timeout_ms=3000, kafka_client=client) as (url, app):
+        hist_a = converse(url, "A", 2)
+        assert app.publisher.wait_idle(15)
+        before = read_events(config, want=3)
+        assert [e.TYPE for e in before] == ["turn", "next_state", "turn"]
+        published_before = app.publisher.stats()["delivered"]
+
+        crash(broker)
+        hist_a = converse(url, "A", 3, hist_a)  # mid-conversation: next_state + turn each
+        converse(url, "B", 3, done=True)  # a new session during the outage
+        deadline = time.monotonic() + 30  # until a delivery attempt during the outage has failed
+        while app.publisher.stats()["broker_connected"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not app.publisher.stats()["broker_connected"], "the publisher never noticed the outage"
+        assert app.publisher.buffered == 2 * 3 + (1 + 2 * 2 + 1)  # still waiting, none lost
+        assert app.publisher.stats()["dropped_total"] == 0
+
+        restart(broker, config)
+        assert app.publisher.wait_idle(60), app.publisher.stats()
+        stats = app.publisher.stats()
+        after = read_records(config, config.topics.name("turns"), timeout_s=30, settle_s=2.0)
+    assert stats["dropped_total"] == 0
+    assert stats["delivered"] - published_before >= 12
+    # delivery is at-least-once: a window whose acknowledgement was lost in the crash may arrive twice
+    sessions = {k: _first_occurrences(v) for k, v in _by_session(after).items()}
+    a, b = sessions["A"], sessions["B"]
+    assert [e.TYPE for e in a] == ["next_state", "turn"] * 3
+    assert [e.turn_index for e in a if e.TYPE == "turn"] == [2, 3, 4]
+    assert [e.after_turn_index for e in a if e.TYPE == "next_state"] == [1, 2, 3]
+    assert [e.TYPE for e in b] == ["turn", "next_state", "turn", "next_state", "turn", "session_end"]
+    assert [e.turn_index for e in b if e.TYPE == "turn"] == [0, 1, 2]
+
+
+def test_durable_buffer_keeps_everything_a_memory_only_proxy_counts_every_drop(tmp_path):
+    # two proxies, each with its own buffer: a durable one (default) and a memory-only one (buffer_dir=None)
+    with own_broker() as (broker, config), serve_app(StandInEngine()) as up_url, \
+            running_proxy(config, up_url, buffer_max_events=3, buffer_dir=str(tmp_path / "buf"),
+                          publish_delivery_timeout_ms=3000) as (url_disk, app_disk), \
+            running_proxy(config, up_url, buffer_max_events=3, buffer_dir=None,
+                          publish_delivery_timeout_ms=3000) as (url_drop, app_drop):
+        converse(url_disk, "warm", 1)
+        converse(url_drop, "warm2", 1)
+        assert app_disk.publisher.wait_idle(15) and app_drop.publisher.wait_idle(15)
+        crash(broker)
+        converse(url_disk, "S", 5)  # 1 + 2*4 = 9 events; memory would hold 3
+        converse(url_drop, "D", 5)
+        disk_stats = app_disk.publisher.stats()
+        # every answered event of the durable proxy is on disk before its response completed
+        assert disk_stats["on_disk"] == 9 and disk_stats["dropped_total"] == 0 and disk_stats["not_durable"] == {}
+        # the memory-only proxy counts its drops when its publisher thread hands events on, which
+        # may come just after the response: await that state
+        drop_stats = until(lambda: (st := app_drop.publisher.stats())["dropped_total"] > 0 and st, timeout_s=30)
+        assert drop_stats and drop_stats["on_disk"] == 0, app_drop.publisher.stats()
+        restart(broker, config)
+        assert app_disk.publisher.wait_idle(60) and app_drop.publisher.wait_idle(60)
+        drop_stats = app_drop.publisher.stats()
+        evs = read_records(config, config.topics.name("turns"), timeout_s=30, settle_s=2.0)
+    sessions = {k: _first_occurrences(v) for k, v in _by_session(evs).items()}
+    s = sessions["S"]
+    assert [e.TYPE for e in s] == ["turn"] + ["next_state", "turn"] * 4  # all of them, in order
+    assert [e.turn_index for e in s if e.TYPE == "turn"] == [0, 1, 2, 3, 4]
+    d = sessions.get("D", [])
+    assert len(d) + drop_stats["dropped"]["buffer_full"] == 9  # the loss is counted exactly
+    assert drop_stats["dropped"] == {"buffer_full": drop_stats["dropped_total"]}
+
+
+def test_a_full_disk_buffer_falls_back_to_memory_and_counts_exactly(tmp_path):
+    # the disk buffer's bound (or a full disk) refuses a group: those events are held in memory
+    # (counted as not durable), then dropped beyond buffer_max_events (counted); none vanish
+    with own_broker() as (broker, config):
+        topic = config.topics.name("turns")
+        crash(broker)
+        pub = EventPublisher(config, max_buffer=20, buffer_dir=str(tmp_path / "buf"), buffer_max_bytes=64 * 4096,
+                             delivery_timeout_ms=3000).start()
+        big = [{"role": "user", "content": "x" * 4000}]
+        for i in range(120):
+            pub.publish(topic, events.NextState(session_id="F", messages=big, after_turn_index=i, created_at=i), "F")
+        assert pub.wait_idle(0.01) is False
+        deadline = time.monotonic() + 10
+        while pub.stats()["in_memory"] + pub.stats()["on_disk"] + pub.stats()["dropped_total"] < 120:
+            assert time.monotonic() < deadline, pub.stats()
+            time.sleep(0.01)
+        st = pub.stats()
+        assert st["on_disk"] > 0 and st["not_durable"] == {"buffer_full": 20} and st["in_memory"] == 20
+        assert st["on_disk"] + 20 + st["dropped"]["buffer_full"] == 120
+        restart(broker, config)
+        assert pub.wait_idle(60), pub.stats()
+        pub.close()
+        evs = read_events(config, timeout_s=30, settle_s=2.0)
+    got = list(dict.fromkeys(e.after_turn_index for e in evs))  # first occurrences (at-least-once)
+    assert got == list(range(st["on_disk"] + 20))  # the disk prefix then the memory part, in order
+
+
+def test_undelivered_events_survive_a_restart_in_the_disk_buffer(tmp_path):
+    buf = str(tmp_path / "buf")
+    with own_broker() as (broker, config):
+        topic = config.topics.name("turns")
+        crash(broker)
+        pub = EventPublisher(config, max_buffer=100, buffer_dir=buf, delivery_timeout_ms=3000).start()
+        for i in range(5):
+            pub.publish(topic, events.SessionEnd(session_id=f"x{i}", reason="header", created_at=i), f"x{i}")
+        pub.close(timeout_s=1.0)  # broker still down: everything stays in the buffer
+        assert pub.stats()["dropped_total"] == 0
+        restart(broker, config)
+        pub2 = EventPublisher(config, buffer_dir=buf).start()
+        pub2.publish(topic, events.SessionEnd(session_id="x5", reason="header", created_at=5), "x5")
+        assert pub2.wait_idle(30)
+        pub2.close()
+        evs = read_events(config, timeout_s=30, settle_s=2.0)
+    assert [e.session_id for e in evs if e.session_id == "x0"] == ["x0"]
+    got = {e.session_id: e.created_at for e in evs}
+    assert got == {f"x{i}": i for i in range(6)}
+
+
+def test_unreachable_broker_overflow_and_shutdown_are_counted_exactly():
+    # a bootstrap address where nothing listens: publish() accepts, the backlog keeps 10, the rest is counted
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, max_buffer=10).start()
+    accepted = [pub.publish("t", events.SessionEnd(session_id="s", created_at=0), "s") for _ in range(20)]
+    deadline = time.monotonic() + 10  # until the writer has refused the overflow
+    while time.monotonic() < deadline and pub.stats()["dropped_total"] < 10:
+        time.sleep(0.01)
+    stats = pub.stats()
+    pub.close(timeout_s=0.5)
+    assert all(accepted)
+    assert stats["buffered"] + stats["dropped_total"] == 20 and stats["dropped"].get("buffer_full", 0) == 10
+    assert pub.stats()["dropped"]["shutdown"] == 10
