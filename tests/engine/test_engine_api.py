@@ -8,22 +8,12 @@ import httpx
 import pytest
 
 from pipeline.client import EngineClient
-from pipeline.testing.engine import running_engine
 from pipeline.testing.waiting import sse_events
 
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
-@pytest.fixture(scope="module")
-def url():
-    with running_engine("tiny-random", threads=2, context_length=256, max_batch_size=8) as u:
-        yield u
-
-
-@pytest.fixture(scope="module")
-def http(url):
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
+ENGINE_SETTINGS = {"threads": 2, "context_length": 256, "max_batch_size": 8}  # for conftest.engine_url
 
 
 def gen(http, **body):
@@ -250,15 +240,15 @@ def test_metrics(http):
     assert 'pipeline_engine_requests_total{endpoint="/generate",status="200"}' in text
 
 
-def test_concurrent_requests_do_not_corrupt_each_other(url):
+def test_concurrent_requests_do_not_corrupt_each_other(engine_url):
     prompts = [[1] + [100 + i] * (3 + 5 * i) for i in range(10)]
 
     async def main():
-        async with EngineClient(url, 120) as c:
+        async with EngineClient(engine_url, 120) as c:
             work = asyncio.ensure_future(asyncio.gather(*(
                 c.generate(p, sampling_params={"max_new_tokens": 8 + 3 * i, "ignore_eos": True, "temperature": 0.8},
                            return_logprob=True) for i, p in enumerate(prompts))))
-            peak = await _peak_running(url, work)
+            peak = await _peak_running(engine_url, work)
             outs = await work
             scores = await asyncio.gather(*(c.score(p + o["output_ids"], len(p), temperature=0.8)
                                            for p, o in zip(prompts, outs)))
@@ -273,11 +263,11 @@ def test_concurrent_requests_do_not_corrupt_each_other(url):
         assert max(abs(a - b) for a, b in zip(lps, s)) < 1e-4
 
 
-async def _peak_running(url: str, work: asyncio.Future) -> float:
+async def _peak_running(engine_url: str, work: asyncio.Future) -> float:
     """The most rows the engine's decode batch held (``pipeline_engine_running_requests``) while
     ``work`` ran, sampled from ``/metrics``."""
     peak = 0.0
-    async with httpx.AsyncClient(base_url=url, timeout=10) as h:
+    async with httpx.AsyncClient(base_url=engine_url, timeout=10) as h:
         while not work.done():
             for line in (await h.get("/metrics")).text.splitlines():
                 if line.startswith("pipeline_engine_running_requests "):
@@ -286,11 +276,11 @@ async def _peak_running(url: str, work: asyncio.Future) -> float:
     return peak
 
 
-async def _until_engine_reports(url: str, gauge: str, timeout_s: float = 30.0) -> None:
+async def _until_engine_reports(engine_url: str, gauge: str, timeout_s: float = 30.0) -> None:
     """Wait until the engine's /metrics shows ``gauge`` >= 1 (e.g. a request in its decode batch)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=10) as h:
+    async with httpx.AsyncClient(base_url=engine_url, timeout=10) as h:
         while loop.time() < deadline:
             text = (await h.get("/metrics")).text
             if any(line.startswith(gauge + " ") and float(line.split()[1]) >= 1 for line in text.splitlines()):
@@ -299,18 +289,18 @@ async def _until_engine_reports(url: str, gauge: str, timeout_s: float = 30.0) -
     raise AssertionError(f"engine never reported {gauge} >= 1")
 
 
-def test_abort_request_and_pause(url, http):
+def test_abort_request_and_pause(engine_url, http):
     async def main():
-        async with EngineClient(url, 60) as c:
+        async with EngineClient(engine_url, 60) as c:
             task = asyncio.create_task(c.generate([1, 2, 3], sampling_params={"max_new_tokens": 200,
                                                                               "ignore_eos": True}, rid="victim"))
-            await _until_engine_reports(url, "pipeline_engine_running_requests")  # the victim is decoding
+            await _until_engine_reports(engine_url, "pipeline_engine_running_requests")  # the victim is decoding
             await c.abort_request("victim")
             out = await task
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
             await c.pause_generation("in_place")
             held = asyncio.create_task(c.generate([1, 2], sampling_params={"max_new_tokens": 2}))
-            await _until_engine_reports(url, "pipeline_engine_waiting_requests")  # queued behind the pause
+            await _until_engine_reports(engine_url, "pipeline_engine_waiting_requests")  # queued behind the pause
             assert not held.done()
             await c.continue_generation()
             assert len((await held)["output_ids"]) == 2

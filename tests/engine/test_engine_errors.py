@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from pipeline.testing.engine import running_engine
 
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -53,11 +51,8 @@ OTHER_BAD = [
 ]
 
 
-@pytest.fixture(scope="module")
-def http():
-    with running_engine("tiny-random", threads=2, context_length=128) as url:
-        with httpx.Client(base_url=url, timeout=60) as c:
-            yield c
+
+ENGINE_SETTINGS = {"threads": 2, "context_length": 128}  # for conftest.engine_url (http: engine/conftest.py)
 
 
 def _post(http, path, body):

@@ -22,7 +22,6 @@ from pipeline.engine.grammar import Matcher, check_grammar, json_grammar, tool_c
 from pipeline.engine.sampler import allowed_tokens
 from pipeline.models import resolve_model
 from pipeline.sampling import logprob_processors
-from pipeline.testing.engine import running_engine
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}
@@ -36,21 +35,11 @@ MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(resolve_model("tiny-random")))
-
-
-@pytest.fixture(scope="module")
 def ll_tok(tokenizer):
     return llguidance.hf.from_tokenizer(tokenizer)
 
 
-@pytest.fixture(scope="module")
-def url():
-    with running_engine("tiny-random", threads=2, max_batch_size=8) as u:
-        yield u
+ENGINE_SETTINGS = {"threads": 2, "max_batch_size": 8}  # for conftest.engine_url
 
 
 # ---- grammar units ------------------------------------------------------------------------------
@@ -109,7 +98,7 @@ def _check_call(resp: dict, names: set[str]) -> dict:
     return ch
 
 
-def test_required_and_named_batch_with_unconstrained(url):
+def test_required_and_named_batch_with_unconstrained(engine_url):
     """Four concurrent requests decode in one batch: two constrained, two not; each gets its own
     outcome, and the constrained answers say so in metadata.sampling_params."""
     named = {"type": "function", "function": {"name": "add"}}
@@ -117,7 +106,7 @@ def test_required_and_named_batch_with_unconstrained(url):
         [_body(tool_choice="auto", seed=s, max_tokens=40) for s in (4, 5)]
 
     async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=engine_url, timeout=120) as c:
             steps = lambda r: r.json()["internal_states"][0]["decode_steps"]
             before = steps(await c.get("/server_info"))
             rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
@@ -139,9 +128,9 @@ def test_required_and_named_batch_with_unconstrained(url):
     assert steps <= (total - len(bodies)) // 2, (steps, total)
 
 
-def test_streamed_required_call(url):
+def test_streamed_required_call(engine_url):
     calls, finish = [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=_body(tool_choice="required", seed=7, stream=True),
+    with httpx.stream("POST", engine_url + "/v1/chat/completions", json=_body(tool_choice="required", seed=7, stream=True),
                       timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -174,11 +163,11 @@ def _masked_scores(prompt: list[int], output: list[int], grammar: str, temperatu
     return masked, plain
 
 
-def test_logprobs_equal_a_scoring_pass_under_the_same_mask(url, ll_tok):
+def test_logprobs_equal_a_scoring_pass_under_the_same_mask(engine_url, ll_tok):
     """The recorded log-probs are of the distribution sampled from (masked, renormalised, at the
     request temperature): |engine - scoring pass with the mask| <= 1e-4 (fp32), while the
     unmasked scoring pass differs (the check can fail)."""
-    out = httpx.post(url + "/v1/chat/completions", json=_body(tool_choice="required", seed=11), timeout=120).json()
+    out = httpx.post(engine_url + "/v1/chat/completions", json=_body(tool_choice="required", seed=11), timeout=120).json()
     ch = _check_call(out, {"get_weather", "add"})
     lps = [x["logprob"] for x in ch["logprobs"]["content"]]
     masked, plain = _masked_scores(ch["prompt_token_ids"], ch["token_ids"], tool_call_grammar(TOOLS), 0.8, ll_tok)
@@ -188,16 +177,16 @@ def test_logprobs_equal_a_scoring_pass_under_the_same_mask(url, ll_tok):
     assert max(abs(a - b) for a, b in zip(lps, plain)) > 0.1
 
 
-def test_response_format_and_regex(url):
+def test_response_format_and_regex(engine_url):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
     body = {"messages": MSG, "max_tokens": 60, "seed": 2,
             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
-    out = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    out = httpx.post(engine_url + "/v1/chat/completions", json=body, timeout=120).json()
     assert out["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
     assert logprob_processors(out["metadata"]["sampling_params"]) == ["constrained_decoding"]
-    gen = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {
+    gen = httpx.post(engine_url + "/generate", json={"text": "hi", "sampling_params": {
         "regex": "[a-z]{2,5}", "max_new_tokens": 20, "sampling_seed": 1}}, timeout=120).json()
     assert gen["meta_info"]["finish_reason"]["type"] == "stop"
     assert 2 <= len(gen["text"]) <= 5 and gen["text"].isalpha() and gen["text"].islower(), gen["text"]
@@ -213,15 +202,15 @@ def test_response_format_and_regex(url):
     ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": MSG, "regex": "[a-"}, "regex"),
 ])
-def test_bad_constraints_are_400(url, body, says):
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+def test_bad_constraints_are_400(engine_url, body, says):
+    r = httpx.post(engine_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and says in r.json()["message"], r.text
 
 
-def test_bad_generate_constraints_are_400(url):
+def test_bad_generate_constraints_are_400(engine_url):
     for sp, says in [({"json_schema": "{nope"}, "json_schema"), ({"regex": "[a-"}, "regex"),
                      ({"regex": "a", "json_schema": "{}"}, "at most one"), ({"regex": 5}, "regex")]:
-        r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": sp}, timeout=60)
+        r = httpx.post(engine_url + "/generate", json={"text": "hi", "sampling_params": sp}, timeout=60)
         assert r.status_code == 400 and says in r.json()["error"]["message"], (sp, r.text)
 
 

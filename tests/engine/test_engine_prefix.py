@@ -17,7 +17,7 @@ import torch
 
 from pipeline.client import EngineClient
 from pipeline.engine.prefix_cache import PrefixCache, common_prefix
-from pipeline.testing.engine import perturbed_copy, running_engine
+from pipeline.testing.engine import running_engine
 
 TOL = 1e-5
 
@@ -232,11 +232,6 @@ def test_metrics_flush_and_chat_usage(urls):
     assert info["enabled"] and info["entries"] >= 1 and 0 < info["bytes"] <= info["max_bytes"]
     assert flushed.status_code == 200 and "entries dropped" in flushed.text
     assert third["meta_info"]["cached_tokens"] == 0
-
-
-@pytest.fixture()
-def perturbed_dir(tmp_path):
-    return perturbed_copy(tmp_path, seed=7)
 
 
 def test_weight_update_never_reuses_stale_kv(perturbed_dir):

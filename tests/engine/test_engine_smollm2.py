@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from pipeline.client import EngineClient
-from pipeline.testing.engine import running_engine
 
 pytestmark = pytest.mark.slow
 
@@ -15,13 +14,10 @@ QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea
              "List three colours.", "Say hello to my friend Bob, who likes long explanations of many things."]
 
 
-@pytest.fixture(scope="module")
-def url():
-    with running_engine("smollm2-135m", threads=2, max_batch_size=8) as u:
-        yield u
+ENGINE_SETTINGS = {"model": "smollm2-135m", "threads": 2, "max_batch_size": 8}  # for conftest.engine_url
 
 
-def test_generation_logprobs_equal_scoring_pass(url):
+def test_generation_logprobs_equal_scoring_pass(engine_url):
     """Done-criterion: |log-prob while sampling - /generate scoring log-prob| mean <= 1e-4 (fp32),
     for concurrent (batched, left-padded) chat requests, streaming and non-streaming."""
 
@@ -41,7 +37,7 @@ def test_generation_logprobs_equal_scoring_pass(url):
         return ch["prompt_token_ids"], ch["token_ids"], [x["logprob"] for x in ch["logprobs"]["content"]]
 
     async def main():
-        async with EngineClient(url, 300) as c:
+        async with EngineClient(engine_url, 300) as c:
             runs = await asyncio.gather(*(one(c, q, stream=i % 2 == 1) for i, q in enumerate(QUESTIONS)))
             diffs = []
             for prompt, ids, lps in runs:
@@ -57,9 +53,9 @@ def test_generation_logprobs_equal_scoring_pass(url):
     assert max(diffs) < 1e-3
 
 
-def test_chat_answers_sensibly(url):
+def test_chat_answers_sensibly(engine_url):
     async def main():
-        async with EngineClient(url, 300) as c:
+        async with EngineClient(engine_url, 300) as c:
             return await c.chat({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                                  "max_tokens": 24, "temperature": 0})
 
@@ -69,7 +65,7 @@ def test_chat_answers_sensibly(url):
     assert ch["finish_reason"] in ("stop", "length") and out["metadata"]["weight_version"] == "0"
 
 
-def test_required_tool_call_is_schema_valid(url):
+def test_required_tool_call_is_schema_valid(engine_url):
     """Done-criterion (issue 23): ``tool_choice: "required"`` returns a schema-valid tool call from
     SmolLM2-135M on the CPU engine (constrained decoding), at the default temperature."""
     import json
@@ -88,7 +84,7 @@ def test_required_tool_call_is_schema_valid(url):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
 
     async def main():
-        async with EngineClient(url, 550) as c:  # ~40 tokens: minutes on a busy 2-core machine
+        async with EngineClient(engine_url, 550) as c:  # ~40 tokens: minutes on a busy 2-core machine
             return await c.chat({
                 "messages": [{"role": "user", "content": "What's the weather like in Paris right now?"}],
                 "tools": tools, "tool_choice": "required", "max_tokens": 80, "seed": 1})

@@ -184,15 +184,6 @@ def test_stream_parser_emits_text_before_call_early():
 
 
 # ---- chat rendering ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def renderer():
-    from pipeline.chat import ChatRenderer
-    from pipeline.engine.model import load_tokenizer
-    from pipeline.models import resolve_model
-
-    return ChatRenderer(load_tokenizer(resolve_model("tiny-random")))
-
-
 def test_render_matches_hf_template(renderer):
     msgs = [{"role": "user", "content": "hi"}]
     tok = renderer.tokenizer

@@ -9,26 +9,16 @@ import torch
 
 from pipeline.client import EngineClient, EngineError
 from pipeline.models import resolve_model
-from pipeline.testing.engine import perturbed_copy, running_engine
 
 SEQ = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 330, 1024, 77, 5]
 
 
-@pytest.fixture(scope="module")
-def perturbed_dir(tmp_path_factory):
-    """tiny-random with every weight shifted by seeded noise (same architecture and tokenizer)."""
-    return perturbed_copy(tmp_path_factory.mktemp("perturbed"), seed=123)
+ENGINE_SETTINGS = {"threads": 2, "weight_version": "0"}  # for conftest.engine_url
 
 
-@pytest.fixture(scope="module")
-def url():
-    with running_engine("tiny-random", threads=2, weight_version="0") as u:
-        yield u
-
-
-def test_update_swaps_weights_and_versions(url, perturbed_dir):
+def test_update_swaps_weights_and_versions(engine_url, perturbed_dir):
     async def main():
-        async with EngineClient(url, 60) as c:
+        async with EngineClient(engine_url, 60) as c:
             before = await c.score_result(SEQ, 3)
             assert before.weight_version == "0"
             # a long generation in flight while the update is requested
@@ -71,9 +61,9 @@ def test_update_swaps_weights_and_versions(url, perturbed_dir):
     asyncio.run(main())
 
 
-def test_update_failure_keeps_serving(url, tmp_path):
+def test_update_failure_keeps_serving(engine_url, tmp_path):
     async def main():
-        async with EngineClient(url, 60) as c:
+        async with EngineClient(engine_url, 60) as c:
             version = await c.weight_version()
             with pytest.raises(EngineError) as ei:
                 await c.update_weights_from_disk(str(tmp_path / "missing"))
@@ -158,7 +148,7 @@ MISFITS = {
 
 
 @pytest.mark.parametrize("case", sorted(MISFITS))
-def test_update_refuses_weights_that_do_not_fit(url, tmp_path, case):
+def test_update_refuses_weights_that_do_not_fit(engine_url, tmp_path, case):
     how, named = MISFITS[case]
     src = resolve_model("tiny-random")
     folder = _three_layers(tmp_path / case) if how == "three_layers" else _variant(src, tmp_path / case, **how)
@@ -166,7 +156,7 @@ def test_update_refuses_weights_that_do_not_fit(url, tmp_path, case):
             "logprobs": True, "return_token_ids": True}
 
     async def main():
-        async with EngineClient(url, 60) as c:
+        async with EngineClient(engine_url, 60) as c:
             version, info = await c.weight_version(), await c.model_info()
             before, chat_before = await c.score_result(SEQ, 3), await c.chat(chat)
             with pytest.raises(EngineError) as ei:
@@ -186,13 +176,13 @@ def test_update_refuses_weights_that_do_not_fit(url, tmp_path, case):
     asyncio.run(main())
 
 
-def test_update_accepts_a_fitting_folder_in_another_float_dtype(url, tmp_path):
+def test_update_accepts_a_fitting_folder_in_another_float_dtype(engine_url, tmp_path):
     """The trainer may export bf16 for an fp32-served model: floats are interchangeable."""
     folder = _variant(resolve_model("tiny-random"), tmp_path / "bf16",
                       config={"dtype": "bfloat16"}, tensors=lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
 
     async def main():
-        async with EngineClient(url, 60) as c:
+        async with EngineClient(engine_url, 60) as c:
             before = await c.weight_version()
             res = await c.update_weights_from_disk(str(folder))
             assert res["success"] is True and await c.weight_version() != before

@@ -122,7 +122,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine_url(model_dir):
+def defaults_engine_url(model_dir):
+    """The CPU engine serving ``model_dir`` (its own generation defaults), the conftest's engine_url
+    being tiny-random's."""
     with running_engine(str(model_dir), threads=2) as url:
         r = httpx.post(url + "/v1/tokenize", json={"messages": [{"role": "user", "content": "Count to five."}]})
         _INPUT_IDS[:] = r.json()["tokens"]
@@ -130,7 +132,7 @@ def engine_url(model_dir):
 
 
 @pytest.fixture(scope="module")
-def proxies(engine_url, model_dir, broker_bootstrap):
+def proxies(defaults_engine_url, model_dir, broker_bootstrap):
     from tests.conftest import make_config
 
     from pipeline.bus.admin import apply_topics
@@ -138,8 +140,8 @@ def proxies(engine_url, model_dir, broker_bootstrap):
 
     config = make_config(broker_bootstrap, f"t-fields-{uuid.uuid4().hex[:6]}-")
     apply_topics(config, load_topics(config.topics.file))
-    with serve_app(SglangStyleEngine(engine_url)) as sglang_url, \
-            running_proxy(config, engine_url, tokenizer=str(model_dir)) as (cpu_proxy, _a), \
+    with serve_app(SglangStyleEngine(defaults_engine_url)) as sglang_url, \
+            running_proxy(config, defaults_engine_url, tokenizer=str(model_dir)) as (cpu_proxy, _a), \
             running_proxy(config, sglang_url, tokenizer=str(model_dir)) as (sglang_proxy, _b):
         yield {"cpu": cpu_proxy, "sglang-style": sglang_proxy}
 
@@ -220,16 +222,16 @@ def _resolve(v, ref):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_field_is_honoured_or_refused_on_every_path(case, engine_url, proxies):
+def test_field_is_honoured_or_refused_on_every_path(case, defaults_engine_url, proxies):
     field, kind, base_extra, update = CASES[case]
-    baseline0 = _direct(engine_url, BASE, False)
+    baseline0 = _direct(defaults_engine_url, BASE, False)
     base = {**BASE, **_resolve(base_extra, baseline0)}
-    baseline = _direct(engine_url, base, False)
+    baseline = _direct(defaults_engine_url, base, False)
     served = httpx.get(f"{engine_url}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {**base, **_resolve(update, baseline)}
     problems = []
     for stream in (False, True):
-        ref = _direct(engine_url, body, stream)  # the engine's own chat path
+        ref = _direct(defaults_engine_url, body, stream)  # the engine's own chat path
         if kind == "refuse":
             assert 400 <= ref["status"] < 500 and field in ref["message"], (stream, ref)
         elif kind in ("effect", "same"):

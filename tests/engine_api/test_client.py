@@ -14,26 +14,23 @@ from pipeline.testing.engine import running_engine
 MSG = [{"role": "user", "content": "Name a fruit."}]
 
 
-@pytest.fixture(scope="module")
-def url():
-    with running_engine("tiny-random", threads=2, api_key=None) as u:
-        yield u
+ENGINE_SETTINGS = {"threads": 2, "api_key": None}  # for conftest.engine_url
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_errors_are_typed(url):
+def test_errors_are_typed(engine_url):
     async def main():
-        async with EngineClient(url, 30) as c:
+        async with EngineClient(engine_url, 30) as c:
             with pytest.raises(EngineError) as ei:
                 await c.generate([1, 2], sampling_params={"temperature": -1})
             assert ei.value.status == 400 and "temperature" in ei.value.message and not ei.value.retryable
             with pytest.raises(EngineError) as ei:
                 await c.chat({"messages": "nope"})
             assert ei.value.status == 400
-        async with EngineClient(url, 0.05) as c:
+        async with EngineClient(engine_url, 0.05) as c:
             with pytest.raises(EngineTimeout):
                 await c.generate([1, 2], sampling_params={"max_new_tokens": 1000, "ignore_eos": True})
         async with EngineClient(f"http://127.0.0.1:{free_port()}", 5) as c:
@@ -47,11 +44,11 @@ def test_errors_are_typed(url):
     run(main())
 
 
-def test_score_alignment(url):
+def test_score_alignment(engine_url):
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
 
     async def main():
-        async with EngineClient(url, 30) as c:
+        async with EngineClient(engine_url, 30) as c:
             await c.wait_ready(5)
             full = await c.score(ids, 1)  # logprob_start_len 0: the null pad entry is dropped
             assert len(full) == len(ids) - 1
@@ -70,7 +67,7 @@ def test_score_alignment(url):
     run(main())
 
 
-def test_chat_stream_native_and_fallback_agree(url):
+def test_chat_stream_native_and_fallback_agree(engine_url):
     body = {"messages": MSG, "max_tokens": 6, "logprobs": True, "seed": 5, "temperature": 1.0,
             "ignore_eos": True, "stop": ["\n\n\n\n"]}
 
@@ -88,7 +85,7 @@ def test_chat_stream_native_and_fallback_agree(url):
         return prompt, ids, lps, text, finish, versions
 
     async def main():
-        async with EngineClient(url, 30) as c:
+        async with EngineClient(engine_url, 30) as c:
             native = await collect(c)
             assert (await c.server_info())["chat_stream_token_ids"] is True
             c._server_info = {"context_length": 2048}  # pretend to be SGLang: no streamed chat ids
@@ -106,9 +103,9 @@ def test_chat_stream_native_and_fallback_agree(url):
     assert native[5] == fallback[5] == {"0"}
 
 
-def test_chat_stream_without_ids_is_plain_openai(url):
+def test_chat_stream_without_ids_is_plain_openai(engine_url):
     async def main():
-        async with EngineClient(url, 30) as c:
+        async with EngineClient(engine_url, 30) as c:
             return [ch async for ch in c.chat_stream({"messages": MSG, "max_tokens": 3})]
 
     chunks = run(main())

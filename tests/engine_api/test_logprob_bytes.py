@@ -14,7 +14,6 @@ import httpx
 import orjson
 import pytest
 
-from pipeline.models import resolve_model
 from pipeline.testing.proxy import running_proxy
 from pipeline.testing.servers import serve_app
 from pipeline.testing.sglang_style import SglangStyleEngine
@@ -33,13 +32,6 @@ def _byte_decoder() -> dict[str, int]:
             cs.append(256 + n)
             n += 1
     return {chr(c): b for b, c in zip(bs, cs)}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,10 @@ from pipeline.judge.evaluate import load_rows
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "pipeline" / "judge" / "data"
 DEV = DATA / "dev_next_states.jsonl"
+ROWS = DEV  # for judge/conftest.rows
 EVAL = DATA / "eval_next_states.jsonl"
 TUNED_ON = [ROOT / "tests" / "fixtures" / "judge_next_states.jsonl", DATA / "tuning_next_states.jsonl"]
 USER_CATEGORIES = {"coding", "writing", "maths", "support", "casual"}
-
-
-@pytest.fixture(scope="module")
-def rows():
-    return load_rows(DEV)
 
 
 def _texts(rows):

@@ -14,12 +14,12 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import pytest
 
 from pipeline.judge.evaluate import load_rows, row_input
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "pipeline" / "judge" / "data" / "eval_next_states.jsonl"
+ROWS = DATA  # for judge/conftest.rows
 DESCRIPTION = DATA.with_suffix(".md")
 FIXTURE = ROOT / "tests" / "fixtures" / "judge_next_states.jsonl"
 
@@ -30,11 +30,6 @@ USER_STYLES = {"short", "long", "sarcastic", "mixed", "correction", "follow-up",
 TOOL_STYLES = {"exit-code", "test-pass", "test-fail", "compiler-ok", "compiler-error", "http-ok",
                "http-error", "api-ok", "search-relevant", "search-irrelevant", "empty-output",
                "timeout", "permission", "wrong-target", "queued", "partial"}
-
-
-@pytest.fixture(scope="module")
-def rows():
-    return load_rows(DATA)
 
 
 def _tables(text: str) -> dict[str, dict[str, int]]:

@@ -28,16 +28,9 @@ from pipeline.bus.admin import apply_topics
 from pipeline.topics import load_topics
 from tests.conftest import scrape
 from pipeline.testing.judge import check_samples, scripted_stream
-from pipeline.testing.servers import StandInJudge
 from pipeline.testing.topics import read_events
 
 N_SESSIONS, TURNS = 36, 5
-
-
-@pytest.fixture(scope="module")
-def server():
-    with StandInJudge() as s:
-        yield s
 
 
 def judge_cmd(bootstrap, prefix, group, url, metrics_port):
@@ -69,7 +62,7 @@ def _committed(reader: TopicReader) -> int:
 
 
 @pytest.mark.parametrize("trial", range(3))
-def test_kill9_in_the_middle_of_judging_loses_nothing(broker_bootstrap, topic_prefix, server, tmp_path, trial):
+def test_kill9_in_the_middle_of_judging_loses_nothing(broker_bootstrap, topic_prefix, judge_server, tmp_path, trial):
     rng = random.Random(1000 + trial)
     config = load_config(None, kafka={"bootstrap_servers": broker_bootstrap}, topics={"prefix": topic_prefix})
     apply_topics(config, load_topics(config.topics.file))
@@ -85,7 +78,7 @@ def test_kill9_in_the_middle_of_judging_loses_nothing(broker_bootstrap, topic_pr
         for part in parts[:2]:  # two kill -9 in the middle of the work, each after a restart
             port = free_port()
             before = _committed(groups)
-            proc = start(judge_cmd(broker_bootstrap, topic_prefix, group, server.url, port), log)
+            proc = start(judge_cmd(broker_bootstrap, topic_prefix, group, judge_server.url, port), log)
             started = time.monotonic()
             while "pipeline_consumer_in_flight_records" not in scrape(port) and time.monotonic() < started + 180:
                 time.sleep(0.05)  # until its consumer loop runs (a loaded machine: slow imports)
@@ -111,7 +104,7 @@ def test_kill9_in_the_middle_of_judging_loses_nothing(broker_bootstrap, topic_pr
                 f"want {want} consumed, committed {before} -> {committed}): last metrics {m}; log: "
                 f"{(tmp_path / 'judge.log').read_text(errors='replace')[-2000:]}")
             proofs.append((before, _committed(groups), proof))
-        proc = start(judge_cmd(broker_bootstrap, topic_prefix, group, server.url, free_port()), log)
+        proc = start(judge_cmd(broker_bootstrap, topic_prefix, group, judge_server.url, free_port()), log)
         publish_slowly(config, parts[2], 1.0)  # the survivor finishes the stream
         want = set(expected)
         samples = read_events(config, "samples", lambda out: want <= {x.sample_id for x in out},

@@ -5,23 +5,15 @@ votes scripted in the next-state text) is not a model.
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client import REGISTRY
 
 from pipeline import events
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
-from pipeline.testing.servers import StandInJudge
 from pipeline.testing.topics import publish, read_events
 
 ZERO = "<<score: \\boxed{0}>>"
 UP = "<<score: \\boxed{1}>>"
 FAIL = "<<score: !500>>"
-
-
-@pytest.fixture(scope="module")
-def judge_server():
-    with StandInJudge() as s:
-        yield s
 
 
 def configure(c, url, **judge):

@@ -7,16 +7,13 @@ next-state text; with ``teacher_logits``, a stand-in teacher with fixed logits) 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
-import threading
 import time
 
 import httpx
 import pytest
 
 from pipeline import events
-from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
+from pipeline.chat import PromptSpec
 from pipeline.judge.prompts import inject_hint
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
 from pipeline.testing.proxy import running_proxy
@@ -29,22 +26,6 @@ UP = "<<score: \\boxed{1}>>"
 
 def hint_directive(text: str) -> str:
     return f"<<hint: \\boxed{{1}} [HINT_START]{text}[HINT_END]>>"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("tiny-random")
-
-
-@pytest.fixture(scope="module")
-def renderer(tokenizer):
-    return ChatRenderer(tokenizer)
-
-
-@pytest.fixture(scope="module")
-def judge_server(tokenizer):
-    with StandInJudge(tokenizer=tokenizer) as s:
-        yield s
 
 
 def configure(c, judge_url, mode="rl", teacher_url=None, group=None, **judge):

@@ -14,34 +14,20 @@ from prometheus_client import REGISTRY
 
 from pipeline import events
 from pipeline.bus import EventProducer, consumer_kwargs
-from pipeline.chat import ChatRenderer, load_tokenizer
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
-from pipeline.testing.servers import StandInJudge, fake_logprob
+from pipeline.testing.servers import fake_logprob
 from pipeline.testing.topics import publish, read_events
 
 B1, BM1, B0 = "\\boxed{1}", "\\boxed{-1}", "\\boxed{0}"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("tiny-random")
+JUDGE_SETTINGS = {"hang_s": 5.0}  # for judge/conftest.judge_server
 
 
-@pytest.fixture(scope="module")
-def renderer(tokenizer):
-    return ChatRenderer(tokenizer)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    with StandInJudge(hang_s=5.0, tokenizer=tokenizer) as s:
-        yield s
-
-
-def setup(config, server, **judge):
-    return config.replace(judge={"backend": "llm", "url": server.url, "group_id": f"{config.topics.prefix}judge",
+def setup(config, judge_server, **judge):
+    return config.replace(judge={"backend": "llm", "url": judge_server.url, "group_id": f"{config.topics.prefix}judge",
                                  "vote_timeout_s": 1.0, "retries": 1, "retry_backoff_s": 0.05, **judge},
-                          engine={"teacher_url": server.url, "model": "tiny-random"})
+                          engine={"teacher_url": judge_server.url, "model": "tiny-random"})
 
 
 def score(*items):
@@ -67,8 +53,8 @@ def metric(name, **labels):
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, server):
-    c = setup(kafka_config, server)
+def test_rl_join_session_end_parsing_and_at_least_one(kafka_config, judge_server):
+    c = setup(kafka_config, judge_server)
     evs = []
     # join with a user reply (turn 0), a tool result (turn 1); session end flushes turn 2
     evs += [make_turn("join", 0), make_next_state("join", 0, "Great, thanks! " + score(B1)),
@@ -150,10 +136,10 @@ def _committed(config, group, topic="turns"):
         c.close()
 
 
-def test_idle_timeout_flushes_waiting_turn_and_lets_offsets_commit(kafka_config, server):
+def test_idle_timeout_flushes_waiting_turn_and_lets_offsets_commit(kafka_config, judge_server):
     """The idle horizon is event time: a record 2 s (event time) after the turns, on their
     partition, makes them idle (1 s horizon); the ends are records, acted on when read back."""
-    c = setup(kafka_config, server, idle_timeout_s=1.0)
+    c = setup(kafka_config, judge_server, idle_timeout_s=1.0)
     t = events.now_ms()
     publish(c, [make_turn("idle", 0, created_at=t), make_turn("idle-opd", 0, created_at=t),
                 events.SessionEnd(session_id="tick", created_at=t + 2_000)], key="idle")  # one partition
@@ -177,8 +163,8 @@ def test_idle_timeout_flushes_waiting_turn_and_lets_offsets_commit(kafka_config,
         assert jt.app.joiner.waiting == 0 and not jt.app.joiner.sessions
 
 
-def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer, renderer):
-    c = setup(kafka_config, server, mode="opd", teacher_top_k=0)
+def test_opd_mode_hints_and_teacher_alignment(kafka_config, judge_server, tokenizer, renderer):
+    c = setup(kafka_config, judge_server, mode="opd", teacher_top_k=0)
     long_hint = "Give the distance in kilometres, not miles."
     evs = [make_turn("opd", 0, request="How far is it?", response_ids=[101, 102, 103, 104], renderer=renderer,
                      temperature=0.6),
@@ -189,14 +175,14 @@ def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer, r
            make_turn("opd", 2), make_next_state("opd", 2, "fine " + hint(BM1)),
            make_turn("opd", 3), events.SessionEnd(session_id="opd"),
            make_turn("opd-late", 0, renderer=renderer), make_next_state("opd-late", 0, "x " + hint(f"\\boxed{{1}} [HINT_START]{long_hint}[HINT_END]"))]
-    server.generate_bodies.clear()
+    judge_server.generate_bodies.clear()
     publish(c, evs)
     with JudgeThread(c):
         got = by_id(read_events(c, "samples", 2, timeout_s=30, settle_s=1.0))
     assert set(got) == {"opd:0:opd", "opd-late:0:opd"}  # 10-char hint, -1 vote, flushed turn: no sample
     s = got["opd:0:opd"]
     assert (s.kind, s.reward, s.loss_mask, s.hint) == ("opd", None, 1, long_hint)
-    body = next(b for b in server.generate_bodies if b["input_ids"][-4:] == [101, 102, 103, 104])
+    body = next(b for b in judge_server.generate_bodies if b["input_ids"][-4:] == [101, 102, 103, 104])
     ids, start = body["input_ids"], body["logprob_start_len"]
     assert start == len(ids) - 4 - 1  # log-probs start exactly at the response
     assert body["sampling_params"] == {"max_new_tokens": 0, "temperature": 0.6}  # scored at the rollout's T
@@ -209,8 +195,8 @@ def test_opd_mode_hints_and_teacher_alignment(kafka_config, server, tokenizer, r
     assert s.rollout_log_probs == pytest.approx([-0.125, -0.25, -0.375, -0.5])
 
 
-def test_combine_mode_dispatch_with_topk(kafka_config, server, renderer):
-    c = setup(kafka_config, server, mode="combine", teacher_top_k=2)
+def test_combine_mode_dispatch_with_topk(kafka_config, judge_server, renderer):
+    c = setup(kafka_config, judge_server, mode="combine", teacher_top_k=2)
     h = "\\boxed{1} [HINT_START]Answer with one word only.[HINT_END]"
     evs = []
     for sid, text in {"both": score(BM1) + hint(h), "hintonly": score(B0) + hint(h),
@@ -232,22 +218,22 @@ def test_combine_mode_dispatch_with_topk(kafka_config, server, renderer):
     assert score_only.teacher_top_k == 0 and score_only.teacher_topk_ids == []
 
 
-def test_choice_backend_scores_candidates_with_generate(kafka_config, server):
-    c = setup(kafka_config, server, backend="choice", tokenizer="tiny-random")
+def test_choice_backend_scores_candidates_with_generate(kafka_config, judge_server):
+    c = setup(kafka_config, judge_server, backend="choice", tokenizer="tiny-random")
     evs = [make_turn("ch", 0), make_next_state("ch", 0, score(B1)),  # turn 0: spend the rule
            make_turn("ch", 1), make_next_state("ch", 1, "nope <<choice: -1>>"),
            make_turn("ch", 2), make_next_state("ch", 2, "thanks <<choice: 1>>"), events.SessionEnd(session_id="ch")]
     publish(c, evs)
-    before = server.calls["/generate"]
+    before = judge_server.calls["/generate"]
     with JudgeThread(c, backend=None):
         got = by_id(read_events(c, "samples", 3, timeout_s=30))
     assert (got["ch:1:rl"].reward, got["ch:1:rl"].votes) == (-1.0, [-1])
     assert (got["ch:2:rl"].reward, got["ch:2:rl"].judge) == (1.0, "choice")
-    assert server.calls["/generate"] - before == 9  # one scoring pass per candidate and turn
+    assert judge_server.calls["/generate"] - before == 9  # one scoring pass per candidate and turn
 
 
-def test_undecodable_records_go_to_the_dead_letter_topic(kafka_config, server):
-    c = setup(kafka_config, server)
+def test_undecodable_records_go_to_the_dead_letter_topic(kafka_config, judge_server):
+    c = setup(kafka_config, judge_server)
     p = EventProducer(c, name="test")
     p.send(c.topics.name("turns"), b"\x93not an event", key="bad")
     p.send(c.topics.name("turns"), make_turn("ok", 0), key="ok")
@@ -260,12 +246,12 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka_config, server):
     assert len(dead) == 1 and dead[0].stage == "judge" and dead[0].raw == b"\x93not an event"
 
 
-def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, server, renderer):
+def test_teacher_failure_dead_letters_the_turn_and_moves_on(kafka_config, judge_server, renderer):
     import socket
 
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
-    c = setup(kafka_config, server, mode="opd")
+    c = setup(kafka_config, judge_server, mode="opd")
     c = c.replace(engine={"teacher_url": f"http://127.0.0.1:{dead.getsockname()[1]}"})
     h = hint("\\boxed{1} [HINT_START]Use the metric system please.[HINT_END]")
     publish(c, [make_turn("tf", 0, renderer=renderer), make_next_state("tf", 0, "in km " + h),

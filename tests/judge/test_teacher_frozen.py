@@ -21,7 +21,7 @@ import asyncio
 import pytest
 
 from pipeline import events
-from pipeline.chat import ChatRenderer, load_tokenizer
+from pipeline.chat import ChatRenderer
 from pipeline.config import load_config
 from pipeline.judge.samples import opd_sample
 from pipeline.judge.teacher import Teacher, TeacherMisconfigured, TeacherUnsupported
@@ -29,11 +29,6 @@ from pipeline.testing.engine import running_engine
 from pipeline.testing.judge import make_turn
 from pipeline.testing.servers import serve_app
 from pipeline.testing.sglang_style import SglangStyleEngine
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("tiny-random")
 
 
 def _check(config, tokenizer) -> None:

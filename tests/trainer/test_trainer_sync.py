@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
 
 from pipeline import events
 from pipeline.bus import EventProducer
