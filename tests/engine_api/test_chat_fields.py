@@ -227,7 +227,7 @@ def test_field_is_honoured_or_refused_on_every_path(case, defaults_engine_url, p
     baseline0 = _direct(defaults_engine_url, BASE, False)
     base = {**BASE, **_resolve(base_extra, baseline0)}
     baseline = _direct(defaults_engine_url, base, False)
-    served = httpx.get(f"{engine_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    served = httpx.get(f"{defaults_engine_url}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {**base, **_resolve(update, baseline)}
     problems = []
     for stream in (False, True):
