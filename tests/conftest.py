@@ -181,6 +181,18 @@ def make_config(bootstrap: str, prefix: str, **sections) -> Config:
                                 **sections})
 
 
+def tiny_stack_config(run_dir, **sections) -> Config:
+    """The Config of a whole stack on tiny-random for ``pipeline up`` (:func:`start_stack`): one
+    torch thread per stage, batches of 4, the trainer's files under ``run_dir``, no staleness
+    limit; ``sections`` (e.g. ``judge={...}``) added."""
+    return load_config(None, engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8},
+                       trainer={"model": "tiny-random", "rollout_batch_size": 4, "lr": 1e-3, "threads": 1,
+                                "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
+                                "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False,
+                                "max_staleness": None},
+                       **sections)
+
+
 @pytest.fixture
 def topic_prefix(request) -> str:
     """A unique topic prefix for this test (``t-<test name>-<random>-``)."""

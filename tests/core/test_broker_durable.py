@@ -8,7 +8,6 @@ Real processes throughout: ``pipeline broker --data-dir`` (SeaweedFS + Tansu's s
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -25,39 +24,20 @@ from pipeline.config import load_config
 from pipeline.orchestrate.up import start_stack
 from pipeline.testing.servers import StandInEngine, serve_app
 from pipeline.testing.topics import read_events
+from tests.processes import PipelineProcess
 
 CHAT = "/v1/chat/completions"
 
 
-class BrokerProcess:
+class BrokerProcess(PipelineProcess):
     """``python -m pipeline broker ...`` as a child; :meth:`wait_ready` waits for its ready line."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline", "broker", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
+        super().__init__("broker", *args)
 
     def wait_ready(self, timeout_s: float = 120.0) -> str:
         """The bootstrap address from the ready line. Fails with the output if it exits first."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            if line.startswith("broker ready: bootstrap="):
-                return line.split("bootstrap=")[1].split()[0]
-        pytest.fail(f"broker not ready; output:\n{''.join(self.output)}")
+        return self.wait_line(r"broker ready: bootstrap=(\S+)", "broker not ready", timeout_s).group(1)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -20,8 +20,8 @@ import pytest
 
 from pipeline import events
 from pipeline.bus import Record
-from pipeline.config import load_config
 from pipeline.orchestrate.up import start_stack
+from tests.conftest import tiny_stack_config
 from tests.dashboard.dashboard_helpers import Browser, chromium_path, topic_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,14 +37,9 @@ def test_dashboard_in_headless_chromium(tmp_path):
     if chromium_path() is None:
         pytest.skip("no chromium binary: deploy/install.sh installs Debian's chromium where apt-get is available")
     run_dir = tmp_path / "run"
-    config = load_config(None, engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8},
-                         trainer={"model": "tiny-random", "rollout_batch_size": 4, "lr": 1e-3, "threads": 1,
-                                  "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
-                                  "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False,
-                                  "max_staleness": None},
-                         judge={"mode": "rl", "backend": "tests.dashboard.stand_in_judge:StandInVotesBackend",
-                                "idle_timeout_s": 5},
-                         dashboard={"scrape_interval_s": 1.0, "push_interval_s": 0.5})
+    config = tiny_stack_config(run_dir, judge={"mode": "rl", "backend": "tests.dashboard.stand_in_judge:StandInVotesBackend",
+                                               "idle_timeout_s": 5},
+                               dashboard={"scrape_interval_s": 1.0, "push_interval_s": 0.5})
     stack = start_stack(config, run_dir, ready_timeout_s=300, durable_broker=False)
     config = stack.config
     assert stack.dashboard_url and stack.supervisor.stages[-1].name == "dashboard"

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import events
-from pipeline.config import load_config
 from pipeline.orchestrate.demo import read_topic
 from pipeline.orchestrate.up import start_stack
+from tests.conftest import tiny_stack_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = 6
@@ -60,12 +60,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow(seconds=80)
 def test_whole_loop_tiny_model(tmp_path):
     run_dir = tmp_path / "run"
-    config = load_config(None, engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8},
-                         trainer={"model": "tiny-random", "rollout_batch_size": 4, "lr": 1e-3, "threads": 1,
-                                  "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
-                                  "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False,
-                                  "max_staleness": None},
-                         judge={"mode": "rl", "backend": "embedding", "idle_timeout_s": 5})
+    config = tiny_stack_config(run_dir, judge={"mode": "rl", "backend": "embedding", "idle_timeout_s": 5})
     stack = start_stack(config, run_dir, ready_timeout_s=300)
     config = stack.config  # with the broker, ports and URLs the stages run with
     pids = stack.supervisor.pids()

@@ -10,14 +10,9 @@ answered turn. States are awaited, never slept on.
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
 import sqlite3
-import subprocess
-import sys
-import threading
-import time
 
 import httpx
 import pytest
@@ -32,41 +27,17 @@ from pipeline.topics import load_topics
 from pipeline.testing.servers import StandInEngine, serve_app
 from pipeline.testing.topics import read_events
 from pipeline.testing.waiting import wait_for
+from tests.processes import PipelineProcess
 
 CHAT = "/v1/chat/completions"
 
 
-class ProxyProcess:
+class ProxyProcess(PipelineProcess):
     def __init__(self, engine_url: str, bootstrap: str, buffer_dir, prefix: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "proxy", "--port", "0", "--engine-url", engine_url, "--bootstrap",
-             bootstrap, "--buffer-dir", str(buffer_dir), "--no-control", "--set", f"topics.prefix={prefix}",
-             "--set", "proxy.publish_delivery_timeout_ms=3000"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_ready()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _wait_ready(self, timeout_s: float = 60) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            m = re.match(r"PROXY READY (\S+)", line)
-            if m:
-                return m.group(1)
-        pytest.fail(f"proxy did not start:\n{''.join(self.output)}")
+        super().__init__("proxy", "--port", "0", "--engine-url", engine_url, "--bootstrap", bootstrap,
+                         "--buffer-dir", str(buffer_dir), "--no-control", "--set", f"topics.prefix={prefix}",
+                         "--set", "proxy.publish_delivery_timeout_ms=3000")
+        self.url = self.wait_line(r"PROXY READY (\S+)", "proxy did not start", 60).group(1)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text

@@ -13,58 +13,43 @@ weight by a different amount).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
 
 from pipeline import events
-from pipeline.testing.engine import running_engine
 from pipeline.testing.trainer import shifted_export
-from tests.syncer.test_syncer_reconcile import _config, _control, _info, _publish, _start, _stop
-
-
-@contextlib.contextmanager
-def _syncing(cfg):
-    """A syncer for ``cfg``'s engine, reconciled and in its group; stopped on exit."""
-    syncer, t = _start(cfg)
-    try:
-        assert syncer.ready.wait(30)
-        yield syncer
-    finally:
-        _stop(syncer, t)
+from tests.syncer.syncing import control, engine_for, info, new_syncer, publish, running, syncer_config
 
 
 def _applied(cfg, n):
-    return [c for c in _control(cfg, want=n) if c.action in ("applied", "failed") and c.engine_id == "engine-0"]
+    return [c for c in control(cfg, want=n) if c.action in ("applied", "failed") and c.engine_id == "engine-0"]
 
 
 def test_same_number_new_content_at_the_same_path_is_applied(kafka_config, tmp_path):
-    cfg = _config(kafka_config, tmp_path)
+    cfg = syncer_config(kafka_config, tmp_path)
     folder, sha_a = shifted_export(tmp_path / "weights", 1, shift=0.01)
-    with running_engine("tiny-random", threads=1) as url:
-        cfg = cfg.replace(syncer={"engine_url": url})
-        with _syncing(cfg):
-            assert _publish(cfg, 1, folder, sha_a).applied == ["engine-0"]
-            _, scores_a = asyncio.run(_info(url))
-            shutil.rmtree(folder)  # the trainer re-exports v1 to the same path with other weights
-            folder_b, sha_b = shifted_export(tmp_path / "weights", 1, shift=0.03)
-            assert folder_b == folder and sha_b != sha_a
-            assert _publish(cfg, 1, folder, sha_b).applied == ["engine-0"]
-            version, scores_b = asyncio.run(_info(url))
+    with engine_for(cfg) as (cfg, url), running(new_syncer(cfg)):
+        assert publish(cfg, 1, folder, sha_a).applied == ["engine-0"]
+        _, scores_a = info(url)
+        shutil.rmtree(folder)  # the trainer re-exports v1 to the same path with other weights
+        folder_b, sha_b = shifted_export(tmp_path / "weights", 1, shift=0.03)
+        assert folder_b == folder and sha_b != sha_a
+        assert publish(cfg, 1, folder, sha_b).applied == ["engine-0"]
+        version, scores_b = info(url)
     assert version == "1" and scores_b != scores_a  # the new content is served
     last = _applied(cfg, 8)[-1]
     assert last.sha256 == sha_b and not last.message.startswith("already serving"), last.message
 
 
 def test_restarted_syncer_reloads_an_engine_of_unknown_content(kafka_config, tmp_path):
-    cfg = _config(kafka_config, tmp_path)
+    import asyncio
+
+    cfg = syncer_config(kafka_config, tmp_path)
     v1, sha1 = shifted_export(tmp_path / "weights", 1, shift=0.01)
     other, _ = shifted_export(tmp_path / "elsewhere", 1, shift=0.05)
-    with running_engine("tiny-random", threads=1) as url:
-        cfg = cfg.replace(syncer={"engine_url": url})
-        with _syncing(cfg):
-            assert _publish(cfg, 1, v1, sha1).applied == ["engine-0"]
-            _, published_scores = asyncio.run(_info(url))
+    with engine_for(cfg) as (cfg, url):
+        with running(new_syncer(cfg)):
+            assert publish(cfg, 1, v1, sha1).applied == ["engine-0"]
+            _, published_scores = info(url)
 
         async def swap():  # someone loads other weights and labels them v1 while no syncer runs
             from pipeline.client import EngineClient
@@ -73,19 +58,17 @@ def test_restarted_syncer_reloads_an_engine_of_unknown_content(kafka_config, tmp
                 await eng.update_weights_from_disk(str(other), weight_version="1")
 
         asyncio.run(swap())
-        assert asyncio.run(_info(url)) != ("1", published_scores)
-        with _syncing(cfg):  # reconciled before it joins its group
-            version, scores = asyncio.run(_info(url))
+        assert info(url) != ("1", published_scores)
+        with running(new_syncer(cfg)):  # reconciled before it joins its group
+            version, scores = info(url)
     assert version == "1" and scores == published_scores  # the published content, not only the label
 
 
 def test_folder_that_no_longer_matches_its_sha256_is_refused(kafka_config, tmp_path):
-    from pipeline.syncer import Syncer
-
-    cfg = _config(kafka_config, tmp_path)
+    cfg = syncer_config(kafka_config, tmp_path)
     folder, sha_a = shifted_export(tmp_path / "weights", 1, shift=0.01)
-    with running_engine("tiny-random", threads=1) as url:
-        syncer = Syncer(cfg.replace(syncer={"engine_url": url}))
+    with engine_for(cfg) as (cfg, _url):
+        syncer = new_syncer(cfg)
         try:
             ev = events.Control(action="weights", epoch=1, policy_version=1, run_id="reconcile",
                                 location=str(folder), sha256=sha_a)

@@ -7,8 +7,6 @@ and the TP=2 export must reproduce the source checkpoint bit for bit.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,17 +16,10 @@ import pytest
 @pytest.mark.slow(seconds=25)
 def test_tp2_tiny_matches_transformers_and_exports(tmp_path):
     from pipeline.models import resolve_model
-    from pipeline.procutil import free_port
+    from tests.trainer.torchrun import torchrun_two  # here: this file is also the ranks' script
 
     path = resolve_model("tiny-random")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           __file__, str(path), str(tmp_path)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = torchrun_two([__file__, str(path), str(tmp_path)], timeout_s=240)
     assert "RANK0 OK" in r.stdout and "RANK1 OK" in r.stdout, r.stdout[-2000:]
     # the same training step in one process (TP=1) gives the same weights as TP=2
     import torch
@@ -62,25 +53,19 @@ def test_trainer_stage_under_torchrun_tp2(kafka_config, tmp_path):
     import json
 
     from pipeline.bus import EventProducer
-    from pipeline.procutil import free_port
     from pipeline.weightsync import verify_folder
+    from tests.trainer.torchrun import torchrun_two
 
     p = EventProducer(kafka_config, name="test")
     for s in _samples():
         p.send(kafka_config.topics.name("samples"), s, key=s.session_id)
     p.flush(10)
     p.close()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "pipeline", "trainer", "--tp", "2", "--model", "tiny-random",
-           "--batch-size", "3", "--max-steps", "1", "--engines", "", "--threads", "1", "--no-progress",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--export-dir", str(tmp_path / "weights"),
-           "--bootstrap", kafka_config.kafka.bootstrap_servers, "--set", f"topics.prefix={kafka_config.topics.prefix}",
-           "--log-level", "WARNING"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    torchrun_two(["-m", "pipeline", "trainer", "--tp", "2", "--model", "tiny-random",
+                  "--batch-size", "3", "--max-steps", "1", "--engines", "", "--threads", "1", "--no-progress",
+                  "--checkpoint-dir", str(tmp_path / "ckpt"), "--export-dir", str(tmp_path / "weights"),
+                  "--bootstrap", kafka_config.kafka.bootstrap_servers,
+                  "--set", f"topics.prefix={kafka_config.topics.prefix}", "--log-level", "WARNING"], timeout_s=240)
     rec = json.loads((tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["step"] == 1 and rec["train_samples"] == 3 and sorted(rec["sample_ids"]) == ["tp:0", "tp:1", "tp:2"]
     assert sorted(f.name for f in (tmp_path / "ckpt" / "step_00000001").iterdir()) == ["meta.json", "tp00.pt", "tp01.pt"]

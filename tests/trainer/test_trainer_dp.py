@@ -9,8 +9,6 @@ file under torchrun; the ``__main__`` block is the worker.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -63,22 +61,12 @@ def test_dp2_uneven_batches_complete_and_match_single_process(tmp_path):
 
     from pipeline.config import load_config
     from pipeline.models import resolve_model
-    from pipeline.procutil import free_port
+    from tests.trainer.torchrun import torchrun_two  # here: this file is also the ranks' script
     from pipeline.trainer.policy import PolicyTrainer
     from pipeline.testing.trainer import megatron_runtime
 
     path = resolve_model("tiny-random")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           __file__, str(path), str(tmp_path / "dp2")]
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"DP=2 did not finish (a rank waits in a collective): {str(e.stdout)[-2000:]}") from None
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = torchrun_two([__file__, str(path), str(tmp_path / "dp2")], timeout_s=200)
     assert "RANK0 OK" in r.stdout and "RANK1 OK" in r.stdout, r.stdout[-2000:]
     with megatron_runtime(tp=1, threads=1) as par:
         pt = PolicyTrainer(load_config(None, trainer=_TRAIN).trainer, path, par)

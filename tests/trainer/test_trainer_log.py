@@ -12,20 +12,11 @@ import sys
 
 from pipeline import events
 from pipeline.bus import EventProducer
+from pipeline.testing.topics import publish
+from tests.trainer.samples import rl_sample
 
 CHATTER = ("Params for bucket", "OptimizerConfig(", "DistributedDataParallelConfig(", "Transformer Engine",
            "Apex", "full scope is deprecated", "Megatron-FSDP")
-
-
-def _produce(cfg, n):
-    p = EventProducer(cfg, name="test")
-    for i in range(n):
-        toks = [(i * 7 + j) % 5000 + 1 for j in range(10)]
-        s = events.Sample(sample_id=f"s{i}:0:rl", session_id=f"s{i}", turn_index=0, tokens=toks,
-                          response_length=4, rollout_log_probs=[-2.0] * 4, reward=(-1.0) ** i)
-        p.send(cfg.topics.name("samples"), s, key=s.session_id)
-    p.flush(10)
-    p.close()
 
 
 def _trainer_log(cfg, tmp_path, level: str, steps: int) -> str:
@@ -41,7 +32,7 @@ def _trainer_log(cfg, tmp_path, level: str, steps: int) -> str:
 
 
 def test_trainer_info_log_holds_no_library_chatter_and_debug_keeps_it(kafka_config, tmp_path):
-    _produce(kafka_config, 4)
+    publish(kafka_config, [rl_sample(i) for i in range(4)], "samples")
     info = _trainer_log(kafka_config, tmp_path, "INFO", steps=1)
     assert "step 1 v1" in info, info[-2000:]
     assert [c for c in CHATTER if c in info] == [], info[:3000]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pipeline import events
-from pipeline.bus import EventProducer
 from pipeline.config import load_config
 from pipeline.models import resolve_model
+from pipeline.testing.topics import publish
 
 
 def _config(kafka_config, tmp_path, **trainer):
@@ -31,14 +31,6 @@ def _sample(i, reward=1.0, **kw):
     kw.setdefault("rollout_log_probs", [-2.0] * 4)
     return events.Sample(sample_id=f"r:{i}", session_id=f"r{i}", turn_index=0, tokens=toks, response_length=4,
                          reward=reward, **kw)
-
-
-def _produce(config, samples):
-    p = EventProducer(config, name="test")
-    for s in samples:
-        p.send(config.topics.name("samples"), s, key=s.session_id)
-    p.flush(10)
-    p.close()
 
 
 def _produce_unchecked(config, samples):
@@ -181,7 +173,7 @@ def test_from_newest_export_continues_from_its_weights(kafka_config, tmp_path, r
     cfg = _config(kafka_config, tmp_path, missing_checkpoint="newest_export")
     _trained_export(tmp_path / "weights", 3, shift=0.02)
     v5 = _trained_export(tmp_path / "weights", 5)
-    _produce(cfg, [_sample(i, (-1.0) ** i, policy_version=5) for i in range(3)])  # served by v5
+    publish(cfg, [_sample(i, (-1.0) ** i, policy_version=5) for i in range(3)], "samples")  # served by v5
     stage = TrainerStage(cfg)
     assert stage.run(install_signals=False) == 0
     assert stage.version == 6

@@ -17,24 +17,13 @@ import sys
 import time
 from collections import Counter
 
-from pipeline import events
-from pipeline.bus import EventProducer
 from pipeline.jsonl import read_jsonl
 from pipeline.procutil import free_port
+from pipeline.testing.topics import publish
 from tests.conftest import scrape
+from tests.trainer.samples import rl_sample
 
 BATCH, OPT_STEPS = 3, 12  # samples per trainer step, optimizer steps per trainer step
-
-
-def _produce(cfg, ids):
-    p = EventProducer(cfg, name="test")
-    for i in ids:
-        toks = [(i * 7 + j) % 5000 + 1 for j in range(10)]
-        s = events.Sample(sample_id=f"sess{i}:0:rl", session_id=f"sess{i}", turn_index=0, tokens=toks,
-                          response_length=4, rollout_log_probs=[-2.0] * 4, reward=(-1.0) ** i)
-        p.send(cfg.topics.name("samples"), s, key=s.session_id)
-    p.flush(10)
-    p.close()
 
 
 def _records(path):
@@ -79,7 +68,7 @@ def _committed(cfg) -> int:
 def test_trainer_killed_half_trained_restarts_without_training_a_sample_twice(kafka_config, tmp_path):
     metrics, ckpt = tmp_path / "ckpt" / "metrics.jsonl", tmp_path / "ckpt"
     samples_topic = kafka_config.topics.name("samples")
-    _produce(kafka_config, range(12))  # four batches of 3
+    publish(kafka_config, [rl_sample(i, "sess") for i in range(12)], "samples")  # four batches of 3
 
     port = free_port()
     proc = _trainer(kafka_config, tmp_path, max_steps=4, port=port)

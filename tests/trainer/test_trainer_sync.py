@@ -9,6 +9,7 @@ import threading
 from pipeline import events
 from pipeline.bus import EventProducer
 from pipeline.config import load_config
+from pipeline.testing.topics import publish
 
 
 def _config(kafka_config, tmp_path, **trainer):
@@ -24,14 +25,6 @@ def _control_log(config, timeout_s: float = 10.0, want: int = 1) -> list[events.
     from pipeline.testing.topics import read_events
 
     return read_events(config, "control", want, timeout_s, settle_s=0.2)
-
-
-def _produce(config, samples):
-    p = EventProducer(config, name="test")
-    for s in samples:
-        p.send(config.topics.name("samples"), s, key=s.session_id)
-    p.flush(10)
-    p.close()
 
 
 async def _sample_from_engine(url, prompt, seed, temperature=1.0, n=12):
@@ -71,7 +64,7 @@ def test_training_step_raises_positive_response_logprob_on_the_engine(kafka_conf
             events.Sample(sample_id=f"s:{i}:rl", session_id=f"s{i}", turn_index=0, tokens=prompt + resp,
                           response_length=len(resp), rollout_log_probs=lp, reward=r, policy_version=0)
             for i, (resp, lp, r) in enumerate([(good, good_lp, 1.0), (bad, bad_lp, -1.0)])]
-        _produce(cfg, samples)
+        publish(cfg, samples, "samples")
         syncer = Syncer(cfg)
         t = threading.Thread(target=syncer.run, daemon=True)
         t.start()
