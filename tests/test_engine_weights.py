@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from pipeline.client import EngineClient, EngineError
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError
 from pipeline.models import resolve_model
 from pipeline.testing.engine import perturbed_copy, running_engine
 

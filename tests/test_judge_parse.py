@@ -148,7 +148,7 @@ def test_teacher_scores_through_the_client_aligned_with_top_k_and_refuses_bad_an
     import asyncio
     import math
 
-    from pipeline.chat import load_tokenizer
+    from pipeline.engine_api.render import load_tokenizer
     from pipeline.config import load_config
     from pipeline.judge.teacher import Teacher
     from pipeline.testing.servers import StandInJudge

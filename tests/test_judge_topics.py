@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from pipeline import events
 from pipeline.bus import EventProducer, consumer_kwargs
-from pipeline.chat import ChatRenderer, load_tokenizer
+from pipeline.engine_api.render import ChatRenderer, load_tokenizer
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
 from pipeline.testing.servers import StandInJudge, fake_logprob
 from pipeline.testing.topics import publish, read_events

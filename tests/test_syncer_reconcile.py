@@ -48,7 +48,7 @@ def _stop(syncer, t):
 
 
 async def _info(url):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
 
     async with EngineClient(url, timeout_s=60) as eng:
         return await eng.weight_version(), await eng.score(TOKENS, 10)
@@ -120,7 +120,7 @@ def test_restarted_engine_and_syncer_serve_the_published_version_before_traffic(
 
 
 def test_engine_restarted_without_its_syncer_is_reconciled(kafka_config, tmp_path):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
     from pipeline.models import resolve_model
 
     cfg = _config(kafka_config, tmp_path)

@@ -2,8 +2,8 @@
 
 Hindsight On-Policy Distillation (OpenClaw-RL): the hint the judge extracted from the next state
 is appended to the last user message of the turn's prompt (:func:`inject_hint`). The teacher's
-prompt is rendered by the same renderer as the student's (:class:`pipeline.chat.ChatRenderer`)
-from the same :class:`pipeline.chat.PromptSpec` (the turn's messages, tools and
+prompt is rendered by the same renderer as the student's (:class:`pipeline.engine_api.render.ChatRenderer`)
+from the same :class:`pipeline.engine_api.render.PromptSpec` (the turn's messages, tools and
 ``chat_options``) with only the messages swapped for the hinted ones. Before that, the student's
 own spec is rendered and must reproduce ``turn.prompt_token_ids`` exactly; otherwise (another
 template, a request sent as raw ``input_ids``, an engine that renders differently) the teacher
@@ -11,7 +11,7 @@ would not see "the student's context plus the hint", and the turn gets no teache
 (:class:`TeacherUnsupported`, reason ``prompt_mismatch``).
 
 The student's exact response ids are appended, never re-tokenized. One ``POST /generate``
-(:meth:`pipeline.client.EngineClient.score_result`, the one scoring call of the package) with
+(:meth:`pipeline.engine_api.client.EngineClient.score_result`, the one scoring call of the package) with
 ``input_ids``, ``sampling_params = {max_new_tokens: 0, temperature: T}``,
 ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = hinted prompt length) returns
 ``input_token_logprobs`` for positions P .. P+R-1 (SGLang's ``logprob_start_len`` semantics),
@@ -56,8 +56,9 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from pipeline.chat import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
-from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError, EngineTimeout, EngineUnavailable
+from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.events import logprob_domain_error
 from pipeline.judge.prompts import inject_hint
@@ -112,7 +113,7 @@ def temperature_ratio(at_one, at_half) -> tuple[float | None, float]:
     """How the teacher's log-prob differences scale from T = 1 to T = 0.5.
 
     Args:
-        at_one, at_half: :class:`pipeline.client.ScoreResult` of the same sequence at T = 1 and
+        at_one, at_half: :class:`pipeline.engine_api.client.ScoreResult` of the same sequence at T = 1 and
             T = 0.5, with top-k alternatives.
     Returns:
         ``(ratio, spread)``: the least-squares factor ``d_half / d_one`` over every pair (the
@@ -133,7 +134,7 @@ def temperature_ratio(at_one, at_half) -> tuple[float | None, float]:
 
 def flatten_top_k(top: list[list[tuple[int, float]]], n_response: int, top_k: int) -> tuple[list[int], list[float]]:
     """The teacher's top-k per response position (``top``: rows of ``(token_id, log-prob)`` as
-    :meth:`pipeline.client.EngineClient.score_result` returns them) flattened row-major to
+    :meth:`pipeline.engine_api.client.EngineClient.score_result` returns them) flattened row-major to
     ``R*k`` ids and log-probs (nats); missing rows or entries are id 0 with log-prob -inf."""
     ids: list[int] = []
     lps: list[float] = []

@@ -53,18 +53,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline import events
-from pipeline.chat import chat_options
 from pipeline.config import Config
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError, EngineTimeout
+from pipeline.engine_api.render import chat_options
+from pipeline.engine_api.sglang import generate_path_refusal
+from pipeline.engine_api.tokenbytes import TokenBytesError, load_token_bytes
+from pipeline.models import ModelNotFound, generation_defaults, resolve_model
 from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import ProxyError, bad_request, error_body, generation_aborted, upstream_error
+from pipeline.proxy.identity import Chain, Conversations, claim, prompt_chain
 from pipeline.proxy.messages import MessagesDoor
 from pipeline.proxy.names import ServedModels
 from pipeline.proxy.publisher import DurableSend, EventPublisher
 from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, policy_version, repair_logprob_bytes,
                                    strip_response)
-from pipeline.proxy.identity import Chain, Conversations, claim, prompt_chain
 from pipeline.proxy.responses import ResponsesDoor
 from pipeline.proxy.sessions import MainTurn, SessionTable
 from pipeline.proxy.upstream import Upstream, sse_batches
@@ -641,8 +646,6 @@ class ProxyApp:
         return self._model_files
 
     def _read_model_files(self) -> tuple[Any, dict]:
-        from pipeline.tokenbytes import TokenBytesError, load_token_bytes
-
         name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
         try:
             tb = load_token_bytes(name, cache)
@@ -653,9 +656,6 @@ class ProxyApp:
 
     def _read_generation_defaults(self) -> dict:
         """The served model's generation_config chat defaults (read once; ``{}`` when unreadable)."""
-        from pipeline.engine.model import generation_defaults
-        from pipeline.models import ModelNotFound, resolve_model
-
         if self._gen_defaults is None:
             name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
             try:
@@ -787,8 +787,6 @@ class ProxyApp:
         A client that leaves mid-stream is handled as on the native path: reading stops, the
         engine's generation is aborted (``/abort_request``, by closing the client's stream), the
         tokens sent so far are recorded as an ``abort`` turn and ``client_disconnect`` is counted."""
-        from pipeline.client import EngineClient, EngineError, EngineTimeout, generate_path_refusal
-
         body = {k: v for k, v in req.items() if k not in ("return_token_ids", "stream")}
         refused = generate_path_refusal(body)
         if refused is not None:

@@ -1,6 +1,6 @@
 """``choice`` backend: score the three answers instead of sampling votes.
 
-The PRM prompt is rendered by :class:`pipeline.chat.ChatRenderer` with the judge model's chat
+The PRM prompt is rendered by :class:`pipeline.engine_api.render.ChatRenderer` with the judge model's chat
 template (tokenizer from ``judge.tokenizer``, default ``engine.model``) and each candidate answer ``\\boxed{1}``,
 ``\\boxed{0}``, ``\\boxed{-1}`` is appended as token ids. One ``POST /generate`` per candidate with
 ``max_new_tokens=0``, ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = prompt
@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 
-from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
+from pipeline.engine_api.render import ChatRenderer, PromptSpec, load_tokenizer
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Verdict
 from pipeline.judge.backends.llm import CallFailed, LLMBackend

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.models import resolve_model
 
 ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
 #: request fields besides ``messages`` and ``tools`` that change the rendered prompt
@@ -286,7 +287,5 @@ def load_tokenizer(name: str, cache_dir: str | None = None):
         pipeline.models.ModelNotFound: the name is unknown and no such folder exists.
     """
     from transformers import AutoTokenizer
-
-    from pipeline.models import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(name, cache_dir)))

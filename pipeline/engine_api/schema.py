@@ -14,7 +14,7 @@ SGLang extensions the engines share), each with
 - ``recorded``: kept as the turn's sampling parameters by the proxy.
 
 Derived from it: the proxy's validation (:mod:`pipeline.proxy.validate`), the client's mapping
-of chat fields onto ``/generate`` (:mod:`pipeline.client`), the engine's request model
+of chat fields onto ``/generate`` (:mod:`pipeline.engine_api.client`), the engine's request model
 (:class:`pipeline.engine.protocol.ChatBody` types and defaults exactly these fields).
 """
 
