@@ -223,6 +223,23 @@ def test_render_rejects_bad_messages(renderer, msgs):
         renderer.render_ids(msgs)
 
 
+def test_content_text_is_what_the_renderer_shows(renderer):
+    """One joining rule: the text every reader takes of multi-part content (judge, proxy,
+    importer: :func:`content_text`) is the text the renderer put into the prompt."""
+    from pipeline.engine_api.render import content_text
+    from pipeline.judge.prompts import inject_hint
+
+    parts = [{"type": "text", "text": "Translate "}, {"text": "good morning"}, " to French."]
+    expect = "Translate " + "good morning" + " to French."  # the parts one after the other, nothing between
+    assert content_text(parts) == expect
+    assert (renderer.render_text([{"role": "user", "content": parts}])
+            == renderer.render_text([{"role": "user", "content": expect}]))
+    assert content_text(inject_hint([{"role": "user", "content": parts}], "Be brief.")[0]["content"]) == (
+        expect + "\n\n[Hint] Be brief.")
+    assert content_text([{"type": "image_url", "image_url": {"url": "x"}}, {"type": "input_text", "text": "a"}]) == "a"
+    assert content_text(None) == "" and content_text("x") == "x" and content_text(5) == ""
+
+
 def test_render_trailing_assistant(renderer):
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "Once upon"}]
     cont = renderer.render_text(msgs, continue_final_message=True)

@@ -37,7 +37,7 @@ from typing import Iterator
 import orjson
 
 from pipeline import events
-from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, normalise_tools
+from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, content_text, normalise_tools
 from pipeline.errors import PipelineError
 from pipeline.models import resolve_model
 
@@ -58,12 +58,6 @@ def _validate(messages) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ImportError_(f"messages[{i}] needs a role in {ROLES}")
     return messages
-
-
-def _text(content) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return content or ""
 
 
 @dataclass
@@ -141,7 +135,7 @@ def conversation_events(conv: dict, tok: Tokenizer, session_id: str, *, policy_v
             session_id=session_id, turn_type="main", turn_index=idx, request_id=f"import-{digest}-{idx}",
             created_at=at, policy_version=policy_version, model=model, messages=before, tools=tools,
             sampling={}, prompt_token_ids=prompt_ids, response_token_ids=resp_ids, response_logprobs=[],
-            response={"content": _text(msg.get("content")), "reasoning_content": msg.get("reasoning_content"),
+            response={"content": content_text(msg.get("content")), "reasoning_content": msg.get("reasoning_content"),
                       "tool_calls": tool_calls},
             finish_reason="tool_calls" if tool_calls else "stop", source="import"))
         nxt = assistant_at[idx + 1] if idx + 1 < len(assistant_at) else len(messages)
