@@ -57,22 +57,17 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.engine_api.client import EngineClient
-from pipeline.engine_api.errors import EngineError, EngineTimeout, EngineUnavailable
+from pipeline.engine_api.errors import EngineError, retried
 from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.events import logprob_domain_error
 from pipeline.judge.prompts import inject_hint
 from pipeline.judge.samples import rollout_temperature
-from pipeline.retry import Transient, retrying
 
 log = logging.getLogger(__name__)
 
 
-class TeacherError(PipelineError, RuntimeError):
-    """The teacher endpoint did not return log-probs for every response token."""
-
-
-class TeacherUnsupported(TeacherError):
+class TeacherUnsupported(PipelineError):
     """The teacher cannot score this turn's distribution (a property of the turn, not a failure).
 
     ``reason``: ``prompt_mismatch`` (the student's prompt cannot be reproduced),
@@ -85,7 +80,7 @@ class TeacherUnsupported(TeacherError):
         self.reason = reason
 
 
-class TeacherMisconfigured(TeacherError):
+class TeacherMisconfigured(PipelineError, RuntimeError):
     """The teacher engine cannot give the OPD signal: its log-probs ignore the temperature, or
     it is the live policy without ``judge.live_policy_teacher``. The message says what to fix."""
 
@@ -196,7 +191,7 @@ class Teacher:
             await self._ensure_checked()
         except TeacherMisconfigured:
             raise
-        except (TeacherError, EngineError) as e:
+        except EngineError as e:
             log.warning("OPD teacher at %s not checked at start (%s): checked before its first score", self.url, e)
 
     async def _ensure_checked(self) -> None:
@@ -210,7 +205,7 @@ class Teacher:
                     info = await self.client.model_info()
                 except EngineError as e:
                     if e.status != 404:
-                        raise TeacherError(f"teacher {self.url}: /model_info failed: {e}") from None
+                        raise e.within(f"teacher {self.url}: /model_info failed") from None
                     info = {}  # an engine without /model_info is named by its URL
                 self.model = str(info.get("model_path") or self.url)[:256]
             if not self.checked:
@@ -285,7 +280,8 @@ class Teacher:
 
         Raises:
             TeacherUnsupported: see :meth:`check` and :meth:`prompt_ids`.
-            TeacherError: the endpoint failed after retries or answered with too few log-probs.
+            TeacherMisconfigured: the teacher failed its self-check.
+            EngineError: the endpoint failed after retries or answered with too few log-probs.
         """
         self.check(turn)
         await self._ensure_checked()
@@ -301,29 +297,22 @@ class Teacher:
         """Log-probs ``[R]`` of ``response`` after ``prompt`` under ``softmax(logits / temperature)``.
 
         Raises:
-            TeacherError: the endpoint failed after retries or answered with too few log-probs.
+            EngineError: the endpoint failed after retries (a time-out, unreachable, 5xx/429: tried
+                ``judge.retries`` more times) or answered with too few or misaligned log-probs.
         """
         if not response:
             return TeacherOutput([])
         jc = self.config.judge
         try:
-            async for attempt in retrying(jc.retries + 1, jc.retry_backoff_s):
-                with attempt:
-                    try:
-                        res = await self.client.score_result(prompt + response, len(prompt),
-                                                             temperature=float(temperature),
-                                                             top_logprobs_num=self.top_k)
-                    except (EngineTimeout, EngineUnavailable) as e:
-                        raise Transient(str(e)) from None
-                    except EngineError as e:
-                        if e.status is not None and e.retryable:  # 429 / 5xx (not a misaligned answer)
-                            raise Transient(str(e)) from None
-                        raise
-        except (Transient, EngineError) as e:
-            raise TeacherError(f"teacher scoring failed: {e}") from None
+            res = await retried(lambda: self.client.score_result(prompt + response, len(prompt),
+                                                                 temperature=float(temperature),
+                                                                 top_logprobs_num=self.top_k),
+                                jc.retries + 1, jc.retry_backoff_s)
+        except EngineError as e:
+            raise e.within("teacher scoring failed") from None
         bad = logprob_domain_error(res.logprobs)
         if bad is not None:  # a broken engine: never a training signal (the sample would be refused anyway)
-            raise TeacherError(f"teacher scoring returned a value that is not a log-prob: log_probs{bad}")
+            raise EngineError(f"teacher scoring returned a value that is not a log-prob: log_probs{bad}")
         out = TeacherOutput(res.logprobs, version=None if res.weight_version is None else str(res.weight_version))
         if self.top_k > 0:
             out.topk_ids, out.topk_log_probs = flatten_top_k(res.top, len(response), self.top_k)
