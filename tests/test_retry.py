@@ -10,7 +10,8 @@ import time
 import orjson
 import pytest
 
-from pipeline.judge.backends.llm import CallFailed, HttpJudge
+from pipeline.engine_api.errors import EngineError
+from pipeline.judge.backends.llm import HttpJudge
 from pipeline.retry import Transient, retrying
 from pipeline.testing.servers import serve_app
 
@@ -83,6 +84,6 @@ def test_judge_http_client_retries_what_can_pass(statuses, calls, ok):
         if ok:
             assert asyncio.run(main()) == {"ok": True}
         else:
-            with pytest.raises(CallFailed):
+            with pytest.raises(EngineError):
                 asyncio.run(main())
         assert app.calls == calls and time.monotonic() - t0 < 10

@@ -10,10 +10,14 @@ module                 what it holds
                        ``/v1/tokenize`` + ``/generate``; the chat-field -> ``sampling_params``
                        mapping (``chat_sampling_params``, ``response_format_schema``) and
                        ``generate_path_refusal``
+``transport.py``       :class:`Transport`, the one aiohttp connection pool (the proxy forwards
+                       through it, every client here sends through it); ``sse_batches``
 ``errors.py``          :class:`EngineError` (``status``: HTTP code or None), :class:`EngineTimeout`,
-                       :class:`EngineUnavailable`: every failed call to a model server
+                       :class:`EngineUnavailable`, :class:`EngineUnreachable`: every failed call
+                       to a model server; ``retried`` (call again while the failure can pass)
 ``render.py``          the one chat renderer (:class:`ChatRenderer`, :class:`PromptSpec`): an
-                       OpenAI chat request -> prompt token ids; ``content_text``
+                       OpenAI chat request -> prompt token ids; ``content_text``, the one
+                       text of a message's content (parts joined with nothing)
 ``schema.py``          ``CHAT_FIELDS``: every chat-completions field the package knows, its role
                        and its check (``check_chat_body``)
 ``tokenbytes.py``      :class:`TokenBytes`: the raw bytes of each token id (log-prob ``bytes``)

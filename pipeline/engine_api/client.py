@@ -1,4 +1,4 @@
-"""One async client (httpx) for the policy engine: SGLang or this package's CPU engine.
+"""One async client for the policy engine: SGLang or this package's CPU engine.
 
 Used by the proxy (chat, streaming with exact token ids), the judge (chat votes, teacher
 ``score``) and the weight syncer (``update_weights_from_disk``). The same calls work against
@@ -8,9 +8,11 @@ Log-prob convention (both servers): a returned log-prob is ``log softmax(logits 
 sampled (or scored) token, before top-p/top-k truncation, in nats. A scoring pass
 (:meth:`EngineClient.score`) uses temperature 1.0 unless ``temperature`` is given.
 
-Errors: every failure raises :class:`EngineError` (``status`` = HTTP code, None when the server
-could not be reached); a timeout raises :class:`EngineTimeout`; a refused or dropped connection
-raises :class:`EngineUnavailable`.
+Transport: one aiohttp pool (:class:`pipeline.engine_api.transport.Transport`), the client's own
+or one it shares (the proxy's). Errors (:mod:`pipeline.engine_api.errors`): every failure raises
+:class:`EngineError` (``status`` = HTTP code, None when the server could not be reached or its
+answer could not be used); a timeout raises ``EngineTimeout``; a refused or dropped connection
+raises ``EngineUnavailable`` (``EngineUnreachable`` when it could not be opened).
 
 Example::
 
@@ -29,15 +31,16 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-import httpx
 import orjson
 
-from pipeline.engine_api.errors import EngineError, EngineTimeout, EngineUnavailable, error_message
+from pipeline.engine_api.errors import EngineError, EngineTimeout, error_message
 from pipeline.engine_api.sglang import GenerateChatStream
+from pipeline.engine_api.transport import Transport, sse_batches
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,6 +55,16 @@ class ScoreResult:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+def _event(obj: Any) -> Any:
+    """One decoded stream event; an ``{"error": ...}`` event (no ``choices``, no ``meta_info``)
+    raises :class:`EngineError` with its ``code`` as the status (500 when it has none)."""
+    if isinstance(obj, dict) and "error" in obj and "choices" not in obj and "meta_info" not in obj:
+        err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+        code = err.get("code")
+        raise EngineError(str(err.get("message")), code if isinstance(code, int) else 500, obj)
+    return obj
+
+
 class EngineClient:
     """Async client of one engine base URL.
 
@@ -59,32 +72,34 @@ class EngineClient:
         base_url: e.g. ``http://127.0.0.1:30000`` (no trailing ``/v1``).
         timeout_s: limit for one whole call (streams: between two chunks).
         api_key: sent as ``Authorization: Bearer`` (SGLang ``--api-key``).
-        client: an existing ``httpx.AsyncClient`` to share (not closed by :meth:`aclose`).
+        transport: an existing :class:`Transport` to share (its base URL is used; not closed by
+            :meth:`aclose`).
+        max_connections: pool size of the client's own transport.
     """
 
     def __init__(self, base_url: str, timeout_s: float = 300.0, api_key: str | None = None, *,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 transport: Transport | None = None, max_connections: int = 256) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
         self.timeout_s = timeout_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._own = client is None
-        self._http = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-        self._headers = headers
+        self._own = transport is None
+        self._t = transport or Transport(self.base_url, timeout_s, max_connections)
+        self.base_url = self._t.base_url
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._server_info: dict | None = None
         #: token id -> raw bytes, for log-prob ``bytes`` on the ``/generate`` chat path
-        #: (:class:`pipeline.engine_api.tokenbytes.TokenBytes`); None: a token's text's UTF-8, None for half a character
+        #: (:class:`pipeline.engine_api.tokenbytes.TokenBytes`); None: a token's text's UTF-8,
+        #: None for half a character
         self.token_bytes: Callable[[int], bytes] | None = None
-        #: the served model's generation_config defaults (:data:`pipeline.sampling.CHAT_DEFAULTED` keys) that SGLang's
-        #: chat path applies to a request without them; the ``/generate`` chat path applies them too
+        #: the served model's generation_config defaults (:data:`pipeline.sampling.CHAT_DEFAULTED`
+        #: keys) that SGLang's chat path applies to a request without them; the ``/generate``
+        #: chat path applies them too
         self.chat_defaults: dict[str, float] = {}
 
     async def aclose(self) -> None:
         if self._own:
-            await self._http.aclose()
+            await self._t.close()
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -95,61 +110,62 @@ class EngineClient:
     # ---- plumbing ------------------------------------------------------------------------------
     async def _request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None,
                        expect_json: bool = True) -> Any:
-        headers = dict(self._headers)
-        content = None
-        if body is not None:
-            content = orjson.dumps(body)
-            headers["Content-Type"] = "application/json"
-        try:
-            resp = await self._http.request(method, self.base_url + path, content=content, headers=headers,
-                                            timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT)
-        except httpx.TimeoutException as e:
-            raise EngineTimeout(f"{method} {path} timed out: {e!r}") from e
-        except httpx.TransportError as e:
-            raise EngineUnavailable(f"{method} {path} failed: {e!r}") from e
-        return self._decode(resp, method, path, expect_json)
+        """One call; the decoded JSON answer (its raw bytes with ``expect_json=False``).
+        Raises :class:`EngineError` for an HTTP error status, the transport's errors otherwise."""
+        content = body if body is None or isinstance(body, bytes) else orjson.dumps(body)
+        status, data, _ = await self._t.call(method, path, content, timeout_s=timeout_s, headers=self._headers)
+        decoded = self._decode(status, data, method, path)
+        return decoded if expect_json else data
 
     @staticmethod
-    def _decode(resp: httpx.Response, method: str, path: str, expect_json: bool) -> Any:
+    def _decode(status: int, content: bytes, method: str, path: str) -> Any:
+        """The JSON of an answer (its text when it is not JSON, None when empty); raises
+        :class:`EngineError` (``status``, the server's message) for a status >= 400."""
         data: Any = None
-        if resp.content:
+        if content:
             try:
-                data = orjson.loads(resp.content)
+                data = orjson.loads(content)
             except orjson.JSONDecodeError:
-                data = resp.text
-        if resp.status_code >= 400:
-            raise EngineError(error_message(data, f"{method} {path} -> HTTP {resp.status_code}"),
-                              resp.status_code, data)
-        return data if expect_json else resp
+                data = content.decode("utf-8", "replace")
+        if status >= 400:
+            raise EngineError(error_message(data, f"{method} {path} -> HTTP {status}"), status, data)
+        return data
+
+    async def post(self, path: str, body: dict | bytes) -> Any:
+        """``POST`` a JSON body (a dict, or JSON already encoded) to any path of the server and
+        return its JSON answer (the judge's votes, the ``choice`` backend's ``/generate``).
+
+        Raises:
+            EngineError: an error status, or an answer that is not JSON (``status`` None).
+        """
+        data = await self._request("POST", path, body)
+        if not isinstance(data, (dict, list)):
+            raise EngineError(f"POST {path}: the answer is not JSON: {str(data)[:200]!r}", None, data)
+        return data
 
     async def _sse(self, path: str, body: dict) -> AsyncIterator[dict]:
-        """POST and yield each ``data:`` JSON object until ``[DONE]``.
+        """POST and yield each ``data:`` JSON object until ``[DONE]``. A stream left before its
+        end closes its connection (the server sees the disconnect).
 
         Raises EngineError for an HTTP error before the stream or an ``{"error": ...}`` event.
         """
-        headers = dict(self._headers, **{"Content-Type": "application/json", "Accept": "text/event-stream"})
+        resp = await self._t.open_stream(path, orjson.dumps(body), dict(self._headers, Accept="text/event-stream"))
+        done = False
         try:
-            async with self._http.stream("POST", self.base_url + path, content=orjson.dumps(body),
-                                         headers=headers) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    self._decode(resp, "POST", path, True)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
+            if resp.status >= 400:
+                self._decode(resp.status, await resp.read(), "POST", path)
+            async for batch in sse_batches(resp):
+                for payload in batch:
+                    if payload.strip() == b"[DONE]":
+                        done = True
                         return
-                    obj = orjson.loads(payload)
-                    if isinstance(obj, dict) and "error" in obj and "choices" not in obj and "meta_info" not in obj:
-                        err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
-                        code = err.get("code")
-                        raise EngineError(str(err.get("message")), code if isinstance(code, int) else 500, obj)
-                    yield obj
-        except httpx.TimeoutException as e:
-            raise EngineTimeout(f"POST {path} stream timed out: {e!r}") from e
-        except httpx.TransportError as e:
-            raise EngineUnavailable(f"POST {path} stream failed: {e!r}") from e
+                    yield _event(orjson.loads(payload))
+            done = True
+        finally:
+            if done:
+                resp.release()  # read to its end: the connection goes back to the pool
+            else:
+                resp.close()
 
     # ---- health & info -----------------------------------------------------------------------
     async def health(self) -> bool:
@@ -390,3 +406,18 @@ class EngineClient:
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_request`` (prefix match on ``rid`` in SGLang's scheduler and here)."""
         await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, expect_json=False)
+
+
+def ask_once(base_url: str, call: Callable[[EngineClient], Awaitable[T]], timeout_s: float = 5.0,
+             api_key: str | None = None) -> T:
+    """``await call(client)`` from synchronous code, on a client (and pool) of its own that is
+    closed afterwards: the command line's one-shot probes (``pipeline up``, the demo).
+
+    Raises:
+        EngineError: the call failed (any of :mod:`pipeline.engine_api.errors`).
+    """
+    async def main() -> T:
+        async with EngineClient(base_url, timeout_s, api_key) as client:
+            return await call(client)
+
+    return asyncio.run(main())
