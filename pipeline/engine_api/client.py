@@ -235,14 +235,14 @@ class EngineClient:
         SGLang (commit 004c82e) rejects that combination with 400, so against a server whose
         ``/server_info`` lacks ``chat_stream_token_ids`` this method renders the prompt with
         ``POST /v1/tokenize`` (messages + tools) and streams ``POST /generate`` with those
-        ``input_ids``, converting its chunks to chat chunks (:class:`pipeline.engine_api.sglang.GenerateChatStream`; tool
-        calls parsed with :mod:`pipeline.engine_api.tools`). Every chat field is either carried over
-        as SGLang's chat path would (:func:`pipeline.engine_api.sglang.chat_sampling_params`: sampling fields,
-        ``response_format`` as a JSON schema, generation_config defaults from
+        ``input_ids``, converting its chunks to chat chunks
+        (:class:`pipeline.engine_api.sglang.GenerateChatStream`; tool calls parsed with
+        :mod:`pipeline.engine_api.tools`). Every chat field is either carried over as SGLang's
+        chat path would (:func:`pipeline.engine_api.sglang.chat_sampling_params`: sampling
+        fields, ``response_format`` as a JSON schema, generation_config defaults from
         :attr:`chat_defaults`; ``input_ids``; a usage chunk for ``stream_options.include_usage``;
-        ``parallel_tool_calls: false``) or refused
-        with :class:`EngineError` 400 naming it (:func:`pipeline.engine_api.sglang.generate_path_refusal`) before anything
-        is generated. Log-prob ``bytes`` are the tokens' raw bytes when :attr:`token_bytes` is
+        ``parallel_tool_calls: false``) or refused with :class:`EngineError` 400 naming it
+        (:func:`pipeline.engine_api.sglang.generate_path_refusal`) before anything is generated. Log-prob ``bytes`` are the tokens' raw bytes when :attr:`token_bytes` is
         set. Caveats of that fallback: SGLang's tokenize endpoint may render the template
         slightly differently from its chat path, no reasoning parser runs, and a stop string is
         trimmed only once it is complete.

@@ -117,8 +117,8 @@ class Transport:
             EngineTimeout, EngineUnreachable, EngineUnavailable: before any byte of the answer arrived.
         """
         try:
-            return await self.session.post(self.base_url + path, data=body, headers=dict(JSON_HEADERS, **(headers or {})),
-                                           timeout=self._t_stream)
+            return await self.session.post(self.base_url + path, data=body,
+                                           headers=dict(JSON_HEADERS, **(headers or {})), timeout=self._t_stream)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             raise self._failure(e, self.timeout_s) from None
 
