@@ -6,7 +6,7 @@ prefix cache's time to first token on an agent conversation.
     .venv/bin/python bench/engine.py --models smollm2-135m --only prefix --repeats 5
 
 For each model it starts the real engine (in this process, uvicorn on a free port), talks to it
-over HTTP with :class:`pipeline.client.EngineClient`, and measures in the same run:
+over HTTP with :class:`pipeline.engine_api.client.EngineClient`, and measures in the same run:
 
 - ``gen 1``: one request, ``--tokens`` new tokens (ignore_eos) -> tokens/s;
 - ``gen N``: ``--concurrency`` requests at once (continuous batching) -> aggregate tokens/s;
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.client import EngineClient  # noqa: E402
+from pipeline.engine_api.client import EngineClient  # noqa: E402
 from pipeline.testing.engine import running_engine  # noqa: E402
 
 
@@ -95,7 +95,7 @@ async def _prefix_numbers(url: str, tokenizer, prefix_tokens: int, tokens: int, 
     prompt is cut to fit a model with a shorter context, e.g. tiny-random's 2,048)."""
     import httpx
 
-    from pipeline.chat import ChatRenderer
+    from pipeline.engine_api.render import ChatRenderer
 
     render = ChatRenderer(tokenizer).render_ids
     rows: dict[str, list[float]] = {"turn1": [], "turn2": [], "turn2_cold": []}

@@ -240,7 +240,7 @@ def bench_http(seconds: float, concurrency: int, votes: int = 3, rounds: int = 2
 def bench_embedding(rounds: int = 2) -> None:
     from pipeline.judge.backends.embedding import EmbeddingBackend
     from pipeline.judge.evaluate import load_rows, row_input
-    from pipeline.judge.prompts import content_text
+    from pipeline.engine_api.render import content_text
 
     root = Path(__file__).resolve().parent.parent
     rows = [r for f in (root / "tests" / "fixtures" / "judge_next_states.jsonl",

@@ -193,7 +193,7 @@ class Turn(Event):
     ``replay`` for re-fed history.
 
     What the prompt and the log-probs depend on, recorded so a teacher can re-apply it
-    (:mod:`pipeline.chat`, :mod:`pipeline.sampling`):
+    (:mod:`pipeline.engine_api.render`, :mod:`pipeline.sampling`):
 
     - ``chat_options``: the request's prompt-shaping options besides ``messages`` and ``tools``
       (``tool_choice``, ``continue_final_message``, ``chat_template_kwargs``);

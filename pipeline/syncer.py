@@ -7,7 +7,7 @@ assigned, never joined: one syncer per engine) and, for each ``weights`` event o
 1. verifies the sha256 of ``<location>/model.safetensors`` against the event (a torn or
    half-copied folder is never loaded; :func:`pipeline.weightsync.verify_folder`);
 2. calls the engine's ``POST /update_weights_from_disk`` with ``model_path = location`` and
-   ``weight_version = str(policy_version)`` (through :class:`pipeline.client.EngineClient`).
+   ``weight_version = str(policy_version)`` (through :class:`pipeline.engine_api.client.EngineClient`).
    Only a failure that can pass is retried (``syncer.retries`` times, exponential back-off from
    ``syncer.retry_backoff_s`` plus jitter, :mod:`pipeline.retry`): the engine unreachable, a
    time-out, a 5xx or 429. A refusal that another try cannot change fails at once: a missing
@@ -60,6 +60,8 @@ from typing import Any, Awaitable, Callable
 
 from pipeline import events
 from pipeline.config import Config
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline.syncer")
@@ -140,8 +142,6 @@ class Syncer:
         the TLS trust store, tens of ms of CPU that, every check interval, kept the Kafka client's
         I/O thread waiting for the GIL (kafka-python's "task is blocking the event loop").
         """
-        from pipeline.client import EngineClient
-
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
         if self._engine is None:
@@ -188,11 +188,10 @@ class Syncer:
         """Verify and apply one ``weights`` event. Returns ``(ok, message)``; never raises.
 
         Retried (``syncer.retries`` more tries, jittered exponential back-off): the engine
-        unreachable, a time-out, HTTP 5xx/429 (:attr:`pipeline.client.EngineError.retryable`).
+        unreachable, a time-out, HTTP 5xx/429 (:attr:`pipeline.engine_api.client.EngineError.retryable`).
         Not retried: a missing folder, a checksum mismatch, a 4xx answer (the engine refused the
         weights), any other error. :attr:`stop` ends the waits between tries.
         """
-        from pipeline.client import EngineError
         from pipeline.retry import Transient, retrying_sync
         from pipeline.weightsync import verify_folder
 

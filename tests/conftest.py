@@ -149,15 +149,15 @@ def engine_url(request):
 @pytest.fixture(scope="module")
 def tokenizer():
     """The Hugging Face tokenizer of ``tiny-random`` (with its chat template), one per test file."""
-    from pipeline.chat import load_tokenizer
+    from pipeline.engine_api.render import load_tokenizer
 
     return load_tokenizer("tiny-random")
 
 
 @pytest.fixture(scope="module")
 def renderer(tokenizer):
-    """The project's chat renderer (:class:`pipeline.chat.ChatRenderer`) over ``tokenizer``."""
-    from pipeline.chat import ChatRenderer
+    """The project's chat renderer (:class:`pipeline.engine_api.render.ChatRenderer`) over ``tokenizer``."""
+    from pipeline.engine_api.render import ChatRenderer
 
     return ChatRenderer(tokenizer)
 

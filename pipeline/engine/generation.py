@@ -204,7 +204,7 @@ class Generation:
         """``logprobs.content`` items for output tokens ``[start:end]``.
 
         ``token`` is the id decoded alone (SGLang's text; half a character reads ``"\ufffd"``);
-        ``bytes`` are the token's raw bytes (:mod:`pipeline.tokenbytes`), so joining them
+        ``bytes`` are the token's raw bytes (:mod:`pipeline.engine_api.tokenbytes`), so joining them
         rebuilds the output even where a character is split over tokens.
         """
         tok_text, tok_bytes = self.state.token_text, self.state.token_bytes.as_list

@@ -4,7 +4,7 @@ What is constrained (each becomes one llguidance grammar string, carried in
 :attr:`pipeline.engine.params.SamplingParams.grammar`):
 
 - chat ``tool_choice: "required"``: exactly one call to any of the request's tools, in the form
-  the engine's tool-call parser reads back (:mod:`pipeline.engine.tools`)::
+  the engine's tool-call parser reads back (:mod:`pipeline.engine_api.tools`)::
 
       <tool_call>
       {"name": "<one of the tools>", "arguments": {<that tool's parameters schema>}}
@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.chat import CLOSE, OPEN
+from pipeline.engine_api.render import CLOSE, OPEN
 from pipeline.errors import PipelineError
 
 #: JSON layout options for every JSON grammar (llguidance ``JsonCompileOptions``).
@@ -61,7 +61,7 @@ def tool_call_schema(tool: dict) -> dict:
     """JSON schema of one call ``{"name": <tool's name>, "arguments": <its parameters>}``.
 
     Args:
-        tool: an OpenAI tool, normalised (:func:`pipeline.chat.normalise_tools`).
+        tool: an OpenAI tool, normalised (:func:`pipeline.engine_api.render.normalise_tools`).
     """
     fn = tool["function"]
     params = fn.get("parameters")

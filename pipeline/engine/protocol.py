@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from pipeline.chatbody import CHAT_FIELDS
+from pipeline.engine_api.schema import CHAT_FIELDS
 
 
 class _Body(BaseModel):
@@ -49,7 +49,7 @@ class ToolDef(_Body):
 
 class ChatBody(_Body):
     """``POST /v1/chat/completions`` (SGLang ``ChatCompletionRequest`` subset): the types and
-    SGLang's defaults of exactly the fields of :data:`pipeline.chatbody.CHAT_FIELDS` (checked when
+    SGLang's defaults of exactly the fields of :data:`pipeline.engine_api.schema.CHAT_FIELDS` (checked when
     this module loads: a field added to or dropped from the table without this model fails the import).
 
     ``return_token_ids`` is also accepted with ``stream: true`` here (vLLM-style extension:
@@ -113,7 +113,7 @@ class ChatBody(_Body):
 
 _drift = set(ChatBody.model_fields) ^ set(CHAT_FIELDS)
 if _drift:  # pragma: no cover - a developer's error, caught by any test that imports the engine
-    raise ImportError(f"ChatBody and pipeline.chatbody.CHAT_FIELDS differ in {sorted(_drift)}")
+    raise ImportError(f"ChatBody and pipeline.engine_api.schema.CHAT_FIELDS differ in {sorted(_drift)}")
 
 
 class UpdateWeightsBody(_Body):

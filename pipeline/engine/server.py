@@ -73,18 +73,18 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.client import response_format_schema
 from pipeline.engine.generation import Generation, Item, RequestFailed
 from pipeline.engine.grammar import check_grammar, json_grammar, regex_grammar, tool_call_grammar
 from pipeline.engine.metrics import EngineMetrics
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, GenerateBody, PauseBody, TokenizeBody,
                                       UpdateWeightsBody)
-from pipeline.engine.tools import ToolStreamParser, parse_tool_calls
 from pipeline.engine.worker import EngineWorker
-from pipeline.chat import ChatRenderer, PromptSpec, normalise_tools
+from pipeline.engine_api.render import ChatRenderer, PromptSpec, normalise_tools
+from pipeline.engine_api.sglang import response_format_schema
+from pipeline.engine_api.tokenbytes import TokenBytes
+from pipeline.engine_api.tools import ToolStreamParser, parse_tool_calls
 from pipeline.errors import PipelineError
-from pipeline.tokenbytes import TokenBytes
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -46,7 +46,7 @@ from pipeline.engine.model import LoadedModel
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.prefix_cache import PrefixCache
 from pipeline.engine.sampler import RowSpec, log_probs, sample_step
-from pipeline.tokenbytes import TokenBytes
+from pipeline.engine_api.tokenbytes import TokenBytes
 
 log = logging.getLogger(__name__)
 

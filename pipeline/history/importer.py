@@ -9,7 +9,7 @@ For each assistant message (``turn_index`` 0, 1, ... in order, as the proxy numb
 
 - a :class:`pipeline.events.Turn` with ``source="import"``: ``messages`` = everything before it
   (as in the file), ``prompt_token_ids`` = those messages rendered exactly as the engine renders
-  a request (:class:`pipeline.chat.ChatRenderer`: the model's chat template, tools in the
+  a request (:class:`pipeline.engine_api.render.ChatRenderer`: the model's chat template, tools in the
   system message if the template lacks them), ``response_token_ids`` = the assistant message as
   the engine would have emitted it (its text, tool calls as ``<tool_call>`` blocks, then EOS:
   the engine keeps the stop id), ``response_logprobs`` empty: these tokens were **not sampled**
@@ -37,7 +37,9 @@ from typing import Iterator
 import orjson
 
 from pipeline import events
+from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, content_text, normalise_tools
 from pipeline.errors import PipelineError
+from pipeline.models import resolve_model
 
 log = logging.getLogger(__name__)
 HELP = "Load OpenAI-format conversation JSONL as turn events (tokenized with the engine's tokenizer; source=import)."
@@ -58,15 +60,9 @@ def _validate(messages) -> list[dict]:
     return messages
 
 
-def _text(content) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return content or ""
-
-
 @dataclass
 class Tokenizer:
-    """The engine's tokenizer and chat rendering (:class:`pipeline.chat.ChatRenderer`: the
+    """The engine's tokenizer and chat rendering (:class:`pipeline.engine_api.render.ChatRenderer`: the
     same template, tool descriptions and ``<tool_call>`` rendering the engine applies to requests),
     loaded offline from :func:`pipeline.models.resolve_model`."""
 
@@ -79,16 +75,11 @@ class Tokenizer:
         """Load the tokenizer of ``model`` (``smollm2-135m`` | ``tiny-random`` | HF folder)."""
         from transformers import AutoTokenizer
 
-        from pipeline.chat import ChatRenderer
-        from pipeline.models import resolve_model
-
         hf = AutoTokenizer.from_pretrained(str(resolve_model(model, cache_dir)))
         return cls(hf, ChatRenderer(hf), hf.eos_token_id)
 
     def prompt(self, messages: list[dict], tools: list | None) -> list[int]:
         """Token ids of ``messages`` rendered with the generation prompt (what the engine samples after)."""
-        from pipeline.chat import ChatTemplateError, PromptSpec
-
         try:
             return self.renderer.render_spec(PromptSpec.from_request({"messages": messages, "tools": tools}))
         except ChatTemplateError as e:
@@ -106,11 +97,7 @@ class Tokenizer:
         return ids + ([self.eos_id] if self.eos_id is not None else [])
 
     def _render(self, messages, tools, **kw) -> list[int]:
-        from pipeline.chat import ChatTemplateError
-
         try:
-            from pipeline.chat import normalise_tools
-
             return [int(t) for t in self.renderer.render_ids(messages, normalise_tools(tools), **kw)]
         except ChatTemplateError as e:
             raise ImportError_(str(e)) from None
@@ -148,7 +135,7 @@ def conversation_events(conv: dict, tok: Tokenizer, session_id: str, *, policy_v
             session_id=session_id, turn_type="main", turn_index=idx, request_id=f"import-{digest}-{idx}",
             created_at=at, policy_version=policy_version, model=model, messages=before, tools=tools,
             sampling={}, prompt_token_ids=prompt_ids, response_token_ids=resp_ids, response_logprobs=[],
-            response={"content": _text(msg.get("content")), "reasoning_content": msg.get("reasoning_content"),
+            response={"content": content_text(msg.get("content")), "reasoning_content": msg.get("reasoning_content"),
                       "tool_calls": tool_calls},
             finish_reason="tool_calls" if tool_calls else "stop", source="import"))
         nxt = assistant_at[idx + 1] if idx + 1 < len(assistant_at) else len(messages)

@@ -37,6 +37,7 @@ from collections import deque
 
 from pipeline import events
 from pipeline.bus import NOT_QUEUED, ConsumerApp, EventProducer
+from pipeline.engine_api.errors import EngineError
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
 from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
@@ -44,7 +45,7 @@ from pipeline.judge.prompts import JudgeInput
 from pipeline.judge.published import published_rl_decisions
 from pipeline.judge.reorder import Reorderer
 from pipeline.judge.samples import MODES, combine_sample, opd_sample, rl_flush_sample, rl_sample, sample_id
-from pipeline.judge.teacher import Teacher, TeacherError, TeacherUnsupported
+from pipeline.judge.teacher import Teacher, TeacherMisconfigured, TeacherUnsupported
 
 log = logging.getLogger(__name__)
 #: hint outcomes that are no judgement (every hint vote failed, or the backend raised)
@@ -362,7 +363,7 @@ class JudgeApp:
                 metrics.DROPPED.labels("teacher_unsupported").inc()
                 log.info("%s: no OPD sample for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
                 return []
-            except TeacherError as e:
+            except (TeacherMisconfigured, EngineError) as e:
                 metrics.TEACHER_FAILURES.inc()
                 return [self._dead_letter(job, f"teacher failed: {e}")]
             return self._samples([opd_sample(turn, hv.hint, teacher, hv.votes, self.judge_name, at)])
@@ -377,7 +378,7 @@ class JudgeApp:
             except TeacherUnsupported as e:
                 metrics.TEACHER_UNSUPPORTED.labels(e.reason).inc()
                 log.info("%s: no OPD term for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
-            except TeacherError as e:
+            except (TeacherMisconfigured, EngineError) as e:
                 metrics.TEACHER_FAILURES.inc()
                 log.warning("%s: teacher failed for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
         s = combine_sample(turn, verdict.score, hv.hint if teacher is not None else None, teacher,

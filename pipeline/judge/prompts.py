@@ -10,26 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pipeline.engine_api.render import content_text
 from pipeline.judge.parse import HINT_END, HINT_START
 
 MAX_CHARS = 4000  # per part; long tool outputs are cut in the middle
-
-
-def content_text(content) -> str:
-    """Plain text of an OpenAI message ``content`` (string, list of parts, or None)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") in ("text", "input_text"):
-                parts.append(str(p.get("text", "")))
-            elif isinstance(p, str):
-                parts.append(p)
-        return "\n".join(parts)
-    return str(content)
 
 
 def clip(text: str, limit: int = MAX_CHARS) -> str:

@@ -2,8 +2,8 @@
 
 Hindsight On-Policy Distillation (OpenClaw-RL): the hint the judge extracted from the next state
 is appended to the last user message of the turn's prompt (:func:`inject_hint`). The teacher's
-prompt is rendered by the same renderer as the student's (:class:`pipeline.chat.ChatRenderer`)
-from the same :class:`pipeline.chat.PromptSpec` (the turn's messages, tools and
+prompt is rendered by the same renderer as the student's (:class:`pipeline.engine_api.render.ChatRenderer`)
+from the same :class:`pipeline.engine_api.render.PromptSpec` (the turn's messages, tools and
 ``chat_options``) with only the messages swapped for the hinted ones. Before that, the student's
 own spec is rendered and must reproduce ``turn.prompt_token_ids`` exactly; otherwise (another
 template, a request sent as raw ``input_ids``, an engine that renders differently) the teacher
@@ -11,7 +11,7 @@ would not see "the student's context plus the hint", and the turn gets no teache
 (:class:`TeacherUnsupported`, reason ``prompt_mismatch``).
 
 The student's exact response ids are appended, never re-tokenized. One ``POST /generate``
-(:meth:`pipeline.client.EngineClient.score_result`, the one scoring call of the package) with
+(:meth:`pipeline.engine_api.client.EngineClient.score_result`, the one scoring call of the package) with
 ``input_ids``, ``sampling_params = {max_new_tokens: 0, temperature: T}``,
 ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = hinted prompt length) returns
 ``input_token_logprobs`` for positions P .. P+R-1 (SGLang's ``logprob_start_len`` semantics),
@@ -56,22 +56,18 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from pipeline.chat import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
-from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError, retried
+from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.events import logprob_domain_error
 from pipeline.judge.prompts import inject_hint
 from pipeline.judge.samples import rollout_temperature
-from pipeline.retry import Transient, retrying
 
 log = logging.getLogger(__name__)
 
 
-class TeacherError(PipelineError, RuntimeError):
-    """The teacher endpoint did not return log-probs for every response token."""
-
-
-class TeacherUnsupported(TeacherError):
+class TeacherUnsupported(PipelineError):
     """The teacher cannot score this turn's distribution (a property of the turn, not a failure).
 
     ``reason``: ``prompt_mismatch`` (the student's prompt cannot be reproduced),
@@ -84,7 +80,7 @@ class TeacherUnsupported(TeacherError):
         self.reason = reason
 
 
-class TeacherMisconfigured(TeacherError):
+class TeacherMisconfigured(PipelineError, RuntimeError):
     """The teacher engine cannot give the OPD signal: its log-probs ignore the temperature, or
     it is the live policy without ``judge.live_policy_teacher``. The message says what to fix."""
 
@@ -112,7 +108,7 @@ def temperature_ratio(at_one, at_half) -> tuple[float | None, float]:
     """How the teacher's log-prob differences scale from T = 1 to T = 0.5.
 
     Args:
-        at_one, at_half: :class:`pipeline.client.ScoreResult` of the same sequence at T = 1 and
+        at_one, at_half: :class:`pipeline.engine_api.client.ScoreResult` of the same sequence at T = 1 and
             T = 0.5, with top-k alternatives.
     Returns:
         ``(ratio, spread)``: the least-squares factor ``d_half / d_one`` over every pair (the
@@ -133,7 +129,7 @@ def temperature_ratio(at_one, at_half) -> tuple[float | None, float]:
 
 def flatten_top_k(top: list[list[tuple[int, float]]], n_response: int, top_k: int) -> tuple[list[int], list[float]]:
     """The teacher's top-k per response position (``top``: rows of ``(token_id, log-prob)`` as
-    :meth:`pipeline.client.EngineClient.score_result` returns them) flattened row-major to
+    :meth:`pipeline.engine_api.client.EngineClient.score_result` returns them) flattened row-major to
     ``R*k`` ids and log-probs (nats); missing rows or entries are id 0 with log-prob -inf."""
     ids: list[int] = []
     lps: list[float] = []
@@ -195,7 +191,7 @@ class Teacher:
             await self._ensure_checked()
         except TeacherMisconfigured:
             raise
-        except (TeacherError, EngineError) as e:
+        except EngineError as e:
             log.warning("OPD teacher at %s not checked at start (%s): checked before its first score", self.url, e)
 
     async def _ensure_checked(self) -> None:
@@ -209,7 +205,7 @@ class Teacher:
                     info = await self.client.model_info()
                 except EngineError as e:
                     if e.status != 404:
-                        raise TeacherError(f"teacher {self.url}: /model_info failed: {e}") from None
+                        raise e.within(f"teacher {self.url}: /model_info failed") from None
                     info = {}  # an engine without /model_info is named by its URL
                 self.model = str(info.get("model_path") or self.url)[:256]
             if not self.checked:
@@ -284,7 +280,8 @@ class Teacher:
 
         Raises:
             TeacherUnsupported: see :meth:`check` and :meth:`prompt_ids`.
-            TeacherError: the endpoint failed after retries or answered with too few log-probs.
+            TeacherMisconfigured: the teacher failed its self-check.
+            EngineError: the endpoint failed after retries or answered with too few log-probs.
         """
         self.check(turn)
         await self._ensure_checked()
@@ -300,29 +297,22 @@ class Teacher:
         """Log-probs ``[R]`` of ``response`` after ``prompt`` under ``softmax(logits / temperature)``.
 
         Raises:
-            TeacherError: the endpoint failed after retries or answered with too few log-probs.
+            EngineError: the endpoint failed after retries (a time-out, unreachable, 5xx/429: tried
+                ``judge.retries`` more times) or answered with too few or misaligned log-probs.
         """
         if not response:
             return TeacherOutput([])
         jc = self.config.judge
         try:
-            async for attempt in retrying(jc.retries + 1, jc.retry_backoff_s):
-                with attempt:
-                    try:
-                        res = await self.client.score_result(prompt + response, len(prompt),
-                                                             temperature=float(temperature),
-                                                             top_logprobs_num=self.top_k)
-                    except (EngineTimeout, EngineUnavailable) as e:
-                        raise Transient(str(e)) from None
-                    except EngineError as e:
-                        if e.status is not None and e.retryable:  # 429 / 5xx (not a misaligned answer)
-                            raise Transient(str(e)) from None
-                        raise
-        except (Transient, EngineError) as e:
-            raise TeacherError(f"teacher scoring failed: {e}") from None
+            res = await retried(lambda: self.client.score_result(prompt + response, len(prompt),
+                                                                 temperature=float(temperature),
+                                                                 top_logprobs_num=self.top_k),
+                                jc.retries + 1, jc.retry_backoff_s)
+        except EngineError as e:
+            raise e.within("teacher scoring failed") from None
         bad = logprob_domain_error(res.logprobs)
         if bad is not None:  # a broken engine: never a training signal (the sample would be refused anyway)
-            raise TeacherError(f"teacher scoring returned a value that is not a log-prob: log_probs{bad}")
+            raise EngineError(f"teacher scoring returned a value that is not a log-prob: log_probs{bad}")
         out = TeacherOutput(res.logprobs, version=None if res.weight_version is None else str(res.weight_version))
         if self.top_k > 0:
             out.topk_ids, out.topk_log_probs = flatten_top_k(res.top, len(response), self.top_k)

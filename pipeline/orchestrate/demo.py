@@ -39,9 +39,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from pipeline.config import Config
+from pipeline.engine_api.client import ask_once
+from pipeline.engine_api.errors import EngineError
 from pipeline.jsonl import read_jsonl
 from pipeline.orchestrate.up import Stack, run_dir_note, scrape, scrape_by_label, start_interruptibly, start_stack
 from pipeline.orchestrate.supervisor import StageFailed, StopOutcome
@@ -121,10 +121,10 @@ class Simulator:
 def engine_version(url: str) -> str | None:
     """The weight version the engine serves now (``GET /model_info``), or None if unreachable."""
     try:
-        r = httpx.get(f"{url}/model_info", timeout=5.0)
-        return str(r.json().get("weight_version")) if r.is_success else None
-    except (httpx.HTTPError, ValueError):
+        version = ask_once(url, lambda c: c.weight_version(), 5.0)
+    except (EngineError, AttributeError):  # unreachable, an error answer, or not a JSON object
         return None
+    return None if version is None else str(version)
 
 
 def read_topic(config: Config, logical: str) -> list:

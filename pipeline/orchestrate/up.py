@@ -48,6 +48,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker import kafka_answers
 from pipeline.config import Config, redacted
+from pipeline.engine_api.client import ask_once
+from pipeline.engine_api.errors import EngineError
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, StopOutcome, Supervisor, http_ok
 from pipeline.procutil import free_port, port_free
 from pipeline.stack import STACK_FILE, clear_pointer, write_pointer, write_stack
@@ -505,12 +507,12 @@ def write_config_file(config: Config, path: Path) -> None:
 def served_model(config: Config) -> dict:
     """``{"id", "context_window"}`` of the policy engine as its ``/v1/models`` reports them (the
     CPU engine and SGLang both give ``max_model_len``); ``engine.model`` and None when it does not say."""
-    headers = {"Authorization": f"Bearer {config.engine.api_key.get_secret_value()}"} if config.engine.api_key else {}
+    key = config.engine.api_key.get_secret_value() if config.engine.api_key else None
     try:
-        card = httpx.get(f"{config.engine.url}/v1/models", headers=headers, timeout=10.0).json()["data"][0]
+        card = ask_once(config.engine.url, lambda c: c.models(), 10.0, key)["data"][0]
         window = card.get("max_model_len")
         return {"id": str(card["id"]), "context_window": window if isinstance(window, int) else None}
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+    except (EngineError, AttributeError, KeyError, IndexError, TypeError):
         return {"id": config.engine.served_model_name or config.engine.model, "context_window": None}
 
 

@@ -53,21 +53,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline import events
-from pipeline.chat import chat_options
 from pipeline.config import Config
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError
+from pipeline.engine_api.render import chat_options
+from pipeline.engine_api.sglang import generate_path_refusal
+from pipeline.engine_api.tokenbytes import TokenBytesError, load_token_bytes
+from pipeline.engine_api.transport import Transport, sse_batches
+from pipeline.models import ModelNotFound, generation_defaults, resolve_model
 from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
-from pipeline.proxy.errors import ProxyError, bad_request, error_body, generation_aborted, upstream_error
+from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, error_body, generation_aborted,
+                                   upstream_error)
+from pipeline.proxy.identity import Chain, Conversations, claim, prompt_chain
 from pipeline.proxy.messages import MessagesDoor
 from pipeline.proxy.names import ServedModels
 from pipeline.proxy.publisher import DurableSend, EventPublisher
 from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, policy_version, repair_logprob_bytes,
                                    strip_response)
-from pipeline.proxy.identity import Chain, Conversations, claim, prompt_chain
 from pipeline.proxy.responses import ResponsesDoor
 from pipeline.proxy.sessions import MainTurn, SessionTable
-from pipeline.proxy.upstream import Upstream, sse_batches
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
 from pipeline.proxy.validate import json_body
 from pipeline.sampling import CHAT_DEFAULTED, effective_temperature, logprob_processors, with_generation_defaults
@@ -165,8 +171,8 @@ class ProxyApp:
             config, max_buffer=pc.buffer_max_events, buffer_dir=pc.buffer_dir, buffer_max_bytes=pc.buffer_max_bytes,
             buffer_fsync=pc.buffer_fsync, delivery_timeout_ms=pc.publish_delivery_timeout_ms,
             linger_s=pc.publish_linger_ms / 1000, kafka_client=pc.kafka_client)
-        self.upstream = Upstream(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
-        self.names = ServedModels(lambda: self.upstream.call("GET", "/v1/models"), pc.model_aliases, pc.unknown_model)
+        self.upstream = Transport(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
+        self.names = ServedModels(lambda: self._call("GET", "/v1/models"), pc.model_aliases, pc.unknown_model)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
@@ -310,6 +316,15 @@ class ProxyApp:
             headers.extend(extra)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def _call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """One engine call through the pool: ``(status, body)`` whatever the status; an engine
+        that did not answer is a 502/504 :class:`ProxyError` (:func:`engine_failure`)."""
+        try:
+            status, data, _ = await self.upstream.call(method, path, body)
+        except EngineError as e:
+            raise engine_failure(e) from None
+        return status, data
 
     def _engine_error(self, status: int, data: bytes) -> ProxyError:
         msg = None
@@ -581,7 +596,7 @@ class ProxyApp:
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
                      turn_index: int | None, user_view: dict, admit, repair: bool = False) -> int:
-        status, data = await self.upstream.call("POST", _CHAT, body)
+        status, data = await self._call("POST", _CHAT, body)
         if status >= 400:
             raise self._engine_error(status, data)
         admit()
@@ -612,7 +627,7 @@ class ProxyApp:
         ``/server_info`` (``chat_stream_token_ids``, ``logprob_token_bytes``: our engine's; SGLang
         has neither). Cached once answered; an engine without ``/server_info`` counts as both."""
         if self._caps is None:
-            status, data = await self.upstream.call("GET", "/server_info")
+            status, data = await self._call("GET", "/server_info")
             if status != 200:  # unknown: try the native way (our engine, vLLM); ask again unless there is none
                 if status in (404, 405):
                     self._caps = (True, True)
@@ -641,8 +656,6 @@ class ProxyApp:
         return self._model_files
 
     def _read_model_files(self) -> tuple[Any, dict]:
-        from pipeline.tokenbytes import TokenBytesError, load_token_bytes
-
         name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
         try:
             tb = load_token_bytes(name, cache)
@@ -653,9 +666,6 @@ class ProxyApp:
 
     def _read_generation_defaults(self) -> dict:
         """The served model's generation_config chat defaults (read once; ``{}`` when unreadable)."""
-        from pipeline.engine.model import generation_defaults
-        from pipeline.models import ModelNotFound, resolve_model
-
         if self._gen_defaults is None:
             name, cache = self.pc.tokenizer or self.config.engine.model, self.config.engine.cache_dir
             try:
@@ -676,7 +686,10 @@ class ProxyApp:
             native, raw = await self._engine_caps()
             if not native and (on_done is not None or not raw):
                 return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit)
-        resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
+        try:
+            resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
+        except EngineError as e:
+            raise engine_failure(e) from None
         watcher = None
         try:
             await self._check_stream(resp)
@@ -687,8 +700,9 @@ class ProxyApp:
             watcher = asyncio.ensure_future(_watch_disconnect(receive, gone, resp.close))
             try:
                 finished, aborted = await self._relay(resp, recorder, send, t0)
-            except ProxyError as e:
+            except (ProxyError, EngineError) as e:
                 if not gone.is_set():  # else the break is the client leaving (resp.close): 499 below
+                    e = e if isinstance(e, ProxyError) else engine_failure(e)
                     return await self._stream_broke(e, recorder, send, on_done)
             if gone.is_set():
                 await self._unfinished(recorder, "client_disconnect", on_done)  # what the user saw before leaving
@@ -714,8 +728,8 @@ class ProxyApp:
         event through ``recorder`` when the turn is recorded), until ``[DONE]``, an ``abort``
         chunk (never forwarded: the client gets an error event instead) or the stream's end; the
         first body message sent is the time to first token. Returns ``(finished, aborted)``:
-        ``[DONE]`` was read, the engine aborted the generation. Raises ProxyError when the
-        engine's stream breaks or times out."""
+        ``[DONE]`` was read, the engine aborted the generation. Raises EngineError
+        (:func:`pipeline.engine_api.transport.sse_batches`) when the engine's stream breaks or times out."""
         first = True
         finished = aborted = False
         async for batch in sse_batches(resp):
@@ -787,14 +801,13 @@ class ProxyApp:
         A client that leaves mid-stream is handled as on the native path: reading stops, the
         engine's generation is aborted (``/abort_request``, by closing the client's stream), the
         tokens sent so far are recorded as an ``abort`` turn and ``client_disconnect`` is counted."""
-        from pipeline.client import EngineClient, EngineError, EngineTimeout, generate_path_refusal
-
         body = {k: v for k, v in req.items() if k not in ("return_token_ids", "stream")}
         refused = generate_path_refusal(body)
         if refused is not None:
             raise bad_request(refused[1], param=refused[0], code="unsupported_on_stream")
         if self._client is None:
-            self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s)
+            self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s,
+                                        transport=self.upstream)
         self._client.token_bytes, self._client.chat_defaults = await self._served_model()
         recorder = StreamRecorder(*keep[:3])
         gen = self._client.chat_stream(body, token_ids=True)
@@ -804,9 +817,8 @@ class ProxyApp:
         try:
             await self._forward_chunks(gen, recorder, gone, send, extra, t0, started, admit)
         except EngineError as e:
-            err = (upstream_error(str(e.message), 504) if isinstance(e, EngineTimeout) else
-                   self._engine_error(e.status, orjson.dumps({"message": e.message})) if e.status else
-                   upstream_error(f"the engine is unreachable or failed: {e.message}"))
+            err = (self._engine_error(e.status, orjson.dumps({"message": e.message})) if e.status else
+                   engine_failure(e))
             if not started:  # refused or failed before any answer: no generation to record
                 raise err from None
             await self._unfinished(recorder, "timeout" if err.status == 504 else "engine_error", on_done)
@@ -896,7 +908,7 @@ class ProxyApp:
         @api.get("/v1/models")
         async def models(request: Request):
             self._auth({k.lower(): v for k, v in request.headers.raw})
-            status, data = await self.upstream.call("GET", "/v1/models")
+            status, data = await self._call("GET", "/v1/models")
             if status >= 400:
                 raise self._engine_error(status, data)
             return Response(data, status_code=status, media_type="application/json")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import orjson
 
+from pipeline.engine_api.errors import EngineError, EngineTimeout
 from pipeline.errors import PipelineError
 
 
@@ -62,6 +63,12 @@ def upstream_error(message: str, status: int = 502) -> ProxyError:
     """A 502 (engine failed or unreachable) or 504 (engine timed out)."""
     return ProxyError(status, message, type_="timeout_error" if status == 504 else "upstream_error",
                       code="engine_timeout" if status == 504 else "engine_error")
+
+
+def engine_failure(e: EngineError) -> ProxyError:
+    """The answer to an engine call that failed before the engine answered: 504 for a time-out,
+    502 for an unreachable engine or a broken connection (the error's own message)."""
+    return upstream_error(e.message, 504 if isinstance(e, EngineTimeout) else 502)
 
 
 def generation_aborted(detail: str = "the engine aborted the generation before it finished") -> ProxyError:

@@ -34,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.engine_api.render import content_text
 from pipeline.events import SESSION_SOURCES
 
 #: the alphabet of a session id: 1-256 printable ASCII characters without spaces
@@ -90,14 +91,9 @@ assert all(m.source in SESSION_SOURCES for m in MARKERS)
 
 
 def _text(content: Any) -> str | None:
-    """The text of a message content: a string, or the joined text parts of a list (other parts,
-    such as images, left out); None for anything else."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content
-                       if isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str))
-    return None
+    """:func:`content_text` of a string or a list of parts (other parts, such as images, left
+    out); None for anything else."""
+    return content_text(content) if isinstance(content, (str, list)) else None
 
 
 def marker_id(messages: list) -> tuple[str | None, str | None, str | None]:

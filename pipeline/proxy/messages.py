@@ -43,6 +43,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.engine_api.render import content_text
 from pipeline.proxy.doors import (Call, Door, DoorStream, Served, check_type, function_tools, json_object,
                                   refuse_unknown, session_fields, sse_event)
 from pipeline.proxy.errors import ProxyError, bad_request
@@ -82,14 +83,14 @@ def _blocks(content: Any, where: str) -> list[dict]:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """The text of a string or of text-only blocks (``system``, ``tool_result`` content)."""
-    out = []
-    for j, b in enumerate(_blocks(content, where)):
+    """The text of a string or of text-only blocks (``system``, ``tool_result`` content): checked
+    (400 naming ``where`` for another block type), then :func:`content_text`."""
+    blocks = _blocks(content, where)
+    for j, b in enumerate(blocks):
         if b["type"] != "text":
             raise _unsupported(f"{where}[{j}]: block type {b['type'][:40]!r} is not supported here (text only: "
                                "text-only model)", f"{where}[{j}].type")
-        out.append(b["text"])
-    return "".join(out)
+    return content_text(blocks)
 
 
 def _user(blocks: list[dict], where: str) -> list[dict]:

@@ -43,6 +43,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.engine_api.render import TEXT_PARTS, content_text, part_text
 from pipeline.proxy.doors import (Call, Door, DoorStream, Served, check_type, function_tools, refuse_unknown,
                                   session_fields, sse_event)
 from pipeline.proxy.errors import ProxyError, bad_request
@@ -58,7 +59,6 @@ _REFUSED = {"background": "background responses are not served: the proxy answer
             "top_logprobs": "log-probs are recorded on the turn, not shown through /v1/responses",
             "max_tool_calls": "max_tool_calls is not enforced by the engine"}
 _ROLES = ("user", "assistant", "system", "developer")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 _HOSTED = "the proxy serves function tools only (the model runs no hosted tools)"
 
 
@@ -109,22 +109,23 @@ class ResponseStore:
 
 # ---- request -> chat -------------------------------------------------------------------------
 def _text(content: Any, where: str) -> str:
-    """The text of a message item's ``content`` (a string or text parts)."""
+    """The text of a message item's ``content`` (a string, or text and refusal parts): checked
+    (400 naming ``where`` for another part), then :func:`content_text` with a refusal read as
+    the text it is."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", param=where)
-    out = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            out.append(part["refusal"])
-        else:
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            part = {"type": "text", "text": part["refusal"]}
+        elif kind not in TEXT_PARTS or part_text(part) is None:
             raise _unsupported(f"{where}[{j}]: part type {str(kind)[:40]!r} is not supported (text-only model: "
-                               f"{', '.join(_TEXT_PARTS)})", f"{where}[{j}]")
-    return "".join(out)
+                               f"{', '.join(TEXT_PARTS)})", f"{where}[{j}]")
+        parts.append(part)
+    return content_text(parts)
 
 
 def _function_call(item: dict, where: str) -> dict:

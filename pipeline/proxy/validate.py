@@ -1,6 +1,6 @@
 """Validation of ``POST /v1/chat/completions`` bodies and of the session metadata.
 
-:data:`pipeline.chatbody.CHAT_FIELDS` lists every chat field the package knows, each with its
+:data:`pipeline.engine_api.schema.CHAT_FIELDS` lists every chat field the package knows, each with its
 type/range check; the proxy adds its own rule (``n`` must be 1) and forwards unknown fields untouched. Every failure raises :class:`pipeline.proxy.errors.ProxyError` (400) naming
 the field, e.g. ``messages[2].role: unknown role 'robot'``.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.chatbody import CHAT_FIELDS, ROLES, ChatBodyError, check_chat_body
+from pipeline.engine_api.schema import CHAT_FIELDS, ROLES, ChatBodyError, check_chat_body
 from pipeline.proxy.errors import ProxyError, bad_request
 from pipeline.proxy.identity import SESSION_ID, unfilled
 
@@ -113,7 +113,7 @@ def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str
 
 def check_request(body: Any) -> None:
     """Validate a parsed chat-completion request in place (nothing is changed): ``n`` must be 1
-    (each recorded turn is one sample), then every field of :data:`pipeline.chatbody.CHAT_FIELDS`
+    (each recorded turn is one sample), then every field of :data:`pipeline.engine_api.schema.CHAT_FIELDS`
     that is present.
 
     Raises:

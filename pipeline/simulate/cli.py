@@ -19,6 +19,8 @@ import sys
 
 import orjson
 
+from pipeline.engine_api.errors import EngineError
+
 HELP = "Simulated users (GSM8K feedback loop, MT-Bench two-turn) talking to the proxy; or --evaluate the engine."
 
 
@@ -55,7 +57,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args, config) -> int:
-    from pipeline.simulate.client import ChatError
     from pipeline.simulate.users import UserSettings
 
     model = args.model or config.engine.served_model_name or "default"
@@ -70,7 +71,7 @@ def run(args, config) -> int:
                            temperature=args.temperature, max_words=args.max_words,
                            max_reply_tokens=args.max_reply_tokens, feedback=args.feedback, model=model,
                            system_prompt=args.system_prompt, timeout_s=config.engine.request_timeout_s)
-        except ChatError as e:
+        except EngineError as e:
             print(f"pipeline simulate --evaluate: {e}", file=sys.stderr)
             return 1
         print(orjson.dumps(out).decode(), flush=True)

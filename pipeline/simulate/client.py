@@ -1,4 +1,9 @@
-"""A minimal async OpenAI-chat client for simulated users and evaluation (httpx).
+"""A minimal async OpenAI-chat client for simulated users and evaluation.
+
+A client of the proxy (the user's side of the pipeline, with its session headers), or of an
+engine for a baseline; it sends through the package's one HTTP pool
+(:class:`pipeline.engine_api.transport.Transport`) and fails with its errors
+(:class:`pipeline.engine_api.errors.EngineError`).
 
 Sends ``POST {base_url}/v1/chat/completions`` with the pipeline's session headers
 (``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``) and reads back the reply text, the finish
@@ -6,8 +11,10 @@ reason, the token usage and the policy version that served it, wherever the serv
 ``metadata.weight_version`` (SGLang's chat shape), ``choices[0].meta_info.weight_version``, or a
 response header ``X-Weight-Version`` / ``X-Policy-Version``.
 
-Retries only what cannot have reached the model: connection failures and 429/503 answers
-(a proxy holding requests during a weight sync may answer 503 when its hold times out).
+Retries only what cannot have reached the model: a connection that could not be opened
+(:class:`EngineUnreachable`) and 429/503 answers (a proxy holding requests during a weight sync
+may answer 503 when its hold times out); a time-out or a connection dropped after the request
+was sent is not retried (the turn may have been served).
 """
 
 from __future__ import annotations
@@ -16,22 +23,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import orjson
 
-from pipeline.errors import PipelineError
-from pipeline.retry import Transient, retrying
+from pipeline.engine_api.errors import EngineError, EngineUnreachable, retried
+from pipeline.engine_api.transport import Transport
 
 RETRY_STATUS = (429, 503)
+CHAT_PATH = "/v1/chat/completions"
 VERSION_HEADERS = ("x-weight-version", "x-policy-version")
-
-
-class ChatError(PipelineError, RuntimeError):
-    """The server answered with an error (``status`` > 0) or could not be reached (``status`` 0)."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -52,7 +51,7 @@ class ChatReply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def policy_version_of(body: dict, headers: httpx.Headers | dict | None = None) -> str | None:
+def policy_version_of(body: dict, headers: dict | None = None) -> str | None:
     """The policy (weight) version reported by a chat response, as a string, or None."""
     meta = body.get("metadata")
     if isinstance(meta, dict) and meta.get("weight_version") is not None:
@@ -73,11 +72,11 @@ def policy_version_of(body: dict, headers: httpx.Headers | dict | None = None) -
     return None
 
 
-def parse_reply(body: dict, headers: httpx.Headers | dict | None = None, latency_s: float = 0.0) -> ChatReply:
-    """Turn an OpenAI chat-completion body into a :class:`ChatReply`. Raises :class:`ChatError`."""
-    choices = body.get("choices")
+def parse_reply(body: dict, headers: dict | None = None, latency_s: float = 0.0) -> ChatReply:
+    """Turn an OpenAI chat-completion body into a :class:`ChatReply`. Raises :class:`EngineError`."""
+    choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ChatError(f"response has no choices: {str(body)[:200]}")
+        raise EngineError(f"response has no choices: {str(body)[:200]}", None, body)
     msg = choices[0].get("message") or {}
     usage = body.get("usage") or {}
     return ChatReply(
@@ -99,26 +98,24 @@ class ChatClient:
         model: the ``model`` field of every request.
         api_key: sent as ``Authorization: Bearer``; None sends nothing.
         timeout_s: per-request timeout in seconds.
-        retries: extra attempts on connection failure or HTTP 429/503 (exponential back-off from
-            0.5 s with jitter, :mod:`pipeline.retry`).
+        retries: extra attempts on a connection that could not be opened or HTTP 429/503
+            (exponential back-off from 0.5 s with jitter, :mod:`pipeline.retry`).
         max_connections: connection-pool bound (concurrency is bounded by the caller too).
     """
 
     def __init__(self, base_url: str, model: str = "default", api_key: str | None = None,
                  timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64) -> None:
-        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+        self._t = Transport(base_url, timeout_s, max_connections,
+                            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        self.url = self._t.base_url + CHAT_PATH
         self.model = model
         self.retries = retries
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                       limits=httpx.Limits(max_connections=max_connections))
 
     async def chat(self, messages: list[dict], *, max_tokens: int, temperature: float = 1.0,
                    session_id: str | None = None, turn_type: str | None = None, session_done: bool = False,
                    extra: dict[str, Any] | None = None) -> ChatReply:
-        """One non-streaming chat completion. Raises :class:`ChatError` after the retries."""
+        """One non-streaming chat completion. Raises :class:`EngineError` after the retries
+        (``status``: the HTTP status of an error answer, None when there was none)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": temperature, "stream": False}
         if extra:
@@ -131,40 +128,37 @@ class ChatClient:
         if session_done:
             headers["X-Session-Done"] = "true"
         payload = orjson.dumps(body)
-        last: httpx.Response | None = None
+
+        async def once() -> ChatReply:
+            t0 = time.monotonic()
+            status, data, hdrs = await self._t.call("POST", CHAT_PATH, payload, headers=headers)
+            if status != 200:
+                raise EngineError(f"{self.url} answered {status}: {data[:300].decode('utf-8', 'replace')}", status)
+            try:
+                answer = orjson.loads(data)
+            except orjson.JSONDecodeError as e:
+                raise EngineError(f"{self.url} returned invalid JSON: {e}", 200) from e
+            return parse_reply(answer, hdrs, time.monotonic() - t0)
+
         try:
-            async for attempt in retrying(self.retries + 1, 0.5):
-                with attempt:
-                    t0 = time.monotonic()
-                    try:
-                        r = await self._http.post(self.url, content=payload, headers=headers)
-                    except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
-                        last = None
-                        raise Transient(f"cannot reach {self.url}: {e}") from e
-                    except httpx.HTTPError as e:  # read timeout, dropped connection: it may have been served
-                        raise ChatError(f"request to {self.url} failed: {type(e).__name__}: {e}") from e
-                    if r.status_code == 200:
-                        try:
-                            data = orjson.loads(r.content)
-                        except orjson.JSONDecodeError as e:
-                            raise ChatError(f"{self.url} returned invalid JSON: {e}", 200) from e
-                        return parse_reply(data, r.headers, time.monotonic() - t0)
-                    if r.status_code in RETRY_STATUS:
-                        last = r
-                        raise Transient(f"{self.url} answered {r.status_code}")
-                    raise ChatError(f"{self.url} answered {r.status_code}: {r.text[:300]}", r.status_code)
-        except Transient as e:
-            if last is not None:
-                raise ChatError(f"{self.url} answered {last.status_code}: {last.text[:300]}", last.status_code) from None
-            raise ChatError(str(e)) from e.__cause__
-        raise AssertionError("unreachable")
+            return await retried(once, self.retries + 1, 0.5, retry_if=_never_served)
+        except EngineUnreachable as e:
+            raise e.within(f"cannot reach {self.url}") from None
+        except EngineError as e:
+            raise e if e.status is not None else e.within(f"request to {self.url} failed") from None
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self._http.aclose()
+        await self._t.close()
 
     async def __aenter__(self) -> "ChatClient":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+def _never_served(e: EngineError) -> bool:
+    """Whether a failed request surely did not reach the model: the connection could not be
+    opened, or the answer was 429 / 503 (:data:`RETRY_STATUS`)."""
+    return isinstance(e, EngineUnreachable) or e.status in RETRY_STATUS

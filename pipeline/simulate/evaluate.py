@@ -19,7 +19,8 @@ import random
 from statistics import fmean
 from typing import Sequence
 
-from pipeline.simulate.client import ChatClient, ChatError
+from pipeline.engine_api.errors import EngineError
+from pipeline.simulate.client import ChatClient
 from pipeline.simulate.datasets import GSM8KProblem, load_gsm8k
 from pipeline.simulate.feedback import decide
 from pipeline.simulate.grading import grade_reply
@@ -37,7 +38,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
     the distinct weight versions reported by the engine, normally one).
 
     Raises:
-        ChatError: every request failed (e.g. the engine is down).
+        EngineError: every request failed (e.g. the engine is down).
     """
     problems = list(prompts) if prompts is not None else load_gsm8k("heldout")
     sem = asyncio.Semaphore(max(1, concurrency))
@@ -53,7 +54,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
         async with sem:
             try:
                 return p, await client.chat(msgs, max_tokens=max_tokens, temperature=temperature, extra=extra)
-            except ChatError as e:
+            except EngineError as e:
                 return p, e
 
     try:
@@ -64,7 +65,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
     rng = random.Random(0)
     succ, brief, correct, words, toks, versions, errors = [], [], [], [], [], set(), []
     for p, r in results:
-        if isinstance(r, ChatError):
+        if isinstance(r, EngineError):
             errors.append(str(r))
             continue
         g = grade_reply(r.content, completion_tokens=r.completion_tokens, finish_reason=r.finish_reason,
@@ -77,7 +78,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
             toks.append(r.completion_tokens)
         versions.add(r.policy_version)
     if results and not succ:
-        raise ChatError(f"every evaluation request failed: {errors[0]}")
+        raise EngineError(f"every evaluation request failed: {errors[0]}")
 
     def mean(xs):
         return round(fmean(xs), 4) if xs else None

@@ -20,7 +20,8 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-from pipeline.simulate.client import ChatClient, ChatError, ChatReply
+from pipeline.engine_api.errors import EngineError
+from pipeline.simulate.client import ChatClient, ChatReply
 from pipeline.simulate.datasets import GSM8KProblem, MTBenchQuestion
 from pipeline.simulate.feedback import decide
 from pipeline.simulate.grading import count_words, grade_reply
@@ -128,7 +129,7 @@ async def gsm8k_session(client: ChatClient, session_id: str, problem: GSM8KProbl
                                      settings=settings, done=True)
                 _emit(result, _ungraded(session_id, "gsm8k", problem.id, k + 1, closing, closing=True), on_record)
                 break
-    except ChatError as e:
+    except EngineError as e:
         result.error = str(e)
     return result
 
@@ -147,7 +148,7 @@ async def mt_bench_session(client: ChatClient, session_id: str, question: MTBenc
             if not last:
                 messages = messages + [{"role": "assistant", "content": reply.content},
                                        {"role": "user", "content": question.turns[k + 1]}]
-    except ChatError as e:
+    except EngineError as e:
         result.error = str(e)
     return result
 

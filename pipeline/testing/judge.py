@@ -25,7 +25,7 @@ def make_turn(session_id: str, turn_index: int, request: str = "question", answe
               policy_version: int = 0, tools=None, request_id: str | None = None, renderer=None, **fields):
     """A main :class:`pipeline.events.Turn` with small token arrays and log-probs.
 
-    ``renderer`` (a :class:`pipeline.chat.ChatRenderer`): the prompt ids are the rendering of the
+    ``renderer`` (a :class:`pipeline.engine_api.render.ChatRenderer`): the prompt ids are the rendering of the
     turn's messages and tools (as the engine would have used), not ``prompt_ids``. ``fields``
     override any other Turn field (``finish_reason``, ``chat_options``, ``logprob_processors`` ...).
     """
@@ -35,7 +35,7 @@ def make_turn(session_id: str, turn_index: int, request: str = "question", answe
     response_ids = list(response_ids)
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": request}]
     if renderer is not None:
-        from pipeline.chat import PromptSpec
+        from pipeline.engine_api.render import PromptSpec
 
         prompt_ids = renderer.render_spec(PromptSpec.from_request(
             {**fields.get("chat_options", {}), "messages": messages, "tools": tools}))

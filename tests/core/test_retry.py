@@ -10,7 +10,9 @@ import time
 import orjson
 import pytest
 
-from pipeline.judge.backends.llm import CallFailed, HttpJudge
+from pipeline.engine_api.errors import (EngineError, EngineTimeout, EngineUnavailable, EngineUnreachable,
+                                         retried)
+from pipeline.judge.backends.llm import HttpJudge
 from pipeline.retry import Transient, retrying
 from pipeline.testing.servers import serve_app
 
@@ -83,6 +85,41 @@ def test_judge_http_client_retries_what_can_pass(statuses, calls, ok):
         if ok:
             assert asyncio.run(main()) == {"ok": True}
         else:
-            with pytest.raises(CallFailed):
+            with pytest.raises(EngineError):
                 asyncio.run(main())
         assert app.calls == calls and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("err,expect", [
+    (EngineTimeout("no answer"), True), (EngineUnreachable("refused"), True), (EngineUnavailable("reset"), True),
+    (EngineError("m", 500), True), (EngineError("m", 503), True), (EngineError("m", 429), True),
+    (EngineError("m", 408), True), (EngineError("m", 409), True), (EngineError("m", 425), True),
+    (EngineError("m", 400), False), (EngineError("m", 404), False), (EngineError("misaligned answer", None), False),
+])
+def test_engine_error_is_retryable_when_another_try_can_pass(err, expect):
+    assert err.retryable is expect
+
+
+def test_retried_tries_again_only_what_can_pass_and_raises_the_last_error_unchanged():
+    calls: list[int] = []
+
+    async def failing(status):
+        calls.append(status)
+        raise EngineError("boom", status)
+
+    with pytest.raises(EngineError) as ei:
+        asyncio.run(retried(lambda: failing(503), 3, 0.001))
+    assert ei.value.status == 503 and calls == [503] * 3
+    calls.clear()
+    with pytest.raises(EngineError) as ei:
+        asyncio.run(retried(lambda: failing(400), 3, 0.001))
+    assert ei.value.status == 400 and calls == [400]  # a refusal is not asked again
+    calls.clear()
+
+    async def second_try_passes():
+        calls.append(0)
+        if len(calls) < 2:
+            raise EngineTimeout("slow")
+        return "ok"
+
+    assert asyncio.run(retried(second_try_passes, 3, 0.001)) == "ok" and len(calls) == 2

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from pipeline.client import EngineClient
+from pipeline.engine_api.client import EngineClient
 from pipeline.testing.waiting import sse_events
 
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]

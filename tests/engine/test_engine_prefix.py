@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.client import EngineClient
+from pipeline.engine_api.client import EngineClient
 from pipeline.engine.prefix_cache import PrefixCache, common_prefix
 from pipeline.testing.engine import running_engine
 
@@ -269,7 +269,7 @@ def test_smollm2_conversation_equal_without_cache():
     """SmolLM2-135M-Instruct (fp32), a two-turn agent conversation rendered by the chat template:
     the OPD-style scoring pass, turn 1 and two concurrent turn-2 requests (different prefix
     lengths) give the same tokens and log-probs (1e-5) with and without the prefix cache."""
-    from pipeline.chat import ChatRenderer
+    from pipeline.engine_api.render import ChatRenderer
     from pipeline.engine.model import load_tokenizer
     from pipeline.models import resolve_model
 

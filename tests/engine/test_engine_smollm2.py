@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pipeline.client import EngineClient
+from pipeline.engine_api.client import EngineClient
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import torch
 
 from pipeline.engine.params import TOP_K_ALL, SamplingParams
 from pipeline.engine.sampler import RowSpec, sample_step
-from pipeline.engine.tools import ToolStreamParser, parse_tool_calls
+from pipeline.engine_api.tools import ToolStreamParser, parse_tool_calls
 
 V = 1000
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -208,7 +208,7 @@ def test_render_tools_and_tool_calls(renderer):
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ["hi"],
 ])
 def test_render_rejects_bad_messages(renderer, msgs):
-    from pipeline.chat import ChatTemplateError
+    from pipeline.engine_api.render import ChatTemplateError
 
     with pytest.raises(ChatTemplateError):
         renderer.render_ids(msgs)

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from pipeline.client import EngineClient, EngineError
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError
 from pipeline.models import resolve_model
 
 SEQ = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 330, 1024, 77, 5]

@@ -1,6 +1,6 @@
 """Every chat field the proxy accepts is honoured on every path exactly as on the engine's own
 chat path, or refused with a 4xx that names it. Table-driven over the proxy's schema
-(:data:`pipeline.chatbody.CHAT_FIELDS`): a field added to the schema without a case here
+(:data:`pipeline.engine_api.schema.CHAT_FIELDS`): a field added to the schema without a case here
 fails :func:`test_every_accepted_field_has_a_case`.
 
 Paths: the proxy in front of our CPU engine (which streams token ids on chat: the request is
@@ -27,8 +27,8 @@ import httpx
 import orjson
 import pytest
 
+from pipeline.engine_api.schema import CHAT_FIELDS
 from pipeline.models import resolve_model
-from pipeline.chatbody import CHAT_FIELDS
 from pipeline.testing.engine import running_engine
 from pipeline.testing.proxy import running_proxy
 from pipeline.testing.servers import serve_app

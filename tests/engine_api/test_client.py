@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from pipeline.client import EngineClient, EngineError, EngineTimeout, EngineUnavailable
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError, EngineTimeout, EngineUnavailable
 from pipeline.procutil import free_port
 from pipeline.testing.engine import running_engine
 

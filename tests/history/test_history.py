@@ -21,10 +21,10 @@ from kafka.structs import TopicPartition
 from pipeline import events
 from pipeline.broker import EmbeddedBroker
 from pipeline.bus import consumer_kwargs
+from pipeline.bus.admin import apply_topics
 from pipeline.history.archive import Archiver, archive_topic
 from pipeline.history.store import ArchiveError, partition_files, read_archive
 from pipeline.simulate.feedback import THANKS_BRIEF, TOO_LONG
-from pipeline.bus.admin import apply_topics
 from pipeline.topics import load_topics
 
 from tests.conftest import make_config
@@ -267,7 +267,7 @@ def run_inprocess(capsys, *args):
 def test_import_examples_as_turn_events(kafka_config, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from pipeline.chat import ChatRenderer
+    from pipeline.engine_api.render import ChatRenderer
     from pipeline.models import resolve_model
 
     bad = tmp_path / "bad.jsonl"

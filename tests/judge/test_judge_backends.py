@@ -23,7 +23,7 @@ import pytest
 from tests.judge.judge_overlap import normalise, overlaps
 from pipeline import events
 from pipeline.config import load_config
-from pipeline.chat import ChatRenderer, load_tokenizer
+from pipeline.engine_api.render import ChatRenderer, load_tokenizer
 from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
@@ -128,7 +128,7 @@ def test_embedding_opd_uses_the_corrective_next_state_as_hint(kafka_config, embe
 
 @pytest.mark.slow
 def test_real_small_model_as_choice_judge_and_opd_teacher(kafka_config):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
     from pipeline.testing.engine import running_engine
     from pipeline.judge.backends.choice import ChoiceBackend
     from pipeline.judge.teacher import Teacher

@@ -242,7 +242,7 @@ def test_labelled_traffic_metrics_equal_the_offline_figures(kafka_config):
 
 def test_hint_metrics_count_accepted_and_rejected_with_reasons(kafka_config):
     """OPD in the stream: accepted hints with their length, rejections by reason, backend failures."""
-    from pipeline.chat import ChatRenderer, load_tokenizer
+    from pipeline.engine_api.render import ChatRenderer, load_tokenizer
     from pipeline.testing.judge import make_next_state, make_turn
     from pipeline.testing.servers import StandInJudge
 

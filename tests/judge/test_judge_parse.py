@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from pipeline import events
+from pipeline.engine_api.errors import EngineError
 from pipeline.judge.backends import BackendError, backend_class
 from pipeline.judge.backends.base import Verdict
 from pipeline.judge.parse import (best_hint, hint_block, hint_rejection, last_boxed, majority_vote, parse_hint,
                                   parse_score)
 from pipeline.judge.prompts import JudgeInput, hint_messages, inject_hint, prm_messages
 from pipeline.judge.samples import combine_sample, rl_flush_sample, rl_sample, sample_id
-from pipeline.judge.teacher import TeacherError, TeacherOutput
+from pipeline.judge.teacher import TeacherOutput
 
 
 @pytest.mark.parametrize("text,want", [
@@ -144,11 +145,11 @@ def test_combine_sample_cases():
 def test_teacher_scores_through_the_client_aligned_with_top_k_and_refuses_bad_answers():
     """The teacher's scoring is EngineClient.score_result over real HTTP: the last R entries are the
     response, top-k flattened row-major (missing: id 0, -inf); too few entries, a null log-prob,
-    misaligned ids and a failing endpoint are TeacherErrors."""
+    misaligned ids and a failing endpoint are EngineErrors."""
     import asyncio
     import math
 
-    from pipeline.chat import load_tokenizer
+    from pipeline.engine_api.render import load_tokenizer
     from pipeline.config import load_config
     from pipeline.judge.teacher import Teacher
     from pipeline.testing.servers import StandInJudge
@@ -185,17 +186,17 @@ def test_teacher_scores_through_the_client_aligned_with_top_k_and_refuses_bad_an
         assert out.topk_ids == [12, 0, 0, 0] and out.topk_log_probs[0] == pytest.approx(-0.2)
         assert all(math.isinf(x) for x in out.topk_log_probs[1:])
         answer[:] = [meta(input_token_logprobs=entries[:1])]
-        with pytest.raises(TeacherError):
+        with pytest.raises(EngineError):
             asyncio.run(score(srv.url, [12, 13]))
         answer[:] = [meta(input_token_logprobs=[[None, 11, None], [None, 12, None], [-1.0, 13, None]])]
-        with pytest.raises(TeacherError):
+        with pytest.raises(EngineError):
             asyncio.run(score(srv.url, [12, 13]))
         answer[:] = [meta(input_token_logprobs=entries)]
-        with pytest.raises(TeacherError, match="aligned"):
+        with pytest.raises(EngineError, match="aligned"):
             asyncio.run(score(srv.url, [13, 12]))
         before = srv.calls["/generate"]
         answer[:] = ["fail"]
-        with pytest.raises(TeacherError, match="500"):
+        with pytest.raises(EngineError, match="500"):
             asyncio.run(score(srv.url, [12, 13]))
         assert srv.calls["/generate"] - before == 2  # retried once (judge.retries = 1), then given up
 

@@ -38,7 +38,7 @@ ENGINE_SETTINGS = {"context_length": 512}
 
 @pytest.fixture(scope="module")
 def teacher_config(engine_url):
-    from pipeline.chat import load_tokenizer
+    from pipeline.engine_api.render import load_tokenizer
     from pipeline.config import load_config
 
     return load_config(None, engine={"teacher_url": engine_url, "model": "tiny-random"}), load_tokenizer("tiny-random")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pipeline import events
-from pipeline.chat import PromptSpec
+from pipeline.engine_api.render import PromptSpec
 from pipeline.judge.prompts import inject_hint
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
 from pipeline.testing.proxy import running_proxy
@@ -111,7 +111,7 @@ def test_case2_teacher_prompt_is_the_student_prompt_with_the_hint(kafka_config, 
 
 # ---- case 5: greedy turns are trained at the temperature of their log-probs -------------------------
 def test_case5_greedy_turns_carry_the_engines_effective_temperature(kafka_config, judge_server):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
     from pipeline.testing.engine import running_engine
 
     c = configure(kafka_config, judge_server.url, mode="rl")

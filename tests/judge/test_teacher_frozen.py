@@ -21,7 +21,7 @@ import asyncio
 import pytest
 
 from pipeline import events
-from pipeline.chat import ChatRenderer
+from pipeline.engine_api.render import ChatRenderer
 from pipeline.config import load_config
 from pipeline.judge.samples import opd_sample
 from pipeline.judge.teacher import Teacher, TeacherMisconfigured, TeacherUnsupported
@@ -83,7 +83,7 @@ def test_the_live_policy_is_no_teacher_by_default(engine_url, tokenizer):
 def test_live_policy_teacher_scores_only_with_the_turns_own_weights(tmp_path, tokenizer):
     """Allowed explicitly: a v0 turn is scored while the engine serves v0; after a sync to v1 the
     same turn gets no teacher (reason ``teacher_version``) instead of v1's log-probs."""
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
     from pipeline.testing.trainer import shifted_export
 
     renderer = ChatRenderer(tokenizer)

@@ -62,7 +62,7 @@ def running(syncer, ready: bool = True):
 
 async def _served(url: str) -> tuple[str | None, list]:
     """``(weight version, log-probs of TOKENS)`` the engine at ``url`` serves."""
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
 
     async with EngineClient(url, timeout_s=60) as eng:
         return await eng.weight_version(), await eng.score(TOKENS, 10)

@@ -52,7 +52,7 @@ def test_restarted_syncer_reloads_an_engine_of_unknown_content(kafka_config, tmp
             _, published_scores = info(url)
 
         async def swap():  # someone loads other weights and labels them v1 while no syncer runs
-            from pipeline.client import EngineClient
+            from pipeline.engine_api.client import EngineClient
 
             async with EngineClient(url, timeout_s=60) as eng:
                 await eng.update_weights_from_disk(str(other), weight_version="1")

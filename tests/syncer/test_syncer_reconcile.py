@@ -54,7 +54,7 @@ def test_restarted_engine_and_syncer_serve_the_published_version_before_traffic(
 
 
 def test_engine_restarted_without_its_syncer_is_reconciled(kafka_config, tmp_path):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
     from pipeline.models import resolve_model
 
     cfg = syncer_config(kafka_config, tmp_path)

@@ -14,8 +14,8 @@ import pytest
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.syncer import Syncer
-from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 from pipeline.testing.servers import StandInEngine, serve_app
+from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE, sha256_file
 
 
 def _weights(tmp_path, corrupt: bool = False) -> events.Control:
@@ -109,7 +109,7 @@ def test_stop_ends_the_back_off(tmp_path):
 def test_one_engine_client_for_the_syncers_life(tmp_path, monkeypatch):
     """Checks and applies share one HTTP client: building one per check loaded the TLS trust store
     every check interval, CPU that starved the Kafka client's I/O thread of the GIL."""
-    from pipeline import client
+    from pipeline.engine_api import client
 
     built = []
     real = client.EngineClient.__init__

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 async def _rollout(url, temperature):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
 
     async with EngineClient(url, timeout_s=120) as eng:
         prompt = await eng.tokenize([{"role": "user", "content": "Name three prime numbers and say why."}])

@@ -28,7 +28,7 @@ def _control_log(config, timeout_s: float = 10.0, want: int = 1) -> list[events.
 
 
 async def _sample_from_engine(url, prompt, seed, temperature=1.0, n=12):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
 
     async with EngineClient(url, timeout_s=60) as eng:
         out = await eng.generate(prompt, sampling_params={"max_new_tokens": n, "temperature": temperature,
@@ -40,7 +40,7 @@ async def _sample_from_engine(url, prompt, seed, temperature=1.0, n=12):
 
 
 async def _score(url, tokens, start):
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
 
     async with EngineClient(url, timeout_s=60) as eng:
         return await eng.score(tokens, start), await eng.weight_version()

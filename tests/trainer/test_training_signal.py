@@ -231,7 +231,7 @@ def test_grad_norm_is_absent_when_not_measured(runtime):
 
 
 async def _engine_turn(url, session: str, temperature: float, seed: int) -> events.Turn:
-    from pipeline.client import EngineClient
+    from pipeline.engine_api.client import EngineClient
 
     prompt = list(range(200 + seed, 220 + seed))
     async with EngineClient(url, timeout_s=60) as eng:

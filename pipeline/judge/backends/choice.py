@@ -1,6 +1,6 @@
 """``choice`` backend: score the three answers instead of sampling votes.
 
-The PRM prompt is rendered by :class:`pipeline.chat.ChatRenderer` with the judge model's chat
+The PRM prompt is rendered by :class:`pipeline.engine_api.render.ChatRenderer` with the judge model's chat
 template (tokenizer from ``judge.tokenizer``, default ``engine.model``) and each candidate answer ``\\boxed{1}``,
 ``\\boxed{0}``, ``\\boxed{-1}`` is appended as token ids. One ``POST /generate`` per candidate with
 ``max_new_tokens=0``, ``return_logprob=true`` and ``logprob_start_len = P - 1`` (P = prompt
@@ -17,10 +17,11 @@ import asyncio
 import logging
 import math
 
-from pipeline.chat import ChatRenderer, PromptSpec, load_tokenizer
+from pipeline.engine_api.errors import EngineError
+from pipeline.engine_api.render import ChatRenderer, PromptSpec, load_tokenizer
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Verdict
-from pipeline.judge.backends.llm import CallFailed, LLMBackend
+from pipeline.judge.backends.llm import LLMBackend
 from pipeline.judge.prompts import JudgeInput, prm_messages
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class ChoiceBackend(LLMBackend):
                 "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1}
         try:
             ans = await self.http.post("/generate", body)
-        except CallFailed as e:
+        except EngineError as e:
             log.warning("choice scoring failed: %s", e)
             return -math.inf
         if isinstance(ans, list):

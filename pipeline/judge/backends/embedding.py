@@ -54,6 +54,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.engine_api.render import content_text
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
@@ -61,7 +62,7 @@ from pipeline.judge.context import (call_query, is_search_call, other_day, targe
 from pipeline.judge.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.finetune import fine_tuned_encoder, mean_pool, save_atomically
-from pipeline.judge.prompts import JudgeInput, clip, content_text
+from pipeline.judge.prompts import JudgeInput, clip
 from pipeline.judge.toolread import read_tool_result
 from pipeline.jsonl import read_jsonl
 

@@ -2,9 +2,10 @@
 
 Each vote is one ``POST {judge.url}/v1/chat/completions`` with our PRM prompt (or the OPD hint
 prompt) at ``judge.temperature``; the m votes run concurrently. A vote whose request fails
-(connection error, time-out after ``judge.vote_timeout_s``, HTTP 429 or 5xx) is retried
-``judge.retries`` times with exponential back-off from ``judge.retry_backoff_s`` plus jitter
-(:mod:`pipeline.retry`), then counts as failed; another 4xx is not retried. A 200 answer without a valid last ``\\boxed{}`` is a failed vote at once (a parse
+(connection error, time-out after ``judge.vote_timeout_s``, HTTP 408/409/425/429 or 5xx) is
+retried ``judge.retries`` times with exponential back-off from ``judge.retry_backoff_s`` plus
+jitter (:func:`pipeline.engine_api.errors.retried`), then counts as failed; another 4xx is not
+retried. A 200 answer without a valid last ``\\boxed{}`` is a failed vote at once (a parse
 failure, counted in ``pipeline_judge_parse_failures_total``). The score is the majority of the
 valid votes; a tie gives 0 (OpenClaw-RL's PRM rule); no valid vote gives no score (None: the
 turn carries no RL signal; OpenClaw-RL would score it 0).
@@ -17,21 +18,14 @@ import logging
 
 import orjson
 
+from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.errors import EngineError, retried
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.judge.parse import best_hint, hint_rejection, majority_vote, parse_hint, parse_score
 from pipeline.judge.prompts import JudgeInput, hint_messages, prm_messages
-from pipeline.errors import PipelineError
-from pipeline.retry import Transient, retrying
 
 log = logging.getLogger(__name__)
-
-_RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-_HEADERS = {"content-type": "application/json"}
-
-
-class CallFailed(PipelineError, RuntimeError):
-    """A judge HTTP call failed after its retries."""
 
 
 def judge_url(config) -> str:
@@ -40,17 +34,15 @@ def judge_url(config) -> str:
 
 
 class HttpJudge:
-    """An async HTTP client for judge calls with time-outs, retries and back-off.
-
-    Built on aiohttp: with tens of concurrent calls, httpx's AsyncClient (0.28 / httpcore 1.0)
-    slows down sharply (encode/httpx#3215; measured here: 73 calls/s at 48 concurrent calls
-    against a server that aiohttp drives at ~4,000/s), which would make the judge, not the
-    LLM, the bottleneck. Create it inside the event loop that uses it.
+    """Judge calls with time-outs, retries and back-off, on an :class:`EngineClient` (its aiohttp
+    pool, :mod:`pipeline.engine_api.transport`). Create it inside the event loop that uses it.
 
     Args:
         base_url: the endpoint's base URL.
         timeout_s: per-attempt time-out (whole request), seconds.
-        retries: extra attempts after the first for retryable failures.
+        retries: extra attempts after the first for retryable failures
+            (:attr:`pipeline.engine_api.errors.EngineError.retryable`: a time-out, an unreachable
+            endpoint, 5xx, 408/409/425/429).
         backoff_s: first back-off; doubles each retry, plus up to ``backoff_s`` of jitter.
         api_key: optional bearer token.
         max_connections: connection pool size.
@@ -58,50 +50,21 @@ class HttpJudge:
 
     def __init__(self, base_url: str, timeout_s: float, retries: int, backoff_s: float,
                  api_key: str | None = None, max_connections: int = 512) -> None:
-        import aiohttp
-
-        headers = dict(_HEADERS)
-        if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
-        self._errors = (aiohttp.ClientError, asyncio.TimeoutError)
-        self.session = aiohttp.ClientSession(
-            headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
-            connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=300))
+        self.client = EngineClient(self.base_url, timeout_s, api_key, max_connections=max_connections)
 
     async def post(self, path: str, body: dict | bytes) -> dict:
         """POST ``body`` (a dict, or JSON already encoded) and return the parsed JSON answer.
 
         Raises:
-            CallFailed: every attempt failed (the last error is in the message), or a non-retryable
-                status (4xx other than 408/409/425/429) came back.
+            EngineError: every attempt failed (the last error), a non-retryable status came back
+                (4xx other than 408/409/425/429), or the answer is not JSON.
         """
-        data = body if isinstance(body, bytes) else orjson.dumps(body)
-        url = self.base_url + path
-        try:
-            async for attempt in retrying(self.retries + 1, self.backoff_s):
-                with attempt:
-                    try:
-                        async with self.session.post(url, data=data) as r:
-                            status, content = r.status, await r.read()
-                    except self._errors as e:  # connect errors, time-outs, broken connections
-                        raise Transient(f"{type(e).__name__}: {e}") from None
-                    if status == 200:
-                        try:
-                            return orjson.loads(content)
-                        except orjson.JSONDecodeError as e:
-                            raise CallFailed(f"{path}: answer is not JSON: {e}") from None
-                    err = f"HTTP {status}: {content[:200].decode('utf-8', 'replace')}"
-                    if status in _RETRY_STATUS:
-                        raise Transient(err)
-                    raise CallFailed(f"{path}: {err}")
-        except Transient as e:
-            raise CallFailed(f"{path}: {e}") from None
-        raise AssertionError("unreachable")
+        return await retried(lambda: self.client.post(path, body), self.retries + 1, self.backoff_s)
 
     async def aclose(self) -> None:
-        await self.session.close()
+        await self.client.aclose()
 
 
 def completion_text(answer: dict) -> str:
@@ -136,7 +99,7 @@ class LLMBackend(Backend):
     async def _sample(self, body: bytes) -> str | None:
         try:
             return completion_text(await self.http.post("/v1/chat/completions", body))
-        except CallFailed as e:
+        except EngineError as e:
             log.warning("judge vote failed: %s", e)
             return None
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.models import resolve_model
 
 ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
 #: request fields besides ``messages`` and ``tools`` that change the rendered prompt
@@ -162,24 +163,48 @@ def chat_options(body: dict) -> dict:
 
 
 # ---- rendering --------------------------------------------------------------------------------
-def _content_text(content: Any, i: int) -> str:
-    if content is None:
-        return ""
+#: content-part types that carry text: chat's ``text``; the Responses API's ``input_text`` and
+#: ``output_text`` (a part without ``type`` is a text part)
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def part_text(part: Any) -> str | None:
+    """The text of one content part: a string as it is, a :data:`TEXT_PARTS` part's ``text``;
+    None for any other part (an image, a refusal, a malformed part)."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type", "text") in TEXT_PARTS and isinstance(part.get("text"), str):
+        return part["text"]
+    return None
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's ``content`` as the model sees it, the one joining rule of the package.
+
+    None is ``""``; a string is itself; a list of parts is the text of its text parts
+    (:func:`part_text`) joined with nothing in between, exactly what :class:`ChatRenderer` puts
+    into the prompt; other parts (an image) carry no text and are left out; anything else is
+    ``""``. Callers that must refuse such content validate it first (the renderer:
+    :class:`ChatTemplateError`; the proxy's front doors: a 400 naming the field).
+    """
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatTemplateError(f"messages[{i}].content: part type {kind!r} is not supported "
-                                        "(text-only model)")
-        return "".join(parts)
-    raise ChatTemplateError(f"messages[{i}].content must be a string, null or a list of text parts")
+        return "".join(t for t in map(part_text, content) if t is not None)
+    return ""
+
+
+def _checked_text(content: Any, i: int) -> str:
+    """:func:`content_text` of ``messages[i].content`` after checking it is null, a string or a
+    list of chat text parts (a text-only model). Raises :class:`ChatTemplateError`."""
+    if content is not None and not isinstance(content, (str, list)):
+        raise ChatTemplateError(f"messages[{i}].content must be a string, null or a list of text parts")
+    for part in content if isinstance(content, list) else ():
+        if part_text(part) is None or (isinstance(part, dict) and part.get("type", "text") != "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatTemplateError(f"messages[{i}].content: part type {kind!r} is not supported "
+                                    "(text-only model)")
+    return content_text(content)
 
 
 @dataclass
@@ -219,7 +244,7 @@ class ChatRenderer:
             role = {"developer": "system", "function": "tool"}.get(role, role)
             msg = {k: v for k, v in m.items() if k not in ("content", "role")}
             msg["role"] = role
-            msg["content"] = _content_text(m.get("content"), i)
+            msg["content"] = _checked_text(m.get("content"), i)
             if role == "assistant" and m.get("tool_calls"):
                 if not isinstance(m["tool_calls"], list):
                     raise ChatTemplateError(f"messages[{i}].tool_calls must be a list")
@@ -286,7 +311,5 @@ def load_tokenizer(name: str, cache_dir: str | None = None):
         pipeline.models.ModelNotFound: the name is unknown and no such folder exists.
     """
     from transformers import AutoTokenizer
-
-    from pipeline.models import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(name, cache_dir)))

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.models import ModelNotFound, resolve_model
 
 
 class TokenBytesError(PipelineError, RuntimeError):
@@ -74,8 +75,6 @@ def load_token_bytes(model: str | os.PathLike, cache_dir: str | None = None) -> 
     Raises:
         TokenBytesError: the model or its tokenizer cannot be found or read.
     """
-    from pipeline.models import ModelNotFound, resolve_model
-
     try:
         from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ SGLang extensions the engines share), each with
 - ``recorded``: kept as the turn's sampling parameters by the proxy.
 
 Derived from it: the proxy's validation (:mod:`pipeline.proxy.validate`), the client's mapping
-of chat fields onto ``/generate`` (:mod:`pipeline.client`), the engine's request model
+of chat fields onto ``/generate`` (:mod:`pipeline.engine_api.client`), the engine's request model
 (:class:`pipeline.engine.protocol.ChatBody` types and defaults exactly these fields).
 """
 
@@ -155,20 +155,22 @@ def _range(body: dict, key: str, lo: float, hi: float, integer: bool = False, lo
         raise ChatBodyError(f"'{key}' must be in {left}{lo}, {hi}], got {v}", param=key)
 
 
-def _bool(body: dict, key: str) -> None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise ChatBodyError(f"'{key}' must be a boolean, got {type(v).__name__}", param=key)
+def _of_type(kind: type, noun: str) -> Callable[[dict, str], None]:
+    """The check that ``body[key]``, when given, is a ``kind`` (``noun`` in the error)."""
+    def check(body: dict, key: str) -> None:
+        v = body.get(key)
+        if v is not None and not isinstance(v, kind):
+            raise ChatBodyError(f"'{key}' must be {noun}, got {type(v).__name__}", param=key)
+    return check
+
+
+_bool = _of_type(bool, "a boolean")
+_string = _of_type(str, "a string")
+_object = _of_type(dict, "an object")
 
 
 def _ranged(lo: float, hi: float, integer: bool = False, lo_open: bool = False) -> Callable[[dict, str], None]:
     return lambda body, key: _range(body, key, lo, hi, integer, lo_open)
-
-
-def _string(body: dict, key: str) -> None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, str):
-        raise ChatBodyError(f"'{key}' must be a string, got {type(v).__name__}", param=key)
 
 
 def _strings(body: dict, key: str) -> None:
@@ -181,12 +183,6 @@ def _ints(body: dict, key: str) -> None:
     v = body.get(key)
     if v is not None and not (isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)):
         raise ChatBodyError(f"'{key}' must be a list of token ids (integers >= 0)", param=key)
-
-
-def _object(body: dict, key: str) -> None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, dict):
-        raise ChatBodyError(f"'{key}' must be an object, got {type(v).__name__}", param=key)
 
 
 def _check_stream_options(body: dict, key: str) -> None:

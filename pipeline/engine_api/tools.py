@@ -1,6 +1,6 @@
 """Tool calling for models whose chat template may not know about tools (pure Python).
 
-Prompt side (:mod:`pipeline.chat`): when the chat template does not reference ``tools``
+Prompt side (:mod:`pipeline.engine_api.render`): when the chat template does not reference ``tools``
 (SmolLM2's does not), the tools are described in the system message and calls asked for in the
 form::
 
@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.chat import CLOSE, OPEN
+from pipeline.engine_api.render import CLOSE, OPEN
 
 
 @dataclass

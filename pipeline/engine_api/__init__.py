@@ -1,0 +1,30 @@
+"""Everything that speaks to a model server (SGLang, this package's CPU engine, an
+OpenAI-compatible judge) over HTTP; no other package opens a connection to one.
+
+=====================  ========================================================================
+module                 what it holds
+=====================  ========================================================================
+``client.py``          :class:`EngineClient`: chat, streaming chat with token ids, ``/generate``,
+                       scoring (``score_result``), tokenize, weight updates, pause/abort, health
+``sglang.py``          :class:`GenerateChatStream`, SGLang's streamed chat with token ids through
+                       ``/v1/tokenize`` + ``/generate``; the chat-field -> ``sampling_params``
+                       mapping (``chat_sampling_params``, ``response_format_schema``) and
+                       ``generate_path_refusal``
+``transport.py``       :class:`Transport`, the one aiohttp connection pool (the proxy forwards
+                       through it, every client here sends through it); ``sse_batches``
+``errors.py``          :class:`EngineError` (``status``: HTTP code or None), :class:`EngineTimeout`,
+                       :class:`EngineUnavailable`, :class:`EngineUnreachable`: every failed call
+                       to a model server; ``retried`` (call again while the failure can pass)
+``render.py``          the one chat renderer (:class:`ChatRenderer`, :class:`PromptSpec`): an
+                       OpenAI chat request -> prompt token ids; ``content_text``, the one
+                       text of a message's content (parts joined with nothing)
+``schema.py``          ``CHAT_FIELDS``: every chat-completions field the package knows, its role
+                       and its check (``check_chat_body``)
+``tokenbytes.py``      :class:`TokenBytes`: the raw bytes of each token id (log-prob ``bytes``)
+``tools.py``           tool-call parsing of generated text (``parse_tool_calls``,
+                       :class:`ToolStreamParser`)
+=====================  ========================================================================
+
+The package imports only the contracts (:mod:`pipeline.errors`, :mod:`pipeline.sampling`,
+:mod:`pipeline.retry`, :mod:`pipeline.models`), never a stage.
+"""
