@@ -16,6 +16,9 @@
 - :class:`RecordIntake` (used by both readers): decode, check the event type against
   ``topics.yaml``, dead-letter bad records to ``<topic>.dlq`` with the error and source offset,
   count consumed records and dead letters.
+- :mod:`pipeline.bus.window_producer`: the proxy publisher's producers (librdkafka or
+  kafka-python), one window of records at a time.
+- :mod:`pipeline.bus.bounds`: topic positions as people write them (a time or offsets).
 - :func:`consumer_kwargs` / :func:`producer_kwargs`: kafka-python settings.
 """
 

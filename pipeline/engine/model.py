@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.sampling import generation_config, generation_defaults
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -60,25 +61,6 @@ def _as_set(v: Any) -> set[int]:
     if isinstance(v, int):
         return {v}
     return {int(x) for x in v}
-
-
-def _generation_config(path: Path) -> dict:
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        try:
-            gen = json.loads(gen_file.read_text())
-            return gen if isinstance(gen, dict) else {}
-        except (OSError, ValueError):
-            return {}
-    return {}
-
-
-def generation_defaults(path: str | os.PathLike) -> dict[str, float]:
-    """temperature / top_p / top_k / min_p / repetition_penalty from the folder's
-    ``generation_config.json`` (SGLang's chat defaults when a request gives none); ``{}`` if absent."""
-    gen = _generation_config(Path(os.path.expanduser(str(path))))
-    return {k: float(gen[k]) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
 
 
 #: config.json keys that may differ between a served model and its new weights (bookkeeping, the
@@ -229,7 +211,7 @@ def load_model(path: str | os.PathLike, *, like: LoadedModel | None = None, toke
     model.eval()
     model.requires_grad_(False)
     cfg = model.config
-    gen = _generation_config(path)
+    gen = generation_config(path)
     eos = _as_set(getattr(cfg, "eos_token_id", None)) | _as_set(gen.get("eos_token_id"))
     defaults = generation_defaults(path)
     out_emb = model.get_output_embeddings()

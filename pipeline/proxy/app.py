@@ -70,7 +70,8 @@ from pipeline.proxy.sessions import MainTurn, SessionTable
 from pipeline.proxy.upstream import Upstream, sse_batches
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
 from pipeline.proxy.validate import json_body
-from pipeline.sampling import CHAT_DEFAULTED, effective_temperature, logprob_processors, with_generation_defaults
+from pipeline.sampling import (CHAT_DEFAULTED, effective_temperature, generation_defaults, logprob_processors,
+                               with_generation_defaults)
 
 log = logging.getLogger(__name__)
 
@@ -653,7 +654,6 @@ class ProxyApp:
 
     def _read_generation_defaults(self) -> dict:
         """The served model's generation_config chat defaults (read once; ``{}`` when unreadable)."""
-        from pipeline.engine.model import generation_defaults
         from pipeline.models import ModelNotFound, resolve_model
 
         if self._gen_defaults is None:
