@@ -22,10 +22,9 @@ def majority_vote(votes: list[int | None]) -> int | None:
     Args:
         votes: one entry per judge call: -1, 0 or 1, or None for a failed vote.
     """
-    valid = [v for v in votes if v is not None]
-    if not valid:
+    tally = Counter(v for v in votes if v is not None)
+    if not tally:
         return None
-    counts = Counter(valid).most_common()
-    if len(counts) > 1 and counts[0][1] == counts[1][1]:
-        return 0
-    return int(counts[0][0])
+    top = max(tally.values())
+    winners = [v for v, n in tally.items() if n == top]
+    return int(winners[0]) if len(winners) == 1 else 0

@@ -51,7 +51,7 @@ class Follower:
         topics: a physical topic name or several (``resume=True`` needs exactly one).
         handle: called with each record (a :class:`~pipeline.bus.Record`, or for observers
             also an :class:`~pipeline.bus.Undecodable`), from the follower's thread.
-        name: the stage name (metrics labels, logs, dead letters, the thread's name).
+        name: the stage name (metrics labels, logs, dead letters; the thread is ``<name>-follow``).
         start: where the first reader starts (see :class:`~pipeline.bus.TopicReader`).
         resume: after a reconnect, start after the last record handed on (True) or at ``start``
             again (False).
@@ -99,7 +99,7 @@ class Follower:
         self._backoff = backoff_s
         self._next: dict[int, int] = {}  # partition -> offset after the last record handed on
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self.run, name=f"{name}-follow", daemon=True)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Follower":
