@@ -27,8 +27,9 @@ class BoundError(PipelineError, ValueError):
 
 @dataclass(frozen=True)
 class Bound:
-    """One end of a replay range: a time (``time_ms``, ms since the epoch), one offset for every
-    partition (``offset``), or offsets per partition (``offsets``; unlisted partitions: unbounded)."""
+    """One end of a range of records (replay, retrain, tail): a time (``time_ms``, ms since the
+    epoch), one offset for every partition (``offset``), or offsets per partition (``offsets``;
+    unlisted partitions: unbounded)."""
 
     time_ms: int | None = None
     offset: int | None = None
