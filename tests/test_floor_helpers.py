@@ -29,8 +29,11 @@ def test_a_pid_lock_is_held_by_one_holder_at_a_time_and_names_it(tmp_path):
 def test_stop_group_terminates_and_kills_what_ignores_sigterm():
     polite = subprocess.Popen(["sleep", "60"], start_new_session=True)
     assert stop_group(polite, 10) == -signal.SIGTERM
-    deaf = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait"], start_new_session=True)
+    deaf = subprocess.Popen(["bash", "-c", "trap '' TERM; echo deaf; sleep 60 & wait"], start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    assert deaf.stdout.readline() == "deaf\n"  # SIGTERM is ignored from here on
     t0 = time.monotonic()
     assert stop_group(deaf, 0.5) == -signal.SIGKILL
     assert time.monotonic() - t0 < 10
     assert stop_group(deaf, 0.5) == -signal.SIGKILL  # already gone: not an error
+    deaf.stdout.close()
