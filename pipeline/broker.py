@@ -39,7 +39,6 @@ Tansu well under a second). Clients should use the short group timeouts of
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.errors import PipelineError
+from pipeline.files import lock_with_pid
 from pipeline.procutil import free_port, port_free
 
 log = logging.getLogger(__name__)
@@ -351,15 +351,9 @@ class EmbeddedBroker:
     def _lock(self) -> None:
         assert self.data_dir is not None
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.data_dir / "broker.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise BrokerError(f"{self.data_dir} is in use by another broker (pid {holder or '?'})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        fd, holder = lock_with_pid(self.data_dir / "broker.lock")
+        if fd is None:
+            raise BrokerError(f"{self.data_dir} is in use by another broker (pid {holder or '?'})")
         self._lock_fd = fd
 
     def _unlock(self) -> None:

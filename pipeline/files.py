@@ -1,6 +1,7 @@
-"""Durable file writes: the trainer's checkpoints and exports, the weight-sync record.
+"""Durable file writes (the trainer's checkpoints and exports, the weight-sync record) and the
+pid lock that keeps a folder to one process (the broker's data dir, the proxy's event buffer).
 
-Torch-free and stage-free (only ``os``), so any stage may use it. A rename is atomic but not
+Torch-free and stage-free (only ``os`` and ``fcntl``), so any stage may use it. A rename is atomic but not
 durable by itself: after a power loss the directory entry of the renamed folder (or of a
 replaced file) may be gone even though the data was fsynced. The recipe used everywhere is
 therefore: write into a temporary name, fsync the file(s), fsync the temporary folder, rename,
@@ -10,6 +11,7 @@ ext4/xfs need for the rename to survive a crash).
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -41,3 +43,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def lock_with_pid(path: str | os.PathLike) -> tuple[int | None, str]:
+    """Take an exclusive ``flock`` on ``path`` (created if missing) and write this process's pid in it.
+
+    Returns ``(fd, "")`` when taken (keep ``fd`` open for as long as the lock is held; closing it,
+    or the process ending, releases it), or ``(None, holder)`` when another process holds it,
+    ``holder`` being the pid it wrote (``""`` if none). The caller words its own error. Raises
+    ``OSError`` when ``path`` cannot be opened.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return None, holder
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd, ""

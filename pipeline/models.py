@@ -119,23 +119,3 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path
     if (path / "config.json").exists():
         return path
     raise ModelNotFound(f"model {name!r}: not one of {BUILTIN} and no config.json at {path}")
-
-
-def generation_config(path: Path) -> dict:
-    """The folder's ``generation_config.json`` as a dict; ``{}`` when absent or unreadable."""
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        try:
-            gen = json.loads(gen_file.read_text())
-            return gen if isinstance(gen, dict) else {}
-        except (OSError, ValueError):
-            return {}
-    return {}
-
-
-def generation_defaults(path: str | os.PathLike) -> dict[str, float]:
-    """temperature / top_p / top_k / min_p / repetition_penalty from the folder's
-    ``generation_config.json`` (SGLang's chat defaults when a request gives none); ``{}`` if absent."""
-    gen = generation_config(Path(os.path.expanduser(str(path))))
-    return {k: float(gen[k]) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}

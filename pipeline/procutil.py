@@ -1,12 +1,14 @@
 """Helpers for the processes a stage starts: children that cannot outlive their parent (Linux: no
-orphans after a crash), and free TCP ports for the servers they run."""
+orphans after a crash), stopping a child's process group, and free TCP ports for the servers they run."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import signal
 import socket
+import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
@@ -50,3 +52,26 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
             return True
         except OSError:
             return False
+
+
+def stop_group(proc: subprocess.Popen, wait_s: float, resume_first: bool = False) -> int:
+    """Stop the process group that ``proc`` leads (started with ``start_new_session=True``): SIGTERM,
+    up to ``wait_s`` seconds for ``proc`` to exit, then SIGKILL. ``resume_first`` sends SIGCONT
+    before (a stopped group handles SIGTERM only once continued). A group that is already gone is
+    not an error. Returns ``proc``'s exit status."""
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    if proc.poll() is None:
+        if resume_first:
+            signal_group(signal.SIGCONT)
+        signal_group(signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            signal_group(signal.SIGKILL)
+            proc.wait()
+    return proc.returncode

@@ -31,7 +31,10 @@ engines constrain decoding)
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 #: temperatures below this are greedy (SGLang's rule)
@@ -56,6 +59,26 @@ def effective_temperature(temperature: Any, default: float = 1.0) -> float:
     if not math.isfinite(t) or t < 0:
         raise ValueError(f"temperature must be non-negative and finite, got {temperature!r}")
     return 1.0 if t < GREEDY_EPS else t
+
+
+def generation_config(path: str | os.PathLike) -> dict:
+    """The ``generation_config.json`` of the HF folder ``path`` as a dict; ``{}`` when it is
+    absent, unreadable or not a JSON object."""
+    gen_file = Path(os.path.expanduser(str(path))) / "generation_config.json"
+    try:
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return gen if isinstance(gen, dict) else {}
+
+
+def generation_defaults(path: str | os.PathLike) -> dict[str, float]:
+    """The :data:`CHAT_DEFAULTED` values of the folder's ``generation_config.json`` (SGLang's chat
+    defaults when a request gives none), as floats; ``{}`` if absent. Read by the engine that
+    serves the folder and by the proxy in front of an engine that does not report them."""
+    gen = generation_config(path)
+    return {k: float(gen[k]) for k in CHAT_DEFAULTED
+            if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
 
 
 def with_generation_defaults(params: dict, defaults: dict | None) -> dict:

@@ -28,7 +28,7 @@ from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline.bus.producer import EventProducer
-from pipeline.bus.records import DECLARED, DeadLetterError, Record, RecordIntake, stop_on_signals
+from pipeline.bus.records import DECLARED, DeadLetterError, IntakeCounts, Record, RecordIntake, stop_on_signals
 from pipeline.bus.settings import consumer_kwargs
 from pipeline.config import Config
 from pipeline.metrics import COMMITS, CONSUMER_LAG, IN_FLIGHT
@@ -84,7 +84,7 @@ def keep_join_awaited(consumer: KafkaConsumer) -> None:
         coordinator.request_rejoin()
 
 
-class ConsumerApp:
+class ConsumerApp(IntakeCounts):
     """Run a handler over a consumer group's records with commit-after-processing semantics.
 
     Args:
@@ -123,16 +123,6 @@ class ConsumerApp:
         self._generation = 0
         self._on_assigned: Callable | None = None
         self._on_revoked: Callable | None = None
-
-    @property
-    def consumed(self) -> int:
-        """Records polled so far."""
-        return self.intake.consumed
-
-    @property
-    def dead_lettered(self) -> int:
-        """Records sent to the DLQ so far (undecodable, wrong type, or their handler raised)."""
-        return self.intake.dead_lettered
 
     # ---- public API -------------------------------------------------------------------------
     def ack(self, record: Record) -> None:

@@ -47,7 +47,7 @@ from kafka import KafkaConsumer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline import events
-from pipeline.bus.records import DECLARED, RecordIntake, stop_on_signals
+from pipeline.bus.records import DECLARED, IntakeCounts, RecordIntake, stop_on_signals
 from pipeline.bus.settings import consumer_kwargs
 from pipeline.config import Config
 from pipeline.errors import PipelineError
@@ -106,7 +106,7 @@ class Undecodable:
         return (self.topic, self.partition)
 
 
-class TopicReader:
+class TopicReader(IntakeCounts):
     """Assign-mode reader of one or more topics (see the module docstring).
 
     Args:
@@ -384,12 +384,8 @@ class TopicReader:
 
     def lag(self) -> dict[tuple[str, int], int]:
         """Records between this reader's position and the high watermark, per partition (known ones)."""
-        out = {}
-        for tp in self._assigned:
-            hw = self.consumer.highwater(tp)
-            if hw is not None:
-                out[(tp.topic, tp.partition)] = max(0, hw - self.consumer.position(tp))
-        return out
+        return {tp: max(0, hw - self.consumer.position(TopicPartition(*tp)))
+                for tp, hw in self.high_watermarks().items()}
 
     def high_watermarks(self) -> dict[tuple[str, int], int]:
         """The last known high watermark (next offset to be written) of each assigned partition."""
@@ -413,16 +409,6 @@ class TopicReader:
     def install_signals(self) -> bool:
         """Stop on SIGTERM/SIGINT (main thread only); True when installed."""
         return stop_on_signals(self.stop)
-
-    @property
-    def consumed(self) -> int:
-        """Records polled so far."""
-        return self.intake.consumed
-
-    @property
-    def dead_lettered(self) -> int:
-        """Records sent to the DLQ so far."""
-        return self.intake.dead_lettered
 
     def close(self) -> None:
         """Close the consumer (nothing is committed) and the dead-letter producer."""

@@ -108,6 +108,24 @@ def stop_on_signals(stop: Callable[[], None]) -> bool:
     return True
 
 
+class IntakeCounts:
+    """The counts of a reader that hands its records to ``self.intake`` (a :class:`RecordIntake`):
+    mixed into :class:`~pipeline.bus.ConsumerApp` and :class:`~pipeline.bus.TopicReader`."""
+
+    intake: "RecordIntake"
+
+    @property
+    def consumed(self) -> int:
+        """Records polled so far."""
+        return self.intake.consumed
+
+    @property
+    def dead_lettered(self) -> int:
+        """Records sent to the DLQ so far (undecodable, of a type the topic does not carry, or
+        rejected by the stage: a handler that raised)."""
+        return self.intake.dead_lettered
+
+
 class RecordIntake:
     """Decode, check, dead-letter and count the records of one stage (see the module docstring).
 

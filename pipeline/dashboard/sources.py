@@ -1,6 +1,6 @@
 """The dashboard's inputs: a topic reader thread and a scraper of the stages' Prometheus endpoints.
 
-:class:`TopicFollower` runs one :class:`pipeline.bus.TopicReader` (assign mode: no consumer
+:class:`TopicFollower` runs one :class:`pipeline.bus.Follower` (assign mode: no consumer
 group, nothing committed) over ``turns``, ``samples``, ``control``, ``metrics`` and every
 dead-letter topic, from the beginning or from now, feeding :class:`DashboardState`.
 
@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.bus import TopicReader
+from pipeline.bus import Follower
 from pipeline.bus.admin import admin_client, group_lag
 from pipeline.config import Config
 from pipeline.dashboard.state import DashboardState
@@ -36,61 +36,40 @@ def topic_names(config: Config) -> list[str]:
 
 
 class TopicFollower:
-    """A daemon thread folding every record of :func:`topic_names` into ``state``."""
+    """A daemon thread (a :class:`pipeline.bus.Follower`) folding every record of :func:`topic_names`
+    into ``state``. When the broker goes away the error shows on the page, the state is emptied
+    and everything is read again from the start (nothing counted twice)."""
 
     def __init__(self, config: Config, state: DashboardState) -> None:
         self.config = config
         self.state = state
-        self.stop_event = threading.Event()
-        self.reader: TopicReader | None = None
-        self.caught_up = False
-        self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="dashboard-reader", daemon=True)
+        start = "end" if config.dashboard.start == "now" else "beginning"
+        self._follower = Follower(config, topic_names(config), state.apply, name="dashboard-reader", start=start,
+                                  resume=False, on_error=self._forget, backoff_s=2.0, max_backoff_s=2.0)
 
     def start(self) -> TopicFollower:
-        self._thread.start()
+        self._follower.start()
         return self
 
-    def _run(self) -> None:
-        start = "end" if self.config.dashboard.start == "now" else "beginning"
-        while not self.stop_event.is_set():
-            try:
-                self.reader = TopicReader(self.config, topic_names(self.config), start=start)
-                refreshed = time.monotonic()
-                while not self.stop_event.is_set():
-                    for rec in self.reader.poll(200):
-                        self.state.apply(rec)
-                    self.caught_up = self.caught_up or self.reader.caught_up()
-                    if time.monotonic() - refreshed > 5.0:
-                        refreshed = time.monotonic()
-                        self.reader.refresh()
-                    self.error = None
-                return
-            except Exception as e:  # broker gone: say so on the page, start over (nothing counted twice)
-                self.error = f"{type(e).__name__}: {e}"
-                log.warning("dashboard topic reader: %s (reading again from the start in 2 s)", self.error)
-                self.caught_up = False
-                self.state.reset()
-                self.stop_event.wait(2.0)
-            finally:
-                if self.reader is not None:
-                    try:
-                        self.reader.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    self.reader = None
+    def _forget(self, _error: Exception) -> None:
+        self.state.reset()
+
+    @property
+    def caught_up(self) -> bool:
+        """The reader reached the end of every partition since it (re)started."""
+        return self._follower.caught_up
+
+    @property
+    def error(self) -> str | None:
+        """The last reader error; None once reading works again."""
+        return self._follower.error
 
     def high_watermarks(self) -> dict[tuple[str, int], int]:
         """Known high watermarks of the partitions read."""
-        r = self.reader
-        try:
-            return r.high_watermarks() if r is not None else {}
-        except Exception:  # noqa: BLE001 - the reader thread may be closing it
-            return {}
+        return self._follower.high_watermarks()
 
     def stop(self) -> None:
-        self.stop_event.set()
-        self._thread.join(timeout=5)
+        self._follower.stop(5.0)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

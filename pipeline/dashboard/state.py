@@ -117,25 +117,19 @@ class DashboardState:
 
     def _fold(self, rec: Record) -> None:
         ev = rec.event
-        ts = rec.timestamp_ms
         if isinstance(ev, events.DeadLetter) or rec.topic.endswith(self.config.topics.dlq_suffix):
             self._dead_letter(rec.topic, ev)
-        elif isinstance(ev, events.Turn):
-            self._turn(ev, ts)
-        elif isinstance(ev, events.NextState):
-            self._next_state(ev, ts)
-        elif isinstance(ev, events.SessionEnd):
-            self._session_end(ev, ts)
-        elif isinstance(ev, events.Sample):
-            self._sample(ev, ts)
-        elif isinstance(ev, events.Control):
-            self._control(ev, ts)
-        elif isinstance(ev, events.TrainStep):
-            self._train_step(ev, ts)
-        elif isinstance(ev, events.Evaluation):
-            self.evaluations[(ev.run_id, ev.policy_version)] = {
-                "policy_version": ev.policy_version, "n": ev.n, "name": ev.name, "created_at": ev.created_at or ts,
-                **{k: v for k, v in ev.metrics.items() if isinstance(v, (int, float))}}
+            return
+        fold = {events.Turn: self._turn, events.NextState: self._next_state, events.SessionEnd: self._session_end,
+                events.Sample: self._sample, events.Control: self._control, events.TrainStep: self._train_step,
+                events.Evaluation: self._evaluation}.get(type(ev))
+        if fold is not None:
+            fold(ev, rec.timestamp_ms)
+
+    def _evaluation(self, ev: events.Evaluation, ts: int) -> None:
+        self.evaluations[(ev.run_id, ev.policy_version)] = {
+            "policy_version": ev.policy_version, "n": ev.n, "name": ev.name, "created_at": ev.created_at or ts,
+            **{k: v for k, v in ev.metrics.items() if isinstance(v, (int, float))}}
 
     def _session(self, sid: str, ms: int) -> SessionView:
         s = self.sessions.get(sid)

@@ -46,19 +46,13 @@ def add_arguments(parser) -> None:
 
 
 def _start(text: str | None):
-    from pipeline.bus import Offset, Time
-    from pipeline.history.replay import parse_bound
+    from pipeline.bus.bounds import parse_bound, reader_start
 
     if text is None:
         return "beginning"
     if text.strip() == "now":
         return "end"
-    b = parse_bound(text)  # BoundError names the accepted forms
-    if b.time_ms is not None:
-        return Time(b.time_ms)
-    if b.offsets is not None:
-        return Offset(per_partition=b.offsets)
-    return Offset(b.offset or 0)
+    return reader_start(parse_bound(text))  # BoundError names the accepted forms
 
 
 def line(rec, text: bool = False, arrays: bool = False) -> dict:
@@ -92,7 +86,7 @@ def matches(rec, session: str | None, types: list[str] | None) -> bool:
 
 def run(args, config) -> int:
     from pipeline.bus import TopicReader
-    from pipeline.history.replay import BoundError
+    from pipeline.bus.bounds import BoundError
 
     try:
         start = _start(args.start)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline import events
+from pipeline.votes import majority_vote
 
 
 def text_chars(value: Any) -> int:
@@ -85,13 +86,11 @@ def majority(votes: list) -> int | None:
     """Majority of the valid PRM votes (a tie: 0); None when there are no votes or none is valid
     (every vote failed: no judgement, no reward).
 
-    The judge's rule (:func:`pipeline.judge.parse.majority_vote`), recomputed here from the
+    The judge's rule (:func:`pipeline.votes.majority_vote`), recomputed here from the
     recorded votes so a reader can check the sample's reward against them.
     """
     if not votes:
         return None
-    from pipeline.judge.parse import majority_vote
-
     return majority_vote(votes)
 
 

@@ -118,6 +118,20 @@ def row_conversation(row: dict) -> dict:
             "messages": [{"role": "user", "content": row.get("request", "")}, assistant, *nxt]}
 
 
+class _Share:
+    """A read-only attribute of a :class:`Tally`: ``numerator / denominator`` (two of its counts),
+    None when the denominator is 0 (no rows: no figure, never a 0)."""
+
+    def __init__(self, numerator: str, denominator: str = "n") -> None:
+        self.numerator, self.denominator = numerator, denominator
+
+    def __get__(self, tally, owner=None):
+        if tally is None:
+            return self
+        d = getattr(tally, self.denominator)
+        return getattr(tally, self.numerator) / d if d else None
+
+
 @dataclass
 class Tally:
     """Counts of (label, predicted score) pairs and the figures derived from them.
@@ -131,6 +145,9 @@ class Tally:
     def add(self, label: int, predicted: int | None) -> None:
         self.confusion[(label, predicted)] += 1
 
+    def _count(self, keep) -> int:
+        return sum(c for (lab, p), c in self.confusion.items() if keep(lab, p))
+
     @property
     def n(self) -> int:
         return sum(self.confusion.values())
@@ -138,43 +155,33 @@ class Tally:
     @property
     def failed(self) -> int:
         """Rows whose votes all failed (no score)."""
-        return sum(c for (_, p), c in self.confusion.items() if p is None)
+        return self._count(lambda lab, p: p is None)
 
     @property
     def correct(self) -> int:
-        return sum(c for (lab, p), c in self.confusion.items() if lab == p)
+        return self._count(lambda lab, p: lab == p)
 
     @property
     def covered(self) -> int:
         """Rows given a non-zero score (a failed row has none)."""
-        return sum(c for (_, p), c in self.confusion.items() if p is not None and p != 0)
+        return self._count(lambda lab, p: p is not None and p != 0)
+
+    @property
+    def covered_correct(self) -> int:
+        """Rows given a non-zero score equal to their label."""
+        return self._count(lambda lab, p: p is not None and p != 0 and lab == p)
 
     @property
     def sign_errors(self) -> int:
         """Rows labelled +1 scored -1, or labelled -1 scored +1."""
-        return sum(c for (lab, p), c in self.confusion.items() if p is not None and lab * p == -1)
+        return self._count(lambda lab, p: p is not None and lab * p == -1)
 
-    @property
-    def agreement(self) -> float | None:
-        return self.correct / self.n if self.n else None
-
-    @property
-    def coverage(self) -> float | None:
-        return self.covered / self.n if self.n else None
-
-    @property
-    def sign_error_rate(self) -> float | None:
-        return self.sign_errors / self.n if self.n else None
-
-    @property
-    def failed_rate(self) -> float | None:
-        return self.failed / self.n if self.n else None
-
-    @property
-    def precision(self) -> float | None:
-        """Share of the non-zero scores that equal the label (how far a covered score can be trusted)."""
-        hit = sum(c for (lab, p), c in self.confusion.items() if p is not None and p != 0 and lab == p)
-        return hit / self.covered if self.covered else None
+    agreement = _Share("correct")
+    coverage = _Share("covered")
+    sign_error_rate = _Share("sign_errors")
+    failed_rate = _Share("failed")
+    #: share of the non-zero scores that equal the label (how far a covered score can be trusted)
+    precision = _Share("covered_correct", "covered")
 
     def summary(self) -> str:
         """``agreement a/n = x%  coverage y%  sign errors s (z%)  failed f (w%)`` (``n/a``: no rows)."""

@@ -1,4 +1,4 @@
-"""Parsing judge output: ``\\boxed{...}`` scores, hints, and the majority vote.
+"""Parsing judge output: ``\\boxed{...}`` scores and hints (the majority vote: :mod:`pipeline.votes`).
 
 The PRM (process reward model) prompt of OpenClaw-RL's Binary RL asks the judge to end with
 ``\\boxed{1}``, ``\\boxed{0}`` or ``\\boxed{-1}``; the OPD hint prompt asks for ``\\boxed{1}`` plus a
@@ -10,7 +10,8 @@ while thinking; the **last** box is the answer. Anything else is a failed vote (
 from __future__ import annotations
 
 import re
-from collections import Counter
+
+from pipeline.votes import majority_vote  # noqa: F401 - the judge's vote rule lives on the floor (shared)
 
 _BOX = "\\boxed{"
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.S)
@@ -111,23 +112,6 @@ def hint_rejection(texts: list[str | None], min_chars: int = 10) -> str | None:
     if all(b is None for b in blocks):
         return "no_hint_block"
     return "hint_too_short"
-
-
-def majority_vote(votes: list[int | None]) -> int | None:
-    """Majority of the valid votes; a tie between the top values gives 0; no valid vote gives
-    None (no judgement: the turn carries no RL signal).
-
-    OpenClaw-RL's PRM aggregation (failed votes are ignored, not counted as 0), except that
-    OpenClaw-RL also scores a turn whose votes all failed as 0; here that is absent, not a
-    vote of 0 (a backend outage must not train the policy toward "neutral").
-    """
-    valid = [v for v in votes if v is not None]
-    if not valid:
-        return None
-    counts = Counter(valid).most_common()
-    if len(counts) > 1 and counts[0][1] == counts[1][1]:
-        return 0
-    return int(counts[0][0])
 
 
 def best_hint(hints: list[str | None]) -> str | None:

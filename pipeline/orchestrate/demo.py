@@ -43,8 +43,9 @@ from pipeline.config import Config
 from pipeline.engine_api.client import ask_once
 from pipeline.engine_api.errors import EngineError
 from pipeline.jsonl import read_jsonl
-from pipeline.orchestrate.up import Stack, run_dir_note, scrape, scrape_by_label, start_interruptibly, start_stack
-from pipeline.orchestrate.supervisor import StageFailed, StopOutcome
+from pipeline.orchestrate.up import Stack, run_dir_note, scrape, scrape_by_label, start_or_status, start_stack
+from pipeline.orchestrate.supervisor import StopOutcome
+from pipeline.procutil import die_with_parent, stop_group
 
 log = logging.getLogger(__name__)
 HELP = "The main job: start every stage, simulate GSM8K users until K trainer steps and a weight sync, report."
@@ -96,21 +97,12 @@ class Simulator:
                 "--repeat", str(args.repeat), "--max-turns", str(args.max_turns),
                 "--config", str(run_dir / "config.yaml")]
         self.out = open(run_dir / "logs" / "simulate.log", "ab")
-        from pipeline.procutil import die_with_parent
-
         self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=die_with_parent)
 
     def stop(self) -> None:
         """Stop the simulator (SIGCONT first so it can handle SIGTERM)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 20, resume_first=True)
         self.out.close()
 
     def records(self) -> list[dict]:
@@ -383,14 +375,9 @@ def run(args, config: Config) -> int:
     t0 = time.monotonic()
     print(f"[demo] starting broker, engine ({config.engine.model}), proxy, judge ({config.judge.mode}/"
           f"{config.judge.backend}), trainer and syncer; logs in {run_dir / 'logs'}", flush=True)
-    try:
-        stack = start_interruptibly(stop, lambda: start_stack(config, run_dir))
-    except StageFailed as e:
-        print(f"pipeline demo: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # start_stack stopped every stage it had started
-        print("pipeline demo: stopped during start-up; every stage it had started was stopped", file=sys.stderr)
-        return 130
+    stack = start_or_status("demo", stop, lambda: start_stack(config, run_dir))
+    if isinstance(stack, int):
+        return stack
     config = stack.config
     print(f"[demo] ready after {time.monotonic() - t0:.0f} s: proxy {stack.proxy_url}"
           + (f"  dashboard {stack.dashboard_url}" if stack.dashboard_url else ""), flush=True)

@@ -603,6 +603,20 @@ def start_interruptibly(stop: threading.Event, start: Callable[[], Stack]) -> St
             signal.signal(sig, on_signal)
 
 
+def start_or_status(command: str, stop: threading.Event, start: Callable[[], Stack]) -> Stack | int:
+    """:func:`start_interruptibly`, or the exit status of ``pipeline <command>`` when start-up ended
+    early: 1 when a stage failed to start (its error printed), 130 when a signal stopped it (every
+    stage started so far was stopped by :func:`start_stack`)."""
+    try:
+        return start_interruptibly(stop, start)
+    except StageFailed as e:
+        print(f"pipeline {command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"pipeline {command}: stopped during start-up; every stage it had started was stopped", file=sys.stderr)
+        return 130
+
+
 def run(args, config: Config) -> int:
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     config = _apply_defaults(config, run_dir, args)
@@ -610,18 +624,13 @@ def run(args, config: Config) -> int:
     stop = threading.Event()
     print(f"starting the stack in {run_dir} (logs in {run_dir / 'logs'}) ...", flush=True)
     policy = RestartPolicy(max_fast_failures=max(1, args.max_fast_failures))
-    try:
-        stack = start_interruptibly(stop, lambda: start_stack(
-            config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
-            durable_broker=not args.memory_broker, replicas=replicas, restart=policy,
-            dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
-            proxy_port=args.proxy_port, broker_kind=args.broker_kind))
-    except StageFailed as e:
-        print(f"pipeline up: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # start_stack stopped every stage it had started
-        print("pipeline up: stopped during start-up; every stage it had started was stopped", file=sys.stderr)
-        return 130
+    stack = start_or_status("up", stop, lambda: start_stack(
+        config, run_dir, args.external_broker, args.engine_url, trainer=not args.no_trainer,
+        durable_broker=not args.memory_broker, replicas=replicas, restart=policy,
+        dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
+        proxy_port=args.proxy_port, broker_kind=args.broker_kind))
+    if isinstance(stack, int):
+        return stack
     config = stack.config
     stack_file = run_dir / STACK_FILE
     write_pointer(stack_file)

@@ -60,7 +60,7 @@ from pipeline.engine_api.render import chat_options
 from pipeline.engine_api.sglang import generate_path_refusal
 from pipeline.engine_api.tokenbytes import TokenBytesError, load_token_bytes
 from pipeline.engine_api.transport import Transport, sse_batches
-from pipeline.models import ModelNotFound, generation_defaults, resolve_model
+from pipeline.models import ModelNotFound, resolve_model
 from pipeline.proxy import metrics as M
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
@@ -76,7 +76,8 @@ from pipeline.proxy.responses import ResponsesDoor
 from pipeline.proxy.sessions import MainTurn, SessionTable
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
 from pipeline.proxy.validate import json_body
-from pipeline.sampling import CHAT_DEFAULTED, effective_temperature, logprob_processors, with_generation_defaults
+from pipeline.sampling import (CHAT_DEFAULTED, effective_temperature, generation_defaults, logprob_processors,
+                               with_generation_defaults)
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ uses its own connection (WAL lets the reader run beside the writer).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import sqlite3
@@ -40,6 +39,7 @@ import threading
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.files import lock_with_pid
 
 log = logging.getLogger(__name__)
 Item = tuple  # (topic: str, key: str | None, value: bytes)
@@ -102,16 +102,10 @@ class DiskBuffer:
 
     # ---- setup ------------------------------------------------------------------------------------
     def _lock(self) -> int:
-        fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
+        fd, holder = lock_with_pid(self.dir / "LOCK")
+        if fd is None:
             raise EventBufferLocked(f"the event buffer {self.dir} is in use by another process (pid {holder or '?'}); "
-                               "give each proxy its own proxy.buffer_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+                                    "give each proxy its own proxy.buffer_dir")
         return fd
 
     def _unlock(self) -> None:

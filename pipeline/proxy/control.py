@@ -11,7 +11,8 @@ sync learns that it is paused. State:
 
 A pause older than ``max_pause_s`` (by its ``created_at``) is treated as over, so a trainer
 that died mid-sync cannot hold traffic for ever. Broker trouble only delays these updates; the
-thread reconnects with back-off and never affects serving. Records that are not valid
+thread reconnects with back-off (:class:`pipeline.bus.Follower`: from the record after the last
+one applied) and never affects serving. Records that are not valid
 ``control`` events go to ``control.dlq`` (:class:`pipeline.bus.TopicReader` rules; if the
 dead letter cannot be written within ``DLQ_GIVE_UP_S`` the record is logged as an error and
 passed over: this reader commits nothing) and following goes on.
@@ -20,13 +21,12 @@ passed over: this reader commits nothing) and following goes on.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from pipeline import events
-from pipeline.bus import Offset, TopicReader
+from pipeline.bus import Follower, Offset
 from pipeline.config import Config
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,11 @@ class ControlState:
 
 
 class ControlFollower:
-    """Daemon thread applying control events to a :class:`ControlState`.
+    """Daemon thread applying control events to a :class:`ControlState` (a :class:`pipeline.bus.Follower`).
 
     Args:
         config: the process config (topic name from ``topics``, client settings from ``kafka``).
-        on_change: called (from the follower thread) with a copy of the state after each change.
+        on_change: called (from the follower thread) with a copy of the state after each poll that changed it.
     """
 
     def __init__(self, config: Config, on_change: Callable[[ControlState], None]) -> None:
@@ -64,20 +64,24 @@ class ControlFollower:
         self.topic = config.topics.name("control")
         self.on_change = on_change
         self.state = ControlState()
-        self.records = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="proxy-control", daemon=True)
-        self._next_offset = 0
+        self._changed = False
+        self._follower = Follower(config, self.topic, self._record, name="proxy", start=Offset(0), partitions=[0],
+                                  dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S, after_batch=self._publish,
+                                  poll_timeout_ms=300, bootstrap_timeout_ms=2000)
+
+    @property
+    def records(self) -> int:
+        """Records read from ``control`` (dead-lettered ones included)."""
+        return self._follower.records
 
     def start(self) -> "ControlFollower":
         """Start following."""
-        self._thread.start()
+        self._follower.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread."""
-        self._stop.set()
-        self._thread.join(timeout_s)
+        self._follower.stop(timeout_s)
 
     def apply(self, ev: events.Event) -> bool:
         """Apply one event to the state; True if it changed."""
@@ -94,45 +98,15 @@ class ControlFollower:
             s.applied_version = max(s.applied_version, ev.policy_version)
         return before != (s.paused, s.epoch, s.applied_version)
 
-    def _consumer(self) -> TopicReader:
-        return TopicReader(self.config, self.topic, Offset(self._next_offset), partitions=[0], name="proxy", dlq=True,
-                           dlq_give_up_s=DLQ_GIVE_UP_S, stop=self._stop, bootstrap_timeout_ms=2000)
+    def _record(self, rec) -> None:
+        self._changed |= self.apply(rec.event)
 
-    def _run(self) -> None:
-        backoff = 0.5
-        consumer = None
-        while not self._stop.is_set():
-            try:
-                if consumer is None:
-                    consumer = self._consumer()
-                batch = consumer.poll_raw(timeout_ms=300)
-                backoff = 0.5
-                changed = False
-                for r in batch:
-                    rec = consumer.decode(r)  # a bad record goes to control.dlq
-                    self._next_offset = r.offset + 1
-                    self.records += 1
-                    if rec is not None:
-                        changed |= self.apply(rec.event)
-                if changed:
-                    s = self.state
-                    log.info("control: paused=%s epoch=%d applied_version=%d", s.paused, s.epoch, s.applied_version)
-                    self.on_change(ControlState(s.paused, s.epoch, s.paused_at_ms, s.applied_version))
-            except Exception as e:  # broker away, topic missing: retry quietly
-                log.debug("control follower: %s", e)
-                if consumer is not None:
-                    try:
-                        consumer.close()
-                    except Exception:
-                        pass
-                    consumer = None
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-        if consumer is not None:
-            try:
-                consumer.close()
-            except Exception:
-                pass
+    def _publish(self) -> None:
+        if self._changed:
+            self._changed = False
+            s = self.state
+            log.info("control: paused=%s epoch=%d applied_version=%d", s.paused, s.epoch, s.applied_version)
+            self.on_change(ControlState(s.paused, s.epoch, s.paused_at_ms, s.applied_version))
 
 
 class SyncGate:

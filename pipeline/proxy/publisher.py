@@ -22,7 +22,7 @@ Flow of one event::
 - Without a buffer folder (``buffer_dir=None``: tests and benchmarks only) the backlog is the
   memory deque alone and :meth:`durable` returns at once.
 - The sender thread owns one idempotent producer (acks=all; librdkafka or kafka-python, see
-  :mod:`pipeline.proxy.transport`). It reads a window of the oldest events (gathered for up to
+  :mod:`pipeline.bus.window_producer`). It reads a window of the oldest events (gathered for up to
   ``linger_s``), sends it, and waits until each record is acknowledged or failed. The
   acknowledged prefix is deleted from the buffer; the rest is sent again after a back-off with a
   fresh producer (a broker that restarted does not know the old producer id). Events stay
@@ -54,7 +54,7 @@ from pipeline.config import Config
 from pipeline.metrics import EVENTS_FAILED, EVENTS_PRODUCED
 from pipeline.proxy import metrics as M
 from pipeline.proxy.buffer import DiskBuffer, EventBufferError, EventBufferFull
-from pipeline.proxy.transport import have_librdkafka, make_transport
+from pipeline.bus.window_producer import have_librdkafka, make_transport
 
 log = logging.getLogger(__name__)
 _ACK = object()  # inbox marker: the sender advanced, delete what it delivered
@@ -76,7 +76,7 @@ class EventPublisher:
         linger_s: how long the sender gathers events before sending a window (fewer produce
             requests; adds at most this much to the delivery delay, never to a response).
         kafka_client: ``auto`` (librdkafka when installed), ``librdkafka`` or ``kafka-python``
-            (see :mod:`pipeline.proxy.transport`).
+            (see :mod:`pipeline.bus.window_producer`).
         delivery_timeout_ms: how long the Kafka client retries one window before it is failed and
             retried by this class with a fresh producer.
         compact_bytes: when the buffer has drained and its files are larger than this, they are

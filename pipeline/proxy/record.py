@@ -202,6 +202,19 @@ class StreamRecorder:
         the proxy turns it into an error for the client)."""
         return self.rec.finish_reason == "abort"
 
+    def _take_prompt_ids(self, holder: dict) -> bool:
+        """Record ``holder["prompt_token_ids"]`` (the chunk or one choice: engines put them in either)
+        once, and strip it unless kept; True when ``holder`` was changed."""
+        pids = holder.get("prompt_token_ids")
+        if pids is None:
+            return False
+        if self.rec.prompt_ids is None and isinstance(pids, list):
+            self.rec.prompt_ids = pids
+        if self.keep_prompt_ids:
+            return False
+        del holder["prompt_token_ids"]
+        return True
+
     def feed(self, data: bytes) -> bytes:
         """Record one SSE ``data`` payload; return the payload to forward (maybe rewritten)."""
         self.chunks += 1
@@ -215,16 +228,9 @@ class StreamRecorder:
             self.error = obj["error"]
             return data
         rec = self.rec
-        changed = False
         if not rec.model and isinstance(obj.get("model"), str):
             rec.model = obj["model"]
-        pids = obj.get("prompt_token_ids")
-        if pids is not None:
-            if rec.prompt_ids is None and isinstance(pids, list):
-                rec.prompt_ids = pids
-            if not self.keep_prompt_ids:
-                del obj["prompt_token_ids"]
-                changed = True
+        changed = self._take_prompt_ids(obj)
         md = obj.get("metadata")
         if isinstance(md, dict) and md.get("weight_version") is not None:
             rec.weight_version = md["weight_version"]
@@ -248,13 +254,7 @@ class StreamRecorder:
                 if not self.keep_ids:
                     del c["token_ids"]
                     changed = True
-            pids = c.get("prompt_token_ids")
-            if pids is not None:
-                if rec.prompt_ids is None and isinstance(pids, list):
-                    rec.prompt_ids = pids
-                if not self.keep_prompt_ids:
-                    del c["prompt_token_ids"]
-                    changed = True
+            changed |= self._take_prompt_ids(c)
             lp = c.get("logprobs")
             if lp is not None:
                 rec.logprobs.extend(_logprob_values(lp))

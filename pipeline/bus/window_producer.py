@@ -1,4 +1,7 @@
-"""Kafka producers behind :class:`pipeline.proxy.publisher.EventPublisher`: one window at a time.
+"""Window producers (the proxy's publisher transport): one window of records at a time.
+
+The Kafka client libraries are imported only under :mod:`pipeline.bus`; the proxy's
+:class:`pipeline.proxy.publisher.EventPublisher` drives one of these from its sender thread.
 
 Two implementations of the same contract — send a window of ``(topic, key, value)`` records with
 an idempotent ``acks=all`` producer and report, per record, whether the broker acknowledged it:
