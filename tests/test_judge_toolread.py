@@ -1,4 +1,4 @@
-"""The structured reading of tool results (pipeline.judge.toolread): conventions decide, data does not.
+"""The structured reading of tool results (pipeline.judge.cpu.toolread): conventions decide, data does not.
 
 Each case is a tool output written for this test (not taken from any labelled set the judge is
 measured on), with the label the reading must give; None means "no convention: the model decides".
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.judge.toolread import read_tool_result
+from pipeline.judge.cpu.toolread import read_tool_result
 
 CASES = [
     # test runners: counts decide, zero counts are not failures
