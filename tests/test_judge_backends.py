@@ -1,6 +1,6 @@
 """Judge backends against labelled next states, and against the real small model.
 
-- ``embedding`` (tool-result structure, lexical cues and MiniLM heads over our own examples):
+- ``embedding`` (tool-result structure, context and reply cues, fine-tuned MiniLM heads):
   agreement with the labelled fixture (tuned on, not trained on) and with the larger tuning set
   we wrote (its user replies are also training rows, so that bar checks the fit end to end,
   not generalisation: the held-out evaluation set does that; the bars are below the measured

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from pipeline.judge.cpu.context import (misspelt_target, narrower_scope, public_instead_of_private,
-                                        reversed_direction, target_mismatch, wrong_action, wrong_conversion_target,
-                                        wrong_count)
+                                        reversed_direction, target_mismatch, wrong_action, wrong_conversion_target)
 
 
 def call(name: str, **args) -> str:
@@ -32,7 +31,6 @@ def call(name: str, **args) -> str:
      call("shell", cmd="pytest tests")),
     (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
      call("shell", cmd="go test ./...")),
-    (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
     (reversed_direction, "How many dollars is 80 euros?", call("fx", **{"from": "USD", "to": "EUR", "amount": 80}),
      call("fx", **{"from": "EUR", "to": "USD", "amount": 80})),
     (reversed_direction, "how much yen for 20 pounds", call("fx", **{"from": "JPY", "to": "GBP", "amount": 20}),

@@ -32,10 +32,9 @@ The user's message, when there is one, decides (it is the user's verdict on the 
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
 models may say +1 or abstain, never -1: errors are read from structure. A tool success scores -1
 when the request's own words show it did the wrong thing (:func:`pipeline.judge.cpu.context.wrong_action`:
-misspelt target, reversed direction, public post for a private message, narrower test run,
-wrong count); it abstains
-when the call acted on something other than the user's request names (another file, person,
-ticket, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
+misspelt target, reversed direction, public post for a private message, narrower test run); it
+abstains when the call acted on something other than the user's request names (another file,
+person, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
 query. One vote, no parse failures.
 Measured figures are in the README (``pipeline judge --eval``).
 """
@@ -229,14 +228,13 @@ class SoftmaxHead:
     """Multinomial logistic regression ``p = softmax(W x + b)`` over (1, 0, -1).
 
     Inputs are standardised with the training mean and std. Fitted by full-batch L-BFGS on the
-    class-balanced cross-entropy plus ``l2 * ||W||^2`` (deterministic: no sampling); the last
-    ``tail`` input columns (hand-made features) may carry their own, weaker ``l2_tail``.
+    class-balanced cross-entropy plus ``l2 * ||W||^2`` (deterministic: no sampling).
 
     Args:
         x: float32 [N, D] features. y: int64 [N] class indices into :data:`LABELS`.
     """
 
-    def __init__(self, x, y, l2: float = L2, iters: int = 200, l2_tail: float | None = None, tail: int = 0) -> None:
+    def __init__(self, x, y, l2: float = L2, iters: int = 200) -> None:
         import torch
 
         self.mean = x.mean(0)
@@ -245,8 +243,6 @@ class SoftmaxHead:
         counts = torch.bincount(y, minlength=len(LABELS)).float().clamp(min=1)
         weight = counts.sum() / (len(LABELS) * counts)
         penalty = torch.full((z.shape[1], 1), l2)
-        if tail:
-            penalty[-tail:] = l2 if l2_tail is None else l2_tail
         self.w = torch.zeros(z.shape[1], len(LABELS), requires_grad=True)
         self.b = torch.zeros(len(LABELS), requires_grad=True)
         opt = torch.optim.LBFGS([self.w, self.b], lr=1.0, max_iter=iters, line_search_fn="strong_wolfe")

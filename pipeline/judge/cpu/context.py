@@ -1,27 +1,22 @@
 """Context checks of a tool result: did the call act on what the user asked for?
 
-A tool can succeed at the wrong thing: the right command on the wrong file, a message to the
-wrong person, the tests of another module. The result alone then reads as a success; only the
-user's request next to the assistant's tool call shows the mismatch.
+A tool can succeed at the wrong thing (the right command on the wrong file, a message to the
+wrong person); only the user's request next to the assistant's tool call shows it.
 
-- :func:`target_mismatch` compares the specific things each names (file names and paths, e-mail
-  addresses and the names in them, identifiers such as ``web-2``, branches such as
-  ``feature/login``, environments, numbers, names of people or places, also read from the
-  argument they are passed as) kind by kind: when both sides name things of one kind and none of
-  them match, the call targeted something else.
-- :func:`wrong_action` finds a success at the wrong thing shown by the request's own words
-  (a misspelt target, a reversed direction, another target language or currency, a public post
-  for a private message, a narrower test run, a wrong count).
-- :func:`unrequested_target` flags a target argument (path, recipient, branch ...) with a
-  distinctive word the request never uses.
-- :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
-  checks for relevance to the query and the request.
+- :func:`wrong_action`: the request's own words show the wrong thing was done (a misspelt
+  target, a reversed direction, another target language or currency, a public post for a
+  private message, a narrower test run): the judge scores the success -1.
+- :func:`target_mismatch`: both name things of one kind (file, e-mail and the names in it,
+  identifier such as ``web-2``, branch such as ``feature/login``, environment, number, name of a
+  person or place, also read from the argument it is passed as) and none match: -1 for the kinds
+  a user names exactly (:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`), else 0.
+- :func:`unrequested_target`: a target argument (path, recipient, branch ...) with a distinctive
+  word the request never uses: 0.
+- :func:`call_query`, :func:`is_search_call`: search calls, whose results the judge checks for
+  relevance to the query and the request.
 
-All are heuristics. A mismatch makes the judge abstain (score 0), except for the kinds of thing a
-user names exactly (e-mail, file, branch, environment): a call on another one of those
-succeeded at the wrong thing and scores -1 (:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`);
-a :func:`wrong_action` scores -1. Kinds and checks that decided no labelled row were removed
-(dates, clock times, tickets, handles, git refs: ``docs/judge.md``).
+All are heuristics. Checks and kinds that decided no labelled row were removed (dates, clock
+times, tickets, handles, git refs, counts: ``docs/judge.md``).
 """
 
 from __future__ import annotations
@@ -266,23 +261,6 @@ _ONE_TEST = re.compile(r"(?:\btest_[\w-]+\.py\b|\b[\w-]+_test\.(?:py|go)\b|\b[\w
 _TEST_CMD = re.compile(r"\b(?:pytest|py\.test|unittest|go test|cargo test|npm (?:run )?test|jest|vitest|mocha|rspec|"
                        r"phpunit|mvn test|gradle test|tox|nox|make test)\b")
 _RENAME = re.compile(r"\b(?:rename|move|copy|mv|cp)\s+(\S+\.\w+)\s+(?:to|as|into)\s+(\S+\.\w+)", re.I)
-_COUNT_KEYS = {"people", "guests", "party_size", "partysize", "seats", "tickets", "quantity", "qty", "count",
-               "adults", "persons", "covers", "rooms", "nights", "copies", "units"}
-
-
-def _distance(a: str, b: str) -> int:
-    """Optimal-string-alignment edit distance (insertions, deletions, substitutions, adjacent swaps)."""
-    prev2, prev = None, list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        cur = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            cost = a[i - 1] != b[j - 1]
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
-            if prev2 is not None and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                cur[j] = min(cur[j], prev2[j - 2] + 1)
-        prev2, prev = prev, cur
-    return prev[-1]
-
 
 def _parts(text: str) -> set[str]:
     """Lower-case word parts of the names in a text (split at / . - _), 4 letters or more."""
@@ -291,7 +269,7 @@ def _parts(text: str) -> set[str]:
 
 
 def misspelt_target(request: str, response: str) -> str | None:
-    """A name in the tool call that is a near miss (1-2 edits, same first letter) of a name the
+    """A name in the tool call that is a near miss (two letters swapped, same first letter) of a name the
     request gives, while the request's spelling is absent from the call (``./biuld`` for
     ``./build``): the call acted on a typo."""
     calls = call_text(response)
@@ -300,7 +278,7 @@ def misspelt_target(request: str, response: str) -> str | None:
     asked, called = _parts(request), _parts(" ".join(_call_args(calls)))
     for c in sorted(called - asked):
         for a in sorted(asked - called):
-            if c[0] == a[0] and abs(len(c) - len(a)) <= 1 and sorted(c) == sorted(a) and _distance(c, a) <= 2:
+            if c[0] == a[0] and sorted(c) == sorted(a) and sum(x != y for x, y in zip(c, a)) <= 2:  # two letters swapped
                 return f"the call names {c!r} where the request says {a!r}"
     return None
 
@@ -430,30 +408,12 @@ def narrower_scope(request: str, response: str) -> str | None:
     return None
 
 
-def wrong_count(request: str, response: str) -> str | None:
-    """A count argument (``people``, ``guests``, ``quantity`` ...) whose value the request never
-    states while the request states numbers (a table for 2 when 4 were asked)."""
-    calls = call_text(response)
-    if not calls:
-        return None
-    said = {n.lstrip("0") or "0" for n in _NUMBER.findall(request or "")}
-    words = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8",
-             "nine": "9", "ten": "10", "twelve": "12"}
-    said |= {n for w, n in words.items() if re.search(rf"\b{w}\b", request or "", re.I)}
-    if not said:
-        return None
-    for key, v in _call_items(calls):
-        if key in _COUNT_KEYS and re.fullmatch(r"\d+", v.strip()) and (v.strip().lstrip("0") or "0") not in said:
-            return f"{key}={v.strip()}, the request says {', '.join(sorted(said))[:30]}"
-    return None
-
-
 def wrong_action(request: str, response: str) -> str | None:
     """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
     target, a reversed direction, another target language, currency or unit, a public post for a
-    private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
+    private message, a narrower test run. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
     for check in (misspelt_target, reversed_direction, wrong_conversion_target, public_instead_of_private,
-                  narrower_scope, wrong_count):
+                  narrower_scope):
         why = check(request, response)
         if why:
             return why

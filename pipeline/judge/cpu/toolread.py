@@ -1,28 +1,15 @@
-"""A structured reading of tool results, before any model sees them: an ordered table of named rules.
+"""A structured reading of tool results before any model sees them: an ordered table of named rules.
 
-Tool output has conventions that a sentence-embedding model reads poorly and a parser reads
-well: exit statuses, HTTP status codes, test-runner summaries, tracebacks and error lines, JSON
-fields such as ``"error"`` or ``"ok": false``, job-queue states, empty results.
-:func:`read_tool_result` tries the rules of :data:`RULES` in order; the first that decides gives
-a :class:`ToolReading`:
-
-- ``label`` 1 / -1 when the structure decides (a failing test count, a non-zero exit status, an
-  HTTP 4xx/500, a traceback; all tests passed, exit status 0, HTTP 2xx, "successfully ...");
-- ``label`` 0 when the outcome is not known yet or not the call's doing (pending jobs, empty
-  output, "no results", dry runs, partial or truncated output, flaky passes, rate limits and
-  HTTP 429/502/503/504);
-- ``label`` None when no convention was found (plain data, prose): the model decides.
-
-Counts that say zero (``0 failed``, ``no errors``) are not errors. A search-result listing
-(several URLs or numbered hits) is data even when its snippets mention errors; so are the words
-a document quotes. Weak error words ("failed", "invalid", "not found") decide only in a short,
-status-like output. A non-zero exit status of ``grep``/``diff``/``cmp``/``test`` that prints no
-error means "no match": 0. An empty output of a command silent on success (``mkdir``, ``cp``,
-``tsc`` ...) is +1. The word lists keep only what occurs in the text the judge learns from or is
-measured on (``docs/judge.md``); wording beyond that is the fine-tuned model's to learn.
-
-The reading is pure (no model, no I/O); its rules are our own, written from the output formats
-of the tools named (pytest, unittest, Jest, Go, Cargo, Maven/JUnit, POSIX shells, HTTP).
+:func:`read_tool_result` tries the rules of :data:`RULES` in order (outcomes not settled, test
+summaries, exit and HTTP statuses, error signatures, listings, "no results", pending, success
+words); the first that decides gives a :class:`ToolReading`: 1 / -1 when the structure decides,
+0 when the outcome is not known yet or not the call's doing (pending, empty, dry run, truncated,
+rate limit, HTTP 429/502/503/504), None when no convention was found (the model decides).
+Zero counts ("0 failed") are no errors; hits of a search and words a document quotes are
+content; weak error words ("failed", "not found") decide only in a short status-like output.
+Word lists keep what occurs in the text the judge learns from or is measured on
+(``docs/judge.md``). Pure (no model, no I/O); the rules are our own, written from the output
+formats of pytest, unittest, Jest, Go, Cargo, Maven/JUnit, POSIX shells and HTTP.
 """
 
 from __future__ import annotations
@@ -334,8 +321,8 @@ def _http_status(o: _Output) -> ToolReading | None:
 
 def _pending(o: _Output) -> ToolReading | None:
     """Queued, running, submitted ... unless the output ends in a success or says it is done now."""
-    last = o.s.splitlines()[-1]
-    ended_well = len(o.s.splitlines()) > 1 and bool(_SUCCESS.search(last)) and not _PENDING.search(last)
+    lines = o.s.splitlines() or [""]
+    ended_well = len(lines) > 1 and bool(_SUCCESS.search(lines[-1])) and not _PENDING.search(lines[-1])
     if _PENDING.search(o.s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", o.s)) and not ended_well:
         return ToolReading(0, "pending")
     return None
