@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from pipeline.judge.cpu.context import (misspelt_target, narrower_scope, public_instead_of_private,
-                                        reversed_direction, target_mismatch, wrong_action, wrong_conversion_target)
+from pipeline.judge.cpu.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
+                                    other_day, target_mismatch, wrong_action, wrong_conversion_target,
+                                    wrong_count)
 
 
 def call(name: str, **args) -> str:
@@ -31,6 +32,7 @@ def call(name: str, **args) -> str:
      call("shell", cmd="pytest tests")),
     (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
      call("shell", cmd="go test ./...")),
+    (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
     (reversed_direction, "How many dollars is 80 euros?", call("fx", **{"from": "USD", "to": "EUR", "amount": 80}),
      call("fx", **{"from": "EUR", "to": "USD", "amount": 80})),
     (reversed_direction, "how much yen for 20 pounds", call("fx", **{"from": "JPY", "to": "GBP", "amount": 20}),
@@ -38,6 +40,8 @@ def call(name: str, **args) -> str:
     # another target language, currency or unit than the request names
     (wrong_conversion_target, "Please translate the menu into German.", call("translate", text="x", target="it"),
      call("translate", text="x", target="de")),
+    (wrong_conversion_target, "Übersetze das bitte ins Englische: 'Guten Tag'. Auf Englisch bitte.",
+     call("translate", text="Guten Tag", source="de", target="fr"), call("translate", text="Guten Tag", target="en-GB")),
     (wrong_conversion_target, "what is 300 swiss francs in british pounds",
      call("fx", **{"from": "CHF", "to": "EUR", "amount": 300}), call("fx", **{"from": "CHF", "to": "GBP", "amount": 300})),
     (wrong_conversion_target, "Convert 45 euros to Japanese yen", call("fx", base="EUR", quote="USD", amount=45),
@@ -68,11 +72,35 @@ def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     ("I'm paid in euros. What is 3000 EUR in dollars?", call("fx", **{"from": "EUR", "to": "USD", "amount": 3000})),
     ("30 degrees in Celsius, what is that in Fahrenheit?", call("units", value=30, **{"from": "c", "to": "f"})),
     ("Convert 100 USD to EUR using the rate in real time", call("fx", **{"from": "USD", "to": "EUR", "amount": 100})),
-    # dates never make a call wrong_action (-1)
+    # dates never make a call wrong_action (-1): see other_day
     ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00")),
 ])
 def test_silent_without_evidence(request_, response):
     assert wrong_action(request_, response) is None
+
+
+@pytest.mark.parametrize("request_,bad,good", [
+    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-05T09:00"),
+     call("book", start="2025-07-03T09:00")),
+    ("schedule the review on March 14th", call("cal_add", date="2026-03-17"), call("cal_add", date="2026-03-14")),
+    ("Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
+     call("reschedule", when="2025-11-02 10:00")),
+])
+def test_another_day_abstains(request_, bad, good):
+    assert other_day(request_, bad) and other_day(request_, good) is None
+    assert wrong_action(request_, bad) is None  # a date only makes the judge abstain
+
+
+@pytest.mark.parametrize("request_,response", [
+    ("Am I free on June 13?", call("list_events", start="2025-06-01", end="2025-06-30")),  # a range
+    ("Call with Tokyo on March 5 at 8am their time", call("book", start="2025-03-04T23:00Z")),  # UTC: a day off
+    ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),  # two days named
+    ("New Year call on January 1", call("book", start="2025-12-31T23:30")),  # across the year
+])
+def test_no_other_day_without_evidence(request_, response):
+    assert other_day(request_, response) is None
+
+
 
 
 @pytest.mark.parametrize("request_,bad,good,kind", [
@@ -81,7 +109,9 @@ def test_silent_without_evidence(request_, response):
      call("rename", src="notes_old.md", dst="notes.md"), "file"),
     ("Copy q1.csv to q1_backup.csv", call("shell", cmd="cp q2.csv q1_backup.csv"),
      call("shell", cmd="cp q1.csv q1_backup.csv"), "file"),
-    # another branch than the one named
+    # git on another branch than the one named
+    ("Push my work on fix/cart-total to the remote", call("shell", cmd="git push origin main"),
+     call("shell", cmd="git push origin fix/cart-total"), "branch"),
     ("Check out feature/search-v2 please", call("shell", cmd="git checkout feature/search"),
      call("shell", cmd="git checkout feature/search-v2"), "branch"),
     ("Merge release/1.4 into main", call("shell", cmd="git merge release/1.3"),

@@ -117,8 +117,13 @@ CASES = [
     ("_____ ERROR collecting tests/test_cli.py _____\nImportError: cannot import name 'main'\n"
      "!!!!! Interrupted: 1 error during collection !!!!!", 'bash({"command": "pytest tests"})', -1),
     ("ImportError while importing test module '/srv/tests/test_db.py'.", "", -1),
-    # an OS error in another locale (the one that occurs in the labelled sets)
+    # OS errors in other locales
     ("cp: 'a.txt' kann nicht angelegt werden: Keine Berechtigung", 'bash({"command": "cp a.txt /etc/"})', -1),
+    ("ls: impossible d'accéder à 'logs': Aucun fichier ou dossier de ce type", "", -1),
+    ("mkdir: no se puede crear el directorio «/opt/x»: Permiso denegado", "", -1),
+    ("cat: notes.txt: そのようなファイルやディレクトリはありません", "", -1),
+    ("rm: 无法删除 'x.log': 权限不够", "", -1),
+    ("Fehler: Verbindung zur Datenbank fehlgeschlagen", "", -1),
     # a document read from a file: the errors it quotes are its content, not the read's outcome
     ("## Known issues\n\nWhen the worker prints 'Permission denied' on start, check the socket owner.\n"
      "A \"connection refused\" usually means the broker is down.", 'read_file({"path": "docs/ops.md"})', None),
@@ -134,6 +139,9 @@ CASES = [
     ("1. ImportError while importing test module - pytest docs - docs.example.org\n"
      "2. Fixing ImportError while importing test module - blog.example.com\n3. conftest tips - q.example.net",
      'web_search({"query": "ImportError while importing test module"})', 1),
+    # zero counts in other languages are no failure
+    ("Tests : 12 réussis, 0 échec", "", 1),
+    ("成功 12 个, 失败 0 个", "", 1),
     # "successfully" queued is still pending; a pending line followed by a final success is done
     ("Build queued successfully. Waiting for runner...", "", 0),
     ("Job submitted successfully. Status: pending", "", 0),

@@ -32,9 +32,9 @@ The user's message, when there is one, decides (it is the user's verdict on the 
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
 models may say +1 or abstain, never -1: errors are read from structure. A tool success scores -1
 when the request's own words show it did the wrong thing (:func:`pipeline.judge.cpu.context.wrong_action`:
-misspelt target, reversed direction, public post for a private message, narrower test run); it
-abstains when the call acted on something other than the user's request names (another file,
-person, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
+misspelt target, reversed direction, public post for a private message, narrower test run,
+wrong count); it abstains when the call acted on something other than the user's request names
+(another file, person, ticket, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
 query. One vote, no parse failures.
 Measured figures are in the README (``pipeline judge --eval``).
 """
@@ -50,7 +50,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.judge.cpu.context import call_query, is_search_call, target_mismatch, unrequested_target, wrong_action
+from pipeline.judge.cpu.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
+                                        wrong_action)
 from pipeline.judge.cpu.cues import read_cues
 from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.cpu.finetune import fine_tuned_encoder, mean_pool, save_atomically
@@ -79,7 +80,7 @@ MAX_TEXT_CHARS = 2000
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
 # kinds of target a user names exactly, so that a call naming another one of the kind acted on the
 # wrong thing (-1); other kinds (numbers, dates, names, identifiers) only make the judge abstain
-DISTINCT_KINDS = ("email", "file", "branch", "env")
+DISTINCT_KINDS = ("email", "file", "handle", "ticket", "branch", "env")
 _RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
                     "JSON matches returned", "JSON documents returned")
 
@@ -378,7 +379,7 @@ class NextStateClassifier:
             mismatch = target_mismatch(request, call)
             if mismatch and mismatch.split(":", 1)[0] in DISTINCT_KINDS:
                 return Judgement(-1, p, f"succeeded at another target than the request names ({mismatch})")
-            mismatch = mismatch or unrequested_target(request, call)
+            mismatch = mismatch or unrequested_target(request, call) or other_day(request, call)
             if mismatch:
                 return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)

@@ -1,31 +1,35 @@
 """Context checks of a tool result: did the call act on what the user asked for?
 
-A tool can succeed at the wrong thing (the right command on the wrong file, a message to the
-wrong person); only the user's request next to the assistant's tool call shows it.
+A tool can succeed at the wrong thing: the right command on the wrong file, a message to the
+wrong person, the tests of another module. The result alone then reads as a success; only the
+user's request next to the assistant's tool call shows the mismatch.
 
-- :func:`wrong_action`: the request's own words show the wrong thing was done (a misspelt
-  target, a reversed direction, another target language or currency, a public post for a
-  private message, a narrower test run): the judge scores the success -1.
-- :func:`target_mismatch`: both name things of one kind (file, e-mail and the names in it,
-  identifier such as ``web-2``, branch such as ``feature/login``, environment, number, name of a
-  person or place, also read from the argument it is passed as) and none match: -1 for the kinds
-  a user names exactly (:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`), else 0.
-- :func:`unrequested_target`: a target argument (path, recipient, branch ...) with a distinctive
-  word the request never uses: 0.
-- :func:`call_query`, :func:`is_search_call`: search calls, whose results the judge checks for
-  relevance to the query and the request.
+- :func:`target_mismatch` compares the specific things each names (file names and paths, e-mail
+  addresses and the names in them, @handles and #channels, ticket-style ids, identifiers such as
+  ``web-2``, branches such as ``feature/login``, environments and branches, dates and times, numbers, names of
+  people or places, also read from the argument they are passed as) kind by kind: when both
+  sides name things of one kind and none of them match, the call targeted something else.
+- :func:`unrequested_target` flags a target argument (path, recipient, branch ...) with a
+  distinctive word the request never uses.
+- :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
+  checks for relevance to the query and the request.
 
-All are heuristics. Checks and kinds that decided no labelled row were removed (dates, clock
-times, tickets, handles, git refs, counts: ``docs/judge.md``).
+All are heuristics. A mismatch makes the judge abstain (score 0), except for the kinds of thing a
+user names exactly (e-mail, file, @handle/#channel, ticket, branch, environment): a call on
+another one of those succeeded at the wrong thing and scores -1
+(:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
 _FILE = re.compile(r"(?<![\w@/.-])(?:[\w-]+/)*[\w-]+\.(?:[a-z][a-z0-9]{0,4})\b", re.I)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+_HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
+_TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
 _IDENT = re.compile(r"(?<![\w@#/.-])(?=[\w-]*[a-z])[a-z0-9]+(?:[-_/:.][a-z0-9]+)+(?![\w-])", re.I)
@@ -35,6 +39,9 @@ _BRANCHLIKE = re.compile(r"(?<![\w./-])(?:feature|feat|fix|bugfix|hotfix|release
 _WEEKDAY = re.compile(r"\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b", re.I)
 _MONTH = re.compile(r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b",
                     re.I)
+_ISODATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+_CLOCK = re.compile(r"\b\d{1,2}:\d{2}\b")
+_AMPM = re.compile(r"\b\d{1,2}\s?(?:am|pm)\b", re.I)
 _PERSON_KEYS = {"to", "recipient", "recipients", "user", "username", "assignee", "owner", "name", "contact", "cc",
                 "reviewer", "reviewers", "member", "person", "attendee", "attendees", "invitee", "for"}
 _ENV_KEYS = {"env", "environment", "stage", "target", "cluster", "namespace", "branch", "region", "workspace"}
@@ -95,13 +102,20 @@ def _things(text: str) -> dict[str, set[str]]:
     add("email", emails)
     without_emails = _EMAIL.sub(" ", text)
     add("file", [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)])
+    add("handle", _HANDLE.findall(without_emails))
+    add("ticket", _TICKET.findall(text))
     add("number", [n.lstrip("0") or "0" for n in _NUMBER.findall(_FILE.sub(" ", without_emails))])
     add("name", [n for n in _NAME.findall(" " + without_emails) if not (_WEEKDAY.fullmatch(n) or _MONTH.fullmatch(n))]
         + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
                                                         if len(p) >= 3])
     add("env", _ENV.findall(text))
+    add("weekday", _WEEKDAY.findall(text))
+    add("month", _MONTH.findall(text))
+    add("isodate", _ISODATE.findall(text))
+    add("clock", _CLOCK.findall(text))
+    add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
     add("branch", [b.rstrip(".,;:") for b in _BRANCHLIKE.findall(without_emails)])  # not a sentence's full stop
-    add("ident", _IDENT.findall(without_emails))  # (needs a letter: no date or clock time)
+    add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
     return found
 
 
@@ -119,7 +133,8 @@ def _call_things(calls: str) -> dict[str, set[str]]:
     return found
 
 
-KINDS = ("email", "file", "branch", "name", "env", "ident", "number")
+KINDS = ("email", "file", "handle", "ticket", "branch", "name", "env", "weekday", "month", "isodate", "clock", "ampm",
+         "ident", "number")
 
 
 def target_mismatch(request: str, response: str) -> str | None:
@@ -151,6 +166,9 @@ def target_mismatch(request: str, response: str) -> str | None:
                        f"{', '.join(sorted(w for w in want if w not in called_text))[:60]}"
             continue
         return f"{kind}: request names {', '.join(sorted(want))[:60]}, the call {', '.join(sorted(got))[:60]}"
+    ref = git_ref_mismatch(request, calls)
+    if ref:
+        return ref
     return None
 
 
@@ -159,6 +177,27 @@ def _swapped(want: set[str], got: set[str], called_text: str) -> bool:
     request names is missing from the call (``mv draft.docx new.docx`` for "rename final.docx to
     new.docx"): one of the targets was swapped for another."""
     return bool(got - want) and any(w not in called_text for w in want)
+
+
+_GIT_REF_CMD = re.compile(r"\bgit\s+(?:-\S+\s+)*(push|checkout|switch|merge|rebase|branch|reset|pull|cherry-pick)\b([^;&|\n]*)")
+
+
+def git_ref_mismatch(request: str, calls: str) -> str | None:
+    """A git command (push, checkout, merge ...) on a branch other than the one the request
+    names (``feature/search`` asked, ``git push origin main`` called)."""
+    req_refs = {r.lower().rstrip(".,") for r in _BRANCHLIKE.findall(request or "")}
+    if not req_refs:
+        return None
+    for _, v in _call_items(calls):
+        for m in _GIT_REF_CMD.finditer(v):
+            args = [a for a in m.group(2).split() if not a.startswith("-")]
+            if m.group(1) in ("push", "pull") and args:
+                args = args[1:]  # the remote
+            refs = {a.split(":")[-1].lower() for a in args if a}
+            if refs and not refs & req_refs and not any(r in v.lower() for r in req_refs):
+                return f"branch: git {m.group(1)} on another branch; the request names {', '.join(sorted(req_refs))[:60]}, the call " \
+                       f"{', '.join(sorted(refs))[:60]}"
+    return None
 
 
 def call_query(response: str) -> str | None:
@@ -261,6 +300,23 @@ _ONE_TEST = re.compile(r"(?:\btest_[\w-]+\.py\b|\b[\w-]+_test\.(?:py|go)\b|\b[\w
 _TEST_CMD = re.compile(r"\b(?:pytest|py\.test|unittest|go test|cargo test|npm (?:run )?test|jest|vitest|mocha|rspec|"
                        r"phpunit|mvn test|gradle test|tox|nox|make test)\b")
 _RENAME = re.compile(r"\b(?:rename|move|copy|mv|cp)\s+(\S+\.\w+)\s+(?:to|as|into)\s+(\S+\.\w+)", re.I)
+_COUNT_KEYS = {"people", "guests", "party_size", "partysize", "seats", "tickets", "quantity", "qty", "count",
+               "adults", "persons", "covers", "rooms", "nights", "copies", "units"}
+
+
+def _distance(a: str, b: str) -> int:
+    """Optimal-string-alignment edit distance (insertions, deletions, substitutions, adjacent swaps)."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if prev2 is not None and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
 
 def _parts(text: str) -> set[str]:
     """Lower-case word parts of the names in a text (split at / . - _), 4 letters or more."""
@@ -269,7 +325,7 @@ def _parts(text: str) -> set[str]:
 
 
 def misspelt_target(request: str, response: str) -> str | None:
-    """A name in the tool call that is a near miss (two letters swapped, same first letter) of a name the
+    """A name in the tool call that is a near miss (1-2 edits, same first letter) of a name the
     request gives, while the request's spelling is absent from the call (``./biuld`` for
     ``./build``): the call acted on a typo."""
     calls = call_text(response)
@@ -278,7 +334,7 @@ def misspelt_target(request: str, response: str) -> str | None:
     asked, called = _parts(request), _parts(" ".join(_call_args(calls)))
     for c in sorted(called - asked):
         for a in sorted(asked - called):
-            if c[0] == a[0] and sorted(c) == sorted(a) and sum(x != y for x, y in zip(c, a)) <= 2:  # two letters swapped
+            if c[0] == a[0] and abs(len(c) - len(a)) <= 1 and sorted(c) == sorted(a) and _distance(c, a) <= 2:
                 return f"the call names {c!r} where the request says {a!r}"
     return None
 
@@ -313,10 +369,27 @@ def reversed_direction(request: str, response: str) -> str | None:
     return None
 
 
-_LANGUAGE = {  # language names -> ISO 639-1 (English names; other spellings are the model's to learn)
-    code: (name,) for code, name in (("en", "english"), ("es", "spanish"), ("fr", "french"), ("de", "german"),
-                                     ("it", "italian"), ("pt", "portuguese"), ("nl", "dutch"), ("pl", "polish"),
-                                     ("ru", "russian"), ("ja", "japanese"), ("zh", "chinese"), ("ko", "korean"))}
+_LANGUAGE = {  # language names (English and native, a few other spellings) -> ISO 639-1
+    "en": ("english", "anglais", "englisch", "inglés", "ingles", "inglese", "inglês", "engels", "angielski"),
+    "es": ("spanish", "español", "espanol", "espagnol", "spanisch", "spagnolo", "espanhol", "spaans", "hiszpański",
+           "castilian"),
+    "fr": ("french", "français", "francais", "französisch", "francés", "frances", "francese", "francês", "frans",
+           "francuski"),
+    "de": ("german", "deutsch", "allemand", "alemán", "aleman", "tedesco", "alemão", "duits", "niemiecki"),
+    "it": ("italian", "italiano", "italien", "italienisch", "italiaans", "włoski"),
+    "pt": ("portuguese", "português", "portugues", "portugais", "portugiesisch", "portoghese", "portugués",
+           "portugees", "portugalski"),
+    "nl": ("dutch", "nederlands", "néerlandais", "niederländisch", "holandés", "olandese", "holenderski"),
+    "pl": ("polish", "polski", "polonais", "polnisch", "polaco", "polacco"),
+    "ru": ("russian", "русский", "russe", "russisch", "ruso", "russo", "rosyjski"),
+    "ja": ("japanese", "日本語", "japonais", "japanisch", "japonés", "giapponese", "japonês", "japans"),
+    "zh": ("chinese", "mandarin", "中文", "汉语", "chinois", "chinesisch", "chino", "cinese", "chinês"),
+    "ko": ("korean", "한국어", "coréen", "koreanisch", "coreano"),
+    "ar": ("arabic", "arabe", "arabisch", "árabe", "arabo"),
+    "tr": ("turkish", "türkçe", "turc", "türkisch", "turco"),
+    "sv": ("swedish", "svenska", "suédois", "schwedisch", "sueco", "svedese"),
+    "hi": ("hindi",), "uk": ("ukrainian", "українська"), "el": ("greek", "ελληνικά"), "cs": ("czech", "čeština"),
+}
 _LANGUAGE_OF = {name: code for code, names in _LANGUAGE.items() for name in names}
 _CURRENCY_CODES = {"eur", "usd", "gbp", "jpy", "chf", "inr", "cny", "sek", "pln", "brl", "mxn", "cad", "aud", "nzd",
                    "nok", "dkk", "krw", "hkd", "sgd", "try", "zar", "czk", "huf"}
@@ -386,6 +459,55 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     return None
 
 
+_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
+           "november", "december")
+_DAY_MONTH = re.compile(r"\b(\d{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+(" + "|".join(_MONTHS) + r"|"
+                        + "|".join(m[:3] for m in _MONTHS) + r")\b", re.I)
+_MONTH_DAY = re.compile(r"\b(" + "|".join(_MONTHS) + r"|" + "|".join(m[:3] for m in _MONTHS)
+                        + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?\b(?!:)", re.I)
+_ISO_DAY = re.compile(r"\b\d{4}-(\d{2})-(\d{2})")
+_ISO_FULL = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})")
+
+
+def _month_index(name: str) -> int:
+    return [m[:3] for m in _MONTHS].index(name.lower()[:3]) + 1
+
+
+def other_day(request: str, response: str) -> str | None:
+    """The request names one calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and the
+    call passes one date (ISO ``YYYY-MM-DD``) more than a day away from it. The judge abstains on
+    it rather than scoring -1: a date can be derived from the request ("the day before", "due in 7
+    days"), a range query passes two, a time converted to UTC moves a day."""
+    calls = call_text(response)
+    if not calls:
+        return None
+    wanted = {(_month_index(m), int(d)) for d, m in _DAY_MONTH.findall(request or "")}
+    wanted |= {(_month_index(m), int(d)) for m, d in _MONTH_DAY.findall(request or "")}
+    wanted |= {(int(mo), int(d)) for mo, d in _ISO_DAY.findall(request or "")}
+    wanted = {(mo, d) for mo, d in wanted if 1 <= mo <= 12 and 1 <= d <= 31}
+    if len(wanted) != 1:
+        return None
+    got = {m for _, v in _call_items(calls) for m in _ISO_FULL.findall(v)}
+    if len(got) != 1:
+        return None
+    (year, mo, d), = [tuple(int(x) for x in g) for g in got]
+    (wm, wd), = wanted
+    try:
+        called = datetime.date(year, mo, d)
+    except ValueError:
+        return None
+    gaps = []
+    for y in (year - 1, year, year + 1):  # "Jan 2" asked in late December may land in the next year
+        try:
+            gaps.append(abs((called - datetime.date(y, wm, wd)).days))
+        except ValueError:  # 29 February of a common year
+            pass
+    gap = min(gaps, default=0)
+    if gap > 1:
+        return f"date: the request names {wm:02d}-{wd:02d}, the call {year}-{mo:02d}-{d:02d}"
+    return None
+
+
 def public_instead_of_private(request: str, response: str) -> str | None:
     """The request asks for a private message and the call posts to a channel (``#name``)."""
     calls = call_text(response)
@@ -408,12 +530,30 @@ def narrower_scope(request: str, response: str) -> str | None:
     return None
 
 
+def wrong_count(request: str, response: str) -> str | None:
+    """A count argument (``people``, ``guests``, ``quantity`` ...) whose value the request never
+    states while the request states numbers (a table for 2 when 4 were asked)."""
+    calls = call_text(response)
+    if not calls:
+        return None
+    said = {n.lstrip("0") or "0" for n in _NUMBER.findall(request or "")}
+    words = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8",
+             "nine": "9", "ten": "10", "twelve": "12"}
+    said |= {n for w, n in words.items() if re.search(rf"\b{w}\b", request or "", re.I)}
+    if not said:
+        return None
+    for key, v in _call_items(calls):
+        if key in _COUNT_KEYS and re.fullmatch(r"\d+", v.strip()) and (v.strip().lstrip("0") or "0") not in said:
+            return f"{key}={v.strip()}, the request says {', '.join(sorted(said))[:30]}"
+    return None
+
+
 def wrong_action(request: str, response: str) -> str | None:
     """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
     target, a reversed direction, another target language, currency or unit, a public post for a
-    private message, a narrower test run. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
+    private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
     for check in (misspelt_target, reversed_direction, wrong_conversion_target, public_instead_of_private,
-                  narrower_scope):
+                  narrower_scope, wrong_count):
         why = check(request, response)
         if why:
             return why

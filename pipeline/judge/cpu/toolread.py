@@ -7,8 +7,7 @@ words); the first that decides gives a :class:`ToolReading`: 1 / -1 when the str
 rate limit, HTTP 429/502/503/504), None when no convention was found (the model decides).
 Zero counts ("0 failed") are no errors; hits of a search and words a document quotes are
 content; weak error words ("failed", "not found") decide only in a short status-like output.
-Word lists keep what occurs in the text the judge learns from or is measured on
-(``docs/judge.md``). Pure (no model, no I/O); the rules are our own, written from the output
+Pure (no model, no I/O); the rules are our own, written from the output
 formats of pytest, unittest, Jest, Go, Cargo, Maven/JUnit, POSIX shells and HTTP.
 """
 
@@ -33,88 +32,177 @@ def _any(*alts: str, flags=re.I | re.M) -> re.Pattern:
     return re.compile("|".join(alts), flags)
 
 
-_ZERO_COUNTS = _any(r"\b(?:0|zero|no)\s+(?:errors?|failures?|failed|failing|problems?|issues?|vulnerabilit(?:y|ies)|"
-                    r"warnings?)\b", r"\b(?:errors?|failures?|failed)\s*[:=]\s*0\b")
-_FAILED_N = _any(r"\b(\d+)\s+(?:tests?\s+)?(?:failed|failing|failures?|errors?|errored|broken)\b",
-                 r"\b(?:failures|failed|errors)\s*[:=]\s*(\d+)")
-_PASSED_N = _any(r"\b(\d+)\s+(?:tests?\s+)?(?:passed|passing|succeeded|successful|ok)\b")
-_JUNIT = _any(r"Tests run:\s*(\d+),\s*Failures:\s*(\d+)(?:,\s*Errors:\s*(\d+))?")
-_TEST_FAILED = _any(r"^FAILED \((?:failures|errors)=\d+", r"^(?:--- FAIL:|FAIL\s+\S+|FAIL$)", flags=re.M)
-_TEST_OK = _any(r"^Ran \d+ tests? in [\d.]+s\s*\n+\s*OK\b", r"^ok\s+\S+\s+[\d.]+s", flags=re.M)
-_CARGO = _any(r"test result:\s*(ok|FAILED)")
-_NO_TESTS = _any(r"\bno tests? (?:ran|found|collected|to run)\b|\bcollected 0 items\b|\b0 tests?\b")
-_EXIT = _any(r"(?:\bexit(?:ed)?(?:\s+with)?(?:\s+(?:code|status))?|\breturn(?:ed)?\s*code|\breturncode|\bexit_?code"
-             r"|\bexit_status|\bexitstatus|\brc)\s*[:=]?\s*\(?(-?\d{1,3})\b")
-_NONZERO_EXIT = _any(r"non-?zero exit (?:status|code)|exit status [1-9]")
-_HTTP = _any(r"\bHTTP/\d(?:\.\d)?\s+(\d{3})\b|\b(?:HTTP|status(?:[ _-]?code)?|http_status|statusCode)\"?\s*[:=]?\s*\"?"
-             r"(\d{3})\b", r"^\s*(\d{3})\s+(?:OK|Created|Accepted|No Content|Bad Request|Unauthori[sz]ed|Forbidden|"
-             r"Not Found|Conflict|Unprocessable (?:Entity|Content)|Too Many Requests|Internal Server Error|"
-             r"Bad Gateway|Service Unavailable|Gateway Time-?out)\b")
-_SEARCH_CALL = _any(r"^\s*[\w.-]*(?:search|lookup|look_up|browse|google|bing|retriev|wiki)[\w.-]*\(")
+_I = re.I | re.M
+
+# -- counts that say "nothing went wrong" are removed before error words are looked for --------
+_ZERO_COUNTS = re.compile(
+    r"\b(?:0|zero|no)\s+(?:errors?|failures?|failed|failing|problems?|issues?|vulnerabilit(?:y|ies)|warnings?)\b"
+    r"|\b(?:errors?|failures?|failed)\s*[:=]\s*0\b|\bwithout (?:any )?errors?\b|\berror[s]?\s*:\s*(?:none|null|\[\])"
+    # the same in other languages ("0 échec", "Fehler: 0", "失败 0 个")
+    r"|\b0\s+(?:échecs?|erreurs?|fehler|fehlgeschlagen|errores?|fallos?|fallidos?|errori|falliti|erros?|falhas?|"
+    r"fouten|mislukt|błęd(?:y|ów)|ошиб(?:ок|ки|ка)|hata)\b"
+    r"|\b(?:échecs?|erreurs?|fehler|fehlgeschlagen|errores?|fallos?|errori|erros?|falhas?|fouten|błęd(?:y|ów)|"
+    r"ошиб(?:ок|ки|ка)|hata)\s*[:=]?\s*0\b"
+    r"|(?:失败|错误|エラー|失敗|오류|실패)\s*[:：]?\s*0|0\s*(?:个|件|개)?\s*(?:失败|错误|エラー|失敗|오류|실패)",
+    re.I)
+
+# -- test runners ---------------------------------------------------------------------------
+_FAILED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:failed|failing|failures?|errors?|errored|broken)\b"
+                       r"|\b(?:failures|failed|errors)\s*[:=]\s*(\d+)", re.I)
+_PASSED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:passed|passing|succeeded|successful|ok)\b", re.I)
+_JUNIT = re.compile(r"Tests run:\s*(\d+),\s*Failures:\s*(\d+)(?:,\s*Errors:\s*(\d+))?", re.I)
+_UNITTEST_FAILED = re.compile(r"^FAILED \((?:failures|errors)=\d+", re.M)
+_UNITTEST_OK = re.compile(r"^Ran \d+ tests? in [\d.]+s\s*\n+\s*OK\b", re.M)
+_CARGO = re.compile(r"test result:\s*(ok|FAILED)", re.I)
+_GO_FAIL = re.compile(r"^(?:--- FAIL:|FAIL\s+\S+|FAIL$)", re.M)
+_GO_OK = re.compile(r"^ok\s+\S+\s+[\d.]+s", re.M)
+_NO_TESTS = re.compile(r"\bno tests? (?:ran|found|collected|to run)\b|\bcollected 0 items\b|\b0 tests?\b", re.I)
+
+# -- exit and HTTP statuses -------------------------------------------------------------------
+_EXIT = re.compile(
+    r"(?:\bexit(?:ed)?(?:\s+with)?(?:\s+(?:code|status))?|\breturn(?:ed)?\s*code|\breturncode|\bexit_?code"
+    r"|\bexit_status|\bexitstatus|\brc)\s*[:=]?\s*\(?(-?\d{1,3})\b", re.I)
+_NONZERO_EXIT = re.compile(r"non-?zero exit (?:status|code)|exit status [1-9]", re.I)
+_HTTP = re.compile(
+    r"\bHTTP/\d(?:\.\d)?\s+(\d{3})\b|\b(?:HTTP|status(?:[ _-]?code)?|http_status|statusCode)\"?\s*[:=]?\s*\"?(\d{3})\b"
+    r"|^\s*(\d{3})\s+(?:OK|Created|Accepted|No Content|Moved|Found|Not Modified|Bad Request|Unauthori[sz]ed|"
+    r"Payment Required|Forbidden|Not Found|Method Not Allowed|Not Acceptable|Request Timeout|Conflict|Gone|"
+    r"Payload Too Large|Unsupported Media Type|Unprocessable (?:Entity|Content)|Too Many Requests|"
+    r"Internal Server Error|Not Implemented|Bad Gateway|Service Unavailable|Gateway Time-?out)\b",
+    re.I | re.M)
+# a search tool's output is a result listing: words in the hits ("failed", "cancelled") are content
+_SEARCH_CALL = re.compile(r"^\s*[\w.-]*(?:search|lookup|look_up|browse|google|bing|retriev|wiki)[\w.-]*\(", re.I | re.M)
 _SILENT_ON_ERROR_1 = re.compile(r"\b(?:grep|egrep|fgrep|rg|diff|cmp|test|\[)\b")
-_SILENT_OK = _any(  # commands, checkers and compilers that print nothing when all is well, or output sent to a file
+_SILENT_OK = re.compile(
     r"(?:^|[\s\"'(=;&|])(?:mkdir|cp|mv|rm|rmdir|touch|chmod|chown|ln|cd|export|git (?:add|checkout|switch|stash|tag)|"
-    r"write_file|save_file|set_env|sleep|true|kill|pkill|rsync|scp|install|sed -i|crontab|(?:npx )?tsc|eslint|"
-    r"flake8|pyflakes|gofmt|go (?:vet|build)|javac|gcc|g\+\+|clang|shellcheck|rustfmt|"
-    r"systemctl (?:start|stop|restart|reload|enable|disable))\b", r"[^>2]>>?\s*[\w./~-]+\s*[\"'})\]]*\s*$")
-_ERROR = _any(  # decide at any length: these do not occur in ordinary data
-    r"Traceback \(most recent call last\)", r"^\s*(?:[\w.$]+\.)?[A-Z]\w*(?:Error|Exception|Fault)\b\s*(?::|$)",
+    r"write_file|save_file|set_env|sleep|true|kill|pkill|rsync|scp|install|sed -i|crontab|"
+    # checkers and compilers that print nothing when all is well
+    r"(?:npx )?tsc|eslint|flake8|pyflakes|gofmt|go (?:vet|build)|javac|gcc|g\+\+|clang|shellcheck|"
+    r"rustfmt|systemctl (?:start|stop|restart|reload|enable|disable))\b"
+    r"|[^>2]>>?\s*[\w./~-]+\s*[\"'})\]]*\s*$", re.I | re.M)  # or output redirected to a file
+
+# -- error and success signatures -------------------------------------------------------------
+_ERROR = re.compile("|".join([  # decide at any length: these do not occur in ordinary data
+    r"Traceback \(most recent call last\)",
+    r"^\s*(?:[\w.$]+\.)?[A-Z]\w*(?:Error|Exception|Fault)\b\s*(?::|$)",
     r"^\s*(?:error|fatal|fatal error|panic|critical|err!?)\s*(?:\[[\w\d]+\])?\s*:",
-    r"^[\w./-]+:\d+(?::\d+)?:\s*(?:fatal )?error\b", r"^\s*npm ERR!", r"^\s*ERROR\b", r"\bcommand not found\b",
-    r"\bNo such file or directory\b", r"\bPermission denied\b", r"\bOperation not permitted\b",
-    r"\bConnection (?:refused|reset by peer)\b", r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!",
-    r"\bmax retries exceeded\b", r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^[\w.-]+: \*\*\* ",
-    r"\bNo rule to make target\b", r"\bSegmentation fault\b", r"\bCrashLoopBackOff\b", r"\bKeine Berechtigung\b")
-_WEAK_ERROR = _any(r"\b(?:" + "|".join([  # decide only in a short, status-like output
-    r"access (?:is )?denied", "killed", "timed out", "time-?out", "cannot", "could not", "couldn't", "failed",
-    "failure", "error", "syntax error", "rejected", "not allowed", "does not exist", "doesn't exist", "not found",
-    "invalid", r"unauthori[sz]ed", "forbidden", r"rate[ -]limit(?:ed)?", "limit exceeded", "aborting", "denied",
-    r"unexpected (?:token|end|EOF|indent)", "unavailable", "unreachable", "refused", "expired", "declined",
-    "not permitted", "missing", r"already (?:booked|taken|exists?|in use|reserved|registered|used|running|claimed|"
-    r"closed)", "sold out", "out of stock", "unknown", "unsupported", "blocked", "no availability",
-    "nicht möglich"]) + r")\b", r"^sorry\b")
+    r"^[\w./-]+:\d+(?::\d+)?:\s*(?:fatal )?error\b",
+    r"^\s*E\s*:\s+\S", r"^\s*\[(?:error|fatal|err)\]", r"^\s*npm ERR!", r"^\s*ERROR\b",
+    r"\bcommand not found\b", r"\bis not recognized as (?:an internal|the name)", r"\bNo such file or directory\b",
+    r"\bPermission denied\b", r"\bOperation not permitted\b", r"\bSegmentation fault\b", r"\bcore dumped\b",
+    r"\bOOMKilled\b", r"\b(?:CrashLoopBackOff|ImagePullBackOff|ErrImagePull|CreateContainerConfigError)\b", r"\bConnection (?:refused|reset by peer)\b", r"\bCould not resolve host\b",
+    r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
+    r"\bcompilation (?:failed|terminated)\b", r"\bundefined reference to\b", r"^CONFLICT \(",
+    r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!", r"\bmax retries exceeded\b", r"\bNewConnectionError\b",
+    r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^\s*\d+:\d+\s+error\s", r"^[\w.-]+: \*\*\* ",
+    r"\bNo rule to make target\b",
+    # the same OS errors as printed in other locales (permission denied, no such file, access denied)
+    r"\bKeine Berechtigung\b", r"\bDatei oder Verzeichnis nicht gefunden\b", r"\bZugriff verweigert\b",
+    r"\bPermission non accordée\b", r"\bAucun fichier ou dossier de ce (?:type|nom)\b", r"\bAccès refusé\b",
+    r"\bPermiso denegado\b", r"\bNo existe el (?:archivo|fichero)", r"\bAcceso denegado\b",
+    r"\bPermesso negato\b", r"\bFile o directory non esistente\b", r"\bPermissão negada\b",
+    r"\b(?:Arquivo|Ficheiro) ou (?:diretório|pasta) (?:inexistente|não encontrad[oa])\b", r"\bToegang geweigerd\b",
+    r"\bBestand of map bestaat niet\b", r"\bBrak dostępu\b", r"\bNie ma takiego pliku\b",
+    r"Отказано в доступе", r"Нет такого файла", r"許可がありません", r"そのようなファイルやディレクトリはありません",
+    r"权限不够", r"没有那个文件或目录", r"拒绝访问", r"허가 거부", r"그런 파일이나 디렉터리가 없습니다",
+    r"^\s*(?:Fehler|erreur|errore|erro|fout|błąd|ошибка|エラー|错误|오류)\s*:",
+]), _I)
+_WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like output
+    r"\bAccess (?:is )?denied\b", r"\bKilled\b", r"\bout of memory\b", r"\btimed out\b", r"\btime-?out\b",
+    r"\bdeadline exceeded\b", r"\bunable to\b", r"\bcannot\b", r"\bcan't\b", r"\bcould not\b", r"\bcouldn't\b",
+    r"\bfailed\b", r"\bfailure\b", r"\bfails\b", r"\berror\b", r"\bunresolved (?:import|reference|external)\b",
+    r"\bsyntax error\b", r"\bmerge conflict\b", r"\brejected\b", r"\bnot allowed\b", r"\bdoes not exist\b",
+    r"\bdoesn't exist\b", r"\bnot found\b", r"\binvalid\b", r"\bunauthori[sz]ed\b", r"\bforbidden\b",
+    r"\brate[ -]limit(?:ed)?\b", r"\bquota exceeded\b", r"\blimit exceeded\b", r"\baborted\b", r"\baborting\b",
+    r"\bcrash(?:ed)?\b", r"\bunexpected (?:token|end|EOF|indent)", r"\bis not defined\b", r"\bdenied\b",
+    r"\bunavailable\b", r"\bunreachable\b", r"\brefused\b", r"\bexpired\b", r"\bdeclined\b",
+    r"\bcancel(?:l)?ed\b", r"\bnot permitted\b", r"\bmissing\b", r"\bno space left\b", r"\bdisk full\b",
+    r"\balready (?:booked|taken|exists?|in use|reserved|registered|used|running|claimed|closed)\b",
+    r"\bnot available\b", r"\bconflicts? with\b", r"\bfully booked\b", r"\bsold out\b", r"\bout of stock\b",
+    r"\bunknown\b", r"\bunsupported\b", r"\bnot supported\b", r"\bdisallowed\b", r"\bblocked\b",
+    r"\bwarning: .*(?:failed|error)", r"\bno availability\b", r"^sorry\b", r"\bunfortunately\b",
+    # the same words in other languages
+    r"\bnicht möglich\b", r"\bfehlgeschlagen\b", r"\bkonnte nicht\b", r"\bimpossible de\b", r"\béchec\b",
+    r"\bn'a pas pu\b", r"\bno se (?:puede|pudo)\b", r"\bha fallado\b", r"\bimpossibile\b", r"\bnon riuscit",
+    r"\bnão (?:foi possível|é possível)\b", r"\bfalhou\b", r"\bmislukt\b", r"\bkan niet\b", r"\bnie można\b",
+    r"\bnie udało się\b", r"не удалось", r"невозможно", r"失敗しました", r"できません", r"失败", r"无法", r"실패",
+    r"할 수 없습니다",
+]), _I)
 SHORT_CHARS = 400  # a tool result up to this long (and up to SHORT_LINES lines) reads as a status message
 SHORT_LINES = 6
-_WARNING = _any(r"^\s*(?:warning|warn)\b\s*:?|\bDeprecationWarning\b")
-_SUCCESS = _any(r"\b(?:success(?:ful(?:ly)?)?|completed?|done|finished|saved|wrote|created|deleted|removed|updated|"
-                r"installed|built|published|uploaded|sent|delivered|applied|scheduled|confirmed|PASS(?:ED)?|"
-                r"no (?:issues|problems) found|listening on)\b", r"^\s*(?:ok|OK)\b", r"[✓✔✅]",
-                r"^\s*(?:inflating|extracting|creating|adding|copying|writing|compressing|deflating|installing|"
-                r"linking):", r"^\s*(?:active|running|enabled|healthy|ready|up|online|connected|listening|available)\s*$")
-_PENDING = _any(r"\b(?:queued|pending|in progress|in_progress|still running|started|waiting|accepted|submitted|"
-                r"deselected|retry after|not (?:yet )?(?:finished|complete|ready)|will be (?:sent|processed|ready|"
-                r"available|notified)|(?:when|once) (?:it is|it's|they are) (?:ready|done|finished))\b",
-                r"^\s*running\b", r"^\s*\[\d+\]\s+\d+\s*$", r"\bpid\s*[:=]?\s*\d+",
-                r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.")
-_STARTING_UP = _any(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+)\b", flags=re.M)
-_NO_RESULTS = _any(
-    r"\bno (?:results?|matches|matching|hits|records?|rows?|entries|items|documents?|files?)\b(?: (?:were )?found)?",
-    r"\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bfound 0\b|\b0 \w+ match\b",
-    r"^\s*(?:\(?empty\)?|none|null|nil)\s*$|\bdid not match any\b|\bno (?:matching|relevant) \w+",
-    r"\b(?:couldn'?t|could not|didn'?t|did not|unable to|can'?t|cannot) find (?:anything|any|a match|results?)\b")
-_DONE_NOW = _any(r"\b(?:done|finished|completed?|succeeded|ready)\b")
-_DONE_LATER = _any(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|succeeded|"
-                   r"ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b")
-_TRANSIENT_CODES = {429, 502, 503, 504}  # failures of the environment, not of the call (retry later)
-_TRANSIENT = _any(r"\brate[ -]?limit(?:ed)?\b|\btoo many requests\b|\b(?:try|retry|please retry) (?:again )?(?:later|"
-                  r"in \d+|after)\b|\bretry[- ]after\b|\bservice (?:is )?(?:temporarily )?unavailable\b"
-                  r"|\bbad gateway\b|\bgateway time-?out\b")
-_UNSETTLED = _any(  # the action did not (fully) happen or its outcome is not known
-    r"\bdry[- ]run\b|\bwould (?:be )?(?:delete|remove|create|update|change|install|apply|send|write|move|add)\w*\b",
-    r"\b(?:output )?truncated\b|\b\d+ of \d+ (?:\w+ )?(?:processed|done|completed|copied|uploaded|migrated|imported)\b",
-    r"\binterrupted\b|\bstill running after\b|\boutput so far\b|\b[1-9]\d* rerun\b|\bflaky\b|\bpassed on retry\b")
-_COLLECTION_ERROR = _any(r"\bERROR collecting\b|\berrors? during collection\b|\bImportError while importing test module\b")
+_WARNING = re.compile(r"^\s*(?:warning|warn)\b\s*:?|\bDeprecationWarning\b", _I)
+_SUCCESS = re.compile("|".join([
+    r"\bsuccess(?:ful(?:ly)?)?\b", r"\bsucceeded\b", r"\bcompleted?\b", r"\bdone\b", r"\bfinished\b",
+    r"\bsaved\b", r"\bwritten\b", r"\bwrote\b", r"\bcreated\b", r"\bdeleted\b", r"\bremoved\b", r"\bupdated\b",
+    r"\binstalled\b", r"\bcompiled\b", r"\bbuilt\b", r"\bdeployed\b", r"\bpublished\b", r"\buploaded\b",
+    r"\bdownloaded\b", r"\bsent\b", r"\bdelivered\b", r"\bmerged\b", r"\bpushed\b", r"\bcommitted\b",
+    r"\bapplied\b", r"\bscheduled\b", r"\bconfirmed\b", r"\bapproved\b", r"\bup[ -]to[ -]date\b",
+    r"\bworking tree clean\b", r"\ball checks passed\b", r"^\s*(?:ok|OK)\b", r"[✓✔✅]", r"\bPASS(?:ED)?\b",
+    r"\bno (?:issues|problems) found\b", r"^\[[\w/.-]+ [0-9a-f]{7,}\]",
+    r"^\s*(?:inflating|extracting|creating|adding|copying|writing|compressing|deflating|installing|linking):",
+    r"^\s*(?:active|running|enabled|healthy|ready|up|online|connected|listening|available)\s*$",
+    r"\(running\)", r"\blistening on\b", r"\brunning on\b",
+]), _I)
+_PENDING = re.compile("|".join([
+    r"\bqueued\b", r"\bpending\b", r"\bin progress\b", r"\bin_progress\b", r"\bstill running\b",
+    r"^\s*running\b", r"\bstarted\b", r"\bstarting\b", r"\bwaiting\b", r"\bprocessing\b", r"\baccepted\b",
+    r"\bnot (?:yet )?(?:finished|complete|ready)\b", r"^\s*\[\d+\]\s+\d+\s*$", r"\bpid\s*[:=]?\s*\d+",
+    r"\bjob (?:id\s*)?[:#]?\s*\w+ (?:submitted|created)", r"\bsubmitted\b", r"\bpoll(?:ing)? again\b",
+    r"\bcheck back\b", r"\bretry after\b", r"\brequested\b", r"\bwill be (?:sent|processed|ready|available|notified)\b",
+    r"\byou'?ll (?:get|receive|be notified)\b", r"\b(?:when|once) (?:it is|it's|they are) (?:ready|done|finished)\b",
+    r"\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b",
+    r"^\s*[A-Z]?[a-z]+ing\b[^.\n]{0,40}\.\.\.", r"\bdeselected\b", r"\bskipped\b.*\bin [\d.]+s\b",
+]), _I)
+# a container or pod still being set up (kubectl / docker status columns): the outcome is not known yet
+_STARTING_UP = re.compile(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+)\b|\bhealth: starting\b"
+                          r"|^\S+\s+\d+/\d+\s+Pending\s", re.M)
+_NO_RESULTS = re.compile(
+    r"\bno (?:results?|matches|matching|hits|records?|rows?|entries|items|documents?|files?)\b(?: (?:were )?found)?"
+    r"|\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bnothing (?:found|matched)\b"
+    r"|\bfound 0\b|\breturned 0\b|\bempty (?:result|response|list|set)\b|^\s*(?:\(?empty\)?|none|null|nil)\s*$"
+    r"|\b(?:couldn'?t|could not|didn'?t|did not|unable to|can'?t|cannot) find (?:anything|any|a match|results?)\b"
+    r"|\bnothing (?:was |has been )?found\b|\bno \w+ (?:results|matches|hits) (?:were )?found\b"
+    r"|\bmatch(?:ed)? nothing\b"
+    r"|\b0 \w+ match\b|\bdid not match any\b|\bno (?:matching|relevant) \w+",
+    _I)
+_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
+_DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
+                         r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
+# failures of the environment, not of the action: rate limits, overload, maintenance (retry later)
+_TRANSIENT_CODES = {429, 502, 503, 504}
+_TRANSIENT = re.compile(
+    r"\brate[ -]?limit(?:ed)?\b|\btoo many requests\b|\btemporar(?:y|ily) (?:unavailable|failure|error|down)\b"
+    r"|\b(?:try|retry|please retry) (?:again )?(?:later|in \d+|after)\b|\bretry[- ]after\b|\bunder maintenance\b"
+    r"|\bservice (?:is )?(?:temporarily )?unavailable\b|\bserver (?:is )?(?:overloaded|busy)\b|\bquota (?:exceeded|reached)\b"
+    r"|\bbad gateway\b|\bgateway time-?out\b", re.I)
+# the action did not (fully) happen or its outcome is not known: dry runs, partial or truncated
+# output, flaky tests that passed only on a retry
+_UNSETTLED = re.compile(
+    r"\bdry[- ]run\b|\bwould (?:be )?(?:delete|remove|create|update|change|install|apply|send|write|move|add)\w*\b"
+    r"|\bno changes (?:were )?(?:made|applied)\b|\b(?:output )?truncated\b|\bpartial(?:ly)?\b|\bincomplete\b"
+    r"|\b\d+ of \d+ (?:\w+ )?(?:processed|done|completed|copied|uploaded|migrated|imported)\b|\bflaky\b"
+    r"|\bpassed on (?:retry|rerun|re-run)\b|\brerun\w*\b.*\bpassed\b|\bstopped after\b|\binterrupted\b"
+    r"|\b\.\.\. ?\(?\d+ more (?:lines|rows|results|items)\)?|\bstill running after\b|\boutput so far\b"
+    r"|\b[1-9]\d* rerun\b", re.I)
+# a test run that stopped before any test ran because a test module did not import: a failure
+_COLLECTION_ERROR = re.compile(r"\bERROR collecting\b|\berrors? during collection\b|\bImportError while importing "
+                               r"test module\b", re.I)
 _EMPTY = {"", "[]", "{}", "()", "null", "none", "nil", '""', "''", "(no output)", "<no output>", "no output",
           "(empty)", "<empty>", "empty", "n/a", "-"}
 _URL = re.compile(r"https?://\S+")
 _NUMBERED = re.compile(r"^\s*(?:\d{1,2}[.)]|[-*•])\s+\S", re.M)
-_FOUND_N = _any(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*([1-9]\d*)\s+(?:results?|matches|files?|rows?|"
-                r"items|records|hits|documents?|entries|pages?|issues|messages|emails)\b",
-                r"^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b|^\s*(?:top|search) results\b")
-_READ_CALL = _any(r"^\s*(?:[\w-]+\.)?(?:read_file|read|open_file|view_file|get_file|cat_file|read_doc|fetch_doc|get_doc|"
-                  r"read_document)\(|\b(?:cat|less|head|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b")
+_FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*([1-9]\d*)\s+(?:results?|matches|"
+                      r"files?|rows?|items|records|hits|documents?|entries|pages?|issues|messages|emails)\b"
+                      r"|^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b"
+                      r"|^\s*(?:top|search) results\b|^\s*(?:results?|matches) (?:for|found)\b", re.I | re.M)
+
+_READ_CALL = re.compile(r"^\s*(?:[\w-]+\.)?(?:read_file|read|open_file|view_file|get_file|cat_file|read_doc|fetch_doc|"
+                        r"get_doc|read_document)\(|\b(?:cat|less|head|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b",
+                        re.I | re.M)
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+\S", re.M)
-_QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`")
+_QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
+_TEST_FAILED = re.compile(_UNITTEST_FAILED.pattern + "|" + _GO_FAIL.pattern, re.M)
+_TEST_OK = re.compile(_UNITTEST_OK.pattern + "|" + _GO_OK.pattern, re.M)
 
 # -- JSON fields ------------------------------------------------------------------------------
 _JSON_FAIL = {"error", "errored", "failed", "failure", "fail", "denied", "rejected", "invalid", "timeout", "timed_out",
@@ -124,7 +212,7 @@ _JSON_OK = {"ok", "success", "succeeded", "successful", "done", "completed", "co
             "saved", "updated", "deleted", "finished", "passed", "active", "healthy", "up", "green", "confirmed", "paid",
             "shipped", "merged", "deployed", "published"}
 _JSON_PENDING = {"pending", "queued", "running", "in_progress", "in-progress", "processing", "accepted", "started",
-                 "waiting", "scheduled", "submitted"}
+                 "waiting", "scheduled", "submitted", "created_pending"}
 _LIST_KEYS = ("results", "items", "data", "hits", "rows", "records", "matches", "documents", "entries", "files",
               "values", "list", "events", "messages")
 _DONE_FLAGS = ("confirmed", "completed", "done", "created", "sent", "saved", "deleted", "booked", "paid", "delivered",
