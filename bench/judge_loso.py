@@ -53,7 +53,7 @@ def rules(cues: bool, toolread: bool, context: bool):
         blank = Cues(**{f.name: {"str": "", "bool": False}.get(str(f.type), 0) for f in dataclasses.fields(Cues)
                         if f.default is dataclasses.MISSING})
         off["read_cues"] = lambda *a, **k: blank
-        if hasattr(mod, "cue_vector"):  # the cue counts were inputs of the head until the rules were halved
+        if hasattr(mod, "cue_vector"):  # the cue counts are inputs of the head
             off["cue_vector"] = lambda t: [0.0] * mod.CUE_DIM
     if not toolread:
         off |= {"read_tool_result": lambda text, call="": ToolReading(None, "rules off")}
@@ -62,7 +62,7 @@ def rules(cues: bool, toolread: bool, context: bool):
                                                           "other_day", "call_query")}
         off["is_search_call"] = lambda *a, **k: False
     try:
-        off = {name: fn for name, fn in off.items() if hasattr(mod, name)}  # (other_day: until the halving)
+        off = {name: fn for name, fn in off.items() if hasattr(mod, name)}  # (a check this version lacks)
         for name, fn in off.items():
             setattr(mod, name, fn)
         yield
