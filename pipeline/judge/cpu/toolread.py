@@ -28,10 +28,6 @@ class ToolReading:
     rule: str = ""
 
 
-def _any(*alts: str, flags=re.I | re.M) -> re.Pattern:
-    return re.compile("|".join(alts), flags)
-
-
 _I = re.I | re.M
 
 # -- counts that say "nothing went wrong" are removed before error words are looked for --------
