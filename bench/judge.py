@@ -10,7 +10,7 @@
     against the same server in the same run with the same concurrency (target >= 0.8); and, since
     the judge's client is aiohttp, also the ratio to a bare aiohttp client (the judge's own overhead).
 
-(c) the CPU default backend (``embedding``: tool-result structure, lexical cues, MiniLM heads):
+(c) the CPU default backend (``embedding``: tool-result structure, reply cues, MiniLM heads):
     turns/s scoring the labelled fixture and development set one turn at a time, as a ratio of
     what the bare sentence encoder reaches on the same next-state texts in the same run (one
     MiniLM forward per text: the floor cost of any embedding judge). Target >= 0.5.

@@ -1,6 +1,6 @@
 """Judge backends against labelled next states, and against the real small model.
 
-- ``embedding`` (tool-result structure, lexical cues and MiniLM heads over our own examples):
+- ``embedding`` (tool-result structure, context and reply cues, fine-tuned MiniLM heads):
   agreement with the labelled fixture (tuned on, not trained on) and with the larger tuning set
   we wrote (its user replies are also training rows, so that bar checks the fit end to end,
   not generalisation: the held-out evaluation set does that; the bars are below the measured
@@ -24,7 +24,8 @@ from tests.judge.judge_overlap import normalise, overlaps
 from pipeline import events
 from pipeline.config import load_config
 from pipeline.engine_api.render import ChatRenderer, load_tokenizer
-from pipeline.judge.backends.embedding import EmbeddingBackend, training_examples
+from pipeline.judge.backends.embedding import EmbeddingBackend
+from pipeline.judge.cpu.classifier import training_examples
 from pipeline.judge.evaluate import evaluate, load_rows, report, row_input
 from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, short_id
 from pipeline.testing.servers import StandInJudge
@@ -65,7 +66,7 @@ def test_embedding_agreement_with_labelled_next_states(embedding_backend, path, 
 
 def test_fixture_is_not_what_the_judge_learns_from():
     """The 40-row fixture was tuned on but is no training row (the larger tuning set's user
-    replies are: :data:`~pipeline.judge.backends.embedding.LABELLED_SETS`). One- and two-word
+    replies are: :data:`~pipeline.judge.cpu.classifier.LABELLED_SETS`). One- and two-word
     replies ("perfect", "brb") are everyone's wording and are not compared."""
     examples = [e["text"] for e in training_examples()]
     rows = load_rows(FIXTURE)

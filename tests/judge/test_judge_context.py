@@ -1,4 +1,4 @@
-"""Successes at the wrong thing (pipeline.judge.context.wrong_action), on requests and calls written
+"""Successes at the wrong thing (pipeline.judge.cpu.context.wrong_action), on requests and calls written
 for this test: each kind fires on its fault and stays silent on the matching correct call."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.judge.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
+from pipeline.judge.cpu.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
                                     other_day, target_mismatch, wrong_action, wrong_conversion_target,
                                     wrong_count)
 

@@ -1,10 +1,10 @@
-"""Lexical cues of user replies (pipeline.judge.cues), on sentences written for this test."""
+"""Lexical cues of user replies (pipeline.judge.cpu.cues), on sentences written for this test."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.judge.cues import CUE_DIM, conflicting_number, cue_vector, read_cues, restates_request, tail_clause
+from pipeline.judge.cpu.cues import CUE_DIM, conflicting_number, cue_vector, read_cues, restates_request, tail_clause
 
 
 @pytest.mark.parametrize("text,polarity", [

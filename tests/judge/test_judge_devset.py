@@ -60,8 +60,8 @@ def test_dev_set_shape(rows):
 
 def test_dev_set_replies_are_training_rows_and_eval_rows_never_are(rows):
     """Since this set was tuned on, its user replies are training rows of the CPU judge
-    (:func:`~pipeline.judge.backends.embedding.labelled_replies`); the evaluation set's never are."""
-    from pipeline.judge.backends.embedding import LABELLED_SETS, training_examples
+    (:func:`~pipeline.judge.cpu.classifier.labelled_replies`); the evaluation set's never are."""
+    from pipeline.judge.cpu.classifier import LABELLED_SETS, training_examples
 
     assert DEV in LABELLED_SETS and EVAL not in LABELLED_SETS
     learned = {e["text"] for e in training_examples() if e.get("source") == DEV.name}

@@ -1,4 +1,4 @@
-"""Fine-tuning the embedding judge's MiniLM on labelled replies (``pipeline/judge/finetune.py``).
+"""Fine-tuning the embedding judge's MiniLM on labelled replies (``pipeline/judge/cpu/finetune.py``).
 
 Real MiniLM, real torch training, on a small slice of the shipped labelled replies (a few
 seconds). Checks that training moves stance into the embedding (replies of one label closer
@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pipeline.judge.backends.embedding import LABELLED_SETS, Embedder, NextStateClassifier, labelled_replies
-from pipeline.judge.finetune import FineTuned, _model_key, fine_tune, fine_tuned_encoder
+from pipeline.judge.cpu.classifier import LABELLED_SETS, Embedder, NextStateClassifier, labelled_replies
+from pipeline.judge.cpu.finetune import FineTuned, _model_key, fine_tune, fine_tuned_encoder
 
 
 @pytest.fixture(scope="module")

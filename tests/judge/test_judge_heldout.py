@@ -1,7 +1,7 @@
 """The CPU default judge on the held-out evaluation set (issue 12's bar), and that the set is held out.
 
 ``pipeline/judge/data/eval_next_states.jsonl`` was written independently of the judge; the judge
-learns from ``pipeline/judge/data/examples.jsonl``, the generated bank (``pipeline/judge/bank.py``)
+learns from ``pipeline/judge/data/examples.jsonl``, the generated bank (``pipeline/judge/cpu/bank.py``)
 and the user replies of the labelled sets (``LABELLED_SETS``; MiniLM is fine-tuned on those
 replies), never from this set. The first test runs the real command a user runs, ``pipeline judge --eval``, with the default backend and its exit-status gates; the
 second checks that the examples share no text with the set (no 8-word shingle, no equal
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from tests.judge.judge_overlap import overlaps
-from pipeline.judge.backends.embedding import training_examples
+from pipeline.judge.cpu.classifier import training_examples
 from pipeline.judge.evaluate import load_rows
 
 ROOT = Path(__file__).resolve().parents[2]

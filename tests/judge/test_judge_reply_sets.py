@@ -56,7 +56,7 @@ def test_shape(path):
 
 @pytest.mark.parametrize("path", SETS, ids=lambda p: p.name)
 def test_every_reply_is_a_training_row_and_no_eval_row_is(path):
-    from pipeline.judge.backends.embedding import LABELLED_SETS, training_examples
+    from pipeline.judge.cpu.classifier import LABELLED_SETS, training_examples
 
     assert path in LABELLED_SETS and EVAL not in LABELLED_SETS
     learned = Counter(e["label"] for e in training_examples() if e.get("source") == path.name)

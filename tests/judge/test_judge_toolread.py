@@ -1,14 +1,15 @@
-"""The structured reading of tool results (pipeline.judge.toolread): conventions decide, data does not.
+"""The structured reading of tool results (pipeline.judge.cpu.toolread): conventions decide, data does not.
 
 Each case is a tool output written for this test (not taken from any labelled set the judge is
 measured on), with the label the reading must give; None means "no convention: the model decides".
+Every named rule of the ordered table ``RULES`` decides at least one case.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.judge.toolread import read_tool_result
+from pipeline.judge.cpu.toolread import RULES, read_tool_result
 
 CASES = [
     # test runners: counts decide, zero counts are not failures
@@ -73,6 +74,7 @@ CASES = [
     ("Found 3 matches:\n- retry on failure (config)\n- failed jobs view\n- error budget", "", 1),
     ("def check(x):\n    if x < 0:\n        raise ValueError('invalid input')\n    return x\n" * 3, "", None),
     ("Monday 12°C cloudy", "", None),
+    ("warning: unused variable 'n'", "", None),  # warnings alone: the model decides
     ("Saved 2 files.", "", 1),
     # a command result given as JSON reads like the same result printed
     ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "find . -size +1G"})', 0),
@@ -155,3 +157,11 @@ def test_reading(text, call, label):
 def test_reading_names_its_reason():
     assert "exit" in read_tool_result("[exit code 2]").reason
     assert read_tool_result("all good").reason  # never empty
+
+
+@pytest.mark.parametrize("name", [name for name, _ in RULES])
+def test_every_rule_decides_a_case(name):
+    """Each rule of the table is exercised: some case is decided by it, with the case's label."""
+    decided = [(text, label) for text, call, label in CASES if read_tool_result(text, call).rule == name]
+    assert decided, f"no case is decided by rule {name}"
+    assert len(RULES) == len({n for n, _ in RULES})  # names are unique

@@ -16,8 +16,8 @@ user's request next to the assistant's tool call shows the mismatch.
 
 All are heuristics. A mismatch makes the judge abstain (score 0), except for the kinds of thing a
 user names exactly (e-mail, file, @handle/#channel, ticket, branch, environment): a call on
-another one of those succeeded at the wrong thing and scores -1 (see the embedding backend's
-``DISTINCT_KINDS``).
+another one of those succeeded at the wrong thing and scores -1
+(:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`).
 """
 
 from __future__ import annotations

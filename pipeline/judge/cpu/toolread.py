@@ -1,31 +1,14 @@
-"""A structured reading of tool results, before any model sees them.
+"""A structured reading of tool results before any model sees them: an ordered table of named rules.
 
-Tool output has conventions that a sentence-embedding model reads poorly and a parser reads
-well: exit statuses, HTTP status codes, test-runner summaries, tracebacks and error lines, JSON
-fields such as ``"error"`` or ``"ok": false``, job-queue states, empty results. :func:`read_tool_result`
-looks for them and returns a :class:`ToolReading`:
-
-- ``label`` 1 / -1 when the structure decides (a failing test count, a non-zero exit status, an
-  HTTP 5xx, a traceback; all tests passed, exit status 0, HTTP 2xx, "successfully ...");
-- ``label`` 0 when the structure says the outcome is not known yet or nothing came back
-  (queued/pending/running jobs, an empty output, "no results"): nothing to reward or punish;
-- ``label`` None when no convention was found (plain data, prose): the model decides.
-
-Outcomes that are not settled come first and give 0: dry runs, partial or truncated output,
-flaky tests that passed on a retry, and failures of the environment rather than of the call (a
-rate limit, an overloaded or unavailable service: HTTP 429/502/503/504). Then, most specific
-first: test summary counts; explicit exit status or HTTP
-status; error signatures (a traceback, ``XxxError:`` at a line start, ``fatal:``, "command not
-found", "permission denied" ...; weaker words such as "failed", "invalid", "not found" only in a
-short, status-like output, not in file contents or data); a listing of results; "no results";
-pending states; success signatures.
-Counts that say zero (``0 failed``, ``no errors``) are not errors. A search-result listing (several
-URLs or numbered hits) is data even when its snippets mention errors. A non-zero exit status of
-``grep``/``diff``/``cmp``/``test`` that prints no error means "no match"/"differs", not a failure:
-label 0. An empty output of a command that is silent on success (``mkdir``, ``cp``, ``mv`` ...) is +1.
-
-The reading is pure (no model, no I/O); its rules are our own, written from the output formats
-of the tools named (pytest, unittest, Jest, Go, Cargo, Maven/JUnit, Mocha, POSIX shells, HTTP).
+:func:`read_tool_result` tries the rules of :data:`RULES` in order (outcomes not settled, test
+summaries, exit and HTTP statuses, error signatures, listings, "no results", pending, success
+words); the first that decides gives a :class:`ToolReading`: 1 / -1 when the structure decides,
+0 when the outcome is not known yet or not the call's doing (pending, empty, dry run, truncated,
+rate limit, HTTP 429/502/503/504), None when no convention was found (the model decides).
+Zero counts ("0 failed") are no errors; hits of a search and words a document quotes are
+content; weak error words ("failed", "not found") decide only in a short status-like output.
+Pure (no model, no I/O); the rules are our own, written from the output
+formats of pytest, unittest, Jest, Go, Cargo, Maven/JUnit, POSIX shells and HTTP.
 """
 
 from __future__ import annotations
@@ -37,10 +20,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ToolReading:
-    """The outcome read from a tool result: ``label`` 1 / 0 / -1, or None (undecided), and why."""
+    """The outcome read from a tool result: ``label`` 1 / 0 / -1, or None (undecided), why, and
+    the name of the rule of :data:`RULES` that decided ("" when none did)."""
 
     label: int | None
     reason: str
+    rule: str = ""
 
 
 _I = re.I | re.M
@@ -202,74 +187,74 @@ _EMPTY = {"", "[]", "{}", "()", "null", "none", "nil", '""', "''", "(no output)"
           "(empty)", "<empty>", "empty", "n/a", "-"}
 _URL = re.compile(r"https?://\S+")
 _NUMBERED = re.compile(r"^\s*(?:\d{1,2}[.)]|[-*•])\s+\S", re.M)
+_FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*([1-9]\d*)\s+(?:results?|matches|"
+                      r"files?|rows?|items|records|hits|documents?|entries|pages?|issues|messages|emails)\b"
+                      r"|^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b"
+                      r"|^\s*(?:top|search) results\b|^\s*(?:results?|matches) (?:for|found)\b", re.I | re.M)
+
+_READ_CALL = re.compile(r"^\s*(?:[\w-]+\.)?(?:read_file|read|open_file|view_file|get_file|cat_file|read_doc|fetch_doc|"
+                        r"get_doc|read_document)\(|\b(?:cat|less|head|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b",
+                        re.I | re.M)
+_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+\S", re.M)
+_QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
+_TEST_FAILED = re.compile(_UNITTEST_FAILED.pattern + "|" + _GO_FAIL.pattern, re.M)
+_TEST_OK = re.compile(_UNITTEST_OK.pattern + "|" + _GO_OK.pattern, re.M)
 
 # -- JSON fields ------------------------------------------------------------------------------
-_JSON_FAIL_STATUS = {"error", "errored", "failed", "failure", "fail", "denied", "rejected", "invalid", "timeout",
-                     "timed_out", "not_found", "unauthorized", "forbidden", "aborted", "cancelled", "canceled",
-                     "declined",
-                     "refused", "blocked", "expired", "unavailable", "conflict", "crashed", "killed", "rolled_back"}
-_JSON_OK_STATUS = {"ok", "success", "succeeded", "successful", "done", "completed", "complete", "created",
-                   "sent", "delivered", "saved", "updated", "deleted", "finished", "passed", "active", "healthy",
-                   "up", "green", "confirmed", "paid", "shipped", "merged", "deployed", "published"}
-_JSON_PENDING_STATUS = {"pending", "queued", "running", "in_progress", "in-progress", "processing", "accepted",
-                        "started", "waiting", "scheduled", "submitted", "created_pending"}
+_JSON_FAIL = {"error", "errored", "failed", "failure", "fail", "denied", "rejected", "invalid", "timeout", "timed_out",
+              "not_found", "unauthorized", "forbidden", "aborted", "cancelled", "canceled", "declined", "refused",
+              "blocked", "expired", "unavailable", "conflict", "crashed", "killed", "rolled_back"}
+_JSON_OK = {"ok", "success", "succeeded", "successful", "done", "completed", "complete", "created", "sent", "delivered",
+            "saved", "updated", "deleted", "finished", "passed", "active", "healthy", "up", "green", "confirmed", "paid",
+            "shipped", "merged", "deployed", "published"}
+_JSON_PENDING = {"pending", "queued", "running", "in_progress", "in-progress", "processing", "accepted", "started",
+                 "waiting", "scheduled", "submitted", "created_pending"}
 _LIST_KEYS = ("results", "items", "data", "hits", "rows", "records", "matches", "documents", "entries", "files",
               "values", "list", "events", "messages")
-
-
-_STREAM_KEYS = ("stdout", "output", "out")
-
-
-def _shell_json_reading(low: dict, code: int, key: str, call: str) -> ToolReading:
-    """A command result in JSON (``{"exit_code", "stdout", "stderr"}``) read like the same
-    result printed as text: an empty stdout is an empty output (+1 only for commands silent on
-    success), exit 1 of a match/compare command with nothing printed is "no match"."""
-    streams = [low[k] for k in _STREAM_KEYS if isinstance(low.get(k), str)]
-    errs = low.get("stderr") if isinstance(low.get("stderr"), str) else ""
-    empty = bool(streams) and not any(x.strip() for x in streams)
-    if code == 0:
-        if empty and not errs.strip() and not (call and _SILENT_OK.search(call)):
-            return ToolReading(0, f"JSON {key}=0 with an empty output")
-        return ToolReading(1, f"JSON {key}=0")
-    if code == 1 and call and _SILENT_ON_ERROR_1.search(call) and empty and not errs.strip():
-        return ToolReading(0, f"JSON {key}=1 of a match/compare command (no match)")
-    return ToolReading(-1, f"JSON {key}={code}")
-
-
-_DONE_FLAGS = ("confirmed", "completed", "done", "created", "sent", "saved", "deleted", "booked", "paid",
-               "delivered", "approved", "published", "merged", "deployed", "updated", "scheduled")
+_DONE_FLAGS = ("confirmed", "completed", "done", "created", "sent", "saved", "deleted", "booked", "paid", "delivered",
+               "approved", "published", "merged", "deployed", "updated", "scheduled")
 _CODE_KEYS = ("code", "status", "status_code", "statuscode", "http_status", "http_code")
+_EXIT_KEYS = ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc")
+
+
+def _int(v) -> int | None:
+    """An integer field (a digit string counts; a bool does not)."""
+    if isinstance(v, str) and v.strip().isdigit():
+        return int(v)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _json_transient(low: dict) -> ToolReading | None:
-    """An error object that reports a failure of the environment (HTTP 429/502/503/504, a rate
-    limit, a gateway timeout), at the top level or inside its ``error`` field: not the call's fault."""
+    """An error object reporting a failure of the environment (HTTP 429/502/503/504 or a rate
+    limit, at the top level or inside its ``error`` field): not the call's fault."""
     error = low.get("error")
     scopes = [low] + ([{str(k).lower(): v for k, v in error.items()}] if isinstance(error, dict) else [])
     for scope in scopes:
         for key in _CODE_KEYS:
-            v = scope.get(key)
-            if isinstance(v, str) and v.strip().isdigit():
-                v = int(v)
-            if isinstance(v, int) and not isinstance(v, bool) and v in _TRANSIENT_CODES:
-                return ToolReading(0, f"JSON {key}={v} (transient, not caused by the call)")
-    if not any("error" in k and v not in (None, False, "", [], {}, 0) for k, v in low.items()):
-        return None  # no error reported ("error": null is none)
-    texts = [v for scope in scopes for v in scope.values() if isinstance(v, str)]
-    if any(_TRANSIENT.search(t) for t in texts):
+            if _int(scope.get(key)) in _TRANSIENT_CODES:
+                return ToolReading(0, f"JSON {key}={_int(scope.get(key))} (transient, not caused by the call)")
+    if any("error" in k and v not in (None, False, "", [], {}, 0) for k, v in low.items()) and any(
+            isinstance(v, str) and _TRANSIENT.search(v) for scope in scopes for v in scope.values()):
         return ToolReading(0, "JSON error of the environment (rate limit, overload)")
     return None
 
 
-def _json_reading(obj, call: str = "") -> ToolReading | None:
-    if isinstance(obj, list):
-        return ToolReading(0, "empty JSON list") if not obj else None
-    if not isinstance(obj, dict):
-        return None
-    low = {str(k).lower(): v for k, v in obj.items()}
-    transient = _json_transient(low)
-    if transient is not None:
-        return transient
+def _json_command(low: dict, key: str, call: str) -> ToolReading:
+    """``{"exit_code", "stdout", "stderr"}`` read like the same result printed."""
+    code = low[key]
+    streams = [low[k] for k in ("stdout", "output", "out") if isinstance(low.get(k), str)]
+    quiet = bool(streams) and not any(x.strip() for x in streams) and not str(low.get("stderr") or "").strip()
+    if code == 0:
+        if quiet and not (call and _SILENT_OK.search(call)):
+            return ToolReading(0, f"JSON {key}=0 with an empty output")
+        return ToolReading(1, f"JSON {key}=0")
+    if code == 1 and call and _SILENT_ON_ERROR_1.search(call) and quiet:
+        return ToolReading(0, f"JSON {key}=1 of a match/compare command (no match)")
+    return ToolReading(-1, f"JSON {key}={code}")
+
+
+def _json_fields(low: dict, call: str) -> ToolReading | None:
+    """The outcome fields of a JSON object, most specific first."""
     for key, err in low.items():
         if ("error" in key or key in ("exception", "fault", "failure")) and "count" not in key \
                 and err not in (None, False, "", [], {}, 0, "none", "null"):
@@ -277,189 +262,198 @@ def _json_reading(obj, call: str = "") -> ToolReading | None:
     for key in ("ok", "success", "succeeded"):
         if isinstance(low.get(key), bool):
             return ToolReading(1 if low[key] else -1, f"JSON {key}={str(low[key]).lower()}")
-    for key in ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc"):
-        if isinstance(low.get(key), int) and not isinstance(low.get(key), bool):
-            return _shell_json_reading(low, low[key], key, call)
+    for key in _EXIT_KEYS:
+        if _int(low.get(key)) is not None and not isinstance(low.get(key), str):
+            return _json_command(low, key, call)
     for key in ("status_code", "statuscode", "http_status", "code", "status"):
         v = low.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 100 <= v <= 599:
             return _http_reading(v)
     for key in ("conclusion", "outcome", "result", "status", "state"):  # a conclusion outranks a status
-        v = low.get(key)
-        if isinstance(v, str):
-            s = v.strip().lower().replace(" ", "_")
-            if s in _JSON_FAIL_STATUS:
-                return ToolReading(-1, f"JSON {key}={v}")
-            if s in _JSON_PENDING_STATUS:
-                return ToolReading(0, f"JSON {key}={v}")
-            if s in _JSON_OK_STATUS:
-                return ToolReading(1, f"JSON {key}={v}")
+        s = low[key].strip().lower().replace(" ", "_") if isinstance(low.get(key), str) else ""
+        for values, label in ((_JSON_FAIL, -1), (_JSON_PENDING, 0), (_JSON_OK, 1)):
+            if s in values:
+                return ToolReading(label, f"JSON {key}={low[key]}")
+    return None
+
+
+def _json_shape(low: dict) -> ToolReading | None:
+    """What a JSON object without outcome fields says by its shape: a flag that the thing
+    happened, a list of results, a status message, a zero count, a page, an identified resource."""
     for key in _DONE_FLAGS:  # "confirmed": true on a booking; a false one says nothing by itself
         if low.get(key) is True:
             return ToolReading(1, f"JSON {key}=true")
+    more = any(low.get(k) for k in ("next_page", "next_cursor", "has_more", "truncated"))
     for key in _LIST_KEYS:
-        if key in low and isinstance(low[key], list) and not low.get("next_page") and not low.get("has_more"):
-            return ToolReading(0, f"JSON {key} empty") if not low[key] else ToolReading(1, f"JSON {key} returned")
-    # status-like fields only: a title, name or description describes an object, not the outcome
-    for key in ("message", "msg", "detail", "details", "reason", "error_description"):
+        if isinstance(low.get(key), list) and not low.get("next_page") and not low.get("has_more"):
+            return ToolReading(1 if low[key] else 0, f"JSON {key} {'returned' if low[key] else 'empty'}")
+    for key in ("message", "msg", "detail", "details", "reason", "error_description"):  # not titles: they describe
         v = low.get(key)
         if isinstance(v, str) and len(v) <= SHORT_CHARS and (_ERROR.search(v) or _WEAK_ERROR.search(v)):
             return ToolReading(-1, f"JSON {key} reports an error")
-    for key in ("total", "count", "total_count", "num_results", "totalresults"):
-        v = low.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v == 0 and len(low) <= 3:
-            return ToolReading(0, f"JSON {key}=0")
-    if any(low.get(k) for k in ("next_page", "next_cursor", "has_more", "truncated")):
+    if any(_int(low.get(k)) == 0 and not isinstance(low.get(k), str) for k in ("total", "count", "total_count",
+                                                                            "num_results", "totalresults")) \
+            and len(low) <= 3:
+        return ToolReading(0, "JSON count=0")
+    if more:
         return ToolReading(0, "JSON page of a longer result (more pages)")
     if any(k in low for k in ("id", "uuid", "number", "html_url", "url", "self", "href")) and not any(
-            isinstance(v, str) and v.strip().lower().replace(" ", "_") in _JSON_FAIL_STATUS for v in low.values()):
+            isinstance(v, str) and v.strip().lower().replace(" ", "_") in _JSON_FAIL for v in low.values()):
         return ToolReading(1, "JSON object returned (an identified resource)")
     return None
 
 
 def _http_reading(code: int) -> ToolReading:
-    if code in (202,):
+    if code == 202:
         return ToolReading(0, f"HTTP {code} (accepted, not done)")
     if code in _TRANSIENT_CODES:
         return ToolReading(0, f"HTTP {code} (transient, not caused by the call)")
     if 200 <= code < 300 or code == 304:
         return ToolReading(1, f"HTTP {code}")
-    if 400 <= code < 600:
-        return ToolReading(-1, f"HTTP {code}")
-    return ToolReading(0, f"HTTP {code}")
+    return ToolReading(-1 if 400 <= code < 600 else 0, f"HTTP {code}")
 
 
-def _test_reading(text: str) -> ToolReading | None:
-    m = _JUNIT.search(text)
+def _tests(s: str) -> ToolReading | None:
+    """Test-runner summaries: JUnit/Maven, Cargo, unittest and Go, then counts (zero counts removed)."""
+    m = _JUNIT.search(s)
     if m:
         bad = int(m.group(2)) + int(m.group(3) or 0)
-        return ToolReading(-1, f"JUnit: {bad} failures/errors") if bad else (
-            ToolReading(1, "JUnit: all passed") if int(m.group(1)) else ToolReading(0, "JUnit: no tests ran"))
-    m = _CARGO.search(text)
+        return ToolReading(-1 if bad else (1 if int(m.group(1)) else 0), f"JUnit: {bad} failures/errors")
+    m = _CARGO.search(s)
     if m:
-        return ToolReading(1, "cargo: ok") if m.group(1).lower() == "ok" and not _FAILED_N.search(
-            _ZERO_COUNTS.sub(" ", text)) else ToolReading(-1, "cargo: FAILED")
-    if _UNITTEST_FAILED.search(text) or _GO_FAIL.search(text):
+        ok = m.group(1).lower() == "ok" and not _FAILED_N.search(_ZERO_COUNTS.sub(" ", s))
+        return ToolReading(1 if ok else -1, f"cargo: {'ok' if ok else 'FAILED'}")
+    if _TEST_FAILED.search(s):
         return ToolReading(-1, "test run failed")
-    cleaned = _ZERO_COUNTS.sub(" ", text)
+    cleaned = _ZERO_COUNTS.sub(" ", s)
     failed = sum(int(a or b) for a, b in _FAILED_N.findall(cleaned))
-    passed = sum(int(n) for n in _PASSED_N.findall(cleaned))
     if failed:
         return ToolReading(-1, f"tests: {failed} failed")
-    if _UNITTEST_OK.search(text) or _GO_OK.search(text):
+    if _TEST_OK.search(s):
         return ToolReading(1, "test run ok")
-    if passed and re.search(r"\btests?\b|\bpassed\b|\bpassing\b|\bspecs?\b|\bsuites?\b|=====", text, re.I):
+    passed = sum(int(n) for n in _PASSED_N.findall(cleaned))
+    if passed and re.search(r"\btests?\b|\bpassed\b|\bpassing\b|\bspecs?\b|\bsuites?\b|=====", s, re.I):
         return ToolReading(1, f"tests: {passed} passed")
-    if _NO_TESTS.search(text) and re.search(r"\btests?\b|\bcollected\b", text, re.I):
+    if _NO_TESTS.search(s) and re.search(r"\btests?\b|\bcollected\b", s, re.I):
         return ToolReading(0, "no tests ran")
     return None
 
 
-_FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*([1-9]\d*)\s+(?:results?|matches|"
-                      r"files?|rows?|items|records|hits|documents?|entries|pages?|issues|messages|emails)\b"
-                      r"|^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b"
-                      r"|^\s*(?:top|search) results\b|^\s*(?:results?|matches) (?:for|found)\b", re.I | re.M)
+class _Output:
+    """One tool result and what the rules share about it."""
+
+    def __init__(self, text: str, call: str) -> None:
+        self.s, self.call = (text or "").strip(), call or ""
+        s = self.s
+        self.searched = bool(_SEARCH_CALL.search(self.call))
+        self.listing = (len(_URL.findall(s)) >= 2 or len(_NUMBERED.findall(s)) >= 3
+                        or bool(_FOUND_N.search(s.split("\n", 1)[0])))  # search hits, a result listing
+        # a prose document (a file read by a read tool, markdown with a heading): the errors it quotes are content
+        self.document = (s.count("\n") >= 2 or len(s) >= 200) and bool(
+            _READ_CALL.search(self.call) or (_HEADING.match(s) and s.count("\n") >= 2))
+        self.cleaned = _ZERO_COUNTS.sub(" ", s)
+        if self.document:
+            self.cleaned = _QUOTED_SPAN.sub(" ", self.cleaned)
+        short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not self.searched and not self.document
+        self.no_results = bool(_NO_RESULTS.search(self.cleaned))
+        self.error = None if self.listing else (_ERROR.search(self.cleaned) or (
+            _WEAK_ERROR.search(self.cleaned) if short and not self.no_results else None))
+        self.listing = self.listing or (self.searched and not self.error)
 
 
-def _is_listing(text: str) -> bool:
-    """Search hits / result listings: several URLs, several numbered or bulleted entries, or a
-    "Found N matches" header (N > 0)."""
-    return (len(_URL.findall(text)) >= 2 or len(_NUMBERED.findall(text)) >= 3
-            or bool(_FOUND_N.search(text.split("\n", 1)[0])))
+def _empty(o: _Output) -> ToolReading | None:
+    if o.s.lower() not in _EMPTY:
+        return None
+    if _SILENT_OK.search(o.call) and not _SILENT_ON_ERROR_1.search(o.call):
+        return ToolReading(1, "empty output of a command silent on success")
+    return ToolReading(0, "empty output")
 
 
-_READ_CALL = re.compile(r"^\s*(?:[\w-]+\.)?(?:read_file|read|open_file|view_file|get_file|cat_file|read_doc|fetch_doc|"
-                        r"get_doc|read_document)\(|\b(?:cat|less|head|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b",
-                        re.I | re.M)
-_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+\S", re.M)
-_QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
+def _json(o: _Output) -> ToolReading | None:
+    """A JSON result: its fields decide; JSON without an outcome field or error line is data (None)."""
+    if o.s[:1] not in "[{":
+        return None
+    try:
+        obj = json.loads(o.s)
+    except ValueError:
+        return None
+    if isinstance(obj, list) and not obj:
+        return ToolReading(0, "empty JSON list")
+    if isinstance(obj, dict):
+        low = {str(k).lower(): v for k, v in obj.items()}
+        reading = _json_transient(low) or _json_fields(low, o.call) or _json_shape(low)
+        if reading is not None:
+            return reading
+    return None if _ERROR.search(o.cleaned) else ToolReading(None, "JSON data")
 
 
-def _is_document(text: str, call: str) -> bool:
-    """A prose document (a file read by a read tool, markdown with a heading): its quoted words
-    describe errors rather than report one."""
-    if text.count("\n") < 2 and len(text) < 200:  # a short answer is a status line, not a document
-        return False
-    return bool((call and _READ_CALL.search(call)) or (_HEADING.match(text) and text.count("\n") >= 2))
+def _exit_status(o: _Output) -> ToolReading | None:
+    codes = [int(m) for m in _EXIT.findall(o.s)]
+    if codes and codes[-1] != 0:
+        if codes[-1] == 1 and _SILENT_ON_ERROR_1.search(o.call) and not o.error:
+            return ToolReading(0, "exit 1 of a match/compare command (no match)")
+        return ToolReading(-1, f"exit status {codes[-1]}")
+    if codes and not o.error:
+        return ToolReading(1, "exit status 0")
+    return ToolReading(-1, "non-zero exit status") if _NONZERO_EXIT.search(o.s) else None
+
+
+def _http_status(o: _Output) -> ToolReading | None:
+    codes = [int(next(g for g in groups if g)) for groups in _HTTP.findall(o.s)]
+    return next((_http_reading(c) for c in codes if 100 <= c <= 599), None)
+
+
+def _pending(o: _Output) -> ToolReading | None:
+    """Queued, running, submitted ... unless the output ends in a success or says it is done now."""
+    lines = o.s.splitlines() or [""]
+    ended_well = len(lines) > 1 and bool(_SUCCESS.search(lines[-1])) and not _PENDING.search(lines[-1])
+    if _PENDING.search(o.s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", o.s)) and not ended_well:
+        return ToolReading(0, "pending")
+    return None
+
+
+def _when(pattern: re.Pattern, label: int | None, reason: str, attr: str = "s"):
+    """A rule that decides ``label`` when ``pattern`` occurs in the output (``attr``: raw or cleaned text)."""
+    return lambda o: ToolReading(label, reason) if pattern.search(getattr(o, attr)) else None
+
+
+# The rules, in the order they are tried: outcomes that are not settled before counts, counts and
+# statuses before words, errors before listings, listings before success words.
+RULES = (
+    ("empty", _empty),
+    ("json", _json),
+    ("collection_error", lambda o: ToolReading(-1, "test collection error (no test could run)")
+     if _COLLECTION_ERROR.search(o.s) and not o.searched and not o.listing else None),
+    ("unsettled", _when(_UNSETTLED, 0, "not settled (dry run, partial, truncated or flaky)")),
+    ("test_summary", lambda o: _tests(o.s)),
+    ("transient", _when(_TRANSIENT, 0, "transient failure of the environment (rate limit, overload)")),
+    ("exit_status", _exit_status),
+    ("http_status", _http_status),
+    ("error_signature", lambda o: ToolReading(-1, f"error signature: {o.error.group(0).strip()[:40]}")
+     if o.error else None),
+    ("listing", lambda o: ToolReading(1, "result listing") if o.listing else None),
+    ("no_results", lambda o: ToolReading(0, "no results") if o.no_results else None),
+    ("starting_up", _when(_STARTING_UP, 0, "pending (a container still starting)")),
+    ("pending", _pending),
+    ("success", _when(_SUCCESS, 1, "success signature")),
+    ("zero_errors", _when(_ZERO_COUNTS, 1, "reports zero errors")),
+    ("warnings_only", _when(_WARNING, None, "warnings only")),
+)
 
 
 def read_tool_result(text: str, call: str = "") -> ToolReading:
-    """Read one tool result (see the module docstring).
+    """Read one tool result with the first rule of :data:`RULES` that decides.
 
     Args:
         text: the tool message's content as text.
-        call: the assistant's tool call(s) as text (``name(arguments)``), used for the few
-            commands whose exit status or empty output means something else (grep, mkdir ...).
+        call: the assistant's tool call(s) as text (``name(arguments)``), for the few commands
+            whose exit status or empty output means something else (grep, mkdir ...).
     Returns:
-        A :class:`ToolReading`; ``label`` None means "no convention found".
+        A :class:`ToolReading` naming its rule; ``label`` None means "no convention found".
     """
-    s = (text or "").strip()
-    if s.lower() in _EMPTY:
-        if call and _SILENT_OK.search(call) and not _SILENT_ON_ERROR_1.search(call):
-            return ToolReading(1, "empty output of a command silent on success")
-        return ToolReading(0, "empty output")
-    if s[:1] in "[{":
-        try:
-            obj = json.loads(s)
-        except ValueError:
-            obj = None
-        if obj is not None:
-            reading = _json_reading(obj, call)
-            if reading is not None:
-                return reading
-            if not _ERROR.search(_ZERO_COUNTS.sub(" ", s)):
-                return ToolReading(None, "JSON data")
-    if _COLLECTION_ERROR.search(s) and not (call and _SEARCH_CALL.search(call)) and not _is_listing(s):
-        return ToolReading(-1, "test collection error (no test could run)")
-    if _UNSETTLED.search(s):
-        return ToolReading(0, "not settled (dry run, partial, truncated or flaky)")
-    reading = _test_reading(s)
-    if reading is not None:
-        return reading
-    if _TRANSIENT.search(s):
-        return ToolReading(0, "transient failure of the environment (rate limit, overload)")
-    cleaned = _ZERO_COUNTS.sub(" ", s)
-    document = _is_document(s, call)
-    if document:  # error words a document quotes ("if the app logs 'connection refused'") are content
-        cleaned = _QUOTED_SPAN.sub(" ", cleaned)
-    searched = bool(call and _SEARCH_CALL.search(call))
-    listing = _is_listing(s)
-    short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not searched and not document
-    no_results = bool(_NO_RESULTS.search(cleaned))
-    error = None if listing else (_ERROR.search(cleaned) or (
-        _WEAK_ERROR.search(cleaned) if short and not no_results else None))
-    listing = listing or (searched and not error)
-    codes = [int(m) for m in _EXIT.findall(s)]
-    if codes:
-        code = codes[-1]
-        if code != 0:
-            if code == 1 and call and _SILENT_ON_ERROR_1.search(call) and not error:
-                return ToolReading(0, "exit 1 of a match/compare command (no match)")
-            return ToolReading(-1, f"exit status {code}")
-        if not error:
-            return ToolReading(1, "exit status 0")
-    if _NONZERO_EXIT.search(s):
-        return ToolReading(-1, "non-zero exit status")
-    for groups in _HTTP.findall(s):
-        code = int(next(g for g in groups if g))
-        if 100 <= code <= 599:
-            return _http_reading(code)
-    if error:
-        return ToolReading(-1, f"error signature: {error.group(0).strip()[:40]}")
-    if listing:
-        return ToolReading(1, "result listing")
-    if no_results:
-        return ToolReading(0, "no results")
-    if _STARTING_UP.search(s):
-        return ToolReading(0, "pending (a container still starting)")
-    last = s.splitlines()[-1]
-    ended_well = len(s.splitlines()) > 1 and bool(_SUCCESS.search(last)) and not _PENDING.search(last)
-    if _PENDING.search(s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", s)) and not ended_well:
-        return ToolReading(0, "pending")
-    if _SUCCESS.search(s):
-        return ToolReading(1, "success signature")
-    if _ZERO_COUNTS.search(s):
-        return ToolReading(1, "reports zero errors")
-    if _WARNING.search(s):
-        return ToolReading(None, "warnings only")
+    o = _Output(text, call)
+    for name, rule in RULES:
+        reading = rule(o)
+        if reading is not None:
+            return ToolReading(reading.label, reading.reason, name)
     return ToolReading(None, "no convention")

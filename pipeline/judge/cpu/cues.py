@@ -7,7 +7,7 @@ and phrases whose negation is praise ("no problem", "not bad", "no more errors")
 the clause after a contrast ("thanks, but ...", "aber", "mais", "pero", "但是", "でも").
 
 :func:`cue_vector` gives the counts as a small float vector, one of the inputs of the judge's
-classifier head (:mod:`pipeline.judge.backends.embedding`), next to the sentence embedding.
+classifier head (:mod:`pipeline.judge.cpu.classifier`), next to the sentence embedding.
 The word lists are our own; they cover English, German, French, Spanish, Italian, Portuguese,
 Dutch, Russian, Polish, Turkish, Swedish, Chinese, Japanese and Korean.
 """
