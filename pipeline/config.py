@@ -197,6 +197,25 @@ class ProxyConfig(Section):
         "and recorded as the served id, never the name sent) or reject it (404 model_not_found)")
     responses_store_bytes: int = _d(64 << 20, "/v1/responses: memory (bytes) of the conversations kept for "
                                     "previous_response_id (least recently used dropped first; 0: none kept)", ge=0)
+    tenants: dict[str, str] = _d(dict, "API key -> tenant: {sha256 hex of the key: tenant id} (keys are never "
+                                 "stored in clear); set: every request needs a mapped key (or one of api_keys: "
+                                 "no tenant) and an X-Tenant-Id that disagrees is refused (403); empty: the "
+                                 "X-Tenant-Id header names the tenant (docs/tenants.md)")
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_map(cls, v: dict[str, str]) -> dict[str, str]:
+        from pipeline.events import tenant_error  # the one statement of the tenant domain
+
+        for digest, tenant in v.items():
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"proxy.tenants keys are the sha256 of an API key (64 lower-case hex digits), got "
+                                 f"{digest[:12]!r}... (run: python -c \"import hashlib,sys;print(hashlib.sha256("
+                                 f"sys.argv[1].encode()).hexdigest())\" KEY)")
+            why = tenant_error(tenant)
+            if why is not None:
+                raise ValueError(f"proxy.tenants: tenant {tenant[:40]!r} {why}")
+        return v
 
 
 class JudgeConfig(Section):

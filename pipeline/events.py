@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -167,6 +168,20 @@ def _adapter(v: dict) -> str | None:
         err = _ident(v[k]) if k == "name" else _sha256(v[k])
         if err is not None:
             return f".{k} {err}"
+    return None
+
+
+#: the alphabet of ids a client sends (session ids, tenants): 1-256 printable ASCII characters
+#: without spaces
+CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_ID_LEN)
+
+
+def tenant_error(v: str) -> str | None:
+    """Why ``v`` is not a tenant id as a client or the config names one (:data:`CLIENT_ID`:
+    1-256 printable ASCII characters without spaces), or None when it is one. On the wire a
+    tenant has the domain of a session id (:func:`_ident`)."""
+    if not isinstance(v, str) or not CLIENT_ID.match(v):
+        return f"must be 1-{MAX_ID_LEN} printable ASCII characters without spaces"
     return None
 
 
