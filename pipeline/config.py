@@ -318,6 +318,11 @@ class TrainerConfig(Section):
     max_steps: int | None = _d(None, "stop after this many batches (0: set up, publish, stop; None: run forever)",
                                ge=0)
     dedup_window: int = _d(100_000, "sample_ids remembered for de-duplication (kept in checkpoints)", ge=1)
+    per_tenant: bool = _d(False, "one batch buffer per tenant: a batch never mixes tenants (off: one shared "
+                          "batch and policy; docs/tenants.md)")
+    tenant_max_wait_records: int = _d(1000, "per_tenant: a tenant's partial batch is released once its oldest "
+                                      "sample has waited this many records read from `samples` (never "
+                                      "wall-clock)", ge=1)
     poll_timeout_s: float = _d(1.0, "one poll of `samples` waits at most this long (s)", gt=0)
     log_sample_ids: bool = _d(True, "write each step's sample_ids to the metrics log")
     progress: bool = _d(True, "progress bar on the console")
