@@ -24,8 +24,8 @@ ADAPTER = {"name": "alice-lora", "version": H, "sha256": hashlib.sha256(b"files"
 
 
 def _turn(**kw):
-    base = dict(session_id="s1", turn_index=0, request_id="r1", created_at=1, messages=[{"role": "user", "content": "hi"}],
-                prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.5], finish_reason="stop")
+    base = dict(session_id="s1", turn_index=0, request_id="r1", created_at=1,
+                messages=[{"role": "user", "content": "hi"}], prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.5], finish_reason="stop")
     base.update(kw)
     return events.Turn(**base)
 

@@ -24,8 +24,9 @@ A sample is a function of the records alone, so a replay (at any speed, after a 
 produces identical samples: ``sample_id`` is ``<session>:<turn_index>:<mode>:<request_id>``
 (the turn's own ``request_id``, copied by a replay; unique per request, so a new conversation
 reusing a session id never shares an id), prefixed by ``<tenant>/`` for a turn with a tenant
-(each tenant its own id space); ``tenant`` and ``adapter`` are the turn's, ``created_at`` is the event time (ms) of the record
-that decided the sample (the next state, the session end, the superseding turn), and
+(each tenant its own id space); ``tenant`` and ``adapter`` are the turn's, ``created_at`` is the
+event time (ms) of the record that decided the sample (the next state, the session end, the
+superseding turn), and
 ``rollout_temperature`` is the turn's recorded effective temperature. ``votes``: rl: the PRM
 votes (int, None = failed); opd: the hint votes; combine: ``[PRM votes, hint votes]``.
 """

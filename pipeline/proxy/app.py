@@ -11,8 +11,8 @@ pydantic model, no middleware stack: the request is parsed once with orjson and 
 Per request (main turn of a known session):
 
 1. API key check (401) and the request's tenant (``proxy.tenants`` or ``X-Tenant-Id``: 403 for
-   a header that disagrees with the key; ``docs/tenants.md``), body size (413), JSON (400), fields (400), session metadata (400);
-   the session by the rules of :mod:`pipeline.proxy.identity` (``docs/sessions.md``);
+   a header that disagrees with the key; ``docs/tenants.md``), body size (413), JSON (400),
+   fields (400), session metadata (400); the session by the rules of :mod:`pipeline.proxy.identity` (``docs/sessions.md``);
 2. weight-sync hold (bounded; 503 only with ``proxy.sync_strict``);
 3. turn index reserved; the previous turn's ``next_state`` is published once the engine accepted
    the request (a request it refuses or never answers is undone: no turn, no index, no next state);
