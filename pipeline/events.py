@@ -194,6 +194,19 @@ def session_key(tenant: str | None, session_id: str) -> str:
     return session_id if tenant is None else f"{tenant}/{session_id}"
 
 
+def session_of(ev) -> str | tuple[str, str]:
+    """The in-memory key of a record's session: its ``session_id`` when it has no ``tenant``
+    (the key of every record written before tenants), ``(tenant, session_id)`` when it has one.
+    A string never equals a tuple, so two tenants' sessions (or a tenant's and an untenanted
+    one) never share state, whatever their ids."""
+    return ev.session_id if ev.tenant is None else (ev.tenant, ev.session_id)
+
+
+def split_session(key: str | tuple[str, str]) -> tuple[str | None, str]:
+    """``(tenant, session_id)`` of a :func:`session_of` key."""
+    return (None, key) if isinstance(key, str) else key
+
+
 # field kinds: str, int, float, bool, list, dict, i32 (packed int32), f32 (packed float32), any;
 # ``domain``: a function of a present (non-null) value -> why it is out of its domain, or None
 def _f(kind: str, default: Any = dataclasses.MISSING, *, optional: bool = False, domain=None):

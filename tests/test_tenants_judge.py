@@ -96,3 +96,15 @@ def test_samples_carry_tenant_and_adapter_in_their_own_id_space():
     assert sample_id(t1, "rl") != sample_id(t2, "rl")
     for smp in (sa, sb, sn):
         assert events.decode(events.encode(smp)) == smp
+
+
+def test_retrain_range_ends_each_tenants_session_with_its_tenant():
+    """The sessions a replayed range leaves open are (tenant, session id): both tenants' sessions
+    of one id get their own end, keyed and tenanted as their records."""
+    from pipeline.history.retrain import OpenSessions
+
+    seen, s = OpenSessions(), Stream()
+    for ev in (turn("alice", 0), turn("bob", 0), turn(None, 0),
+               events.SessionEnd(session_id="shared", tenant="bob")):
+        seen.see(s.rec(ev))
+    assert seen.open == {("alice", "shared"): "alice/shared", "shared": "shared"}

@@ -87,25 +87,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pipeline import events
+from pipeline.events import session_of, split_session
 
 JUDGE, FLUSH, RELEASE = "judge", "flush", "release"
 #: request ids remembered to recognise duplicate turn records
 MAX_REMEMBERED_TURNS = 100_000
 #: sessions whose latest turn index and conversation are remembered (least recently seen dropped)
 MAX_SESSIONS = 100_000
-
-
-def session_of(ev) -> str | tuple[str, str]:
-    """The join's key of a record's session: its ``session_id`` when it has no tenant (the key
-    of every record written before tenants), ``(tenant, session_id)`` when it has one. A string
-    never equals a tuple, so two tenants' sessions (or a tenant's and an untenanted one) never
-    share state, whatever their ids."""
-    return ev.session_id if ev.tenant is None else (ev.tenant, ev.session_id)
-
-
-def split_session(key: str | tuple[str, str]) -> tuple[str | None, str]:
-    """``(tenant, session_id)`` of a :func:`session_of` key."""
-    return (None, key) if isinstance(key, str) else key
 
 
 def finished(turn: events.Turn) -> bool:
