@@ -197,6 +197,25 @@ class ProxyConfig(Section):
         "and recorded as the served id, never the name sent) or reject it (404 model_not_found)")
     responses_store_bytes: int = _d(64 << 20, "/v1/responses: memory (bytes) of the conversations kept for "
                                     "previous_response_id (least recently used dropped first; 0: none kept)", ge=0)
+    tenants: dict[str, str] = _d(dict, "API key -> tenant: {sha256 hex of the key: tenant id} (keys are never "
+                                 "stored in clear); set: every request needs a mapped key (or one of api_keys: "
+                                 "no tenant) and an X-Tenant-Id that disagrees is refused (403); empty: the "
+                                 "X-Tenant-Id header names the tenant (docs/tenants.md)")
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_map(cls, v: dict[str, str]) -> dict[str, str]:
+        from pipeline.events import tenant_error  # the one statement of the tenant domain
+
+        for digest, tenant in v.items():
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"proxy.tenants keys are the sha256 of an API key (64 lower-case hex digits), got "
+                                 f"{digest[:12]!r}... (run: python -c \"import hashlib,sys;print(hashlib.sha256("
+                                 f"sys.argv[1].encode()).hexdigest())\" KEY)")
+            why = tenant_error(tenant)
+            if why is not None:
+                raise ValueError(f"proxy.tenants: tenant {tenant[:40]!r} {why}")
+        return v
 
 
 class JudgeConfig(Section):
@@ -299,6 +318,11 @@ class TrainerConfig(Section):
     max_steps: int | None = _d(None, "stop after this many batches (0: set up, publish, stop; None: run forever)",
                                ge=0)
     dedup_window: int = _d(100_000, "sample_ids remembered for de-duplication (kept in checkpoints)", ge=1)
+    per_tenant: bool = _d(False, "one batch buffer per tenant: a batch never mixes tenants (off: one shared "
+                          "batch and policy; docs/tenants.md)")
+    tenant_max_wait_records: int = _d(1000, "per_tenant: a tenant's partial batch is released once its oldest "
+                                      "sample has waited this many records read from `samples` (never "
+                                      "wall-clock)", ge=1)
     poll_timeout_s: float = _d(1.0, "one poll of `samples` waits at most this long (s)", gt=0)
     log_sample_ids: bool = _d(True, "write each step's sample_ids to the metrics log")
     progress: bool = _d(True, "progress bar on the console")

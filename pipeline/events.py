@@ -2,6 +2,13 @@
 
 Wire format: a msgpack map with ``type`` (event name) and ``v`` (the schema version of that event
 type: ``Event.V``; 2 for ``sample``, 1 for the others).
+
+Versions: a new *optional* field whose absence (None) means what records without it always
+meant keeps ``v`` (``session_source``, ``teacher_model``, ``tenant``, ``adapter`` were added so:
+older records decode unchanged, with the field None); a change of what an existing field or its
+absence means bumps the type's ``V`` and adds an upgrade in :data:`_UPGRADES` so older versions
+stay readable (``sample`` v1 -> v2). A reader older than a field ignores it, so upgrade the
+readers (judge, trainer) before a proxy starts writing tenants.
 Token ids travel as packed little-endian int32 bytes, log-probs as packed little-endian float32
 bytes (so a 300-token sample is ~2.4 KB, not a list of Python objects). In memory those fields
 are plain ``list[int]`` / ``list[float]``; float values round-trip at float32 precision.
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -70,7 +78,8 @@ def _ident(v: str) -> str | None:
 
 
 def _sample_ident(v: str) -> str | None:
-    """A sample id joins a session id, an index, a mode and a request id: up to 4 ids long."""
+    """A sample id joins a tenant, a session id, an index, a mode and a request id: up to 4 ids
+    long (an index and a mode are short)."""
     if not v:
         return "must not be empty"
     return f"must be at most {4 * MAX_ID_LEN} characters (has {len(v)})" if len(v) > 4 * MAX_ID_LEN else None
@@ -142,6 +151,62 @@ def _sha256(v: str) -> str | None:
     return None if ok else "must be 64 lower-case hex digits (a sha256)"
 
 
+#: the keys of an ``adapter`` field: which LoRA adapter served a turn or trained a sample
+ADAPTER_KEYS = ("name", "version", "sha256")
+
+
+def _adapter(v: dict) -> str | None:
+    """An adapter reference ``{name, version, sha256}``: ``name`` an id (:func:`_ident`),
+    ``version`` the adapter's content id (sha256 of its exported tensors, 64 lower-case hex
+    digits) and ``sha256`` the checksum of its exported files (64 lower-case hex digits); no
+    other key. Absent (None): the base model's full weights."""
+    if set(v) != set(ADAPTER_KEYS):
+        return f"must have exactly the keys {'|'.join(ADAPTER_KEYS)}, got {sorted(map(str, v))}"
+    for k in ADAPTER_KEYS:
+        if not isinstance(v[k], str):
+            return f".{k} must be a string, got {type(v[k]).__name__}"
+        err = _ident(v[k]) if k == "name" else _sha256(v[k])
+        if err is not None:
+            return f".{k} {err}"
+    return None
+
+
+#: the alphabet of ids a client sends (session ids, tenants): 1-256 printable ASCII characters
+#: without spaces
+CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_ID_LEN)
+
+
+def tenant_error(v: str) -> str | None:
+    """Why ``v`` is not a tenant id as a client or the config names one (:data:`CLIENT_ID`:
+    1-256 printable ASCII characters without spaces), or None when it is one. On the wire a
+    tenant has the domain of a session id (:func:`_ident`)."""
+    if not isinstance(v, str) or not CLIENT_ID.match(v):
+        return f"must be 1-{MAX_ID_LEN} printable ASCII characters without spaces"
+    return None
+
+
+def session_key(tenant: str | None, session_id: str) -> str:
+    """The Kafka key of a session's records on ``turns`` (and of its samples):
+    ``<tenant>/<session_id>`` when the session has a tenant, ``session_id`` alone otherwise (the
+    key of records written before tenants, so their partitioning and order are unchanged).
+    Only a partitioning key: two tenants may map to one key string (a ``/`` in an id), which
+    shares a partition, never a session; in memory sessions are keyed by ``(tenant, session_id)``."""
+    return session_id if tenant is None else f"{tenant}/{session_id}"
+
+
+def session_of(ev) -> str | tuple[str, str]:
+    """The in-memory key of a record's session: its ``session_id`` when it has no ``tenant``
+    (the key of every record written before tenants), ``(tenant, session_id)`` when it has one.
+    A string never equals a tuple, so two tenants' sessions (or a tenant's and an untenanted
+    one) never share state, whatever their ids."""
+    return ev.session_id if ev.tenant is None else (ev.tenant, ev.session_id)
+
+
+def split_session(key: str | tuple[str, str]) -> tuple[str | None, str]:
+    """``(tenant, session_id)`` of a :func:`session_of` key."""
+    return (None, key) if isinstance(key, str) else key
+
+
 # field kinds: str, int, float, bool, list, dict, i32 (packed int32), f32 (packed float32), any;
 # ``domain``: a function of a present (non-null) value -> why it is out of its domain, or None
 def _f(kind: str, default: Any = dataclasses.MISSING, *, optional: bool = False, domain=None):
@@ -209,6 +274,12 @@ class Turn(Event):
 
     ``session_source``: the proxy's rule that chose ``session_id`` (:data:`SESSION_SOURCES`);
     None for imported turns and records written before this field.
+
+    ``tenant``: who the request belongs to (the proxy's API key map or ``X-Tenant-Id``;
+    ``docs/tenants.md``), None when it has none (and in records written before this field).
+    A session is ``(tenant, session_id)``: two tenants reusing a session id are two sessions.
+    ``adapter``: the LoRA adapter that served the turn (``{name, version, sha256}``, see
+    :func:`_adapter`), None for the base model's full weights.
     """
 
     TYPE: ClassVar[str] = "turn"
@@ -233,6 +304,8 @@ class Turn(Event):
     logprob_temperature: float | None = _f("float", None, optional=True, domain=_temperature)
     logprob_processors: list = _f("list", [])
     session_source: str | None = _f("str", None, optional=True)
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
+    adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
 
     def validate(self) -> None:
         if self.session_source is not None and self.session_source not in SESSION_SOURCES:
@@ -259,7 +332,8 @@ class NextState(Event):
     ``after_turn_index`` is the ``turn_index`` of the main turn this state follows;
     ``after_request_id`` that turn's ``request_id`` when the proxy that wrote this recorded it
     (None otherwise, and in records written before this field): a turn's identity that no
-    eviction or restart of the proxy can reuse.
+    eviction or restart of the proxy can reuse. ``tenant``: the session's tenant (as on
+    :class:`Turn`; None: none).
     """
 
     TYPE: ClassVar[str] = "next_state"
@@ -269,6 +343,7 @@ class NextState(Event):
     request_id: str = _f("str", "", domain=_short)
     created_at: int = _f("int", 0, domain=_time_ms)
     after_request_id: str | None = _f("str", None, optional=True, domain=_short)
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
 
     def validate(self) -> None:
         for m in self.messages:
@@ -284,6 +359,7 @@ class SessionEnd(Event):
     ``turn_index`` set: the end applies only while that main turn is the session's latest one
     (the judge publishes ``idle_timeout`` ends naming the turn it found idle, and ignores an end
     that a newer record of the session overtook). None: the session ends whatever came before.
+    ``tenant``: the session's tenant (as on :class:`Turn`; None: none).
     """
 
     TYPE: ClassVar[str] = "session_end"
@@ -291,6 +367,7 @@ class SessionEnd(Event):
     reason: str = _f("str", "header", domain=_ident)
     created_at: int = _f("int", 0, domain=_time_ms)
     turn_index: int | None = _f("int", None, optional=True, domain=_index)
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
 
 
 SAMPLE_KINDS = ("rl", "opd", "opd+rl")
@@ -338,9 +415,12 @@ class Sample(Event):
     then the judge mode's). On the wire the arrays are packed little-endian float32 / int32
     bytes and an absent one is msgpack nil.
 
-    ``sample_id`` is ``<session>:<turn_index>:<mode>:<turn request_id>``: the same turn record
-    (a replay, a re-delivery after a crash) gives the same id, so duplicates are recognisable,
-    while a different conversation that reuses the session id does not.
+    ``sample_id`` is ``<session>:<turn_index>:<mode>:<turn request_id>``, prefixed by
+    ``<tenant>/`` when the turn has a tenant: the same turn record (a replay, a re-delivery
+    after a crash) gives the same id, so duplicates are recognisable, while a different
+    conversation that reuses the session id does not, nor does another tenant's session of the
+    same id. ``tenant`` and ``adapter`` are copied from the turn (None: no tenant, the base
+    model).
 
     Version 1 records (which wrote 0 for a missing reward, the rollout log-probs in place of a
     missing teacher, zeros for missing rollout log-probs and the requested temperature of greedy
@@ -372,6 +452,8 @@ class Sample(Event):
     source: str = _f("str", "proxy")
     teacher_model: str | None = _f("str", None, optional=True, domain=_ident)
     teacher_version: str | None = _f("str", None, optional=True, domain=_short)
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
+    adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
 
     @property
     def has_reward(self) -> bool:
@@ -424,6 +506,9 @@ class Sample(Event):
             raise MalformedEvent("sample.teacher_topk_* given without teacher_log_probs")
         if (self.teacher_model is not None or self.teacher_version is not None) and not self.has_teacher:
             raise MalformedEvent("sample.teacher_model / teacher_version given without teacher_log_probs")
+        if self.tenant is not None and not self.sample_id.startswith(self.tenant + "/"):
+            raise MalformedEvent(f"sample.sample_id must start with its tenant's '{self.tenant}/' (one id space "
+                                 f"per tenant), got {self.sample_id[:80]!r}")
 
 
 GREEDY_TEMPERATURE = GREEDY_EPS  # a requested temperature below this is greedy: log-probs at T = 1
@@ -468,6 +553,8 @@ class Control(Event):
     ``action``: ``pause`` (stop admitting work for this epoch), ``weights`` (new weights at
     ``location`` with ``sha256`` for ``policy_version``), ``applied`` (``engine_id`` now serves
     ``policy_version``), ``resume``, ``failed`` (an engine could not apply; ``message`` says why).
+    ``tenant`` / ``adapter``: the order is about that tenant's LoRA adapter only (reserved for
+    adapter sync, ``docs/tenants.md``); absent (None): the full weights, as before these fields.
     """
 
     TYPE: ClassVar[str] = "control"
@@ -480,6 +567,8 @@ class Control(Event):
     engine_id: str | None = _f("str", None, optional=True, domain=_ident)
     message: str = _f("str", "")
     created_at: int = _f("int", 0, domain=_time_ms)
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
+    adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
 
     def validate(self) -> None:
         if self.action not in CONTROL_ACTIONS:
@@ -526,6 +615,8 @@ class TrainStep(Event):
     metrics: dict = _f("dict", {})
     sample_ids: list = _f("list", [])
     trained: dict = _f("dict", {})
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
+    adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
 
     def validate(self) -> None:
         if self.step < 1:

@@ -192,7 +192,8 @@ def replay(records: Iterable[ArchivedRecord], producer, topic: str, *, mark: boo
     for rec in records:
         ev = mark_replayed(rec.event) if mark else rec.event
         sid = getattr(ev, "session_id", None)
-        producer.send(topic, ev, key=rec.key if rec.key is not None else sid)
+        fallback = sid if sid is None or getattr(ev, "tenant", None) is None else events.session_key(ev.tenant, sid)
+        producer.send(topic, ev, key=rec.key if rec.key is not None else fallback)
         sent += 1
         turns += isinstance(ev, events.Turn)
         if sid is not None:

@@ -87,27 +87,28 @@ class OpenSessions:
     an idle end that a newer turn overtook closes nothing, so that turn still gets its end.
 
     Attributes:
-        open: session id -> the record key to send its end with.
+        open: session (:func:`pipeline.events.session_of`: the id, or ``(tenant, id)``) -> the
+            record key to send its end with.
         main_turns: main turns seen.
     """
 
     def __init__(self) -> None:
-        self.open: dict[str, str | None] = {}
-        self.latest: dict[str, int] = {}  # session -> index of its latest main turn seen
+        self.open: dict[str | tuple, str | None] = {}
+        self.latest: dict[str | tuple, int] = {}  # session -> index of its latest main turn seen
         self.main_turns = 0
 
     def see(self, rec) -> None:
         """Take one record of the range, in topic order."""
         ev = rec.event
-        sid = getattr(ev, "session_id", None)
-        if sid is None:
+        if getattr(ev, "session_id", None) is None:
             return
+        sid = events.session_of(ev)
         if isinstance(ev, events.SessionEnd):
             if ev.turn_index is None or ev.turn_index == self.latest.get(sid):
                 self.open.pop(sid, None)
                 self.latest.pop(sid, None)
             return
-        self.open[sid] = rec.key if rec.key is not None else sid
+        self.open[sid] = rec.key if rec.key is not None else events.session_key(*events.split_session(sid))
         if isinstance(ev, events.Turn) and ev.turn_type == "main":
             self.main_turns += 1
             if ev.turn_index is not None:
@@ -131,9 +132,10 @@ def replay_range(config: Config, source, topic: str) -> dict:
     producer = EventProducer(config, name="retrain")
     try:
         got = replay(watch(source), producer, topic)
-        for sid, key in seen.open.items():
-            producer.send(topic, events.SessionEnd(session_id=sid, reason="end_of_range", created_at=events.now_ms()),
-                          key=key)
+        for skey, key in seen.open.items():
+            tenant, sid = events.split_session(skey)
+            producer.send(topic, events.SessionEnd(session_id=sid, reason="end_of_range", created_at=events.now_ms(),
+                                                   tenant=tenant), key=key)
         producer.flush()
     finally:
         producer.close()

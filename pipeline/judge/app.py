@@ -40,7 +40,7 @@ from pipeline.bus import NOT_QUEUED, ConsumerApp, EventProducer
 from pipeline.engine_api.errors import EngineError
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
-from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner
+from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner, split_session
 from pipeline.judge.prompts import JudgeInput
 from pipeline.judge.published import published_rl_decisions
 from pipeline.judge.reorder import Reorderer
@@ -178,10 +178,12 @@ class JudgeApp:
         """Propose idle ends (published records, acted on when read back) for idle sessions and
         for sessions whose reordered records wait too long; update gauges."""
         stalled = self.reorder.stalled(ready=self.consumer.caught_up)  # their end releases them
-        for sid, _tp, turn_index, at in stalled + self.joiner.idle_sessions(ready=self.consumer.caught_up):
-            end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=at, turn_index=turn_index)
+        for skey, _tp, turn_index, at in stalled + self.joiner.idle_sessions(ready=self.consumer.caught_up):
+            tenant, sid = split_session(skey)
+            end = events.SessionEnd(session_id=sid, reason="idle_timeout", created_at=at, turn_index=turn_index,
+                                    tenant=tenant)
             try:
-                self.producer.send(self.turns_topic, end, key=sid)
+                self.producer.send(self.turns_topic, end, key=events.session_key(tenant, sid))
             except NOT_QUEUED as e:  # proposed again after its next record
                 log.warning("%s: could not publish the idle end of %s (%s)", self.name, sid, e)
                 continue
@@ -241,13 +243,13 @@ class JudgeApp:
             self._queue.clear()
             self._scheduled = False
         for job in jobs:
-            prev = self._chains.get(job.session_id)
+            prev = self._chains.get(job.session)
             link = _Link(self.loop)
-            self._chains[job.session_id] = link
-            link.delivered.add_done_callback(lambda _f, sid=job.session_id, lk=link: self._unchain(sid, lk))
+            self._chains[job.session] = link
+            link.delivered.add_done_callback(lambda _f, sid=job.session, lk=link: self._unchain(sid, lk))
             self.loop.create_task(self._run_job(job, prev, link))
 
-    def _unchain(self, sid: str, link: _Link) -> None:
+    def _unchain(self, sid, link: _Link) -> None:
         if self._chains.get(sid) is link:
             del self._chains[sid]
 
@@ -305,7 +307,7 @@ class JudgeApp:
         for topic, value in outputs:
             while True:
                 try:
-                    self.producer.send(topic, value, key=job.session_id, on_delivery=on_delivery)
+                    self.producer.send(topic, value, key=job.key, on_delivery=on_delivery)
                     break
                 except NOT_QUEUED as e:
                     log.warning("%s: producer busy (%s), retrying", self.name, e)
@@ -433,6 +435,6 @@ class JudgeApp:
     def _dead_letter(self, job: Job, error: str) -> tuple[str, events.Event]:
         rec = job.record
         dl = events.DeadLetter(source_topic=rec.topic, partition=rec.partition, offset=rec.offset, error=error,
-                               stage=self.name, key=job.session_id.encode(), raw=events.encode(job.turn),
+                               stage=self.name, key=job.key.encode(), raw=events.encode(job.turn),
                                created_at=events.now_ms())
         return (self.dlq_topic, dl)

@@ -1,6 +1,7 @@
 """The join: per session, the latest main turn waits for its next state (pure logic, no I/O).
 
-Input is the ``turns`` topic in session order (one session lives in one partition):
+Input is the ``turns`` topic in session order (one session lives in one partition; a session is
+``(tenant, session_id)``: :func:`session_of`, so two tenants reusing an id are two sessions):
 ``Turn(0) NextState(after 0) Turn(1) NextState(after 1) ... SessionEnd``. For every record the
 :class:`Joiner` says whether it can be acknowledged now and which :class:`Job` s it starts.
 Every decision is a function of the ordered records alone (never of a clock or of how fast
@@ -86,6 +87,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pipeline import events
+from pipeline.events import session_of, split_session
 
 JUDGE, FLUSH, RELEASE = "judge", "flush", "release"
 #: request ids remembered to recognise duplicate turn records
@@ -118,7 +120,8 @@ class Conversation:
 class Job:
     """Work started by the join.
 
-    ``kind``: ``judge`` (turn + next state), ``flush`` (turn without next state; ``reason`` says
+    ``session``: the session's join key (:func:`session_of`; ``session_id`` and ``tenant`` read
+    it). ``kind``: ``judge`` (turn + next state), ``flush`` (turn without next state; ``reason`` says
     why) or ``release`` (no output: a conversation ended, its anchor record can be acknowledged).
     ``acks`` are records to acknowledge once this job's output (and its session's earlier jobs'
     outputs) is delivered.
@@ -129,7 +132,7 @@ class Job:
     """
 
     kind: str
-    session_id: str
+    session: str | tuple[str, str]
     tp: tuple
     turn: events.Turn | None = None
     record: object = None
@@ -140,6 +143,20 @@ class Job:
     decided_at: int = 0
     joined_at: float = 0.0
     conversation: Conversation | None = None
+
+    @property
+    def tenant(self) -> str | None:
+        """The session's tenant (None: none)."""
+        return split_session(self.session)[0]
+
+    @property
+    def session_id(self) -> str:
+        return split_session(self.session)[1]
+
+    @property
+    def key(self) -> str:
+        """The Kafka key of the session's records and samples (:func:`pipeline.events.session_key`)."""
+        return events.session_key(*split_session(self.session))
 
 
 @dataclass
@@ -168,10 +185,10 @@ class Joiner:
         self.idle_ms = int(idle_timeout_s * 1000)
         self.at_least_one = at_least_one
         self.clock = clock
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently seen first
+        self.sessions: OrderedDict[str | tuple, _Session] = OrderedDict()  # session_of key, least recently seen first
         self.watermark: dict[tuple, int] = {}  # partition -> newest event time read (ms)
         self.waiting = 0
-        self.turns_seen: OrderedDict[tuple[str, str], tuple] = OrderedDict()  # (session, request_id) -> tp
+        self.turns_seen: OrderedDict[tuple, tuple] = OrderedDict()  # (session key, request_id) -> tp
         self.duplicates = 0
         self.stale = 0
         self.conversations = 0  # new conversations of a known session (indices restarted)
@@ -189,7 +206,7 @@ class Joiner:
             self.watermark[rec.tp] = at
         if isinstance(ev, events.Turn):
             return self._on_turn(rec, ev, at)
-        sid = ev.session_id
+        sid = session_of(ev)
         st = self.sessions.get(sid)
         if st is None:
             return True, []  # next state / end of a session we hold nothing for
@@ -213,7 +230,7 @@ class Joiner:
                           conversation=st.conversation)]
 
     def _on_turn(self, rec, ev: events.Turn, at: int) -> tuple[bool, list[Job]]:
-        sid = ev.session_id
+        sid = session_of(ev)
         if ev.request_id and (sid, ev.request_id) in self.turns_seen:
             self.duplicates += 1
             return True, []  # the same turn record again (a producer retry, a replayed copy)
@@ -249,9 +266,10 @@ class Joiner:
             jobs.append(self._flush(sid, st, "unfinished", now, at))
         return False, jobs
 
-    def idle_sessions(self, ready=lambda tp: True) -> list[tuple[str, tuple, int, int]]:
-        """Sessions to propose an idle end for: ``(session_id, tp, latest main turn index,
-        watermark)``, the watermark (ms) being the end's event time.
+    def idle_sessions(self, ready=lambda tp: True) -> list[tuple[str | tuple, tuple, int, int]]:
+        """Sessions to propose an idle end for: ``(session key, tp, latest main turn index,
+        watermark)``, the key as :func:`session_of` (:func:`split_session` gives the tenant and
+        id), the watermark (ms) being the end's event time.
 
         A session qualifies when it holds a waiting turn or an open conversation's anchor, no end
         was proposed since its latest record, its newest record is ``idle_timeout_s`` older
@@ -286,7 +304,7 @@ class Joiner:
         return len(gone)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _remember(self, sid: str, turn: events.Turn, tp: tuple) -> None:
+    def _remember(self, sid: str | tuple, turn: events.Turn, tp: tuple) -> None:
         if not turn.request_id:
             return
         self.turns_seen[(sid, turn.request_id)] = tp

@@ -44,6 +44,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pipeline import events
+from pipeline.judge.join import session_of
 
 #: turn indices remembered per session (most recent), enough to recognise an overtaking record
 MAX_SEEN = 1024
@@ -95,7 +96,7 @@ class Reorderer:
         if not isinstance(ev, (events.Turn, events.NextState, events.SessionEnd)) or \
                 (isinstance(ev, events.Turn) and ev.turn_type != "main"):
             return out + [rec]
-        sid = ev.session_id
+        sid = session_of(ev)  # (tenant, session id): tenants never share a buffer
         st = self.sessions.get(sid)
         if st is None:
             st = self.sessions[sid] = _State(rec.tp)
@@ -137,7 +138,7 @@ class Reorderer:
     def stalled(self, ready=lambda tp: True) -> list[tuple[str, tuple, int | None, int]]:
         """Sessions that have held records for ``max_wait_s`` on this process's clock (no newer
         record moved their partition's watermark), each returned once, when ``ready(tp)`` (the
-        caller has read the partition to its end): ``(session_id, tp, newest held turn index or
+        caller has read the partition to its end): ``(session key (join.session_of), tp, newest held turn index or
         None, event time for the end)``. The end's event time is the oldest held record's plus the
         lateness (what releases it), never this process's clock: read back, it moves the partition's
         watermark only as far as the records themselves would, so a replay of old records or a

@@ -23,8 +23,10 @@ Modes (OpenClaw-RL):
 A sample is a function of the records alone, so a replay (at any speed, after a restart)
 produces identical samples: ``sample_id`` is ``<session>:<turn_index>:<mode>:<request_id>``
 (the turn's own ``request_id``, copied by a replay; unique per request, so a new conversation
-reusing a session id never shares an id), ``created_at`` is the event time (ms) of the record
-that decided the sample (the next state, the session end, the superseding turn), and
+reusing a session id never shares an id), prefixed by ``<tenant>/`` for a turn with a tenant
+(each tenant its own id space); ``tenant`` and ``adapter`` are the turn's, ``created_at`` is the
+event time (ms) of the record that decided the sample (the next state, the session end, the
+superseding turn), and
 ``rollout_temperature`` is the turn's recorded effective temperature. ``votes``: rl: the PRM
 votes (int, None = failed); opd: the hint votes; combine: ``[PRM votes, hint votes]``.
 """
@@ -53,7 +55,8 @@ def turn_key(turn: events.Turn) -> str:
 
 def sample_id(turn: events.Turn, mode: str) -> str:
     """The deterministic id of ``turn``'s sample in ``mode`` (see the module docstring)."""
-    return f"{turn.session_id}:{turn.turn_index}:{mode}:{turn_key(turn)}"
+    sid = f"{turn.session_id}:{turn.turn_index}:{mode}:{turn_key(turn)}"
+    return sid if turn.tenant is None else f"{turn.tenant}/{sid}"
 
 
 def rollout_temperature(turn: events.Turn) -> float:
@@ -99,7 +102,7 @@ def make_sample(turn: events.Turn, mode: str, *, reward: float | None, loss_mask
         rollout_temperature=rollout_temperature(turn), reward=None if reward is None else float(reward),
         loss_mask=int(loss_mask) if r else 0, votes=list(votes), hint=hint, judge=judge,
         created_at=int(turn.created_at if decided_at is None else decided_at), turn_created_at=turn.created_at,
-        source=turn.source)
+        source=turn.source, tenant=turn.tenant, adapter=dict(turn.adapter) if turn.adapter is not None else None)
     if teacher is not None:
         s.teacher_log_probs = list(teacher.log_probs)
         s.teacher_model, s.teacher_version = teacher.model, teacher.version

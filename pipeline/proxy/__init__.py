@@ -26,6 +26,10 @@ no session id                  derived (``docs/sessions.md``, :mod:`pipeline.pro
                                ``reject`` (400); counted in
                                ``pipeline_proxy_requests_without_session_total``
 an unfilled id (``${VAR}``)    ignored with an ``x-session-warning`` header; the next rule decides
+``X-Tenant-Id: <tenant>``      the request's tenant when ``proxy.tenants`` (API key -> tenant)
+                               is empty; with a key map the key decides and a header that
+                               disagrees is 403; sessions are ``(tenant, session id)``
+                               (``docs/tenants.md``)
 =============================  ===============================================================
 
 Kafka never blocks serving (:mod:`pipeline.proxy.publisher`); a weight sync announced on

@@ -10,8 +10,9 @@ pydantic model, no middleware stack: the request is parsed once with orjson and 
 
 Per request (main turn of a known session):
 
-1. API key check (401), body size (413), JSON (400), fields (400), session metadata (400);
-   the session by the rules of :mod:`pipeline.proxy.identity` (``docs/sessions.md``);
+1. API key check (401) and the request's tenant (``proxy.tenants`` or ``X-Tenant-Id``: 403 for
+   a header that disagrees with the key; ``docs/tenants.md``), body size (413), JSON (400),
+   fields (400), session metadata (400); the session by the rules of :mod:`pipeline.proxy.identity` (``docs/sessions.md``);
 2. weight-sync hold (bounded; 503 only with ``proxy.sync_strict``);
 3. turn index reserved; the previous turn's ``next_state`` is published once the engine accepted
    the request (a request it refuses or never answers is undone: no turn, no index, no next state);
@@ -66,7 +67,7 @@ from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, error_body, generation_aborted,
                                    upstream_error)
-from pipeline.proxy.identity import Chain, Conversations, claim, prompt_chain
+from pipeline.proxy.identity import Chain, Conversations, Tenants, claim, prompt_chain
 from pipeline.proxy.messages import MessagesDoor
 from pipeline.proxy.names import ServedModels
 from pipeline.proxy.publisher import DurableSend, EventPublisher
@@ -95,8 +96,9 @@ def _nothing() -> None:
 @dataclass(slots=True)
 class _Route:
     """Where one request's turn goes: its session, the rule that decided (``source``), whether the
-    session is new for it (``fresh``), the recorded turn it continues (``hit``) and its prefix
-    digests (``chain``); ``mt`` and ``admitted`` track its reserved index until the engine takes it."""
+    session is new for it (``fresh``), the recorded turn it continues (``hit``), its prefix
+    digests (``chain``) and its ``tenant`` (the session is ``(tenant, sid)``); ``mt`` and
+    ``admitted`` track its reserved index until the engine takes it."""
 
     sid: str
     source: str
@@ -105,8 +107,14 @@ class _Route:
     chain: Chain | None
     rid: str
     created: int
+    tenant: str | None = None
     mt: MainTurn | None = None
     admitted: bool = False
+
+    @property
+    def key(self) -> str:
+        """The Kafka key of the session's records (:func:`pipeline.events.session_key`)."""
+        return events.session_key(self.tenant, self.sid)
 
 
 def _is_abort_chunk(data: bytes) -> bool:
@@ -177,6 +185,7 @@ class ProxyApp:
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
+        self.tenants = Tenants(pc.tenants, self._keys)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)
@@ -236,8 +245,10 @@ class ProxyApp:
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
         if self.on_started is not None:
             self.on_started()
-        log.info("proxy: engine %s, turns -> %s, %d API key(s), anonymous=%s, buffer %d events%s",
-                 self.upstream.base_url, self.topic, len(self._keys), self.pc.anonymous, self.pc.buffer_max_events,
+        log.info("proxy: engine %s, turns -> %s, %d API key(s), %s, anonymous=%s, buffer %d events%s",
+                 self.upstream.base_url, self.topic, len(self._keys),
+                 f"{len(self.pc.tenants)} tenant key(s)" if self.pc.tenants else "tenants from X-Tenant-Id",
+                 self.pc.anonymous, self.pc.buffer_max_events,
                  f", durable in {self.pc.buffer_dir}" if self.publisher.durable_enabled else " (memory only)")
 
     async def shutdown(self) -> None:
@@ -266,16 +277,10 @@ class ProxyApp:
             self._loop.call_soon_threadsafe(self.gate.update, state)
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _auth(self, headers: dict) -> None:
-        if not self._keys:
-            return
-        h = headers.get(b"authorization")
-        if h is None:
-            raise ProxyError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                             code="invalid_api_key")
-        scheme, _, key = h.partition(b" ")
-        if scheme.lower() != b"bearer" or key.strip() not in self._keys:
-            raise ProxyError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+    def _auth(self, headers: dict) -> str | None:
+        """Check the request's key and return its tenant (:class:`~pipeline.proxy.identity.Tenants`:
+        401, 403 or 400 as a :class:`ProxyError`)."""
+        return self.tenants.resolve(headers)
 
     async def _read_body(self, headers: dict, receive) -> bytes:
         limit = self.pc.max_body_bytes
@@ -368,7 +373,7 @@ class ProxyApp:
         status = 500
         try:
             headers = dict(scope["headers"])
-            self._auth(headers)
+            tenant = self._auth(headers)
             if not content_type_ok(headers.get(b"content-type")):
                 raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
             req = json_body(await self._read_body(headers, receive))
@@ -378,7 +383,7 @@ class ProxyApp:
             if served is not None:
                 req["model"] = served  # what the turn records: the id the engine serves
             stream = req.get("stream") is True
-            status = await self._serve(req, meta, rid, created, t0, stream, receive, send)
+            status = await self._serve(req, meta, rid, created, t0, stream, receive, send, tenant)
         except ProxyError as e:
             status = e.status
             extra = [(b"x-request-id", rid.encode())]
@@ -398,9 +403,10 @@ class ProxyApp:
         M.CACHE.request(status, stream).inc()
         M.CACHE.latency[stream].observe(time.perf_counter() - t0)
 
-    def _route(self, req: dict, meta: SessionMeta, rid: str, created: int) -> tuple[_Route | None, list]:
-        """The session of a request by the rules of :mod:`pipeline.proxy.identity` (None: not
-        recorded, ``proxy.anonymous=skip``) and the ``(field, reason)`` of each ignored value."""
+    def _route(self, req: dict, meta: SessionMeta, rid: str, created: int,
+               tenant: str | None = None) -> tuple[_Route | None, list]:
+        """The session of a request of ``tenant`` by the rules of :mod:`pipeline.proxy.identity`
+        (None: not recorded, ``proxy.anonymous=skip``) and the ``(field, reason)`` of each ignored value."""
         warnings = list(meta.warnings)
         claimed, source = claim(meta.session_id, meta.source, req["messages"], req.get("user"), warnings)
         for f, why in warnings:
@@ -413,13 +419,13 @@ class ProxyApp:
             if self.pc.anonymous == "skip":
                 return None, warnings
         if meta.turn_type == "side" and claimed is not None:  # touches no state: the id as given
-            route = _Route(claimed, source, True, None, None, rid, created)
+            route = _Route(claimed, source, True, None, None, rid, created, tenant)
         else:
-            chain = prompt_chain(req["messages"], req.get("continue_final_message") is True)
-            sid, fresh, hit = self.sessions.route(claimed, chain, rid, self.convs)
+            chain = prompt_chain(req["messages"], req.get("continue_final_message") is True, tenant)
+            sid, fresh, hit = self.sessions.route(claimed, chain, rid, self.convs, tenant)
             if claimed is None:
                 source = "new" if fresh else "continuation"
-            route = _Route(sid, source, fresh, hit, chain, rid, created)
+            route = _Route(sid, source, fresh, hit, chain, rid, created, tenant)
         M.SESSION_SOURCE.labels(source).inc()
         return route, warnings
 
@@ -432,28 +438,30 @@ class ProxyApp:
         if mt is None:
             return
         self.convs.accepted(route.hit, route.chain)
-        if self.sessions.accept(route.sid, mt):
+        if self.sessions.accept(route.sid, mt, route.tenant):
             self._publish(events.NextState(session_id=route.sid, messages=mt.next_state,
                                            after_turn_index=mt.after_turn_index, request_id=route.rid,
-                                           created_at=route.created, after_request_id=mt.after_request_id),
-                          route.sid)
+                                           created_at=route.created, after_request_id=mt.after_request_id,
+                                           tenant=route.tenant),
+                          route.key)
 
     def _unadmit(self, route: _Route | None, why: str) -> None:
         """A main request the engine refused or never answered: as if it had not been sent."""
         if route is not None and route.mt is not None and not route.admitted:
-            self.sessions.cancel(route.sid, route.mt)
+            self.sessions.cancel(route.sid, route.mt, route.tenant)
             M.REFUSED.labels(why).inc()
 
     async def _serve(self, req: dict, meta: SessionMeta, rid: str, created: int, t0: float, stream: bool,
-                     receive, send) -> int:
-        route, warnings = self._route(req, meta, rid, created)
+                     receive, send, tenant: str | None = None) -> int:
+        route, warnings = self._route(req, meta, rid, created, tenant)
         record = route is not None
         await self._hold(rid)
         turn_index = None
         if record and meta.turn_type == "main":
             route.mt = self.sessions.begin(route.sid, req["messages"], fresh=route.fresh,
                                            continued=route.hit[1].request_of(route.sid) if route.hit else None,
-                                           continue_final=req.get("continue_final_message") is True)
+                                           continue_final=req.get("continue_final_message") is True,
+                                           tenant=tenant)
             turn_index = route.mt.turn_index
         extra = [(b"x-request-id", rid.encode())]
         if record:
@@ -473,7 +481,7 @@ class ProxyApp:
             req["logprobs"] = True
             req["return_token_ids"] = True
         if record and meta.done:  # published before the response completes
-            send.before_final = lambda: self._end(route.sid, "header")
+            send.before_final = lambda: self._end(route.sid, "header", route.tenant)
         admit = (lambda: self._admit(route)) if record else _nothing
         try:
             if stream:
@@ -513,9 +521,10 @@ class ProxyApp:
             if held:
                 M.SYNC_HOLD.observe(held)
 
-    def _end(self, sid: str, reason: str) -> None:
-        self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms()), sid)
-        self.sessions.end(sid)
+    def _end(self, sid: str, reason: str, tenant: str | None = None) -> None:
+        self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms(), tenant=tenant),
+                      events.session_key(tenant, sid))
+        self.sessions.end(sid, tenant)
 
     @staticmethod
     def _distribution(rec: Recorded, sampling: dict, defaults: dict | None = None) -> tuple[float, list[str]]:
@@ -585,14 +594,15 @@ class ProxyApp:
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
             logprob_temperature=temperature if logprobs else None, logprob_processors=processors,
-            session_source=route.source)
+            session_source=route.source, tenant=route.tenant)
         if finished and turn_index is not None:
             content, calls, prefix = rec.response.get("content"), rec.response.get("tool_calls"), _continued_prefix(user_view)
-            self.sessions.complete(sid, turn_index, content, calls, prefix=prefix, request_id=route.rid)
+            self.sessions.complete(sid, turn_index, content, calls, prefix=prefix, request_id=route.rid,
+                                   tenant=route.tenant)
             if prefix:
                 content = prefix + (content if isinstance(content, str) else "")
             self.convs.record(route.chain.with_answer(content, calls), sid, route.rid)
-        self._publish(turn, sid)
+        self._publish(turn, route.key)
         M.TURNS.labels(meta.turn_type).inc()
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
@@ -917,13 +927,13 @@ class ProxyApp:
         @api.post("/v1/sessions/{session_id}/end")
         async def end_session(session_id: str, request: Request):
             headers = {k.lower(): v for k, v in request.headers.raw}
-            self._auth(headers)
+            tenant = self._auth(headers)
             headers[b"x-session-id"] = session_id.encode("utf-8", "replace")
             meta = session_meta(headers, {}, "main")
             if meta.session_id is None:  # an unfilled template is no session to end
                 raise bad_request(f"{session_id[:60]!r} is not a session id ({meta.warnings[0][1]})",
                                   param="session_id", code="invalid_session_id")
-            self._end(meta.session_id, "api")
+            self._end(meta.session_id, "api", tenant)
             await self.publisher.durable()
             return {"session_id": meta.session_id, "ended": True}
 

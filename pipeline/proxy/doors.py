@@ -49,12 +49,15 @@ class Call:
         previous_session: the session of the stored response a request continues
             (``previous_response_id``), or None; the chat handler takes it after the client's own
             id (``session_source`` ``previous_response``).
+        tenant: the request's tenant (None: none), as the chat handler decides it again from the
+            same headers.
     """
 
     chat: dict
     stream: bool
     ctx: dict = field(default_factory=dict)
     previous_session: str | None = None
+    tenant: str | None = None
 
 
 @dataclass
@@ -117,8 +120,9 @@ class Door:
             ProxyError: 400 on a malformed API header.
         """
 
-    def translate(self, body: dict, headers: dict) -> Call:
-        """The chat request of a parsed body (``headers``: lower-cased raw request headers).
+    def translate(self, body: dict, headers: dict, tenant: str | None = None) -> Call:
+        """The chat request of a parsed body (``headers``: lower-cased raw request headers;
+        ``tenant``: the request's, so that nothing a door keeps crosses tenants).
 
         Raises:
             ProxyError: 4xx naming the offending field of this API.
@@ -148,10 +152,11 @@ class Door:
         headers = dict(scope["headers"])
         try:
             self.auth_headers(headers)
-            self.app._auth(headers)
+            tenant = self.app._auth(headers)  # 401/403 in this API's shape
             if not content_type_ok(headers.get(b"content-type")):
                 raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
-            relay.call = self.translate(json_body(await self.app._read_body(headers, receive)), headers)
+            relay.call = self.translate(json_body(await self.app._read_body(headers, receive)), headers, tenant)
+            relay.call.tenant = tenant
         except ProxyError as e:
             await relay.error(e.status, e)
             M.DOOR_REQUESTS.labels(self.api, str(e.status)).inc()

@@ -18,6 +18,10 @@ A value of rules 1-3 that is an unfilled template (:func:`unfilled`) is never an
 falls through, the response carries ``x-session-warning`` and
 ``pipeline_proxy_session_ids_ignored_total`` counts it.
 
+Tenants (:class:`Tenants`) are decided before the session: a session is ``(tenant, session
+id)``, and the prefix digests of a tenant's requests start from its tenant, so continuation never
+crosses tenants.
+
 Prefix digests (:func:`prompt_chain`) are sha256 over the orjson of each message (an assistant
 message in a normal form, :func:`canonical`), chained message by message: O(bytes of the
 request), computed once per request; a turn's messages + answer digest is the request's chain
@@ -35,13 +39,84 @@ from typing import Any
 import orjson
 
 from pipeline.engine_api.render import content_text
-from pipeline.events import SESSION_SOURCES
+from pipeline.events import CLIENT_ID, SESSION_SOURCES, tenant_error
+from pipeline.proxy.errors import ProxyError, bad_request
 
 #: the alphabet of a session id: 1-256 printable ASCII characters without spaces
-SESSION_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+SESSION_ID = CLIENT_ID
 _TEMPLATE = re.compile(r"\$\{|\{\{|^<|>$|^\$[A-Za-z_][A-Za-z0-9_]*$|^%[A-Za-z_][A-Za-z0-9_]*%$")
 _UNSET_WORDS = ("undefined", "null", "NULL", "None", "nil")  # exact: "none" may be a real id
 DIGEST_BYTES = 16
+
+
+def key_digest(key: bytes) -> str:
+    """The sha256 hex digest of an API key: what ``proxy.tenants`` maps (keys are never kept in clear)."""
+    return hashlib.sha256(key).hexdigest()
+
+
+class Tenants:
+    """Who a request belongs to: its API key, or its ``X-Tenant-Id`` header when no key map is
+    configured (``docs/tenants.md``).
+
+    Args:
+        key_map: ``{sha256 hex of an API key: tenant}`` (``proxy.tenants``); empty: the header decides.
+        api_keys: accepted keys in clear (``proxy.api_keys``, secret, from the environment); with a
+            key map they are accepted with no tenant.
+
+    :meth:`resolve` raises :class:`~pipeline.proxy.errors.ProxyError`, answered by each door in
+    its own API's shape: 401 ``invalid_api_key`` (no key, an unknown key), 403
+    ``tenant_mismatch`` (a header tenant that is not the key's: never trusted over the key), 400
+    ``invalid_tenant_id`` (a header tenant outside :data:`pipeline.events.CLIENT_ID`, or an
+    unfilled template: refused rather than served as no tenant).
+    """
+
+    def __init__(self, key_map: dict[str, str], api_keys: set[bytes]) -> None:
+        self.key_map = dict(key_map)
+        self.api_keys = set(api_keys)
+
+    @property
+    def authenticates(self) -> bool:
+        """Requests need a key."""
+        return bool(self.key_map or self.api_keys)
+
+    def resolve(self, headers: dict) -> str | None:
+        """The tenant of a request (None: none) from its lower-cased raw ``headers``."""
+        claimed = self._header(headers.get(b"x-tenant-id"))
+        if not self.authenticates:
+            return claimed
+        key = self._bearer(headers.get(b"authorization"))
+        if not self.key_map:
+            return claimed
+        tenant = self.key_map.get(key_digest(key))
+        if tenant is None and key not in self.api_keys:
+            raise ProxyError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        if claimed is not None and claimed != tenant:
+            raise ProxyError(403, "X-Tenant-Id does not match the tenant of the API key (a key's tenant is decided "
+                             "by the proxy's key map, not by the header)", "permission_error", param="X-Tenant-Id",
+                             code="tenant_mismatch")
+        return tenant
+
+    def _bearer(self, h: bytes | None) -> bytes:
+        """The key of an ``Authorization: Bearer`` header; 401 when missing, or (no key map)
+        when it is not one of ``api_keys``."""
+        if h is None:
+            raise ProxyError(401, "missing API key: send 'Authorization: Bearer <key>' (x-api-key on /v1/messages)",
+                             "authentication_error", code="invalid_api_key")
+        scheme, _, key = h.partition(b" ")
+        key = key.strip()
+        if scheme.lower() != b"bearer" or not key or (not self.key_map and key not in self.api_keys):
+            raise ProxyError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        return key
+
+    @staticmethod
+    def _header(h: bytes | None) -> str | None:
+        if h is None:
+            return None
+        v = h.decode("latin-1").strip()
+        why = unfilled(v) or tenant_error(v)
+        if why is not None:
+            raise bad_request(f"X-Tenant-Id {why}", param="X-Tenant-Id", code="invalid_tenant_id")
+        return v
 
 
 def unfilled(value: Any) -> str | None:
@@ -206,12 +281,17 @@ class Chain:
         return h.digest()[:DIGEST_BYTES]
 
 
-def prompt_chain(messages: list, continue_final: bool = False) -> Chain:
+def prompt_chain(messages: list, continue_final: bool = False, tenant: str | None = None) -> Chain:
     """The :class:`Chain` of a request. ``continue_final``: the trailing assistant message is the
-    start of this turn's reply (``continue_final_message``), so it is left out of the chain."""
+    start of this turn's reply (``continue_final_message``), so it is left out of the chain.
+    ``tenant``: the request's tenant, hashed first (a tenant's digests never equal another's, so
+    :class:`Conversations` never continues a session of another tenant; no tenant: the digests
+    as before tenants)."""
     if continue_final and messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
         messages = messages[:-1]
     h = hashlib.sha256()
+    if tenant is not None:
+        h.update(orjson.dumps(("tenant", tenant)))  # never the orjson of a message (a JSON list of two strings)
     at: list[bytes] = []
     update = h.update
     last = None

@@ -228,7 +228,7 @@ class MessagesDoor(Door):
         if version is not None and not _VERSION.match(version.strip()):
             raise bad_request("anthropic-version must be a date such as 2023-06-01", param="anthropic-version")
 
-    def translate(self, body: dict, headers: dict) -> Call:
+    def translate(self, body: dict, headers: dict, tenant: str | None = None) -> Call:
         _check_fields(body)
         chat: dict[str, Any] = {"model": body["model"], "max_tokens": body["max_tokens"],
                                 "messages": chat_messages(body.get("system"), body.get("messages"))}

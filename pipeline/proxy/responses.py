@@ -12,7 +12,8 @@ Request -> chat (:meth:`ResponsesDoor.translate`):
 - ``previous_response_id``: the conversation of that response (its messages and output, kept in
   a bounded :class:`ResponseStore` of this proxy process) is put before ``input``, and its
   session is the request's session unless the request names one (``X-Session-Id`` or
-  ``session_id``). An unknown, expired or ``store: false`` id -> 400 ``previous_response_not_found``.
+  ``session_id``). An unknown, expired or ``store: false`` id -> 400 ``previous_response_not_found``;
+  so is another tenant's response (the store is keyed by tenant and response id).
 - function ``tools`` -> chat function tools; ``tool_choice`` ``none``/``auto``/``required`` or
   ``{"type": "function", "name"}``; ``max_output_tokens`` -> ``max_tokens``; ``temperature``,
   ``top_p``, ``parallel_tool_calls``, ``user`` as they are; ``text.format`` ``json_object`` /
@@ -105,6 +106,12 @@ class ResponseStore:
         self._d.move_to_end(response_id)
         sid, messages, output = orjson.loads(data)
         return sid, messages, output
+
+
+def _stored(tenant: str | None, response_id: str) -> str:
+    """The :class:`ResponseStore` key of a tenant's response: a response is only continued by its
+    own tenant (a newline is in no tenant id)."""
+    return response_id if tenant is None else f"{tenant}\n{response_id}"
 
 
 # ---- request -> chat -------------------------------------------------------------------------
@@ -261,13 +268,13 @@ class ResponsesDoor(Door):
         super().__init__(app)
         self.store = ResponseStore(app.pc.responses_store_bytes)
 
-    def translate(self, body: dict, headers: dict) -> Call:
+    def translate(self, body: dict, headers: dict, tenant: str | None = None) -> Call:
         _check_fields(body)
         msgs = input_messages(body["input"])
         previous = None
         prev_id = body.get("previous_response_id")
         if prev_id is not None:
-            prev = self.store.get(prev_id)
+            prev = self.store.get(_stored(tenant, prev_id))  # another tenant's response is not found
             if prev is None:
                 raise bad_request(f"previous response {prev_id[:80]!r} not found (unknown, stored with store: false, "
                                   "dropped from this proxy's bounded store, or answered by another replica)",
@@ -318,7 +325,8 @@ class ResponsesDoor(Door):
     def keep(self, call: Call, served: Served, output: list) -> None:
         """Keep a finished response for ``previous_response_id`` (unless ``store: false``)."""
         if call.ctx["echo"]["store"] is not False and served.request_id:
-            self.store.put(f"resp_{served.request_id}", served.session_id, call.ctx["conversation"], output)
+            self.store.put(_stored(call.tenant, f"resp_{served.request_id}"), served.session_id,
+                           call.ctx["conversation"], output)
 
     def answer(self, call: Call, resp: dict, served: Served) -> bytes:
         choice = resp["choices"][0]

@@ -32,6 +32,9 @@ Rules (documented defaults, see :mod:`pipeline.proxy`):
 - Which session a request is in: :meth:`SessionTable.route` (a reused id's new conversation gets
   a sub-session ``<id>~<hash>``; ``docs/sessions.md``).
 
+Sessions are keyed by ``(tenant, session id)``: two tenants sending one ``X-Session-Id`` are two
+sessions (every method takes ``tenant``; None: no tenant).
+
 State is bounded: at most ``max_sessions`` (least recently used dropped first) and sessions idle
 for ``idle_s`` seconds are dropped by :meth:`SessionTable.expire`.
 """
@@ -104,16 +107,16 @@ class SessionTable:
     def __init__(self, max_sessions: int = 100_000, idle_s: float = 3600.0) -> None:
         self.max_sessions = max_sessions
         self.idle_s = idle_s
-        self._s: OrderedDict[str, SessionState] = OrderedDict()
+        self._s: OrderedDict[tuple[str | None, str], SessionState] = OrderedDict()  # (tenant, session id)
 
     def __len__(self) -> int:
         return len(self._s)
 
-    def get(self, session_id: str) -> SessionState | None:
+    def get(self, session_id: str, tenant: str | None = None) -> SessionState | None:
         """The state of a session, if held (does not touch it)."""
-        return self._s.get(session_id)
+        return self._s.get((tenant, session_id))
 
-    def _state(self, sid: str, now: float) -> SessionState:
+    def _state(self, sid: tuple[str | None, str], now: float) -> SessionState:
         st = self._s.get(sid)
         if st is None:
             st = self._s[sid] = SessionState()
@@ -125,7 +128,8 @@ class SessionTable:
         return st
 
     def begin(self, session_id: str, messages: list, now: float | None = None,
-              continue_final: bool = False, fresh: bool = False, continued: str | None = None) -> MainTurn:
+              continue_final: bool = False, fresh: bool = False, continued: str | None = None,
+              tenant: str | None = None) -> MainTurn:
         """Reserve the turn index of a main request and find its next state (atomic).
 
         The next state is only proposed: publish it after :meth:`accept` (the engine took the
@@ -136,9 +140,11 @@ class SessionTable:
         for this request (``new``, or a sub-session of a new conversation): no next state.
         ``continued``: the request id of the recorded turn :meth:`route` found it continues
         (kept, so that the session's later requests continuing that turn stay in it).
+        ``tenant``: the session's tenant (every method: a session is ``(tenant, session_id)``).
         """
-        created = session_id not in self._s
-        st = self._state(session_id, time.monotonic() if now is None else now)
+        key = (tenant, session_id)
+        created = key not in self._s
+        st = self._state(key, time.monotonic() if now is None else now)
         if continued is not None:
             st.adopted[continued] = True
             while len(st.adopted) > _FINGERPRINTS_KEPT:
@@ -167,12 +173,12 @@ class SessionTable:
             return MainTurn(index, None, None, prev_next_index=prev, created=created)
         return MainTurn(index, new, after, st.rids.get(after), prev, created)
 
-    def accept(self, session_id: str, mt: MainTurn) -> bool:
+    def accept(self, session_id: str, mt: MainTurn, tenant: str | None = None) -> bool:
         """The engine accepted the request of ``mt``: True when its next state is to be published
         now (once per previous turn: a concurrent or repeated request does not publish it again)."""
         if mt.next_state is None:
             return False
-        st = self._s.get(session_id)
+        st = self._s.get((tenant, session_id))
         if st is None:  # dropped meanwhile (capacity): the mark is gone with it
             return True
         if mt.after_turn_index in st.next_state_for:
@@ -182,19 +188,20 @@ class SessionTable:
             st.next_state_for.popitem(last=False)
         return True
 
-    def cancel(self, session_id: str, mt: MainTurn) -> None:
+    def cancel(self, session_id: str, mt: MainTurn, tenant: str | None = None) -> None:
         """Undo :meth:`begin` of a request the engine refused or never answered: the index is
         given back unless a later request of the session took one meanwhile (then it stays a
         gap, never a duplicate), and a session this request created is forgotten."""
-        st = self._s.get(session_id)
+        st = self._s.get((tenant, session_id))
         if st is None:
             return
         if st.next_index == mt.turn_index + 1:
             st.next_index = mt.prev_next_index
         if mt.created and st.next_index == 0 and st.last_done is None:
-            del self._s[session_id]
+            del self._s[(tenant, session_id)]
 
-    def route(self, claimed: str | None, chain: Chain, rid: str, convs: Conversations) -> tuple[str, bool, Any]:
+    def route(self, claimed: str | None, chain: Chain, rid: str, convs: Conversations,
+              tenant: str | None = None) -> tuple[str, bool, Any]:
         """``(session id, fresh, continued hit)`` of a request (see ``docs/sessions.md``).
 
         No claimed id: the session of the recorded turn it continues (:class:`Conversations`),
@@ -207,6 +214,9 @@ class SessionTable:
         A continued turn of ``S`` that ``S``'s state does not know (``S`` was dropped and another
         conversation took ``S`` since) is such another conversation too: continuing ``S`` would
         publish its reply as the next state of the other conversation's turn.
+        ``tenant``: the request's tenant; ``chain`` must be its tenant's
+        (:func:`~pipeline.proxy.identity.prompt_chain` with ``tenant``), so ``convs`` only finds
+        turns of the same tenant.
         """
         hit = convs.find(chain)
         cont = convs.continues(hit, chain)
@@ -218,10 +228,10 @@ class SessionTable:
         if cont is None or not (cont == claimed or cont.startswith(sub)):
             cont = convs.continues_claimed(hit, chain, claimed, sub)  # ambiguous only for unclaimed requests
         if cont is not None:
-            if self._knows(cont, hit[1].request_of(cont)):
+            if self._knows((tenant, cont), hit[1].request_of(cont)):
                 return cont, False, hit
             return content_id(sub, rid), True, None
-        st = self._s.get(claimed)
+        st = self._s.get((tenant, claimed))
         if st is None or st.last_done is None:
             return claimed, False, None
         a = chain.last_assistant
@@ -231,7 +241,7 @@ class SessionTable:
             return claimed, False, None  # it carries S's history by count: a client that rewrites its answers
         return content_id(sub, rid), True, None
 
-    def _knows(self, session_id: str, request_id: str | None) -> bool:
+    def _knows(self, session_id: tuple[str | None, str], request_id: str | None) -> bool:
         """The state of ``session_id`` is the conversation of the recorded turn of request
         ``request_id``: no state (it was dropped: it is re-created), no completed turn yet, or
         it completed or continued that turn."""
@@ -240,16 +250,16 @@ class SessionTable:
                 or request_id in st.rids.values())
 
     def complete(self, session_id: str, turn_index: int, content: Any, tool_calls: Any,
-                 prefix: str | None = None, request_id: str | None = None) -> None:
+                 prefix: str | None = None, request_id: str | None = None, tenant: str | None = None) -> None:
         """Record that main turn ``turn_index`` (request ``request_id``) answered with this
         content / tool calls.
 
         ``prefix``: the assistant text the turn continued (``continue_final_message``); a client
         echoes the whole message, prefix + continuation, so that is recognised too.
         """
-        st = self._s.get(session_id)
+        st = self._s.get((tenant, session_id))
         if st is None:
-            st = self._state(session_id, time.monotonic())
+            st = self._state((tenant, session_id), time.monotonic())
             st.next_index = max(st.next_index, turn_index + 1)
         if st.last_done is None or turn_index > st.last_done:
             st.last_done = turn_index
@@ -263,9 +273,9 @@ class SessionTable:
             while len(st.rids) > _FINGERPRINTS_KEPT:
                 st.rids.popitem(last=False)
 
-    def end(self, session_id: str) -> None:
+    def end(self, session_id: str, tenant: str | None = None) -> None:
         """Forget a session (after ``X-Session-Done``)."""
-        self._s.pop(session_id, None)
+        self._s.pop((tenant, session_id), None)
 
     def expire(self, now: float | None = None) -> int:
         """Drop sessions idle for more than ``idle_s``; returns how many were dropped."""

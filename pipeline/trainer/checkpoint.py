@@ -5,7 +5,9 @@ Layout under ``trainer.checkpoint_dir``::
     step_00000012/
         tp00.pt ... tpNN.pt   # one per tensor-parallel rank: model shard, optimizer state, counters
         meta.json             # step, policy_version, offsets {topic: {partition: next offset}},
-                              # dedup window of sample_ids, the step's metrics record
+                              # dedup window of sample_ids, the step's metrics record,
+                              # resume: trainer.per_tenant's pending records above the offsets
+                              # (pipeline/trainer/buffers.py), null otherwise
     latest                    # text: "step_00000012" (replaced atomically)
     synced.json               # {"policy_version": V}: the last version every engine was told about
 

@@ -16,7 +16,7 @@ from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 
-_NOT_METRICS = ("step", "policy_version", "time_ms", "skipped", "sample_ids")
+_NOT_METRICS = ("step", "policy_version", "time_ms", "skipped", "sample_ids", "tenant")
 
 
 def step_event(record: dict, run_id: str, trained: dict[str, float]) -> events.TrainStep:
@@ -29,7 +29,8 @@ def step_event(record: dict, run_id: str, trained: dict[str, float]) -> events.T
         step=int(record["step"]), policy_version=int(record.get("policy_version", 0)), run_id=run_id,
         created_at=int(record.get("time_ms") or events.now_ms()), skipped=bool(record.get("skipped", False)),
         metrics={k: v for k, v in record.items() if k not in _NOT_METRICS},
-        sample_ids=[str(i) for i in record.get("sample_ids", [])], trained=dict(trained))
+        sample_ids=[str(i) for i in record.get("sample_ids", [])], trained=dict(trained),
+        tenant=record.get("tenant"))
 
 
 class StepPublisher:

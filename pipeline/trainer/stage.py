@@ -105,6 +105,7 @@ class TrainerStage:
         self.policy = PolicyTrainer(cfg, self.hf_dir, self.par)
         offsets: dict[int, int] = {}
         seen: list[str] = []
+        resume = None
         last_record = None
         if found is not None:
             meta, state = C.load(found, self.par)
@@ -114,6 +115,7 @@ class TrainerStage:
             topic_offsets = meta.get("offsets", {}).get(self.config.topics.name("samples"), {})
             offsets = {int(p): int(o) for p, o in topic_offsets.items()}
             seen = list(meta.get("seen", []))
+            resume = meta.get("resume")  # per-tenant buffers: what was consumed above the offsets
             last_record = meta.get("record")
             log.info("restored %s: step %d, policy version %d, offsets %s", found, self.step, self.version, offsets)
         elif from_export is not None:
@@ -143,7 +145,7 @@ class TrainerStage:
             if last is not None and last.run_id == cfg.run_id:  # the gauge survives a restart
                 prom.PUBLISHED_VERSION.set(last.policy_version)
 
-            self.source = SampleSource(self.config, offsets, seen, validate=self._validate)
+            self.source = SampleSource(self.config, offsets, seen, validate=self._validate, resume=resume)
             self.publisher = WeightPublisher(self.config)
             from pipeline.trainer.publish import StepPublisher
 
@@ -270,6 +272,8 @@ class TrainerStage:
                         "batch_samples": len(samples), **result.metrics}
         if batch is not None:
             record.update(batch.stats)
+            if cfg.per_tenant:
+                record["tenant"] = batch.tenant
             if cfg.log_sample_ids:
                 record["sample_ids"] = [s.sample_id for s in samples]
                 # where consumption ended: with the previous step's, which records this step consumed
@@ -279,7 +283,8 @@ class TrainerStage:
         if self.step % cfg.checkpoint_every == 0 or last or stopping:
             meta = {"policy_version": self.version, "record": record,
                     "offsets": {self.config.topics.name("samples"): batch.offsets if batch else {}},
-                    "seen": self.source.dedup.to_list() if self.source else []}
+                    "seen": self.source.dedup.to_list() if self.source else [],
+                    "resume": batch.resume if batch else None}
             C.save(self.ckpt_dir, self.step, self.par, self.policy.state_dict(), meta, cfg.keep_checkpoints)
             if self.par.is_main:
                 self.source.commit(batch.offsets)
