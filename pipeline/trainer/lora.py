@@ -288,11 +288,13 @@ class LoraModel:
             raise ValueError(f"LoRA adapter {name!r} is in use")
         del self.adapters[name]
 
-    def hf_tensors(self, name: str, dtype: torch.dtype | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    def hf_tensors(self, name: str, dtype: torch.dtype | None = None, dst: int = 0,
+                   grads: bool = False) -> dict[str, torch.Tensor] | None:
         """Adapter ``name`` in PEFT names and full HF shapes, gathered over TP onto global rank ``dst``.
 
         Collective over the TP group (every rank calls it); other ranks get ``None``. CPU,
-        contiguous, in ``dtype`` (default: the adapter's).
+        contiguous, in ``dtype`` (default: the adapter's). ``grads``: the gradients of the last
+        step instead (Megatron DDP's ``main_grad``, reduced over DP), for tests and diagnostics.
         """
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -303,7 +305,8 @@ class LoraModel:
         with torch.no_grad():
             for layer, t in self.sites():
                 for which in ("A", "B"):
-                    p = getattr(ad, which)[f"{layer}_{t}"].detach()
+                    p = getattr(ad, which)[f"{layer}_{t}"]
+                    p = p.main_grad if grads else p.detach()
                     dim = sharded_dim(t, which)
                     if self.tp > 1 and dim is not None:
                         shards = [torch.empty_like(p) for _ in range(self.tp)]
