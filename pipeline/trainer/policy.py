@@ -13,6 +13,12 @@ One :meth:`PolicyTrainer.train_batch` = ``steps_per_batch`` optimizer steps over
 each accumulating gradients over micro-batches (forward, log-probs at the sample's rollout
 temperature through vocab-parallel cross-entropy, loss of :mod:`pipeline.trainer.loss`,
 backward), then ``finalize_model_grads`` (DP/TP all-reduces) and ``optimizer.step()``.
+
+With ``trainer.lora`` the base model is frozen and shared, and what a step trains is one LoRA
+adapter (:mod:`pipeline.trainer.lora`), chosen per batch (``train_batch(..., adapter=name)``, one
+per tenant): each adapter is its own :class:`Trainable` (Megatron DDP over its parameters alone,
+and its own Megatron optimizer), so the same code path trains it and nothing of another tenant
+moves. Without ``trainer.lora`` the one :class:`Trainable` is the whole model, as before.
 """
 
 from __future__ import annotations
