@@ -148,7 +148,8 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=2, help="samples per micro-batch")
     p.add_argument("--seq", type=int, default=256, help="tokens per sample (half prompt, half response)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: on a shared CPU, two "
+                   "threads' barrier spinning inflated LoRA's many small matmuls 3-4x in CPU seconds)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per model and mode")
     p.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = p.parse_args()
