@@ -261,6 +261,30 @@ class JudgeConfig(Section):
                                 "kafka.request_timeout_ms", ge=1)
 
 
+#: the Hugging Face projections a LoRA adapter can target (Llama-family names, as PEFT spells them)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """``trainer.lora``: one LoRA adapter per tenant over a frozen, shared base (absent: full
+    fine-tuning). Defaults are those of OpenClaw-RL's LoRA scripts (rank 16, alpha 32, every
+    attention and MLP projection); the update of a target is ``(alpha / rank) * B @ A``."""
+
+    rank: int = _d(16, "LoRA rank r of every adapter", ge=1, le=4096)
+    alpha: int = _d(32, "LoRA alpha: the adapter's update is scaled by alpha / rank", ge=1)
+    targets: list[Literal[LORA_TARGETS]] = _d(lambda: list(LORA_TARGETS),  # type: ignore[valid-type]
+                                              "projections that get an adapter (PEFT target_modules)")
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("trainer.lora.targets is empty: an adapter needs at least one projection")
+        if len(set(v)) != len(v):
+            raise ValueError(f"trainer.lora.targets names a projection twice: {v}")
+        return v
+
+
 class TrainerConfig(Section):
     """The trainer stage: batches, loss, model, checkpoints, weight sync."""
 
@@ -326,6 +350,8 @@ class TrainerConfig(Section):
     poll_timeout_s: float = _d(1.0, "one poll of `samples` waits at most this long (s)", gt=0)
     log_sample_ids: bool = _d(True, "write each step's sample_ids to the metrics log")
     progress: bool = _d(True, "progress bar on the console")
+    lora: LoraConfig | None = _d(None, "LoRA adapters per tenant over the frozen base (rank, alpha, targets); "
+                                 "None: full fine-tuning")
     missing_checkpoint: Literal["refuse", "fresh", "newest_export"] = _d(
         "refuse", "no checkpoint although exports show this run trained before: refuse, start fresh (base "
         "model, as a new higher version) or start from the newest export")

@@ -11,8 +11,12 @@ ext4/xfs need for the rename to survive a crash).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -45,6 +49,29 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_folder(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Build a folder that appears at ``out_dir`` complete or not at all.
+
+    Yields a temporary sibling folder (``.<name>.tmp-*``) to fill; when the block ends without
+    an exception it is fsynced, renamed to ``out_dir`` and the parent is fsynced (the recipe
+    above). On an exception the temporary folder is removed and the exception propagates. Files
+    written inside must be fsynced by their writer. Raises ``FileExistsError`` (before the block
+    runs) if ``out_dir`` exists; creates the parent folder when missing.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"export target {out} exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 def lock_with_pid(path: str | os.PathLike) -> tuple[int | None, str]:
     """Take an exclusive ``flock`` on ``path`` (created if missing) and write this process's pid in it.
 

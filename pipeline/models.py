@@ -14,7 +14,6 @@ Everything runs offline (``HF_HUB_OFFLINE=1``).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import tempfile

@@ -35,6 +35,11 @@ from pipeline.files import atomic_write_text
 
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUM_FILE = "model.safetensors.sha256"
+#: a LoRA adapter folder (Hugging Face PEFT layout): its tensors, their checksum, its config. The
+#: adapter's version is the sha256 of ``ADAPTER_FILE``, as a full export's is of ``WEIGHTS_FILE``.
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CHECKSUM_FILE = "adapter_model.safetensors.sha256"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
@@ -50,27 +55,29 @@ def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def verify_folder(path: str | os.PathLike, sha256: str | None = None) -> str:
-    """Recompute the sha256 of ``path/model.safetensors``; compare it to ``sha256`` and the checksum file.
+def verify_folder(path: str | os.PathLike, sha256: str | None = None, file: str = WEIGHTS_FILE) -> str:
+    """Recompute the sha256 of ``path/<file>``; compare it to ``sha256`` and the checksum file.
 
     Args:
-        path: an exported weights folder (``v<N>`` under ``trainer.export_dir``).
+        path: an exported weights folder (``v<N>`` under ``trainer.export_dir``) or adapter folder.
         sha256: the hex digest the ``weights`` event (or ``published.json``) names; None checks
-            only against ``model.safetensors.sha256`` (when that file exists).
+            only against ``<file>.sha256`` (when that file exists).
+        file: the checksummed tensors: :data:`WEIGHTS_FILE` (full weights) or
+            :data:`ADAPTER_FILE` (a LoRA adapter).
     Returns:
-        The hex digest of ``model.safetensors``.
+        The hex digest of ``<file>``.
     Raises:
-        FileNotFoundError: ``model.safetensors`` is missing.
+        FileNotFoundError: ``<file>`` is missing.
         ValueError: a mismatch with ``sha256`` or with the checksum file (a torn, half-copied or
             tampered folder): an engine must not load it.
     """
     path = Path(path)
-    digest = sha256_file(path / WEIGHTS_FILE)
+    digest = sha256_file(path / file)
     if sha256 is not None and digest != sha256:
         raise ValueError(f"{path}: sha256 {digest} != published {sha256}")
-    side = path / CHECKSUM_FILE
+    side = path / f"{file}.sha256"
     if side.exists() and side.read_text().split()[0] != digest:
-        raise ValueError(f"{path}: sha256 {digest} != {CHECKSUM_FILE}")
+        raise ValueError(f"{path}: sha256 {digest} != {side.name}")
     return digest
 
 

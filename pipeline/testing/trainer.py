@@ -69,3 +69,23 @@ def policy_trainer(par, **trainer_settings):
 def param_copies(pt) -> dict:
     """Detached copies of the parameters of ``pt.model`` by name (to compare across a step)."""
     return {n: p.detach().clone() for n, p in pt.model.named_parameters()}
+
+
+def random_adapter(pt, name: str, seed: int = 0, scale: float = 0.05) -> dict:
+    """Give LoRA adapter ``name`` of ``pt`` (created when missing) random weights on every rank
+    alike: ``A ~ N(0, 1/in)``, ``B ~ N(0, scale^2)`` (a trained-looking adapter: with ``B = 0``
+    the gradient of ``A`` is 0). Returns the full tensors in PEFT names."""
+    from pipeline.trainer.lora import hf_shape, peft_name
+
+    lora = pt.lora
+    if name not in pt.adapters():
+        pt.add_adapter(name)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, t in lora.sites():
+        out, inp = hf_shape(lora.arch, t)
+        tensors[peft_name(layer, t, "A")] = torch.randn(lora.rank, inp, generator=g) / inp ** 0.5
+        tensors[peft_name(layer, t, "B")] = torch.randn(out, lora.rank, generator=g) * scale
+    lora.load_hf_tensors(name, tensors)
+    pt.trainables[name].optimizer.reload_model_params()
+    return tensors

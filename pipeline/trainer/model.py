@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 log = logging.getLogger(__name__)
 
 from pipeline.errors import PipelineError
-from pipeline.files import fsync_dir
+from pipeline.files import atomic_folder
 from pipeline.weightsync import CHECKSUM_FILE, WEIGHTS_FILE
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -186,11 +185,14 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
     )
 
 
-def build_model(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+def build_model(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                local_spec: bool = False):
     """An uninitialised Megatron ``GPTModel`` of shape ``arch`` (load weights with :func:`load_hf_weights`).
 
     Call :func:`pipeline.trainer.dist.init` first. Uses the Transformer Engine layer spec on CUDA
-    when TE is installed, else Megatron's local spec. Output logits are vocab-parallel:
+    when TE is installed, else Megatron's local spec; ``local_spec`` forces the local spec (LoRA
+    adapters hook Megatron's own parallel linears: TE fuses the input norm into ``linear_qkv`` and
+    ``linear_fc1``, :mod:`pipeline.trainer.lora`). Output logits are vocab-parallel:
     ``model(input_ids [b, s], position_ids [b, s], None) -> [b, s, vocab / tp]`` (causal mask).
     Raises :class:`UnsupportedModel` if ``tp`` does not divide the model.
     """
@@ -202,7 +204,7 @@ def build_model(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, dev
     device = device or torch.device("cpu")
     cuda = device.type == "cuda"
     cfg = transformer_config(arch, tp, dtype, cuda)
-    if cuda and have_transformer_engine():
+    if cuda and have_transformer_engine() and not local_spec:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
@@ -467,20 +469,10 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], src_dir: str | os.PathLike
     """
     t0 = time.perf_counter()
     src, out = Path(src_dir), Path(out_dir)
-    if out.exists():
-        raise FileExistsError(f"export target {out} exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         digest = write_safetensors(tensors, tmp / WEIGHTS_FILE)
         (tmp / CHECKSUM_FILE).write_text(f"{digest}  {WEIGHTS_FILE}\n")
         _copy_side_files(src, tmp, dtype)
-        fsync_dir(tmp)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = (out / WEIGHTS_FILE).stat().st_size
     return Exported(out, digest, size, time.perf_counter() - t0)
 

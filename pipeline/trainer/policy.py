@@ -13,15 +13,23 @@ One :meth:`PolicyTrainer.train_batch` = ``steps_per_batch`` optimizer steps over
 each accumulating gradients over micro-batches (forward, log-probs at the sample's rollout
 temperature through vocab-parallel cross-entropy, loss of :mod:`pipeline.trainer.loss`,
 backward), then ``finalize_model_grads`` (DP/TP all-reduces) and ``optimizer.step()``.
+
+With ``trainer.lora`` the base model is frozen and shared, and what a step trains is one LoRA
+adapter (:mod:`pipeline.trainer.lora`), chosen per batch (``train_batch(..., adapter=name)``, one
+per tenant): each adapter is its own :class:`Trainable` (Megatron DDP over its parameters alone,
+and its own Megatron optimizer), so the same code path trains it and nothing of another tenant
+moves. Without ``trainer.lora`` the one :class:`Trainable` is the whole model, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +40,9 @@ from pipeline.trainer import loss as L
 from pipeline.trainer import model as M
 from pipeline.trainer import prom
 from pipeline.trainer.dist import Parallel
+
+if TYPE_CHECKING:
+    from pipeline.trainer.lora import LoraModel
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +201,16 @@ class _Tally:
                    torch.zeros(num_samples, dtype=torch.float64))
 
 
+@dataclass
+class Trainable:
+    """What an optimizer step updates: ``ddp`` (Megatron DDP over the trained parameters: the
+    whole model, or one LoRA adapter), its ``optimizer``, and the optimizer ``steps`` it took."""
+
+    ddp: Any
+    optimizer: Any
+    steps: int = 0
+
+
 class PolicyTrainer:
     """The trained policy and its optimizer, on this process's TP/DP shard.
 
@@ -200,36 +221,117 @@ class PolicyTrainer:
     """
 
     def __init__(self, cfg: TrainerConfig, hf_dir: str | Path, par: Parallel) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.cfg, self.par, self.hf_dir = cfg, par, Path(hf_dir)
         self.loss_params = L.LossParams.from_config(cfg)  # the config is frozen: built once
         self.arch = M.Arch.from_hf(self.hf_dir)
         self.dtype = resolve_dtype(cfg.dtype, par.device)
         t0 = time.perf_counter()
-        self.model = M.build_model(self.arch, par.tp, self.dtype, par.device)
+        self.model = M.build_model(self.arch, par.tp, self.dtype, par.device, local_spec=cfg.lora is not None)
         M.load_hf_weights(self.model, self.hf_dir, self.arch)
-        # The distributed (ZeRO-1) optimizer stays off: its state needs Megatron's sharded
-        # checkpointing, while plain optimizer state dicts keep checkpoints simple per TP rank.
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
-        self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_cfg, module=self.model)
-        ocfg = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=ddp_cfg.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(ocfg, [self.ddp])
-        self.apply_hyperparameters()
-        self.ref_model = None
-        if cfg.kl_coef:
+        #: what an optimizer step can update: ``None`` -> the whole model (full fine-tuning), or
+        #: adapter name -> that adapter (``trainer.lora``); ``_unit`` is the one being trained
+        self.trainables: dict[str | None, Trainable] = {}
+        self.lora = None
+        self.ddp = self.optimizer = None  # the full model's (None with LoRA: per adapter)
+        if cfg.lora is None:
+            self.trainables[None] = self._trainable(self.model)
+            self.ddp, self.optimizer = self.trainables[None].ddp, self.trainables[None].optimizer
+        else:
+            from pipeline.trainer.lora import LoraModel
+
+            self.lora = LoraModel(self.model, self.arch, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+        self._unit = self.trainables.get(None)
+        self.ref_model = None  # with LoRA the reference is the shared base itself (adapters off)
+        if cfg.kl_coef and self.lora is None:
             self.ref_model = M.build_model(self.arch, par.tp, self.dtype, par.device)
             M.load_hf_weights(self.ref_model, self.hf_dir, self.arch)
             self.ref_model.eval().requires_grad_(False)
         self.optimizer_steps = 0
         self.nonfinite_steps = 0  # optimizer steps skipped because the loss or a gradient was NaN/inf
         self.load_seconds = time.perf_counter() - t0
+
+    def _trainable(self, module: torch.nn.Module) -> Trainable:
+        """Megatron DDP and optimizer over ``module``'s trainable parameters (the whole model, or
+        one LoRA adapter: each adapter gets its own grad buffer and Adam state)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.cfg
+        # The distributed (ZeRO-1) optimizer stays off: its state needs Megatron's sharded
+        # checkpointing, while plain optimizer state dicts keep checkpoints simple per TP rank.
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+        ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_cfg, module=module)
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=ddp_cfg.use_distributed_optimizer)
+        unit = Trainable(ddp, get_megatron_optimizer(ocfg, [ddp]))
+        self._set_hyperparameters(unit.optimizer, [])
+        return unit
+
+    @property
+    def net(self):
+        """The module a forward pass goes through: Megatron DDP over the model (full fine-tuning),
+        or the base model itself, whose LoRA hooks add the selected adapter."""
+        return self.ddp if self.lora is None else self.model
+
+    # ------------------------------------------------------------ adapters (trainer.lora)
+
+    def _need_lora(self) -> LoraModel:
+        if self.lora is None:
+            raise ValueError("trainer.lora is off (full fine-tuning): there are no adapters")
+        return self.lora
+
+    def adapters(self) -> list[str]:
+        """Names of the LoRA adapters (one per tenant), sorted; ``[]`` without LoRA."""
+        return sorted(n for n in self.trainables if n is not None)
+
+    def add_adapter(self, name: str) -> None:
+        """A fresh adapter ``name`` with its own optimizer state (``B = 0``: the base model until trained).
+
+        Raises ``ValueError``: LoRA is off, the name is empty or longer than
+        :data:`pipeline.events.MAX_ID_LEN`, or the adapter exists.
+        """
+        lora = self._need_lora()
+        if not isinstance(name, str) or not 0 < len(name) <= events.MAX_ID_LEN:
+            raise ValueError(f"adapter name {name!r}: must be 1..{events.MAX_ID_LEN} characters")
+        self.trainables[name] = self._trainable(lora.add(name, seed=self.cfg.seed))
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` and its optimizer state. Raises ``KeyError`` when absent."""
+        self._need_lora().remove(name)
+        del self.trainables[name]
+
+    def adapter_steps(self, name: str) -> int:
+        """Optimizer steps adapter ``name`` has taken (``KeyError`` when absent)."""
+        return self.trainables[name].steps
+
+    @contextlib.contextmanager
+    def _selected(self, adapter: str | None, train: bool) -> Iterator[None]:
+        """Apply ``adapter`` and make it the trained unit inside the block.
+
+        Full fine-tuning: ``adapter`` must be None. LoRA: ``train`` needs an adapter and creates
+        it on its first batch; for scoring, None is the base model and an unknown name a
+        ``KeyError``. Raises ``ValueError`` on a mismatch with ``trainer.lora``.
+        """
+        if self.lora is None:
+            if adapter is not None:
+                raise ValueError(f"adapter {adapter!r} given but trainer.lora is off (full fine-tuning)")
+            yield
+            return
+        if train and adapter is None:
+            raise ValueError("trainer.lora is on: train_batch needs adapter=<the tenant's adapter name>")
+        if train and adapter not in self.trainables:
+            self.add_adapter(adapter)
+        before = self._unit
+        self._unit = self.trainables.get(adapter)
+        try:
+            with self.lora.using(adapter):
+                yield
+        finally:
+            self._unit = before
 
     # ------------------------------------------------------------ scoring
 
@@ -239,24 +341,36 @@ class PolicyTrainer:
         return token_log_probs(logits, mb.targets, mb.temperatures, entropy, mask=mb.mask)
 
     @torch.no_grad()
-    def log_probs(self, samples: list[events.Sample], reference: bool = False) -> list[list[float]]:
+    def log_probs(self, samples: list[events.Sample], reference: bool = False,
+                  adapter: str | None = None) -> list[list[float]]:
         """Each sample's response-token log-probs (nats, at its rollout temperature), no grad.
 
         Returns one list of ``response_length`` floats per sample, in input order (``loss_mask``
         is ignored: masked samples are scored too). ``reference`` scores with the frozen
-        reference model (needs ``kl_coef > 0``).
+        reference model (full fine-tuning: needs ``kl_coef > 0``; LoRA: the base model).
+        ``adapter`` (LoRA only) scores with that adapter (None: the base model; ``KeyError``
+        when it does not exist).
         """
-        model = self.ref_model if reference else self.ddp
-        if model is None:
-            raise ValueError("no reference model (kl_coef is 0)")
-        model.eval()
-        out: list[list[float]] = [[] for _ in samples]
-        for mb in B.split(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, include_masked=True):
-            lp, _ = self._forward(model, mb)
-            lp = lp.float().cpu()
-            for row, i in enumerate(mb.index):
-                out[i] = lp[row][mb.mask[row] > 0].tolist()
+        with self._selected(None if reference else adapter, train=False):
+            model = self.ref_model if reference and self.lora is None else self.net
+            if model is None:
+                raise ValueError("no reference model (kl_coef is 0)")
+            model.eval()
+            out: list[list[float]] = [[] for _ in samples]
+            for mb in B.split(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, include_masked=True):
+                lp, _ = self._forward(model, mb)
+                lp = lp.float().cpu()
+                for row, i in enumerate(mb.index):
+                    out[i] = lp[row][mb.mask[row] > 0].tolist()
         return out
+
+    def _reference_log_probs(self, mb: B.MicroBatch) -> torch.Tensor | None:
+        """``[b, S]`` log-probs of the reference policy for the KL term (None when ``kl_coef`` is 0):
+        the frozen copy of the initial model, or with LoRA the shared base (adapters off)."""
+        if self.lora is not None and self.cfg.kl_coef:
+            with self.lora.using(None):
+                return self._forward(self.model, mb)[0].float()
+        return self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None
 
     # ------------------------------------------------------------ training
 
@@ -300,28 +414,31 @@ class PolicyTrainer:
                 # weighs by the recomputed vs the engine's log-probs.
                 rollout = mb.rollout_log_probs.to(par.device)
                 if cfg.old_log_probs == "recompute" or tis or not bool(mb.has_rollout.all()):
-                    self.ddp.eval()
-                    rec = self._forward(self.ddp, mb)[0].float()
+                    self.net.eval()
+                    rec = self._forward(self.net, mb)[0].float()
                     old_cache.append(rec if cfg.old_log_probs == "recompute"
                                      else torch.where(mb.has_rollout[:, None].to(rec.device), rollout, rec))
                     train_cache.append(rec if tis else None)
                 else:
                     old_cache.append(rollout)
                     train_cache.append(None)
-                ref_cache.append(self._forward(self.ref_model, mb)[0].float() if self.ref_model is not None else None)
+                ref_cache.append(self._reference_log_probs(mb))
         return _Prepared(keep, samples, weights, has_reward, rewards, rl_adv, micro, old_cache, ref_cache, train_cache)
 
     @torch.no_grad()
-    def advantages(self, samples: list[events.Sample], weights: list[float] | None = None) -> list[list[float]]:
+    def advantages(self, samples: list[events.Sample], weights: list[float] | None = None,
+                   adapter: str | None = None) -> list[list[float]]:
         """The per-token advantages :meth:`train_batch` would use on ``samples`` now (no update).
 
         Returns one list per input sample, in input order: ``response_length`` floats for the
         samples that would be trained, ``[]`` for the others (not :func:`batch.trainable`, or
-        weight 0). Single-process only (every sample must be on this DP rank).
+        weight 0). Single-process only (every sample must be on this DP rank). ``adapter``: as
+        in :meth:`log_probs`.
         """
         if self.par.dp != 1:
             raise ValueError("advantages() needs dp == 1")
-        prep = self._prepare(samples, weights)
+        with self._selected(adapter, train=False):
+            prep = self._prepare(samples, weights)
         out: list[list[float]] = [[] for _ in samples]
         for mb, old in zip(prep.micro, prep.old_cache):
             adv = self._advantages(mb, old, prep.rl_adv[mb.index]).float().cpu()
@@ -330,8 +447,12 @@ class PolicyTrainer:
         return out
 
     def train_batch(self, samples: list[events.Sample], weights: list[float] | None = None,
-                    policy_version: int | None = None) -> StepResult:
+                    policy_version: int | None = None, adapter: str | None = None) -> StepResult:
         """Run ``steps_per_batch`` optimizer steps on ``samples`` (every rank gets the same list).
+
+        ``adapter``: with ``trainer.lora``, the adapter trained (required; created on its first
+        batch: one per tenant, each with its own optimizer state, the base and every other adapter
+        untouched); without LoRA it must be None (the whole model is trained).
 
         ``weights`` are per-sample loss weights (staleness down-weighting; default 1). Samples
         that are not :func:`batch.trainable` are not trained; with ``trainer.count_masked_samples``
@@ -361,6 +482,12 @@ class PolicyTrainer:
         their token counts ``logprob_tokens_current`` / ``logprob_tokens_stale``. A figure
         without tokens is absent, never 0; the split needs ``policy_version``.
         """
+        with self._selected(adapter, train=True):
+            return self._train(samples, weights, policy_version)
+
+    def _train(self, samples: list[events.Sample], weights: list[float] | None,
+               policy_version: int | None) -> StepResult:
+        """:meth:`train_batch` on the selected trainable unit."""
         t0 = time.perf_counter()
         # prepare: trainable samples, RL advantages, this rank's micro-batches and their log-probs
         prep = self._prepare(samples, weights)
@@ -418,13 +545,13 @@ class PolicyTrainer:
         train-vs-rollout figure and each sample's mean advantage. Returns this rank's summed
         detached statistics of :func:`loss.policy_loss` plus ``loss`` (``{}`` without micro-batches).
         """
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.net.train()
+        self._unit.ddp.zero_grad_buffer()
+        self._unit.optimizer.zero_grad()
         entropy_mode = "grad" if self.cfg.entropy_coef else "metric"
         step_stats: dict[str, torch.Tensor] = {}
         for mb, old, ref, train in zip(prep.micro, prep.old_cache, prep.ref_cache, prep.train_cache):
-            logp, ent = self._forward(self.ddp, mb, entropy_mode)
+            logp, ent = self._forward(self.net, mb, entropy_mode)
             dev = logp.device
             mask = mb.mask.to(dev)
             adv = self._advantages(mb, old, prep.rl_adv[mb.index])
@@ -501,26 +628,28 @@ class PolicyTrainer:
 
         from pipeline.trainer import prom
 
-        finalize_model_grads([self.ddp])
+        finalize_model_grads([self._unit.ddp])
         if not self._finite_everywhere(loss):
             self.nonfinite_steps += 1
             prom.NONFINITE.inc()
             return False, None, None
-        ok, grad_norm, zeros = self.optimizer.step()
+        ok, grad_norm, zeros = self._unit.optimizer.step()
         if not ok:  # a bf16/fp16 loss scaler found inf itself
             self.nonfinite_steps += 1
             prom.NONFINITE.inc()
             return False, grad_norm, zeros
+        self._unit.steps += 1
         self.optimizer_steps += 1
         prom.OPTIMIZER_STEPS.inc()
         return ok, grad_norm, zeros
 
     def _grad_tensors(self) -> list[torch.Tensor]:
-        """This rank's reduced gradients: Megatron DDP's flat grad buffers (one tensor each)."""
-        bufs = list(getattr(self.ddp, "buffers", [])) + list(getattr(self.ddp, "expert_parallel_buffers", []))
+        """This rank's reduced gradients of the trained unit: Megatron DDP's flat grad buffers."""
+        ddp = self._unit.ddp
+        bufs = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
         if bufs:
             return [b.grad_data for b in bufs]
-        return [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+        return [p.main_grad for p in ddp.module.parameters() if getattr(p, "main_grad", None) is not None]
 
     def _finite_everywhere(self, loss: torch.Tensor | None) -> bool:
         """True when this step's loss and gradients are finite on every rank (collective).
@@ -542,7 +671,10 @@ class PolicyTrainer:
         """
         from pipeline.trainer.guards import nonfinite_parameters
 
-        bad = nonfinite_parameters(self.model.named_parameters())
+        named = list(self.model.named_parameters())
+        if self.lora is not None:
+            named += [(f"lora.{n}.{k}", p) for n, ad in self.lora.adapters.items() for k, p in ad.named_parameters()]
+        bad = nonfinite_parameters(named)
         if _any_rank(bool(bad), self.par.device) and not bad:
             return ["<another rank>"]
         return bad
@@ -556,11 +688,17 @@ class PolicyTrainer:
         these in its ``OptimizerParamScheduler``; the trainer uses a constant schedule, so it is
         done here, once at construction and again after a checkpoint is restored (the restored
         groups hold the hyper-parameters of the run that wrote it). Returns the changed values as
-        ``"name old -> new"`` strings.
+        ``"name old -> new"`` strings. With LoRA: every adapter's optimizer.
         """
-        cfg = self.cfg
         changes: list[str] = []
-        for g in self.optimizer.param_groups:
+        for unit in self.trainables.values():
+            self._set_hyperparameters(unit.optimizer, changes)
+        return changes
+
+    def _set_hyperparameters(self, optimizer, changes: list[str]) -> None:
+        """:meth:`apply_hyperparameters` on one optimizer, appending its changes to ``changes``."""
+        cfg = self.cfg
+        for g in optimizer.param_groups:
             new = {"lr": cfg.lr * g.get("lr_mult", 1.0),
                    "weight_decay": cfg.weight_decay * g.get("wd_mult", 1.0),
                    "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
@@ -570,7 +708,6 @@ class PolicyTrainer:
                     changes.append(f"{k} {old} -> {v}")
                 g[k] = v
             g["max_lr"] = g["min_lr"] = cfg.lr  # what Megatron's scheduler would read
-        return changes
 
     def _all_reduce_dp(self, stats: dict[str, Any]) -> dict[str, float]:
         """Sum scalar stats over DP ranks (each rank holds its micro-batches' share)."""
@@ -590,24 +727,88 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ export / state
 
+    def _export_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.cfg.export_dtype, self.par.device) if self.cfg.export_dtype != "auto" else self.dtype
+
     def export(self, out_dir: str | Path) -> M.Exported | None:
-        """Write the current weights as an HF folder (collective over TP; rank 0 writes)."""
-        dtype = resolve_dtype(self.cfg.export_dtype, self.par.device) if self.cfg.export_dtype != "auto" else self.dtype
-        return M.export_hf(self.model, self.arch, self.hf_dir, out_dir, dtype=dtype)
+        """Write the current weights as an HF folder (collective over TP; rank 0 writes).
+
+        Raises ``ValueError`` with ``trainer.lora`` (the base never changes: :meth:`export_adapter`).
+        """
+        if self.lora is not None:
+            raise ValueError("trainer.lora is on: the base is frozen; export an adapter with export_adapter()")
+        return M.export_hf(self.model, self.arch, self.hf_dir, out_dir, dtype=self._export_dtype())
+
+    def export_adapter(self, name: str, out_dir: str | Path) -> M.Exported | None:
+        """Write adapter ``name`` alone as a PEFT folder (:func:`pipeline.trainer.lora.write_adapter_folder`).
+
+        Collective over TP (the shards are gathered); global rank 0 writes and gets
+        :class:`pipeline.trainer.model.Exported` (its ``sha256`` is the adapter's version), the
+        others ``None``. ``adapter_config.json`` names ``trainer.model`` as the base. Raises
+        ``KeyError`` for an unknown adapter, ``FileExistsError`` if ``out_dir`` exists.
+        """
+        from pipeline.trainer.lora import write_adapter_folder
+
+        lora = self._need_lora()
+        tensors = lora.hf_tensors(name, dtype=self._export_dtype())
+        if tensors is None:
+            return None
+        return write_adapter_folder(tensors, lora.peft_config(self.cfg.model), out_dir)
+
+    def load_adapter(self, name: str, folder: str | Path, sha256: str | None = None) -> str:
+        """Resume adapter ``name`` from an exported PEFT folder (checksum verified; fresh optimizer state).
+
+        Replaces the adapter if it exists. Returns the folder's sha256. Raises ``ValueError``
+        (checksum mismatch, or the folder's rank / alpha / targets differ from ``trainer.lora``),
+        ``FileNotFoundError``, ``KeyError`` (a tensor missing).
+        """
+        from pipeline.trainer.lora import read_adapter_folder
+
+        lora = self._need_lora()
+        config, tensors, digest = read_adapter_folder(folder, sha256)
+        lora.check_config(config, str(folder))
+        if name in self.trainables:
+            self.remove_adapter(name)
+        self.add_adapter(name)
+        lora.load_hf_tensors(name, tensors)
+        self.trainables[name].optimizer.reload_model_params()  # bf16: the fp32 master copies follow
+        return digest
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model shard, optimizer state and step counter (for checkpoints)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "optimizer_steps": self.optimizer_steps}
+        """This rank's model shard, optimizer state and step counter (for checkpoints).
+
+        With LoRA: ``adapters`` (name -> its weights, optimizer state and steps) instead of the
+        frozen base, which is always the one in ``hf_dir``.
+        """
+        if self.lora is None:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "optimizer_steps": self.optimizer_steps}
+        adapters = {n: {"weights": self.lora.adapters[n].state_dict(), "optimizer": t.optimizer.state_dict(),
+                        "steps": t.steps} for n, t in self.trainables.items()}
+        return {"adapters": adapters, "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Restore :meth:`state_dict` (same TP size and model): weights, Adam moments, counters.
 
         The configured hyper-parameters (lr, weight decay, betas, eps) replace the checkpoint's
-        (:meth:`apply_hyperparameters`); the changes are logged and returned.
+        (:meth:`apply_hyperparameters`); the changes are logged and returned. With LoRA the
+        adapters become exactly the checkpoint's. Raises ``ValueError`` when the checkpoint is
+        of the other kind (full fine-tuning vs LoRA).
         """
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if ("adapters" in state) != (self.lora is not None):
+            raise ValueError("the checkpoint is of " + ("LoRA adapters" if "adapters" in state else
+                             "full fine-tuning") + f" but trainer.lora is {'on' if self.lora else 'off'}")
+        if self.lora is None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            for n in self.adapters():
+                self.remove_adapter(n)
+            for n, a in state["adapters"].items():
+                self.add_adapter(n)
+                self.lora.adapters[n].load_state_dict(a["weights"])
+                self.trainables[n].optimizer.load_state_dict(a["optimizer"])
+                self.trainables[n].steps = int(a["steps"])
         self.optimizer_steps = int(state["optimizer_steps"])
         changes = self.apply_hyperparameters()
         if changes:
@@ -618,8 +819,10 @@ class PolicyTrainer:
     def load_weights(self, hf_dir: str | Path) -> None:
         """Load the weights of an exported HF folder (checksum verified); optimizer state is fresh.
 
-        Raises ``ValueError`` on a checksum mismatch and ``FileNotFoundError`` without weights.
+        With LoRA this replaces the frozen base (the adapters stay). Raises ``ValueError`` on a
+        checksum mismatch and ``FileNotFoundError`` without weights.
         """
         weightsync.verify_folder(hf_dir)
         M.load_hf_weights(self.model, hf_dir, self.arch)
-        self.optimizer.reload_model_params()  # bf16: the fp32 master copies follow the new weights
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()  # bf16: the fp32 master copies follow the new weights
