@@ -5,7 +5,8 @@ One module, torch-free and stage-free (it imports neither :mod:`pipeline.trainer
 
 - the exported folder's layout and its checksum: ``<folder>/model.safetensors`` plus
   ``model.safetensors.sha256`` (``"<hex>  model.safetensors"``, the ``sha256sum`` format),
-  :func:`sha256_file`, :func:`verify_folder`. The trainer writes them
+  :func:`sha256_file`, :func:`verify_folder`; a LoRA adapter folder's content id is
+  :func:`sha256_folder` over its two files (docs/tenants.md). The trainer writes them
   (:func:`pipeline.trainer.model.write_hf_folder`), a syncer checks them before any engine loads the
   folder;
 - the published record ``<trainer.export_dir>/published.json`` (:class:`Published`,
@@ -72,6 +73,20 @@ def verify_folder(path: str | os.PathLike, sha256: str | None = None) -> str:
     if side.exists() and side.read_text().split()[0] != digest:
         raise ValueError(f"{path}: sha256 {digest} != {CHECKSUM_FILE}")
     return digest
+
+
+def sha256_folder(path: str | os.PathLike, files: list[str] | tuple[str, ...]) -> str:
+    """Hex sha256 of a folder's ``files``: the digest of their ``sha256sum`` manifest.
+
+    The manifest is one line ``"<hex>  <name>\n"`` per file (each hex from :func:`sha256_file`),
+    sorted by name, encoded as UTF-8; its sha256 is the folder's content id (a LoRA adapter's
+    version, docs/tenants.md). Two folders with byte-identical ``files`` get the same id whatever
+    else they hold or where they are.
+
+    Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
+    """
+    manifest = "".join(f"{sha256_file(Path(path) / name)}  {name}\n" for name in sorted(files))
+    return hashlib.sha256(manifest.encode()).hexdigest()
 
 
 # ---- the trainer's record of what it published ------------------------------------------------
