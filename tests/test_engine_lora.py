@@ -360,3 +360,28 @@ def test_cli_lora_paths():
     for bad in (["=/a"], ["x="], ["x=/a", "x=/b"]):
         with pytest.raises(ValueError):
             _lora_paths(bad)
+
+
+def test_engine_client_lora_methods(url, http, adapters):
+    import asyncio
+
+    from pipeline.client import EngineClient, EngineError
+
+    async def run():
+        async with EngineClient(url) as client:
+            out = await client.load_lora_adapter("cl", str(adapters["c"]))
+            assert out["loaded_adapters"]["cl"] == str(adapters["c"])
+            with pytest.raises(EngineError) as e:
+                await client.load_lora_adapter("cl", str(adapters["a"]))
+            assert e.value.status == 400 and "other content" in str(e.value)
+            got = await client.score(IDS, 1, lora_path="cl")
+            gen = await client.generate(IDS, sampling_params={"max_new_tokens": 2}, lora_path="cl")
+            assert gen["meta_info"]["lora_name"] == "cl"
+            await client.unload_lora_adapter("cl")
+            with pytest.raises(EngineError) as e:
+                await client.unload_lora_adapter("cl")
+            assert e.value.status == 400 and "does not exist" in str(e.value)
+            return got
+
+    got = asyncio.run(run())
+    assert max_diff(got, merged_reference(IDS, adapters["c"])) <= 1e-4
