@@ -425,15 +425,7 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        try:
-            out = await self._request("POST", "/update_weights_from_disk", body, timeout_s=timeout_s)
-        except EngineError as e:
-            if isinstance(e.body, dict) and e.body.get("success") is False:
-                raise EngineError(str(e.body.get("message")), e.status, e.body) from None
-            raise
-        if not out.get("success", False):
-            raise EngineError(str(out.get("message")), 400, out)
-        return out
+        return await self._success_call("/update_weights_from_disk", body, "message", timeout_s)
 
     # ---- LoRA adapters (SGLang's endpoints; docs/tenants.md) ------------------------------------
     # Per request: ``generate(..., lora_path=name)`` / ``generate_stream`` (a list for a batch),
@@ -446,22 +438,25 @@ class EngineClient:
         under a loaded name is refused (unload first). Raises :class:`EngineError` (status 400)
         when refused: a missing folder, an adapter that does not fit the served model, LoRA off.
         """
-        return await self._lora_call("/load_lora_adapter",
-                                     {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": pinned})
+        return await self._success_call("/load_lora_adapter",
+                                        {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": pinned})
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         """``POST /unload_lora_adapter``; raises :class:`EngineError` (400) for a name not loaded."""
-        return await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name})
+        return await self._success_call("/unload_lora_adapter", {"lora_name": lora_name})
 
-    async def _lora_call(self, path: str, body: dict) -> dict:
+    async def _success_call(self, path: str, body: dict, message_key: str = "error_message",
+                            timeout_s: float | None = None) -> dict:
+        """POST an admin call answered ``{success, <message_key>, ...}`` (weights, LoRA); raises
+        :class:`EngineError` with the server's message when ``success`` is false (HTTP 400 or 200)."""
         try:
-            out = await self._request("POST", path, body)
+            out = await self._request("POST", path, body, timeout_s=timeout_s)
         except EngineError as e:
             if isinstance(e.body, dict) and e.body.get("success") is False:
-                raise EngineError(str(e.body.get("error_message")), e.status, e.body) from None
+                raise EngineError(str(e.body.get(message_key)), e.status, e.body) from None
             raise
         if not out.get("success", False):
-            raise EngineError(str(out.get("error_message")), 400, out)
+            raise EngineError(str(out.get(message_key)), 400, out)
         return out
     # ---- end of LoRA adapters -------------------------------------------------------------------
 

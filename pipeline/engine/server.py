@@ -8,7 +8,9 @@ return_prompt_token_ids / return_meta_info), ``POST /update_weights_from_disk``,
 /v1/tokenize`` (and ``/tokenize``), ``POST /v1/detokenize``, ``GET /health``, ``/health_generate``,
 ``/ping``, ``/model_info`` (and ``/get_model_info``), ``/server_info`` (and ``/get_server_info``),
 ``/v1/models``, ``POST /pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/flush_cache``, and ``GET /metrics`` (Prometheus).
+``/flush_cache``, ``POST /load_lora_adapter``, ``/unload_lora_adapter`` (with ``lora_path`` on
+``/generate`` and ``model: "<base>:<adapter>"`` on chat; docs/sglang-api.md §6), and ``GET
+/metrics`` (Prometheus).
 
 Log-probs: of the temperature-scaled distribution softmax(logits/T) before top-p/top-k (SGLang's
 default). A scoring pass (``max_new_tokens: 0`` + ``return_logprob``) uses the request's
@@ -47,8 +49,8 @@ a caller records the temperature the log-probs really are of.
 
 Layout: the routes form four ``APIRouter`` objects: ``info_router`` (health, model and server info,
 ``/metrics``), ``openai_router`` (``/v1/chat/completions``, ``/v1/models``, tokenize /
-detokenize; OpenAI error shapes), ``native_router`` (``/generate``, ``/update_weights_from_disk``;
-SGLang's ``{"error": {"message"}}``) and ``control_router`` (pause, continue, abort, flush).
+detokenize; OpenAI error shapes), ``native_router`` (``/generate``, ``/update_weights_from_disk``,
+the LoRA routes; SGLang's ``{"error": {"message"}}`` and ``{"success", ...}``) and ``control_router`` (pause, continue, abort, flush).
 :func:`create_app` adds the middleware and error handlers and includes them; the routes reach the
 one shared :class:`EngineState` in ``app.state.engine`` through the dependencies ``Engine`` and
 ``Running`` (the latter answers 503 before reading the body when the model thread is not running).

@@ -20,6 +20,12 @@ As in SGLang, a swap requested while generation is paused (``/pause_generation``
 once; rows frozen by an ``in_place``/``retract`` pause then continue on the new weights and report
 the new version (use the default ``abort`` pause, or none, to avoid mixed-policy responses).
 
+LoRA (:mod:`pipeline.engine.lora`): each request carries the adapter it was admitted with (or
+None); before every forward the thread sets :attr:`EngineWorker.lora_plan` to the adapter of
+each row (prefill: the one request; decode: every running row), so rows of different adapters
+decode together; admission keeps at most ``lora.max_per_batch`` distinct adapters in the batch,
+and prefix-cache entries are keyed by the adapter's sha256. A weight swap hooks the new model.
+
 Log-probs: see :mod:`pipeline.engine.sampler` (softmax(logits/T) before top-p/top-k).
 Constrained rows (``params.grammar``, :mod:`pipeline.engine.grammar`) get a matcher at admission;
 each step its mask of allowed tokens goes into the row's :class:`RowSpec` (so a constrained row
