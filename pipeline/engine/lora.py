@@ -230,8 +230,8 @@ class LoraPlan:
 
     def stacks(self, key: str) -> tuple[str, torch.Tensor, torch.Tensor] | None:
         """For module ``key``: None (no row adapts it); ``("shared", A [r, in], B [out, r])`` when
-        every row has the same weights; else ``("rows", A [n, r, in], B [n, out, r])`` with zeros
-        for rows without weights and ranks zero-padded to the largest."""
+        every row has the same weights; else ``("rows", A^T [n, in, r], B^T [n, r, out])`` with
+        zeros for rows without weights and ranks zero-padded to the largest."""
         if key in self._cache:
             return self._cache[key]
         ws = [a.weights.get(key) if a is not None else None for a in self.rows]
@@ -245,7 +245,9 @@ class LoraPlan:
             in_f, out_f = present[0][0].shape[1], present[0][1].shape[0]
             a_rows = [self._pad(w[0], r, 0) if w is not None else self._zero(r, in_f) for w in ws]
             b_rows = [self._pad(w[1], r, 1) if w is not None else self._zero(out_f, r) for w in ws]
-            res = ("rows", torch.stack(a_rows), torch.stack(b_rows))
+            # transposed once here, contiguous, so each forward's two bmm read plain row-major stacks
+            res = ("rows", torch.stack(a_rows).transpose(1, 2).contiguous(),
+                   torch.stack(b_rows).transpose(1, 2).contiguous())
         self._cache[key] = res
         return res
 
@@ -269,7 +271,7 @@ def lora_delta(x: torch.Tensor, entry: tuple[str, torch.Tensor, torch.Tensor]) -
     kind, a, b = entry
     if kind == "shared":
         return (x @ a.t()) @ b.t()
-    return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
+    return torch.bmm(torch.bmm(x, a), b)  # a, b: the transposed row stacks of LoraPlan.stacks
 
 
 def install(model, plan: LoraPlan, targets: tuple[str, ...]) -> dict[str, torch.nn.Linear]:
