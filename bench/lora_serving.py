@@ -87,11 +87,11 @@ def _time_decode(model, rows: int, ctx: int, repeats: int, **kw) -> float:
     with torch.inference_mode():
         ids = torch.tensor([_prompt(ctx, i) for i in range(rows)])
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        model(input_ids=ids, cache=cache, use_cache=True, **kw)
         times = []
         for j in range(repeats):
             t = time.perf_counter()
-            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True,
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True,
                   position_ids=torch.full((rows, 1), ctx + j), **kw)
             times.append(1000 * (time.perf_counter() - t))
     return min(times)  # on a shared machine the minimum is the cost least disturbed by other load

@@ -315,7 +315,9 @@ class LoraSettings:
 @dataclass
 class LoraRegistry:
     """Name -> :class:`LoraAdapter` of the loaded adapters. Loads and unloads are serialised by
-    one asyncio lock; a request resolves its adapter once, at admission, and keeps the object."""
+    one asyncio lock (a load reads the folder in a worker thread) and replace :attr:`adapters`
+    by a new dict, so a reader on the event loop never iterates a dict being changed; a request
+    resolves its adapter once, at admission, and keeps the object."""
 
     settings: LoraSettings
     linears: dict[str, torch.nn.Linear] = field(default_factory=dict)
@@ -361,7 +363,7 @@ class LoraRegistry:
                             f"the folder's is {sha[:12]}...); unload it first. Loaded LoRAs: {sorted(self.adapters)}")
         s = self.settings
         adapter = read_adapter(name, path, self.linears, max_rank=s.max_rank, targets=s.targets)
-        self.adapters[name] = adapter
+        self.adapters = {**self.adapters, name: adapter}  # copy on write: readers never see a dict change
         log.info("loaded LoRA adapter %s from %s (r %d, sha256 %s)", name, path, adapter.rank, adapter.sha256)
         return adapter, True
 
@@ -375,7 +377,9 @@ class LoraRegistry:
             raise LoraError(NOT_ENABLED)
         if name not in self.adapters:
             raise LoraError(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
-        return self.adapters.pop(name)
+        adapter = self.adapters[name]
+        self.adapters = {n: a for n, a in self.adapters.items() if n != name}
+        return adapter
 
     def paths(self) -> dict[str, str]:
         """``loaded_adapters`` of SGLang's answer: name -> path."""
