@@ -385,3 +385,29 @@ def test_engine_client_lora_methods(url, http, adapters):
 
     got = asyncio.run(run())
     assert max_diff(got, merged_reference(IDS, adapters["c"])) <= 1e-4
+
+
+def test_admission_keeps_max_loras_per_batch():
+    """The model thread admits a waiting request only if its adapter fits the batch's
+    ``max_per_batch`` distinct adapters (the base counting as one); others are skipped, not dropped."""
+    from types import SimpleNamespace
+
+    from pipeline.engine.model import load_model, load_tokenizer
+    from pipeline.engine.worker import EngineWorker, GenRequest
+    from pipeline.models import resolve_model
+
+    path = resolve_model("tiny-random")
+    w = EngineWorker(load_model(path), load_tokenizer(path), context_length=64,
+                     lora=LoraSettings(enabled=True, max_per_batch=2))
+    a, b = SimpleNamespace(sha256="sa"), SimpleNamespace(sha256="sb")
+
+    def req(lora):
+        return GenRequest("r", [1], None, lambda u: None, lora=lora)
+
+    w._batch.seqs = [SimpleNamespace(req=req(None)), SimpleNamespace(req=req(a))]  # base + a: full
+    rb, ra, rbase = req(b), req(a), req(None)
+    w._waiting.extend([rb, ra, rbase])
+    assert w._next_admissible() is ra and w._next_admissible() is rbase
+    assert w._next_admissible() is None and list(w._waiting) == [rb]  # b waits for a row to finish
+    w._batch.seqs = [SimpleNamespace(req=req(None))]
+    assert w._next_admissible() is rb
