@@ -79,55 +79,70 @@ async def _measure(url: str, folders: list[Path], args) -> dict[int, dict[str, l
     return res
 
 
-def _time_decode(model, rows: int, ctx: int, repeats: int, **kw) -> float:
-    """Fastest ms of a ``[rows, 1]`` decode forward of ``model`` on a ``ctx``-token KV cache."""
+def _decoder(model, rows: int, ctx: int, **kw):
+    """A function that runs one more ``[rows, 1]`` decode forward of ``model`` on its own KV cache
+    (prefilled with ``ctx`` tokens) and returns its milliseconds."""
     import torch
     from transformers import DynamicCache
 
+    ids = torch.tensor([_prompt(ctx, i) for i in range(rows)])
+    cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        ids = torch.tensor([_prompt(ctx, i) for i in range(rows)])
-        cache = DynamicCache(config=model.config)
         model(input_ids=ids, cache=cache, use_cache=True, **kw)
-        times = []
-        for j in range(repeats):
+    step = [ctx]
+
+    def run() -> float:
+        with torch.inference_mode():
             t = time.perf_counter()
-            model(input_ids=ids[:, -1:], cache=cache, use_cache=True,
-                  position_ids=torch.full((rows, 1), ctx + j), **kw)
-            times.append(1000 * (time.perf_counter() - t))
-    return min(times)  # on a shared machine the minimum is the cost least disturbed by other load
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True, position_ids=torch.full((rows, 1), step[0]),
+                  **kw)
+            step[0] += 1
+            return 1000 * (time.perf_counter() - t)
+
+    return run
 
 
 def _step_numbers(args, folders: list[Path]) -> dict[str, dict[int, float]]:
-    """{"ours" | "peft": {k adapters among the rows: median decode-step ms}}."""
+    """{"ours" | "peft": {k adapters among the rows: fastest decode-step ms}}: every configuration
+    has its own model copy and KV cache, and the repeats go round all of them in turn (so a burst
+    of load on the shared machine hits every configuration alike)."""
     import copy
+
+    import torch
 
     from pipeline.engine.lora import LoraPlan, install, read_adapter
     from pipeline.engine.model import load_model
     from pipeline.models import resolve_model
 
-    import torch
-
     torch.set_num_threads(args.threads)
-    loaded = load_model(resolve_model(args.model))
-    plain = copy.deepcopy(loaded.model)
-    plan = LoraPlan()
-    linears = install(loaded.model, plan, LoraSettings().targets)
-    adapters = [read_adapter(f"a{i}", f, linears, max_rank=args.rank, targets=LoraSettings().targets)
-                for i, f in enumerate(folders)]
-    B, out = args.concurrency, {"ours": {}, "peft": {}}
-    for k in [0] + args.adapters:
+    plain = load_model(resolve_model(args.model)).model
+    targets, B, ks = LoraSettings().targets, args.concurrency, [0] + args.adapters
+    linears = install(copy.deepcopy(plain), LoraPlan(), targets)
+    adapters = [read_adapter(f"a{i}", f, linears, max_rank=args.rank, targets=targets) for i, f in enumerate(folders)]
+    runners = {}
+    for k in ks:
+        model, plan = copy.deepcopy(plain), LoraPlan()
+        install(model, plan, targets)
         plan.set([adapters[i % k] if k else None for i in range(B)])
-        out["ours"][k] = _time_decode(loaded.model, B, args.prompt_tokens, args.step_repeats)
+        runners[("ours", k)] = _decoder(model, B, args.prompt_tokens)
     try:
         from peft import PeftModel
+
+        peft = PeftModel.from_pretrained(copy.deepcopy(plain), str(folders[0]), adapter_name="a0").eval()
+        for i, f in enumerate(folders[1:], 1):
+            peft.load_adapter(str(f), adapter_name=f"a{i}")
+        for k in ks:
+            names = [f"a{i % k}" if k else "__base__" for i in range(B)]
+            runners[("peft", k)] = _decoder(peft, B, args.prompt_tokens, adapter_names=names)
     except ImportError:
-        return {"ours": out["ours"]}
-    peft = PeftModel.from_pretrained(plain, str(folders[0]), adapter_name="a0").eval()
-    for i, f in enumerate(folders[1:], 1):
-        peft.load_adapter(str(f), adapter_name=f"a{i}")
-    for k in [0] + args.adapters:
-        names = [f"a{i % k}" if k else "__base__" for i in range(B)]
-        out["peft"][k] = _time_decode(peft, B, args.prompt_tokens, args.step_repeats, adapter_names=names)
+        pass
+    times: dict = {key: [] for key in runners}
+    for _ in range(args.step_repeats):
+        for key, run in runners.items():
+            times[key].append(run())
+    out: dict[str, dict[int, float]] = {}
+    for (impl, k), v in times.items():
+        out.setdefault(impl, {})[k] = min(v)  # the cost least disturbed by other load
     return out
 
 
