@@ -141,6 +141,15 @@ class EngineConfig(Section):
     prefix_cache_entries: int = _d(64, "`pipeline engine`: prompts kept in the prefix cache at most (LRU)", ge=0)
     prefix_cache_min_tokens: int = _d(16, "`pipeline engine`: shortest prompt stored / prefix reused", ge=1)
     threads: int | None = _d(None, "torch threads of the CPU engine (None: torch's default)", ge=1)
+    enable_lora: bool = _d(False, "`pipeline engine`: serve LoRA adapters (SGLang's --enable-lora; docs/tenants.md)")
+    max_lora_rank: int = _d(64, "`pipeline engine`: largest LoRA rank an adapter may have", ge=1)
+    lora_target_modules: list[str] = _d(lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"],
+                                        "`pipeline engine`: projections LoRA adapters may target")
+    max_loras_per_batch: int = _d(8, "`pipeline engine`: distinct adapters decoded together, the base model "
+                                  "counting as one", ge=1)
+    lora_paths: dict[str, str] = _d(dict, "`pipeline engine`: adapters loaded at start, name -> folder "
+                                    "(turns LoRA on)")
     seed: int = _d(0, "sampling seed of requests that give none")
     request_timeout_s: float = _d(300.0, "time-out (s) of one engine call made by our clients", gt=0)
     teacher_url: str | None = _d(None, "OPD teacher engine, a frozen model (None: refused unless "

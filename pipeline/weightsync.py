@@ -5,7 +5,8 @@ One module, torch-free and stage-free (it imports neither :mod:`pipeline.trainer
 
 - the exported folder's layout and its checksum: ``<folder>/model.safetensors`` plus
   ``model.safetensors.sha256`` (``"<hex>  model.safetensors"``, the ``sha256sum`` format),
-  :func:`sha256_file`, :func:`verify_folder`. The trainer writes them
+  :func:`sha256_file`, :func:`verify_folder`; a LoRA adapter folder's content id is
+  :func:`sha256_folder` over its two files (docs/tenants.md). The trainer writes them
   (:func:`pipeline.trainer.model.write_hf_folder`), a syncer checks them before any engine loads the
   folder;
 - the published record ``<trainer.export_dir>/published.json`` (:class:`Published`,
@@ -36,10 +37,12 @@ from pipeline.files import atomic_write_text
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUM_FILE = "model.safetensors.sha256"
 #: a LoRA adapter folder (Hugging Face PEFT layout): its tensors, their checksum, its config. The
-#: adapter's version is the sha256 of ``ADAPTER_FILE``, as a full export's is of ``WEIGHTS_FILE``.
+#: adapter's version is :func:`adapter_version`, the content id of its config and tensors (both
+#: decide what it computes: ``lora_alpha / r`` scales the tensors).
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CHECKSUM_FILE = "adapter_model.safetensors.sha256"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_FILE)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
@@ -79,6 +82,43 @@ def verify_folder(path: str | os.PathLike, sha256: str | None = None, file: str 
     if side.exists() and side.read_text().split()[0] != digest:
         raise ValueError(f"{path}: sha256 {digest} != {side.name}")
     return digest
+
+
+def sha256_folder(path: str | os.PathLike, files: list[str] | tuple[str, ...]) -> str:
+    """Hex sha256 of a folder's ``files``: the digest of their ``sha256sum`` manifest.
+
+    The manifest is one line ``"<hex>  <name>\n"`` per file (each hex from :func:`sha256_file`),
+    sorted by name, encoded as UTF-8; its sha256 is the folder's content id (a LoRA adapter's
+    version, docs/tenants.md). Two folders with byte-identical ``files`` get the same id whatever
+    else they hold or where they are.
+
+    Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
+    """
+    manifest = "".join(f"{sha256_file(Path(path) / name)}  {name}\n" for name in sorted(files))
+    return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def adapter_version(path: str | os.PathLike) -> str:
+    """A LoRA adapter folder's version: :func:`sha256_folder` over :data:`ADAPTER_FILES`.
+
+    Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
+    """
+    return sha256_folder(path, ADAPTER_FILES)
+
+
+def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
+    """Check an adapter folder before it is loaded; return its :func:`adapter_version`.
+
+    The tensors are checked against their checksum file (:func:`verify_folder` with
+    :data:`ADAPTER_FILE`, when that file exists) and the version against ``sha256`` (the one a
+    record names; None: not compared). Raises ``FileNotFoundError`` (a file missing) and
+    ``ValueError`` (a mismatch: a torn, half-copied or tampered folder).
+    """
+    verify_folder(path, None, file=ADAPTER_FILE)
+    version = adapter_version(path)
+    if sha256 is not None and version != sha256:
+        raise ValueError(f"{path}: adapter version {version} != published {sha256}")
+    return version
 
 
 # ---- the trainer's record of what it published ------------------------------------------------

@@ -11,6 +11,8 @@ Modules (torch is imported only by the ones that run the model):
 - ``prefix_cache``: the KV of recent prompts, reused by prompts that start with the same token
   ids (LRU, bounded by ``engine.prefix_cache_bytes`` / ``prefix_cache_entries``, emptied on every
   weight swap; docs/prefix-cache.md).
+- ``lora``: LoRA adapters (the PEFT folder, its sha256, the registry, the per-row delta hooked
+  into the target projections so adapters and the base decode in one batch; docs/tenants.md).
 - ``generation``, ``protocol``, ``server``, ``metrics``: the FastAPI app and its shapes.
 - ``runtime``: build + serve; ``cli``: ``python -m pipeline engine``.
 

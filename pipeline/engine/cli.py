@@ -5,6 +5,7 @@ Examples::
     python -m pipeline engine --model smollm2-135m --port 30000
     python -m pipeline engine --model tiny-random --port 0          # any free port (printed)
     python -m pipeline engine --model runs/weights/v3 --weight-version 3
+    python -m pipeline engine --model tiny-random --enable-lora --lora-paths alice=runs/lora/alice/v2
 
 Flags override the ``engine`` section of the config (``--set engine.threads=2`` works too).
 The first line on stdout once serving is ``ENGINE READY http://HOST:PORT`` (for supervisors).
@@ -32,14 +33,52 @@ def add_arguments(parser) -> None:
     parser.add_argument("--served-model-name", help="name in /v1/models (default: --model)")
     parser.add_argument("--cache-dir", help="where built-in models are converted (engine.cache_dir)")
     parser.add_argument("--seed", type=int, help="seed of the shared sampling generator (engine.seed)")
+    lora = parser.add_argument_group("LoRA (SGLang's flags; docs/tenants.md)")
+    lora.add_argument("--enable-lora", action="store_true", default=None,
+                      help="serve LoRA adapters: /load_lora_adapter, lora_path, model 'base:adapter' (engine.enable_lora)")
+    lora.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (engine.max_lora_rank)")
+    lora.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                      help="projections adapters may target, or 'all' (engine.lora_target_modules)")
+    lora.add_argument("--max-loras-per-batch", type=int,
+                      help="distinct adapters in one batch, the base counting as one (engine.max_loras_per_batch)")
+    lora.add_argument("--lora-paths", nargs="+", metavar="NAME=PATH",
+                      help="adapters to load at start; turns LoRA on (engine.lora_paths)")
+
+
+def _lora_paths(items: list[str] | None) -> dict[str, str] | None:
+    """``NAME=PATH`` items as a dict (a bare ``PATH`` is named after its folder, as in SGLang).
+
+    Raises:
+        ValueError: an empty name or path, or a name given twice.
+    """
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        name, _, path = item.partition("=") if "=" in item else (item.rstrip("/").rsplit("/", 1)[-1], "", item)
+        if not name or not path or name in out:
+            raise ValueError(f"--lora-paths: bad or repeated item {item!r} (NAME=PATH)")
+        out[name] = path
+    return out
 
 
 def run(args, config) -> int:
+    from pipeline.engine.lora import SUPPORTED_TARGETS, LoraSettings
     from pipeline.engine.model import ModelLoadError
     from pipeline.engine.runtime import build_state, serve
     from pipeline.models import ModelNotFound
 
-    overrides = {"model": args.model, "host": args.host, "port": args.port, "threads": args.threads,
+    try:
+        lora_paths = _lora_paths(args.lora_paths)
+    except ValueError as exc:
+        print(f"pipeline engine: {exc}", file=sys.stderr)
+        return 2
+    targets = args.lora_target_modules
+    if targets == ["all"]:
+        targets = list(SUPPORTED_TARGETS)
+    overrides = {"enable_lora": args.enable_lora, "max_lora_rank": args.max_lora_rank,
+                 "lora_target_modules": targets, "max_loras_per_batch": args.max_loras_per_batch,
+                 "lora_paths": lora_paths, "model": args.model, "host": args.host, "port": args.port, "threads": args.threads,
                  "weight_version": args.weight_version, "context_length": args.context_length,
                  "max_batch_size": args.max_batch_size, "served_model_name": args.served_model_name,
                  "cache_dir": args.cache_dir, "seed": args.seed, "prefix_cache_bytes": args.prefix_cache_bytes}
@@ -51,7 +90,9 @@ def run(args, config) -> int:
                             max_batch_size=e.max_batch_size, weight_version=e.weight_version, seed=e.seed,
                             threads=e.threads, served_model_name=e.served_model_name,
                             prefix_cache_bytes=e.prefix_cache_bytes, prefix_cache_entries=e.prefix_cache_entries,
-                            prefix_cache_min_tokens=e.prefix_cache_min_tokens)
+                            prefix_cache_min_tokens=e.prefix_cache_min_tokens,
+                            lora=LoraSettings(e.enable_lora, e.max_lora_rank, tuple(e.lora_target_modules),
+                                              e.max_loras_per_batch), lora_paths=e.lora_paths)
     except (ModelNotFound, ModelLoadError) as exc:
         print(f"pipeline engine: {exc}", file=sys.stderr)
         return 2

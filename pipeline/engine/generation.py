@@ -32,6 +32,7 @@ class Item:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    lora: Any = None  # pipeline.engine.lora.LoraAdapter the sequence runs under; None: the base model
 
 
 def partial_suffix(text: str, stop: str) -> int:
@@ -56,7 +57,8 @@ class Generation:
             loop.call_soon_threadsafe(put, u)
 
         self.req = GenRequest(item.rid, item.input_ids, item.params, sink, item.return_logprob,
-                              item.logprob_start_len, item.top_logprobs_num, item.token_ids_logprob)
+                              item.logprob_start_len, item.top_logprobs_num, item.token_ids_logprob,
+                              lora=item.lora)
         self.output_ids: list[int] = []
         self.output_lps: list[float] = []
         self.output_top: list[Any] = []
@@ -173,6 +175,7 @@ class Generation:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
             "weight_version": self.version,
+            **self.lora_info(),
         }
         if self.latency is not None:
             mi["e2e_latency"] = self.latency
@@ -190,6 +193,12 @@ class Generation:
                 mi["input_token_ids_logprobs"] = self._top_entries(self.input_fixed, with_text)
                 mi["output_token_ids_logprobs"] = self._top_entries(self.output_fixed, with_text)
         return mi
+
+    def lora_info(self) -> dict[str, str | None]:
+        """``lora_name`` and ``lora_sha256`` of the adapter that served the request (its content
+        id: the version; both None for the base model)."""
+        a = self.item.lora
+        return {"lora_name": a.name if a is not None else None, "lora_sha256": a.sha256 if a is not None else None}
 
     def generate_output(self, *, with_text: bool = False, prompt_ids: bool = False) -> dict:
         """The ``/generate`` response object (or one cumulative stream chunk)."""

@@ -15,6 +15,11 @@ its own is not stored. ``max_bytes == 0`` or ``max_entries == 0`` disables the c
 shorter than ``min_tokens`` are not stored and a shorter common prefix is not reused (the copy
 would cost more than the prefill it saves).
 
+Adapters: keys/values are a function of the LoRA adapter too (its delta changes the k/v
+projections and every layer after the first), so every entry carries the content id (sha256) of
+the adapter its prefill ran under (None: the base model), and a lookup considers only entries of
+the same adapter: a prefix computed under adapter X is never reused for adapter Y or the base.
+
 Validity: keys/values are a function of the weights, so the engine clears the cache whenever
 its weights change (:meth:`clear`, called by the model thread at every swap) and on
 ``/flush_cache``. The cache is owned by the model thread; it takes no lock.
@@ -33,12 +38,14 @@ import torch
 
 @dataclass(eq=False)
 class PrefixEntry:
-    """One cached prompt: ``ids`` [n] (int64) and per-layer ``keys``/``values`` [1, H, n, D]."""
+    """One cached prompt: ``ids`` [n] (int64) and per-layer ``keys``/``values`` [1, H, n, D],
+    computed under the LoRA adapter whose sha256 is ``adapter`` (None: the base model)."""
 
     ids: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     nbytes: int
+    adapter: str | None = None
 
 
 @dataclass
@@ -85,8 +92,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, ids: list[int], limit: int) -> tuple[int, PrefixEntry | None]:
-        """The longest cached prefix of ``ids``, at most ``limit`` tokens.
+    def match(self, ids: list[int], limit: int, adapter: str | None = None) -> tuple[int, PrefixEntry | None]:
+        """The longest cached prefix of ``ids``, at most ``limit`` tokens, among the entries
+        computed under ``adapter`` (a LoRA adapter's sha256; None: the base model).
 
         Returns:
             ``(n, entry)``: the first ``n`` tokens of ``ids`` equal ``entry.ids[:n]``; ``(0, None)``
@@ -101,6 +109,8 @@ class PrefixCache:
         q = torch.tensor(ids[:limit], dtype=torch.long)
         best, best_n = None, 0
         for entry in self._entries.values():
+            if entry.adapter != adapter:
+                continue
             n = common_prefix(entry.ids, q)
             if n > best_n:
                 best, best_n = entry, n
@@ -111,9 +121,11 @@ class PrefixCache:
         self.stats.reused_tokens += best_n
         return best_n, best
 
-    def insert(self, ids: list[int], layers: list) -> bool:
+    def insert(self, ids: list[int], layers: list, adapter: str | None = None) -> bool:
         """Store the KV of prompt ``ids`` taken from cache ``layers`` (each with ``keys``/``values``
-        ``[1, H, S, D]``, ``S >= len(ids)``; the first ``len(ids)`` positions are copied).
+        ``[1, H, S, D]``, ``S >= len(ids)``; the first ``len(ids)`` positions are copied), computed
+        under ``adapter`` (sha256; None: base). Only entries of the same adapter cover or are
+        covered by it.
 
         Returns:
             True when stored; False when the cache is off, the prompt is shorter than
@@ -128,6 +140,8 @@ class PrefixCache:
         if nbytes > self.max_bytes:
             return False
         for key, entry in list(self._entries.items()):
+            if entry.adapter != adapter:
+                continue
             shared = common_prefix(entry.ids, q)
             if shared == n:  # an entry starts with the whole prompt: nothing new to keep
                 self._entries.move_to_end(key)
@@ -136,7 +150,7 @@ class PrefixCache:
                 self._drop(key)
         keys = [layer.keys[:, :, :n].clone() for layer in layers]
         values = [layer.values[:, :, :n].clone() for layer in layers]
-        entry = PrefixEntry(q, keys, values, nbytes)
+        entry = PrefixEntry(q, keys, values, nbytes, adapter)
         self._entries[id(entry)] = entry
         self.nbytes += nbytes
         self.stats.inserted += 1

@@ -33,6 +33,8 @@ class GenerateBody(_Body):
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
     return_prompt_token_ids: StrictBool = False
+    # a loaded LoRA adapter's name (None: the base model); a list gives one per prompt of a batch
+    lora_path: str | list[str | None] | None = None
 
 
 class FunctionDef(_Body):
@@ -124,6 +126,21 @@ class UpdateWeightsBody(_Body):
     abort_all_requests: StrictBool = False
     weight_version: str | int | None = None
     flush_cache: StrictBool = True
+
+
+class LoadLoraBody(_Body):
+    """``POST /load_lora_adapter`` (SGLang ``LoadLoRAAdapterReqInput``). ``pinned`` is accepted
+    and has no effect here (every loaded adapter stays in memory until unloaded)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: StrictBool = False
+
+
+class UnloadLoraBody(_Body):
+    """``POST /unload_lora_adapter`` (SGLang ``UnloadLoRAAdapterReqInput``)."""
+
+    lora_name: str
 
 
 class TokenizeBody(_Body):

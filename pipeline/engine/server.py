@@ -8,7 +8,9 @@ return_prompt_token_ids / return_meta_info), ``POST /update_weights_from_disk``,
 /v1/tokenize`` (and ``/tokenize``), ``POST /v1/detokenize``, ``GET /health``, ``/health_generate``,
 ``/ping``, ``/model_info`` (and ``/get_model_info``), ``/server_info`` (and ``/get_server_info``),
 ``/v1/models``, ``POST /pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/flush_cache``, and ``GET /metrics`` (Prometheus).
+``/flush_cache``, ``POST /load_lora_adapter``, ``/unload_lora_adapter`` (with ``lora_path`` on
+``/generate`` and ``model: "<base>:<adapter>"`` on chat; docs/sglang-api.md §6), and ``GET
+/metrics`` (Prometheus).
 
 Log-probs: of the temperature-scaled distribution softmax(logits/T) before top-p/top-k (SGLang's
 default). A scoring pass (``max_new_tokens: 0`` + ``return_logprob``) uses the request's
@@ -47,8 +49,8 @@ a caller records the temperature the log-probs really are of.
 
 Layout: the routes form four ``APIRouter`` objects: ``info_router`` (health, model and server info,
 ``/metrics``), ``openai_router`` (``/v1/chat/completions``, ``/v1/models``, tokenize /
-detokenize; OpenAI error shapes), ``native_router`` (``/generate``, ``/update_weights_from_disk``;
-SGLang's ``{"error": {"message"}}``) and ``control_router`` (pause, continue, abort, flush).
+detokenize; OpenAI error shapes), ``native_router`` (``/generate``, ``/update_weights_from_disk``,
+the LoRA routes; SGLang's ``{"error": {"message"}}`` and ``{"success", ...}``) and ``control_router`` (pause, continue, abort, flush).
 :func:`create_app` adds the middleware and error handlers and includes them; the routes reach the
 one shared :class:`EngineState` in ``app.state.engine`` through the dependencies ``Engine`` and
 ``Running`` (the latter answers 503 before reading the body when the model thread is not running).
@@ -77,8 +79,9 @@ from pipeline.engine.generation import Generation, Item, RequestFailed
 from pipeline.engine.grammar import check_grammar, json_grammar, regex_grammar, tool_call_grammar
 from pipeline.engine.metrics import EngineMetrics
 from pipeline.engine.params import SamplingParams
-from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, GenerateBody, PauseBody, TokenizeBody,
-                                      UpdateWeightsBody)
+from pipeline.engine.lora import LoraError, LoraRegistry
+from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, GenerateBody, LoadLoraBody, PauseBody,
+                                      TokenizeBody, UnloadLoraBody, UpdateWeightsBody)
 from pipeline.engine.worker import EngineWorker
 from pipeline.engine_api.render import ChatRenderer, PromptSpec, normalise_tools
 from pipeline.engine_api.sglang import response_format_schema
@@ -152,6 +155,7 @@ class EngineState:
         self.worker.on_tokens = lambda n: self.metrics.generated_tokens.inc(n)
         self.worker.ll_tokenizer = self.token_bytes.ll
         self.worker.on_prefix = self.metrics.on_prefix
+        self.lora = LoraRegistry(self.worker.lora, self.worker.lora_linears)
 
     # ---- validation helpers --------------------------------------------------------------------
     def check_ids(self, ids: list[int], what: str = "input_ids") -> None:
@@ -239,7 +243,8 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-_KNOWN = {"/generate", "/v1/chat/completions", "/update_weights_from_disk", "/v1/tokenize", "/tokenize",
+_KNOWN = {"/generate", "/v1/chat/completions", "/update_weights_from_disk", "/load_lora_adapter",
+          "/unload_lora_adapter", "/v1/tokenize", "/tokenize",
           "/v1/detokenize", "/health", "/health_generate", "/model_info", "/get_model_info", "/server_info",
           "/get_server_info", "/v1/models", "/metrics", "/pause_generation", "/continue_generation",
           "/abort_request", "/flush_cache", "/ping"}
@@ -365,6 +370,7 @@ def generate_items(state: EngineState, body: GenerateBody) -> tuple[list[Item], 
     else:
         base = body.rid or uuid.uuid4().hex
         rids = [f"{base}_{i}" for i in range(total)]
+    loras = state.lora.resolve(_per_item(body.lora_path, n_prompts, "lora_path"))
     items = []
     for i, ids in enumerate(prompts):
         p = params[i]
@@ -383,7 +389,7 @@ def generate_items(state: EngineState, body: GenerateBody) -> tuple[list[Item], 
             rid = rids[i * n + j]
             items.append(Item(state.new_rid(rid), ids, _nth_sample(p, j), bool(rlp[i]),
                               int(starts[i]) if rlp[i] else -1, int(tops[i]) if rlp[i] else 0,
-                              fixed[i] if rlp[i] else None))
+                              fixed[i] if rlp[i] else None, loras[i]))
     return items, is_batch or total > 1
 
 
@@ -555,10 +561,19 @@ def chat_constraint(state: EngineState, body: ChatBody, tools: list[dict] | None
 
 
 def chat_items(state: EngineState, body: ChatBody, prompt: list[int], params: SamplingParams) -> tuple[str, list[Item]]:
+    """Request id and sequences of a chat request; ``model: "<base>:<adapter>"`` selects a loaded
+    LoRA adapter (SGLang's syntax: split at the first ``:``, the base part is not checked).
+
+    Raises:
+        ValueError: an unknown adapter or LoRA off (answered 400).
+    """
+    adapter = body.model.split(":", 1)[1].strip() or None if ":" in body.model else None
+    lora = state.lora.resolve([adapter])[0]
     rid = state.new_rid(body.rid)
     rids = [rid] if params.n == 1 else [state.new_rid(f"{rid}_{i}") for i in range(params.n)]
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    return rid, [Item(r, prompt, _nth_sample(params, j), body.logprobs, -1, top, None) for j, r in enumerate(rids)]
+    return rid, [Item(r, prompt, _nth_sample(params, j), body.logprobs, -1, top, None, lora)
+                 for j, r in enumerate(rids)]
 
 
 def chat_response(state: EngineState, body: ChatBody, rid: str, gens: list[Generation], tools) -> dict:
@@ -591,7 +606,7 @@ def chat_response(state: EngineState, body: ChatBody, rid: str, gens: list[Gener
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                       "reasoning_tokens": 0},
             "metadata": {"weight_version": gens[0].version,
-                         "sampling_params": gens[0].item.params.reported()}}
+                         "sampling_params": gens[0].item.params.reported(), **gens[0].lora_info()}}
 
 
 async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[Generation], tools
@@ -618,7 +633,7 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
     try:
         for i, g in enumerate(gens):
             first: dict[str, Any] = {"metadata": {"weight_version": g.version,
-                                                  "sampling_params": g.item.params.reported()}}
+                                                  "sampling_params": g.item.params.reported(), **g.lora_info()}}
             if want_ids:
                 first["prompt_token_ids"] = list(g.item.input_ids)
             yield sse(chunk(i, {"role": "assistant", "content": ""}, **first))
@@ -653,7 +668,7 @@ async def chat_stream(state: EngineState, body: ChatBody, rid: str, gens: list[G
                     reason, matched = g.chat_finish_reason(n_calls[i] > 0)
                     yield sse(chunk(i, {}, finish_reason=reason, matched_stop=matched,
                                     metadata={"weight_version": g.version,
-                                              "sampling_params": g.item.params.reported()}))
+                                              "sampling_params": g.item.params.reported(), **g.lora_info()}))
         except RequestFailed as e:
             yield sse({"error": {"message": str(e), "type": "internal_error" if e.status >= 500 else
                                  "invalid_request_error", "code": e.status, "retryable": e.status >= 500}})
@@ -720,8 +735,12 @@ def server_info(state: Engine):
             "logprob_token_bytes": True,
             "tool_call_parser": "pipeline-tool-call", "reasoning_parser": None, "dtype": "float32",
             "device": "cpu", "startup_time": state.started,
+            "enable_lora": state.lora.settings.enabled, "max_lora_rank": state.lora.settings.max_rank,
+            "lora_target_modules": list(state.lora.settings.targets),
+            "max_loras_per_batch": state.lora.settings.max_per_batch,
             "internal_states": [{"running_requests": running, "waiting_requests": waiting,
-                                 "decode_steps": state.worker.steps, "prefix_cache": prefix_info(state)}]}
+                                 "decode_steps": state.worker.steps, "prefix_cache": prefix_info(state),
+                                 "lora_adapters": [a.info() for a in state.lora.adapters.values()]}]}
 
 
 def prefix_info(state: EngineState) -> dict:
@@ -775,7 +794,12 @@ def model_card(state: EngineState) -> dict:
 
 @openai_router.get("/v1/models")
 async def models(state: Engine):
-    return ORJSONResponse({"object": "list", "data": [model_card(state)]})
+    """The served model, then one card per loaded LoRA adapter (SGLang: ``id`` the adapter's
+    name, ``root`` its path, ``parent`` the served model, ``max_model_len`` null)."""
+    cards = [model_card(state)] + [
+        {"id": a.name, "object": "model", "created": int(state.started), "owned_by": ENGINE_NAME, "root": a.path,
+         "parent": state.served_model_name, "max_model_len": None} for a in state.lora.adapters.values()]
+    return ORJSONResponse({"object": "list", "data": cards})
 
 
 @openai_router.get("/v1/models/{model_id:path}")
@@ -896,11 +920,46 @@ async def update_weights(request: Request, state: Engine):
         if new_version is None:
             return _weights_failed(state, "Failed to update weights: superseded by another update")
         state.model_path = str(path)
+        state.lora.linears = state.worker.lora_linears  # the new model's (same shapes, checked by load_model)
         state.metrics.set_version(new_version)
         state.metrics.weight_updates.labels("success").inc()
     msg = f"Succeeded to update model weights. Weight version updated to {new_version}."
     return ORJSONResponse({"success": True, "message": msg, "num_paused_requests": 0,
                            "weight_version": new_version})
+
+
+def _lora_answer(state: EngineState, error: str | None) -> ORJSONResponse:
+    """SGLang's ``LoRAUpdateOutput``: ``{success, error_message, loaded_adapters: {name: path}}``,
+    200 on success and 400 on a refusal."""
+    return ORJSONResponse({"success": error is None, "error_message": error, "loaded_adapters": state.lora.paths()},
+                          status_code=200 if error is None else 400)
+
+
+@native_router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request, state: Running):
+    """Load the adapter folder ``lora_path`` as ``lora_name`` (read and checked off the model
+    thread; running requests are not held). The same content under the same name again is a
+    no-op (200); other content under a loaded name is refused (400: unload it first)."""
+    body: LoadLoraBody = validate(LoadLoraBody, await read_json(request, openai=False))
+    async with state.lora.lock:
+        try:
+            await asyncio.to_thread(state.lora.load_sync, body.lora_name, body.lora_path)
+        except LoraError as e:
+            return _lora_answer(state, str(e))
+    return _lora_answer(state, None)
+
+
+@native_router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request, state: Running):
+    """Forget ``lora_name`` at once: later requests naming it get 400; requests already admitted
+    finish on the version they started with (SGLang instead answers once they have finished)."""
+    body: UnloadLoraBody = validate(UnloadLoraBody, await read_json(request, openai=False))
+    async with state.lora.lock:
+        try:
+            state.lora.unload(body.lora_name)
+        except LoraError as e:
+            return _lora_answer(state, str(e))
+    return _lora_answer(state, None)
 
 
 # ---------------------------------------------------------------------------------------------

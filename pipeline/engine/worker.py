@@ -20,6 +20,12 @@ As in SGLang, a swap requested while generation is paused (``/pause_generation``
 once; rows frozen by an ``in_place``/``retract`` pause then continue on the new weights and report
 the new version (use the default ``abort`` pause, or none, to avoid mixed-policy responses).
 
+LoRA (:mod:`pipeline.engine.lora`): each request carries the adapter it was admitted with (or
+None); before every forward the thread sets :attr:`EngineWorker.lora_plan` to the adapter of
+each row (prefill: the one request; decode: every running row), so rows of different adapters
+decode together; admission keeps at most ``lora.max_per_batch`` distinct adapters in the batch,
+and prefix-cache entries are keyed by the adapter's sha256. A weight swap hooks the new model.
+
 Log-probs: see :mod:`pipeline.engine.sampler` (softmax(logits/T) before top-p/top-k).
 Constrained rows (``params.grammar``, :mod:`pipeline.engine.grammar`) get a matcher at admission;
 each step its mask of allowed tokens goes into the row's :class:`RowSpec` (so a constrained row
@@ -42,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.engine.grammar import Matcher
+from pipeline.engine.lora import LoraPlan, LoraSettings, install
 from pipeline.engine.model import LoadedModel
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.prefix_cache import PrefixCache
@@ -91,6 +98,8 @@ class GenRequest:
         params: verified sampling parameters.
         sink: called from the model thread with each :class:`Update` (must be thread-safe).
         return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob: SGLang's fields.
+        lora: the LoRA adapter the request runs under (:class:`pipeline.engine.lora.LoraAdapter`,
+            resolved once at admission and held to the end: one version per request); None: base.
     """
 
     rid: str
@@ -101,6 +110,7 @@ class GenRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    lora: Any = None
     aborted: bool = False
     abort_message: str = "Abort by user request."
     created: float = field(default_factory=time.monotonic)
@@ -123,6 +133,12 @@ class _Seq:
         return RowSpec(self.req.params, self.output, self.stop_ids, self.generator,
                        r.top_logprobs_num if want_lp else 0, r.token_ids_logprob if want_lp else None,
                        self.matcher.mask() if self.matcher is not None else None)
+
+
+def _lora_key(req: GenRequest) -> str | None:
+    """The content id of the request's adapter (None: the base model): the prefix-cache key and
+    the unit of ``max_loras_per_batch``."""
+    return req.lora.sha256 if req.lora is not None else None
 
 
 def _new_cache(model):
@@ -259,10 +275,14 @@ class EngineWorker:
         seed: seed of the engine's shared sampling generator.
         prefix_cache: the KV cache of recent prompts (:mod:`pipeline.engine.prefix_cache`);
             None: none (every prompt is prefilled in full).
+        lora: LoRA switches (:class:`pipeline.engine.lora.LoraSettings`); when enabled the target
+            projections of every served model get the per-row delta of :attr:`lora_plan`, and a
+            batch holds at most ``lora.max_per_batch`` distinct adapters (the base counting as one).
     """
 
     def __init__(self, loaded: LoadedModel, tokenizer, *, context_length: int, max_batch_size: int = 16,
-                 weight_version: str = "0", seed: int = 0, prefix_cache: PrefixCache | None = None) -> None:
+                 weight_version: str = "0", seed: int = 0, prefix_cache: PrefixCache | None = None,
+                 lora: LoraSettings | None = None) -> None:
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -284,6 +304,9 @@ class EngineWorker:
         self.ll_tokenizer: Any = None  # llguidance.LLTokenizer, set by the server (constrained decoding)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, 0)
         self.on_prefix: Callable[[int], None] = lambda n: None  # metrics hook: tokens reused by one lookup
+        self.lora = lora if lora is not None else LoraSettings()
+        self.lora_plan = LoraPlan()
+        self.lora_linears = install(loaded.model, self.lora_plan, self.lora.targets) if self.lora.enabled else {}
 
     # ---- public, thread-safe -------------------------------------------------------------
     def start(self) -> None:
@@ -353,7 +376,9 @@ class EngineWorker:
                         continue
                     while (self._waiting and len(self._batch) < self.max_batch_size
                            and self._swap is None and not self._stop.is_set()):
-                        req = self._waiting.popleft()
+                        req = self._next_admissible()
+                        if req is None:
+                            break
                         try:
                             self._prefill(req)
                         except Exception as e:  # noqa: BLE001 - fail this request, keep serving
@@ -386,6 +411,19 @@ class EngineWorker:
                     break
                 if cmd[0] == "req":
                     self._emit(cmd[1], Update(self.version, error=msg, status=503))
+
+    def _next_admissible(self) -> GenRequest | None:
+        """Take the first waiting request whose adapter fits the batch: at most
+        ``lora.max_per_batch`` distinct adapters (by content; the base counts as one, as in SGLang);
+        None when none fits (they wait for rows to finish)."""
+        kinds = {_lora_key(s.req) for s in self._batch.seqs}
+        if len(kinds) < self.lora.max_per_batch:
+            return self._waiting.popleft()
+        for i, r in enumerate(self._waiting):
+            if _lora_key(r) in kinds:
+                del self._waiting[i]
+                return r
+        return None
 
     def _has_work(self) -> bool:
         if self._paused:
@@ -451,6 +489,8 @@ class EngineWorker:
                 version = str(int(self.version) + 1)
             except ValueError:
                 version = f"{self.version}+1"
+        if self.lora.enabled:  # adapters are deltas: the new weights get the same hooks
+            self.lora_linears = install(loaded.model, self.lora_plan, self.lora.targets)
         self.loaded, self.version = loaded, str(version)
         dropped = self.prefix_cache.clear()  # KV computed by the old weights must never be reused
         for s in self._batch.seqs:  # only when paused in place: they continue on the new weights
@@ -489,7 +529,9 @@ class EngineWorker:
                                    finish={"type": "length", "length": 0}))
             return
         keep_kv = generate or self.prefix_cache.enabled
-        reused, cache = self._cached_prefix(ids, min(start, L - 1)) if keep_kv else (0, None)
+        key = _lora_key(req)
+        reused, cache = self._cached_prefix(ids, min(start, L - 1), key) if keep_kv else (0, None)
+        self.lora_plan.set([req.lora])
         t0 = time.perf_counter()
         out = self.loaded.model(input_ids=torch.tensor([ids[reused:]], dtype=torch.long), cache=cache,
                                 use_cache=keep_kv, logits_to_keep=L - start)
@@ -502,7 +544,7 @@ class EngineWorker:
         if not generate:
             upd.finish = {"type": "length", "length": 0}
             self._emit(req, upd)
-            self._remember(ids, cache)
+            self._remember(ids, cache, key)
             return
         gen = torch.Generator().manual_seed(p.sampling_seed) if p.sampling_seed is not None else None
         seq = _Seq(req, version, [], L, gen, self._stop_ids(p), max_new)
@@ -513,19 +555,20 @@ class EngineWorker:
         res = sample_step(logits[-1:].clone(), [seq.row_spec(req.return_logprob)], self.generator)
         finished = self._append(seq, res, 0, upd)
         self._emit(req, upd)
-        self._remember(ids, cache)  # after the first token went out: the copy is not on the TTFT path
+        self._remember(ids, cache, key)  # after the first token went out: the copy is not on the TTFT path
         if not finished:
             self._batch.add(seq, cache)
 
-    def _cached_prefix(self, ids: list[int], limit: int) -> tuple[int, Any]:
-        """(tokens reused, a fresh cache holding their KV) for a prefill of ``ids``: the longest
-        prefix-cache match of at most ``limit`` tokens (the first position whose logits the
-        request needs), copied into new buffers so the entry stays unchanged; ``(0, empty
-        cache)`` on a miss."""
+    def _cached_prefix(self, ids: list[int], limit: int, key: str | None) -> tuple[int, Any]:
+        """(tokens reused, a fresh cache holding their KV) for a prefill of ``ids`` under adapter
+        ``key`` (its sha256; None: base): the longest prefix-cache match of at most ``limit``
+        tokens (the first position whose logits the request needs) among entries of the same
+        adapter, copied into new buffers so the entry stays unchanged; ``(0, empty cache)`` on a
+        miss."""
         cache = _new_cache(self.loaded.model)
         if not all(hasattr(layer, "set") for layer in cache.layers):  # sliding-window layers: no reuse
             return 0, cache
-        n, entry = self.prefix_cache.match(ids, limit)
+        n, entry = self.prefix_cache.match(ids, limit, key)
         if entry is not None:
             for layer, k, v in zip(cache.layers, entry.keys, entry.values):
                 layer.set(k[:, :, :n], v[:, :, :n])
@@ -533,10 +576,11 @@ class EngineWorker:
             self.on_prefix(n)
         return n, cache
 
-    def _remember(self, ids: list[int], cache) -> None:
-        """Offer the prompt's KV (positions ``0 .. len(ids)-1`` of ``cache``) to the prefix cache."""
+    def _remember(self, ids: list[int], cache, key: str | None) -> None:
+        """Offer the prompt's KV (positions ``0 .. len(ids)-1`` of ``cache``, computed under adapter
+        ``key``) to the prefix cache."""
         if cache is not None and self.prefix_cache.enabled and all(hasattr(x, "set") for x in cache.layers):
-            self.prefix_cache.insert(ids, cache.layers)
+            self.prefix_cache.insert(ids, cache.layers, key)
 
     def _prompt_logprobs(self, req: GenRequest, logits: torch.Tensor, start: int, upd: Update) -> None:
         """Fill upd.input_* from logits of positions start .. L-2 ([L-1-start, V])."""
@@ -607,6 +651,7 @@ class EngineWorker:
         input_ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.long)
         positions = torch.tensor([[s.n_ctx] for s in seqs], dtype=torch.long)
         batch.mask = torch.cat([batch.mask, torch.ones(B, 1, dtype=torch.long)], 1)
+        self.lora_plan.set([s.req.lora for s in seqs])
         out = model(input_ids=input_ids, attention_mask=batch.mask, position_ids=positions, cache=batch.cache,
                     use_cache=True)
         for s in seqs:

@@ -308,7 +308,7 @@ class EngineClient:
         return body
 
     async def score_result(self, input_ids: list[int], start: int, *, temperature: float | None = None,
-                           top_logprobs_num: int = 0) -> ScoreResult:
+                           top_logprobs_num: int = 0, lora_path: str | None = None) -> ScoreResult:
         """Log-probs of ``input_ids[start:]``, each conditioned on everything before it.
 
         One prefill-only ``/generate`` call: ``max_new_tokens=0, return_logprob=true,
@@ -322,6 +322,7 @@ class EngineClient:
             start: first position to score, ``1 <= start <= L`` (``start == L`` -> ``[]``).
             temperature: scale of the scoring distribution (default 1.0).
             top_logprobs_num: also return the top-k alternatives per position.
+            lora_path: score under this loaded LoRA adapter (None: the base model).
         Raises:
             ValueError: bad ``start`` or empty ids; EngineError: server error or misaligned answer.
         """
@@ -334,7 +335,8 @@ class EngineClient:
         if temperature is not None:
             sp["temperature"] = temperature
         out = await self.generate(list(input_ids), sampling_params=sp, return_logprob=True,
-                                  logprob_start_len=start - 1, top_logprobs_num=top_logprobs_num)
+                                  logprob_start_len=start - 1, top_logprobs_num=top_logprobs_num,
+                                  **({"lora_path": lora_path} if lora_path is not None else {}))
         mi = out["meta_info"]
         entries = mi.get("input_token_logprobs") or []
         n = L - start
@@ -353,9 +355,10 @@ class EngineClient:
                    for row in rows]
         return ScoreResult([float(e[0]) for e in entries], mi.get("weight_version"), top)
 
-    async def score(self, input_ids: list[int], start: int, *, temperature: float | None = None) -> list[float]:
+    async def score(self, input_ids: list[int], start: int, *, temperature: float | None = None,
+                    lora_path: str | None = None) -> list[float]:
         """Just the log-probs of :meth:`score_result` (one per token of ``input_ids[start:]``)."""
-        return (await self.score_result(input_ids, start, temperature=temperature)).logprobs
+        return (await self.score_result(input_ids, start, temperature=temperature, lora_path=lora_path)).logprobs
 
     async def tokenize(self, messages: list[dict] | None = None, tools: list[dict] | None = None, *,
                        prompt: str | None = None, add_generation_prompt: bool = True, **extra: Any) -> list[int]:
@@ -385,14 +388,38 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        return await self._success_call("/update_weights_from_disk", body, "message", timeout_s)
+
+    # ---- LoRA adapters (SGLang's endpoints; docs/tenants.md) ------------------------------------
+    # Per request: ``generate(..., lora_path=name)`` / ``generate_stream`` (a list for a batch),
+    # ``score(..., lora_path=name)``, and chat ``model: "<base>:<name>"``; answers carry
+    # ``meta_info.lora_name`` / ``lora_sha256`` (chat: ``metadata``; our engine only).
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict:
+        """``POST /load_lora_adapter``; returns ``{success, error_message, loaded_adapters}``.
+
+        Our engine answers 200 again for the same content under the same name; other content
+        under a loaded name is refused (unload first). Raises :class:`EngineError` (status 400)
+        when refused: a missing folder, an adapter that does not fit the served model, LoRA off.
+        """
+        return await self._success_call("/load_lora_adapter",
+                                        {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": pinned})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """``POST /unload_lora_adapter``; raises :class:`EngineError` (400) for a name not loaded."""
+        return await self._success_call("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _success_call(self, path: str, body: dict, message_key: str = "error_message",
+                            timeout_s: float | None = None) -> dict:
+        """POST an admin call answered ``{success, <message_key>, ...}`` (weights, LoRA); raises
+        :class:`EngineError` with the server's message when ``success`` is false (HTTP 400 or 200)."""
         try:
-            out = await self._request("POST", "/update_weights_from_disk", body, timeout_s=timeout_s)
+            out = await self._request("POST", path, body, timeout_s=timeout_s)
         except EngineError as e:
             if isinstance(e.body, dict) and e.body.get("success") is False:
-                raise EngineError(str(e.body.get("message")), e.status, e.body) from None
+                raise EngineError(str(e.body.get(message_key)), e.status, e.body) from None
             raise
         if not out.get("success", False):
-            raise EngineError(str(out.get("message")), 400, out)
+            raise EngineError(str(out.get(message_key)), 400, out)
         return out
 
     async def pause_generation(self, mode: str = "abort") -> dict:

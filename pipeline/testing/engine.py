@@ -29,7 +29,7 @@ import subprocess as sp
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from pipeline.testing.servers import serve_server
 
@@ -38,7 +38,8 @@ from pipeline.testing.servers import serve_server
 def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, subprocess: bool = False,
                    threads: int | None = None, weight_version: str = "0", max_batch_size: int = 16,
                    context_length: int | None = 2048, api_key: str | None = None, seed: int = 0,
-                   start_timeout_s: float = 180.0, prefix_cache_bytes: int = 1 << 30) -> Iterator[str]:
+                   start_timeout_s: float = 180.0, prefix_cache_bytes: int = 1 << 30,
+                   lora: Any = None, lora_paths: dict[str, str] | None = None) -> Iterator[str]:
     """Serve ``model`` (``tiny-random`` | ``smollm2-135m`` | HF folder) and yield its base URL.
 
     Args:
@@ -47,6 +48,8 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
         threads: torch threads (in-process mode changes this process's setting); None = all cores.
         weight_version, max_batch_size, context_length, api_key, seed, prefix_cache_bytes: engine
             settings (``prefix_cache_bytes=0``: no prefix cache).
+        lora, lora_paths: LoRA settings (:class:`pipeline.engine.lora.LoraSettings`) and start-up
+            adapters (name -> folder); in-process mode only.
     Raises:
         RuntimeError: the engine did not come up within ``start_timeout_s``.
     """
@@ -59,7 +62,7 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
     state = build_state(model, cache_dir=cache_dir, context_length=context_length, max_batch_size=max_batch_size,
                         weight_version=weight_version, seed=seed, threads=threads,
-                        prefix_cache_bytes=prefix_cache_bytes)
+                        prefix_cache_bytes=prefix_cache_bytes, lora=lora, lora_paths=lora_paths)
     try:
         with serve_server(make_server(state, api_key=api_key), backlog=128, start_timeout_s=start_timeout_s,
                           config_loop=False) as url:

@@ -364,7 +364,8 @@ def write_adapter_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir
     ``adapter_model.safetensors`` (hashed while written, :func:`pipeline.trainer.model.write_safetensors`),
     ``adapter_model.safetensors.sha256`` (``"<hex>  adapter_model.safetensors"``) and
     ``adapter_config.json``. Returns :class:`pipeline.trainer.model.Exported` (``sha256`` is the
-    adapter's version). Raises ``FileExistsError`` if ``out_dir`` exists.
+    adapter's version, :func:`pipeline.weightsync.adapter_version`). Raises ``FileExistsError`` if
+    ``out_dir`` exists.
     """
     t0 = time.perf_counter()
     with atomic_folder(out_dir) as tmp:
@@ -372,18 +373,19 @@ def write_adapter_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir
         (tmp / weightsync.ADAPTER_CHECKSUM_FILE).write_text(f"{digest}  {weightsync.ADAPTER_FILE}\n")
         (tmp / weightsync.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     out = Path(out_dir)
-    return M.Exported(out, digest, (out / weightsync.ADAPTER_FILE).stat().st_size, time.perf_counter() - t0)
+    return M.Exported(out, weightsync.adapter_version(out), (out / weightsync.ADAPTER_FILE).stat().st_size,
+                      time.perf_counter() - t0)
 
 
 def read_adapter_folder(path: str | os.PathLike, sha256: str | None = None) -> tuple[dict, dict[str, torch.Tensor], str]:
     """``(adapter_config, tensors, sha256)`` of a PEFT adapter folder, its checksum verified first.
 
     Raises ``FileNotFoundError`` (no tensors or no config) and ``ValueError`` (checksum mismatch
-    with ``sha256`` or the checksum file: :func:`pipeline.weightsync.verify_folder`).
+    with ``sha256`` or the checksum file: :func:`pipeline.weightsync.verify_adapter`).
     """
     from safetensors.torch import load_file
 
     path = Path(path)
-    digest = weightsync.verify_folder(path, sha256, file=weightsync.ADAPTER_FILE)
+    digest = weightsync.verify_adapter(path, sha256)
     config = json.loads((path / weightsync.ADAPTER_CONFIG).read_text())
     return config, load_file(path / weightsync.ADAPTER_FILE), digest

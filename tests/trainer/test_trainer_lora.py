@@ -233,8 +233,8 @@ def test_export_is_peft_format_atomic_and_its_version_is_its_sha256(runtime, tmp
     out = pt.export_adapter("t1", tmp_path / "t1-v1")
     assert sorted(f.name for f in out.path.iterdir()) == sorted(
         [weightsync.ADAPTER_FILE, weightsync.ADAPTER_CHECKSUM_FILE, weightsync.ADAPTER_CONFIG])
-    assert out.sha256 == weightsync.sha256_file(out.path / weightsync.ADAPTER_FILE)
-    assert weightsync.verify_folder(out.path, out.sha256, file=weightsync.ADAPTER_FILE) == out.sha256
+    assert out.sha256 == weightsync.adapter_version(out.path)
+    assert weightsync.verify_adapter(out.path, out.sha256) == out.sha256
     cfg = json.loads((out.path / weightsync.ADAPTER_CONFIG).read_text())
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["bias"]) == ("LORA", 4, 12, "none")
     assert cfg["target_modules"] == list(LORA_TARGETS) and cfg["base_model_name_or_path"] == "tiny-random"
