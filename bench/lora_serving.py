@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.client import EngineClient  # noqa: E402
+from pipeline.engine_api.client import EngineClient  # noqa: E402
 from pipeline.engine.lora import LoraSettings  # noqa: E402
 from pipeline.testing.engine import running_engine  # noqa: E402
 from pipeline.testing.lora import write_random_adapter  # noqa: E402

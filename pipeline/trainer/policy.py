@@ -626,8 +626,6 @@ class PolicyTrainer:
         """
         from megatron.core.distributed import finalize_model_grads
 
-        from pipeline.trainer import prom
-
         finalize_model_grads([self._unit.ddp])
         if not self._finite_everywhere(loss):
             self.nonfinite_steps += 1

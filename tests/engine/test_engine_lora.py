@@ -365,7 +365,8 @@ def test_cli_lora_paths():
 def test_engine_client_lora_methods(url, http, adapters):
     import asyncio
 
-    from pipeline.client import EngineClient, EngineError
+    from pipeline.engine_api.client import EngineClient
+    from pipeline.engine_api.errors import EngineError
 
     async def run():
         async with EngineClient(url) as client:
