@@ -123,6 +123,10 @@ class TopicsConfig(Section):
         return f"{self.prefix}{logical}{self.dlq_suffix}"
 
 
+#: the Hugging Face projections a LoRA adapter can target (Llama-family names, as PEFT spells them)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class EngineConfig(Section):
     """The policy inference engine (our CPU server, or SGLang) and how clients reach it."""
 
@@ -143,9 +147,8 @@ class EngineConfig(Section):
     threads: int | None = _d(None, "torch threads of the CPU engine (None: torch's default)", ge=1)
     enable_lora: bool = _d(False, "`pipeline engine`: serve LoRA adapters (SGLang's --enable-lora; docs/tenants.md)")
     max_lora_rank: int = _d(64, "`pipeline engine`: largest LoRA rank an adapter may have", ge=1)
-    lora_target_modules: list[str] = _d(lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"],
-                                        "`pipeline engine`: projections LoRA adapters may target")
+    lora_target_modules: list[Literal[LORA_TARGETS]] = _d(  # type: ignore[valid-type]
+        lambda: list(LORA_TARGETS), "`pipeline engine`: projections LoRA adapters may target")
     max_loras_per_batch: int = _d(8, "`pipeline engine`: distinct adapters decoded together, the base model "
                                   "counting as one", ge=1)
     lora_paths: dict[str, str] = _d(dict, "`pipeline engine`: adapters loaded at start, name -> folder "
@@ -270,10 +273,6 @@ class JudgeConfig(Section):
                                 "kafka.request_timeout_ms", ge=1)
 
 
-#: the Hugging Face projections a LoRA adapter can target (Llama-family names, as PEFT spells them)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 class LoraConfig(Section):
     """``trainer.lora``: one LoRA adapter per tenant over a frozen, shared base (absent: full
     fine-tuning). Defaults are those of OpenClaw-RL's LoRA scripts (rank 16, alpha 32, every
@@ -351,8 +350,9 @@ class TrainerConfig(Section):
     max_steps: int | None = _d(None, "stop after this many batches (0: set up, publish, stop; None: run forever)",
                                ge=0)
     dedup_window: int = _d(100_000, "sample_ids remembered for de-duplication (kept in checkpoints)", ge=1)
-    per_tenant: bool = _d(False, "one batch buffer per tenant: a batch never mixes tenants (off: one shared "
-                          "batch and policy; docs/tenants.md)")
+    per_tenant: bool = _d(False, "one batch buffer per tenant: a batch never mixes tenants, though every batch "
+                          "still trains the one shared policy until the stage trains adapters (off: one shared "
+                          "batch; docs/tenants.md)")
     tenant_max_wait_records: int = _d(1000, "per_tenant: a tenant's partial batch is released once its oldest "
                                       "sample has waited this many records read from `samples` (never "
                                       "wall-clock)", ge=1)

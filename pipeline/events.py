@@ -157,8 +157,9 @@ ADAPTER_KEYS = ("name", "version", "sha256")
 
 def _adapter(v: dict) -> str | None:
     """An adapter reference ``{name, version, sha256}``: ``name`` an id (:func:`_ident`),
-    ``version`` the adapter's content id (sha256 of its exported tensors, 64 lower-case hex
-    digits) and ``sha256`` the checksum of its exported files (64 lower-case hex digits); no
+    ``version`` the adapter's content id (:func:`pipeline.weightsync.adapter_version`: the sha256
+    of the manifest of its config and tensors, 64 lower-case hex digits) and ``sha256`` the
+    checksum of its tensor file ``adapter_model.safetensors`` (64 lower-case hex digits); no
     other key. Absent (None): the base model's full weights."""
     if set(v) != set(ADAPTER_KEYS):
         return f"must have exactly the keys {'|'.join(ADAPTER_KEYS)}, got {sorted(map(str, v))}"
@@ -577,6 +578,13 @@ class Control(Event):
             raise MalformedEvent("control 'weights' needs location and sha256")
         if self.action in ("applied", "failed") and not self.engine_id:
             raise MalformedEvent(f"control '{self.action}' needs engine_id")
+
+    @property
+    def full_weights(self) -> bool:
+        """True when the order is about the full weights (no ``tenant``, no ``adapter``): the only
+        orders the proxy, the syncers and the trainer's sync act on until adapter sync is built;
+        an adapter's order is never read as one about the full weights."""
+        return self.tenant is None and self.adapter is None
 
 
 @dataclass

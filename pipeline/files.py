@@ -72,6 +72,8 @@ def atomic_folder(out_dir: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
 def lock_with_pid(path: str | os.PathLike) -> tuple[int | None, str]:
     """Take an exclusive ``flock`` on ``path`` (created if missing) and write this process's pid in it.
 

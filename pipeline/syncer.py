@@ -404,7 +404,8 @@ class Syncer:
                         got = consumer.decode(rec)  # a bad record goes to control.dlq first
                         ends[rec.partition] = rec.offset + 1
                         ev = got.event if got is not None else None
-                        if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == self.run_id \
+                        if isinstance(ev, events.Control) and ev.full_weights and ev.action == "weights" \
+                                and ev.run_id == self.run_id \
                                 and (latest is None or ev.policy_version >= latest.policy_version):
                             if latest is not None:
                                 log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
@@ -464,7 +465,8 @@ def last_published(config: Config, run_id: str, timeout_s: float = 60.0,
         while True:
             for rec in reader.poll(timeout_ms=200):
                 ev = getattr(rec, "event", None)
-                if isinstance(ev, events.Control) and ev.action == "weights" and ev.run_id == run_id \
+                if isinstance(ev, events.Control) and ev.full_weights and ev.action == "weights" \
+                        and ev.run_id == run_id \
                         and (best is None or ev.policy_version >= best.policy_version):
                     best = ev
             if reader.caught_up():

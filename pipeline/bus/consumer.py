@@ -74,7 +74,7 @@ def keep_join_awaited(consumer: KafkaConsumer) -> None:
     the requests are built), so no later poll took the finished task's assignment: the member
     never owned its partitions and never heartbeated again, silently (the broker expelled it
     after ``session_timeout_ms``). Reproduced about once in 100 joins with 100 ms polls, every
-    time with 1 ms polls (``tests/test_bus.py``). Marking the rejoin as needed while a join task
+    time with 1 ms polls (``tests/bus/test_bus.py``). Marking the rejoin as needed while a join task
     exists makes the poll await that same task (no second JoinGroup); a task that already ended
     unawaited is replaced by a fresh join (as kafka-python itself does for any join that ends
     between two polls), skipping the revoke listener, which already ran. A no-op on a client

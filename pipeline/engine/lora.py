@@ -42,14 +42,15 @@ from typing import Any
 
 import torch
 
+from pipeline.config import LORA_TARGETS
 from pipeline.errors import PipelineError
 from pipeline.weightsync import ADAPTER_CONFIG as CONFIG_FILE
 from pipeline.weightsync import ADAPTER_FILE as WEIGHTS_FILE
-from pipeline.weightsync import adapter_version
+from pipeline.weightsync import verify_adapter
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TARGETS = LORA_TARGETS
 PEFT_PREFIX = "base_model.model."
 #: SGLang's message when LoRA is off (``--enable-lora``)
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
@@ -60,15 +61,17 @@ class LoraError(PipelineError, ValueError):
 
 
 def adapter_sha256(path: str | os.PathLike) -> str:
-    """The adapter folder's content id (hex sha256 of its two files, docs/tenants.md).
+    """The adapter folder's content id (hex sha256 of its two files, docs/tenants.md), after its
+    tensors are checked against their ``.sha256`` side file when it has one (a torn or tampered
+    copy is refused, as the trainer refuses it: :func:`pipeline.weightsync.verify_adapter`).
 
     Raises:
-        LoraError: a file is missing or unreadable.
+        LoraError: a file is missing or unreadable, or the tensors do not match their checksum.
     """
     try:
-        return adapter_version(path)
-    except OSError as e:
-        raise LoraError(f"cannot read the adapter at {path}: {e}") from e
+        return verify_adapter(path)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"cannot load the adapter at {path}: {e}") from e
 
 
 @dataclass(eq=False)

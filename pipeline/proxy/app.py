@@ -69,7 +69,7 @@ from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, erro
                                    upstream_error)
 from pipeline.proxy.identity import Chain, Conversations, Tenants, claim, prompt_chain
 from pipeline.proxy.messages import MessagesDoor
-from pipeline.proxy.names import ServedModels
+from pipeline.proxy.names import ServedModels, base_cards
 from pipeline.proxy.publisher import DurableSend, EventPublisher
 from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, policy_version, repair_logprob_bytes,
                                    strip_response)
@@ -922,7 +922,13 @@ class ProxyApp:
             status, data = await self._call("GET", "/v1/models")
             if status >= 400:
                 raise self._engine_error(status, data)
-            return Response(data, status_code=status, media_type="application/json")
+            try:
+                body = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                raise self._engine_error(502, data) from None
+            if isinstance(body, dict) and isinstance(body.get("data"), list):
+                body["data"] = base_cards(body)  # adapters are per tenant: never listed to a client
+            return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
         @api.post("/v1/sessions/{session_id}/end")
         async def end_session(session_id: str, request: Request):

@@ -85,7 +85,7 @@ class ControlFollower:
 
     def apply(self, ev: events.Event) -> bool:
         """Apply one event to the state; True if it changed."""
-        if not isinstance(ev, events.Control):
+        if not isinstance(ev, events.Control) or not ev.full_weights:
             return False
         s = self.state
         before = (s.paused, s.epoch, s.applied_version)

@@ -62,7 +62,7 @@ class ServedModels:
             body = orjson.loads(data) if status < 400 else None
         except Exception:  # noqa: BLE001 - an unreachable engine is reported by the request itself
             return
-        ids = [m.get("id") for m in (body or {}).get("data") or () if isinstance(m, dict)]
+        ids = [m.get("id") for m in base_cards(body)]
         if ids and all(isinstance(i, str) for i in ids):
             self.served = ids
 
@@ -80,6 +80,10 @@ class ServedModels:
         if self._read_at is None or (not (self.served and known) and time.monotonic() - self._read_at >= REFRESH_S):
             await self._refresh()
         if not self.served:
+            if isinstance(name, str) and ":" in name and name not in self.aliases:
+                # SGLang's "<base>:<adapter>": a client never picks a LoRA adapter (tenants' are
+                # chosen by the proxy, docs/tenants.md); without the engine's list it cannot be told apart
+                raise model_not_found(name, self.served, self.aliases)
             return None
         if name is None or name == self.default or name in self.served:
             return self.served[0] if name in (None, self.default) else name
@@ -88,3 +92,11 @@ class ServedModels:
         if self.unknown == "serve":
             return self.served[0]
         raise model_not_found(name, self.served, self.aliases)
+
+
+def base_cards(body: object) -> list[dict]:
+    """The model cards of an engine's ``/v1/models`` answer that are base models: LoRA adapter
+    cards (SGLang and our engine list them with a ``parent``) are left out, so that no tenant
+    sees, or names, another tenant's adapter through the proxy."""
+    data = body.get("data") if isinstance(body, dict) else None
+    return [m for m in data or () if isinstance(m, dict) and m.get("parent") is None]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import orjson
@@ -82,12 +83,12 @@ class ResponseStore:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._d: OrderedDict[str, bytes] = OrderedDict()
+        self._d: OrderedDict[Hashable, bytes] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._d)
 
-    def put(self, response_id: str, session_id: str | None, messages: list, output: list) -> None:
+    def put(self, response_id: Hashable, session_id: str | None, messages: list, output: list) -> None:
         """Keep one response (an entry larger than the bound is not kept)."""
         data = orjson.dumps([session_id, messages, output])
         if len(data) > self.max_bytes:
@@ -98,7 +99,7 @@ class ResponseStore:
         while self.bytes > self.max_bytes:
             self.bytes -= len(self._d.popitem(last=False)[1])
 
-    def get(self, response_id: str) -> tuple[str | None, list, list] | None:
+    def get(self, response_id: Hashable) -> tuple[str | None, list, list] | None:
         """``(session id, messages, output items)`` of a kept response, or None."""
         data = self._d.get(response_id)
         if data is None:
@@ -108,10 +109,10 @@ class ResponseStore:
         return sid, messages, output
 
 
-def _stored(tenant: str | None, response_id: str) -> str:
-    """The :class:`ResponseStore` key of a tenant's response: a response is only continued by its
-    own tenant (a newline is in no tenant id)."""
-    return response_id if tenant is None else f"{tenant}\n{response_id}"
+def _stored(tenant: str | None, response_id: str) -> tuple[str | None, str]:
+    """The :class:`ResponseStore` key of a tenant's response, ``(tenant, id)``: a response is only
+    continued by its own tenant, and no id a client sends can spell another tenant's key."""
+    return tenant, response_id
 
 
 # ---- request -> chat -------------------------------------------------------------------------

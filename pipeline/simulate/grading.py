@@ -1,7 +1,7 @@
 """Pure grading helpers of the simulated users: word counts, final numbers, GSM8K answers.
 
 Nothing here does I/O; every function is deterministic and unit-tested
-(``tests/test_simulate_grading.py``).
+(``tests/simulate/test_simulate_grading.py``).
 
 - :func:`count_words`: whitespace-separated chunks that contain a letter or a digit (so a lone
   ``-`` bullet or ``=`` is not a word; ``18.`` and ``$18`` are).

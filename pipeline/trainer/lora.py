@@ -63,8 +63,9 @@ Exported folder (Hugging Face PEFT LoRA)
 ``base_model_name_or_path``, ``bias`` none), ``adapter_model.safetensors`` with tensors
 ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and
 ``...lora_B.weight`` ``[out, r]`` (``mlp.gate_proj`` etc. likewise), and
-``adapter_model.safetensors.sha256``. The adapter's version is that sha256 (its content), the
-checksum :func:`pipeline.weightsync.verify_folder` checks, as for full weights.
+``adapter_model.safetensors.sha256`` (the tensors' checksum). The adapter's version is its
+content, :func:`pipeline.weightsync.adapter_version` over the config and the tensors, the same
+id the engine serves it under; :func:`pipeline.weightsync.verify_adapter` checks both.
 """
 
 from __future__ import annotations
@@ -354,8 +355,11 @@ class LoraModel:
         if sorted(config.get("target_modules") or []) != sorted(self.targets):
             raise ValueError(f"{where}: target_modules {config.get('target_modules')}, this trainer's LoRA has "
                              f"{self.targets}")
-        if config.get("bias", "none") != "none" or config.get("use_dora") or config.get("use_rslora"):
-            raise ValueError(f"{where}: only plain LoRA (bias none, no DoRA, no rsLoRA) is supported")
+        extras = [k for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "modules_to_save",
+                              "layers_pattern", "layers_to_transform") if config.get(k)]
+        if config.get("bias", "none") != "none" or extras:
+            raise ValueError(f"{where}: only plain LoRA is supported (bias none; no {', '.join(extras) or 'bias'}): "
+                             "the scaling must be lora_alpha / r for every target")
 
 
 def write_adapter_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | os.PathLike) -> M.Exported:

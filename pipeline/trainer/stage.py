@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from pipeline import events, weightsync
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.errors import PipelineError
 from pipeline.models import resolve_model
 from pipeline.trainer import checkpoint as C
@@ -82,6 +82,10 @@ class TrainerStage:
     """
 
     def __init__(self, config: Config, stop: threading.Event | None = None) -> None:
+        if config.trainer.lora is not None:  # PolicyTrainer trains adapters; this loop does not route them yet
+            raise ConfigError("trainer.lora: the trainer stage does not train per-tenant adapters yet (LoRA training "
+                              "is built in PolicyTrainer; the stage wiring and adapter sync are not: "
+                              "docs/tenants.md); leave trainer.lora unset for full fine-tuning")
         self.config, self.cfg = config, config.trainer
         self.stop = stop or threading.Event()
         self.step = 0

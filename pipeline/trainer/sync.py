@@ -120,7 +120,8 @@ class WeightPublisher:
             while pending and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
                 for rec in consumer.poll(timeout_ms=200):
                     ev = rec.event
-                    if ev.run_id != self.cfg.run_id or ev.policy_version != version or ev.engine_id not in pending:
+                    if ev.run_id != self.cfg.run_id or ev.policy_version != version or ev.engine_id not in pending \
+                            or not ev.full_weights:
                         continue
                     if sha256 is not None and ev.sha256 is not None and ev.sha256 != sha256:
                         continue

@@ -140,3 +140,19 @@ def test_malformed_tenant_or_adapter_goes_to_the_dlq_at_decode(fields):
     (target, dl, key), = producer.sent
     assert target == intake.dlq_topic(topic) and dl.offset == 8 and key == "alice/s1"
     assert f"turn.{next(iter(fields))}" in dl.error
+
+
+def test_an_adapter_order_on_control_is_never_read_as_one_about_the_full_weights():
+    """Until adapter sync is built, the proxy's gate (and the syncers, the trainer's sync) act only
+    on orders without tenant and adapter: a tenant's adapter pause must not hold every request."""
+    from pipeline.proxy.control import ControlFollower, ControlState
+
+    full = events.Control(action="pause", epoch=1)
+    scoped = [events.Control(action="pause", epoch=1, tenant="bob"),
+              events.Control(action="pause", epoch=1, adapter=dict(ADAPTER)),
+              events.Control(action="pause", epoch=1, tenant="bob", adapter=dict(ADAPTER))]
+    assert full.full_weights and not any(ev.full_weights for ev in scoped)
+    follower = ControlFollower.__new__(ControlFollower)  # apply() reads only .state
+    follower.state = ControlState()
+    assert not any(follower.apply(ev) for ev in scoped) and not follower.state.paused
+    assert follower.apply(full) and follower.state.paused

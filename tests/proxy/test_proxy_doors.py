@@ -444,3 +444,13 @@ def test_any_body_translates_or_is_refused_with_a_4xx(r_body, m_body):
             assert 400 <= e.status < 500
         else:
             assert isinstance(call.chat["messages"], list) and call.chat["messages"]
+
+
+def test_a_response_id_cannot_spell_another_tenants_key():
+    """Keys are ``(tenant, id)``: an untenanted caller sending ``"alice\\nresp_1"`` finds nothing."""
+    from pipeline.proxy.responses import _stored
+
+    store = ResponseStore(10_000)
+    store.put(_stored("alice", "resp_1"), "s", [], [])
+    assert store.get(_stored("alice", "resp_1")) == ("s", [], [])
+    assert store.get(_stored(None, "alice\nresp_1")) is None and store.get(_stored("bob", "resp_1")) is None

@@ -109,3 +109,43 @@ def test_every_front_door_answers_an_unknown_model_404_in_its_own_shape_and_reco
     recs = read_records(config, config.topics.name("turns"), 3, 15, 0.5)
     assert sorted(r.event.session_id for r in recs) == ["names-default", "names-gpt-4o-mini", "names-scripted"]
     assert {r.event.model for r in recs} == {"scripted"}  # what the engine served, never the name sent
+
+
+class FakeModelsWithAdapters(FakeModels):  # stand-in engine listing LoRA adapter cards as SGLang does
+    async def __call__(self):
+        self.calls += 1
+        cards = [{"id": i, "object": "model"} for i in self.ids]
+        cards += [{"id": f"{self.ids[0]}:{a}", "object": "model", "parent": self.ids[0], "root": f"/adapters/{a}"}
+                  for a in ("alice", "bob")]
+        return self.status, orjson.dumps({"object": "list", "data": cards})
+
+
+@pytest.mark.parametrize("unknown", ["serve", "reject"])
+def test_a_client_never_names_an_adapter_card(unknown):
+    """Adapters are per tenant: an engine's adapter cards are not served names, so
+    ``base:adapter`` is served by the base (``serve``) or refused (``reject``), never forwarded."""
+    m = ServedModels(FakeModelsWithAdapters(["smollm2-135m"]), unknown=unknown)
+    assert _resolve(m, "smollm2-135m") == "smollm2-135m"
+    assert m.served == ["smollm2-135m"]
+    if unknown == "serve":
+        assert _resolve(m, "smollm2-135m:bob") == "smollm2-135m"
+    else:
+        with pytest.raises(ProxyError) as e:
+            _resolve(m, "smollm2-135m:bob")
+        assert e.value.status == 404
+
+
+def test_without_the_engines_list_an_adapter_name_is_refused_not_taken_on_trust():
+    m = ServedModels(FakeModels([], status=404))
+    assert _resolve(m, "any-model") is None  # taken on trust, as before
+    with pytest.raises(ProxyError) as e:
+        _resolve(m, "smollm2-135m:bob")
+    assert e.value.status == 404
+
+
+def test_base_cards_leave_out_adapters():
+    from pipeline.proxy.names import base_cards
+
+    body = {"data": [{"id": "m"}, {"id": "m:a", "parent": "m"}, "junk"]}
+    assert base_cards(body) == [{"id": "m"}]
+    assert base_cards(None) == [] and base_cards({"data": None}) == []

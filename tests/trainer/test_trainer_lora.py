@@ -331,3 +331,13 @@ def test_resume_from_export_and_from_checkpoint(runtime, tmp_path):
     good = pt.export_adapter("t1", tmp_path / "t1-b")
     with pytest.raises(ValueError, match="r is 4"):
         wide.load_adapter("t1", good.path)
+
+
+def test_the_trainer_stage_refuses_lora_until_it_trains_adapters():
+    """``trainer.lora`` is refused at the stage's start with a config error, not accepted and then
+    failing on the first batch (the stage does not route tenants to adapters yet)."""
+    from pipeline.trainer.stage import TrainerStage
+
+    with pytest.raises(ConfigError, match="trainer.lora"):
+        TrainerStage(load_config(None, trainer={"lora": {"rank": 4}}))
+    TrainerStage(load_config(None))  # full fine-tuning: constructed as before
