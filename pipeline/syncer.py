@@ -10,8 +10,8 @@ assigned, never joined: one syncer per engine) and, for each ``weights`` event o
    ``weight_version = str(policy_version)`` (through :class:`pipeline.engine_api.client.EngineClient`).
    Only a failure that can pass is retried (``syncer.retries`` times, exponential back-off from
    ``syncer.retry_backoff_s`` plus jitter, :mod:`pipeline.retry`): the engine unreachable, a
-   time-out, a 5xx or 429. A refusal that another try cannot change fails at once: a missing
-   folder, a checksum mismatch, a 4xx (the engine refused these weights);
+   time-out, a 5xx, 408, 409, 425 or 429. A refusal that another try cannot change fails at once:
+   a missing folder, a checksum mismatch, another 4xx (the engine refused these weights);
 3. publishes ``applied`` (engine_id, policy_version) or ``failed`` (with the last error).
 
 A version is its content: "already serving" (nothing reloaded, ``applied`` published again)
@@ -188,7 +188,8 @@ class Syncer:
         """Verify and apply one ``weights`` event. Returns ``(ok, message)``; never raises.
 
         Retried (``syncer.retries`` more tries, jittered exponential back-off): the engine
-        unreachable, a time-out, HTTP 5xx/429 (:attr:`pipeline.engine_api.client.EngineError.retryable`).
+        unreachable, a time-out, HTTP 5xx, 408, 409, 425 or 429
+        (:attr:`pipeline.engine_api.errors.EngineError.retryable`).
         Not retried: a missing folder, a checksum mismatch, a 4xx answer (the engine refused the
         weights), any other error. :attr:`stop` ends the waits between tries.
         """

@@ -291,6 +291,7 @@ class EngineWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[GenRequest] = deque()
+        self._head_passed: tuple[GenRequest | None, int] = (None, 0)  # (the waiting head, admissions that passed it)
         self._batch = _Batch()
         self._swap: tuple | None = None
         self._paused = False
@@ -415,12 +416,22 @@ class EngineWorker:
     def _next_admissible(self) -> GenRequest | None:
         """Take the first waiting request whose adapter fits the batch: at most
         ``lora.max_per_batch`` distinct adapters (by content; the base counts as one, as in SGLang);
-        None when none fits (they wait for rows to finish)."""
+        None when none fits (they wait for rows to finish). A head whose adapter does not fit is
+        passed over by at most ``max_batch_size`` later requests; then nothing is admitted until it
+        fits, so a new tenant's request is never starved by a steady stream for the adapters in use
+        (a bound counted in admissions, not time)."""
         kinds = {_lora_key(s.req) for s in self._batch.seqs}
         if len(kinds) < self.lora.max_per_batch:
             return self._waiting.popleft()
+        head, passed = self._head_passed
+        if head is not self._waiting[0]:
+            head, passed = self._waiting[0], 0
+        if passed >= self.max_batch_size:
+            self._head_passed = (head, passed)
+            return None
         for i, r in enumerate(self._waiting):
             if _lora_key(r) in kinds:
+                self._head_passed = (head, passed + (i > 0))
                 del self._waiting[i]
                 return r
         return None

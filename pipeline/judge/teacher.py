@@ -297,8 +297,8 @@ class Teacher:
         """Log-probs ``[R]`` of ``response`` after ``prompt`` under ``softmax(logits / temperature)``.
 
         Raises:
-            EngineError: the endpoint failed after retries (a time-out, unreachable, 5xx/429: tried
-                ``judge.retries`` more times) or answered with too few or misaligned log-probs.
+            EngineError: the endpoint failed after retries (a time-out, unreachable, 5xx or
+                408/409/425/429: tried ``judge.retries`` more times) or answered with too few or misaligned log-probs.
         """
         if not response:
             return TeacherOutput([])

@@ -412,3 +412,30 @@ def test_admission_keeps_max_loras_per_batch():
     assert w._next_admissible() is None and list(w._waiting) == [rb]  # b waits for a row to finish
     w._batch.seqs = [SimpleNamespace(req=req(None))]
     assert w._next_admissible() is rb
+
+
+def test_a_waiting_head_is_passed_over_at_most_max_batch_size_times():
+    """A steady stream for the adapters in the batch never starves a new adapter's request at the
+    head: after ``max_batch_size`` admissions passed it, nothing more is admitted until it fits."""
+    from types import SimpleNamespace
+
+    from pipeline.engine.model import load_model, load_tokenizer
+    from pipeline.engine.worker import EngineWorker, GenRequest
+    from pipeline.models import resolve_model
+
+    path = resolve_model("tiny-random")
+    w = EngineWorker(load_model(path), load_tokenizer(path), context_length=64, max_batch_size=3,
+                     lora=LoraSettings(enabled=True, max_per_batch=2))
+    a, b = SimpleNamespace(sha256="sa"), SimpleNamespace(sha256="sb")
+
+    def req(lora):
+        return GenRequest("r", [1], None, lambda u: None, lora=lora)
+
+    w._batch.seqs = [SimpleNamespace(req=req(None)), SimpleNamespace(req=req(a))]  # base + a: full
+    head = req(b)
+    w._waiting.extend([head] + [req(a) for _ in range(5)])
+    passed = [w._next_admissible() for _ in range(5)]
+    assert [r is not None for r in passed] == [True, True, True, False, False]  # 3 = max_batch_size
+    assert w._waiting[0] is head and len(w._waiting) == 3
+    w._batch.seqs = [SimpleNamespace(req=req(None))]  # a row finished: the head fits now
+    assert w._next_admissible() is head
