@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,11 +37,32 @@ def killed_with_parent() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (bound to port 0 and read back; another
-    process may take it before the caller binds it)."""
+    """A TCP port that was free a moment ago on ``host``, chosen below the kernel's ephemeral
+    range (Linux ``ip_local_port_range``, usually 32768-60999) so that no outgoing connection
+    (a Kafka client's, an HTTP client's) is given it as its local port before the caller binds it;
+    a random port of ``[10000, lo)`` that binds now (up to 64 tries), else one the kernel picks
+    (port 0, as before). Another process may still take it before the caller binds it."""
+    lo = _ephemeral_low()
+    pick = random.SystemRandom()  # not the seeded module RNG: parallel test workers would draw alike
+    for _ in range(64 if lo > 10001 else 0):
+        port = pick.randrange(10000, lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range; 32768 (Linux's default) when unreadable."""
+    try:
+        return int(open(path).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

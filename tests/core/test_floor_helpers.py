@@ -37,3 +37,15 @@ def test_stop_group_terminates_and_kills_what_ignores_sigterm():
     assert time.monotonic() - t0 < 10
     assert stop_group(deaf, 0.5) == -signal.SIGKILL  # already gone: not an error
     deaf.stdout.close()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind():
+    """An outgoing connection is never given a port free_port handed out (the race that made a
+    stage's bind fail with 'address already in use' while clients connected elsewhere)."""
+    from pipeline.procutil import _ephemeral_low, free_port, port_free
+
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(50)]
+    assert all(p < low for p in ports) and all(port_free(p) for p in ports[:10])
+    assert len(set(ports)) > 40  # drawn at random, not one port again and again
+    assert _ephemeral_low("/nonexistent") == 32768
