@@ -545,6 +545,11 @@ def _sample_from_v1(s: Sample) -> Sample:
 
 
 CONTROL_ACTIONS = ("pause", "weights", "applied", "resume", "failed")
+#: commands about one tenant's adapter (``pipeline adapters``; ``tenant`` set, ``adapter`` absent):
+#: ``freeze`` (its samples train nothing until ``unfreeze``), ``reset`` (the adapter and its
+#: optimizer state are dropped: the tenant is served by the base until its next update) and
+#: ``delete`` (``reset``, and its exported folders are removed)
+ADAPTER_COMMANDS = ("freeze", "unfreeze", "reset", "delete")
 
 
 @dataclass
@@ -554,8 +559,12 @@ class Control(Event):
     ``action``: ``pause`` (stop admitting work for this epoch), ``weights`` (new weights at
     ``location`` with ``sha256`` for ``policy_version``), ``applied`` (``engine_id`` now serves
     ``policy_version``), ``resume``, ``failed`` (an engine could not apply; ``message`` says why).
-    ``tenant`` / ``adapter``: the order is about that tenant's LoRA adapter only (reserved for
-    adapter sync, ``docs/tenants.md``); absent (None): the full weights, as before these fields.
+    ``tenant`` / ``adapter``: the order is about that tenant's LoRA adapter only (adapter sync,
+    ``docs/tenants.md``): ``pause``/``resume`` hold and release that tenant's requests only, a
+    ``resume`` names the adapter the tenant is served by from then on (None: the base model),
+    ``weights`` carries the adapter's folder (``sha256`` = ``adapter.sha256``), ``applied``/
+    ``failed`` answer it; :data:`ADAPTER_COMMANDS` act on the tenant's adapter. Absent (None):
+    the full weights, as before these fields.
     """
 
     TYPE: ClassVar[str] = "control"
@@ -572,18 +581,25 @@ class Control(Event):
     adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
 
     def validate(self) -> None:
-        if self.action not in CONTROL_ACTIONS:
-            raise MalformedEvent(f"control.action must be one of {CONTROL_ACTIONS}, got {self.action!r}")
+        if self.action not in CONTROL_ACTIONS + ADAPTER_COMMANDS:
+            raise MalformedEvent(f"control.action must be one of {CONTROL_ACTIONS + ADAPTER_COMMANDS}, "
+                                 f"got {self.action!r}")
+        if self.action in ADAPTER_COMMANDS and (self.tenant is None or self.adapter is not None):
+            raise MalformedEvent(f"control '{self.action}' needs a tenant and no adapter")
+        if self.adapter is not None and self.tenant is None:
+            raise MalformedEvent("control: an adapter order needs its tenant")
         if self.action == "weights" and not (self.location and self.sha256):
             raise MalformedEvent("control 'weights' needs location and sha256")
+        if self.action == "weights" and self.tenant is not None and (
+                self.adapter is None or self.adapter["sha256"] != self.sha256):
+            raise MalformedEvent("control 'weights' of a tenant needs its adapter, whose sha256 is the record's")
         if self.action in ("applied", "failed") and not self.engine_id:
             raise MalformedEvent(f"control '{self.action}' needs engine_id")
 
     @property
     def full_weights(self) -> bool:
-        """True when the order is about the full weights (no ``tenant``, no ``adapter``): the only
-        orders the proxy, the syncers and the trainer's sync act on until adapter sync is built;
-        an adapter's order is never read as one about the full weights."""
+        """True when the order is about the full weights (no ``tenant``, no ``adapter``); an
+        order about a tenant's adapter is never read as one about the full weights."""
         return self.tenant is None and self.adapter is None
 
 

@@ -96,7 +96,7 @@ def test_malformed_tenant_is_refused_naming_it(ev, value):
 
 @pytest.mark.parametrize("value", BAD_ADAPTER, ids=lambda v: repr(v)[:30])
 @pytest.mark.parametrize("ev", [_turn(tenant="a"), _sample(sample_id="a/s1:0:rl:r1", tenant="a"),
-                                events.Control(action="resume", epoch=2)], ids=lambda e: e.TYPE)
+                                events.Control(action="resume", epoch=2, tenant="a")], ids=lambda e: e.TYPE)
 def test_malformed_adapter_is_refused_naming_it(ev, value):
     with pytest.raises(MalformedEvent, match=rf"{ev.TYPE}\.adapter"):
         decode(_with(ev, adapter=value))
@@ -143,16 +143,52 @@ def test_malformed_tenant_or_adapter_goes_to_the_dlq_at_decode(fields):
 
 
 def test_an_adapter_order_on_control_is_never_read_as_one_about_the_full_weights():
-    """Until adapter sync is built, the proxy's gate (and the syncers, the trainer's sync) act only
-    on orders without tenant and adapter: a tenant's adapter pause must not hold every request."""
+    """The full-weight gate (and the syncers', the trainer's full-weight sync) acts only on orders
+    without tenant and adapter: a tenant's adapter pause must not hold every request."""
     from pipeline.proxy.control import ControlFollower, ControlState
 
     full = events.Control(action="pause", epoch=1)
     scoped = [events.Control(action="pause", epoch=1, tenant="bob"),
-              events.Control(action="pause", epoch=1, adapter=dict(ADAPTER)),
               events.Control(action="pause", epoch=1, tenant="bob", adapter=dict(ADAPTER))]
     assert full.full_weights and not any(ev.full_weights for ev in scoped)
     follower = ControlFollower.__new__(ControlFollower)  # apply() reads only .state
     follower.state = ControlState()
     assert not any(follower.apply(ev) for ev in scoped) and not follower.state.paused
     assert follower.apply(full) and follower.state.paused
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(action="pause", adapter=dict(ADAPTER)), "needs its tenant"),
+    (dict(action="freeze"), "needs a tenant and no adapter"),
+    (dict(action="reset", tenant="bob", adapter=dict(ADAPTER)), "needs a tenant and no adapter"),
+    (dict(action="weights", tenant="bob", location="/x", sha256="b" * 64), "needs its adapter"),
+    (dict(action="weights", tenant="bob", location="/x", sha256="b" * 64, adapter=dict(ADAPTER)), "needs its adapter"),
+    (dict(action="thaw", tenant="bob"), "must be one of"),
+])
+def test_control_orders_about_a_tenant_are_checked_at_decode(kw, why):
+    """An adapter order names its tenant; a command names a tenant and no adapter; a tenant's
+    ``weights`` carries its adapter, whose tensor checksum is the record's ``sha256``."""
+    from pipeline.events import MalformedEvent, decode, encode
+
+    ev = events.Control(epoch=1, **kw)
+    with pytest.raises(MalformedEvent, match=why):
+        decode(encode(ev))
+
+
+def test_valid_tenant_orders_round_trip():
+    for ev in [events.Control(action="freeze", epoch=0, tenant="bob"),
+               events.Control(action="resume", epoch=3, tenant="bob"),
+               events.Control(action="weights", epoch=3, tenant="bob", location="/x", sha256=ADAPTER["sha256"],
+                              adapter=dict(ADAPTER))]:
+        assert events.decode(events.encode(ev)) == ev
+
+
+def test_adapter_names_are_safe_and_distinct():
+    from pipeline.weightsync import adapter_name, tenant_slug
+
+    assert tenant_slug("alice") == "alice"
+    odd = ["a:b", "a/b", "a_b", "..", "x" * 65, "x" * 66]
+    slugs = {tenant_slug(t) for t in odd}
+    assert len(slugs) == len(odd) and all(":" not in s and "/" not in s and s not in (".", "..") for s in slugs)
+    v = "0123456789abcdef" * 4
+    assert adapter_name("a:b", v).endswith("@0123456789abcdef") and ":" not in adapter_name("a:b", v)
