@@ -1,6 +1,6 @@
 """What a simulated GSM8K user says back: thanks, "too long", or a correction with a hint.
 
-Two policies (``--feedback``):
+Three policies (``--feedback``):
 
 - ``brevity`` (default): the reward-able property is one the 135M base model sometimes shows
   (docs/environment.md §7: a reply within 64 tokens and at most 40 words, ~9% at
@@ -11,6 +11,11 @@ Two policies (``--feedback``):
 - ``correctness``: a right final number gets thanks; a long reply gets "too long"; a short wrong
   reply gets a correction that carries a hint: the next step of GSM8K's worked answer (a
   hindsight hint, as OpenClaw-RL's OPD extracts from the next state).
+- ``steps``: the user wants the working laid out one step per line (at least ``min_lines``
+  lines with a word, :attr:`pipeline.simulate.grading.Grade.stepwise`), whatever the length or
+  the number: such a reply gets thanks, any other the request "put each step on its own line"
+  (the corrective next state, hence the OPD hint). It is the second tenant of the two-tenant
+  demo (docs/tenants.md, Demo): independent of brevity and, at 40 words, pulling against it.
 
 Messages are varied (picked with the session's seeded RNG) so a judge cannot key on one string.
 """
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 from pipeline.simulate.grading import GSM8KAnswer, Grade
 
-POLICIES = ("brevity", "correctness")
+POLICIES = ("brevity", "correctness", "steps")
 
 THANKS_BRIEF = (
     "Thanks, that's clear and short.",
@@ -37,6 +42,16 @@ THANKS_CORRECT = (
     "That's the right answer, thanks.",
     "Yes, that's correct. Thanks!",
 )
+THANKS_STEPS = (
+    "Thanks, laid out step by step like that it is easy to follow.",
+    "Great, one step per line is exactly how I like it. Thanks!",
+    "Thank you, the steps are clear.",
+)
+NOT_STEPWISE = (
+    "Please put each step of the working on its own line.",
+    "Hard to follow. Write one step per line, please.",
+    "Can you lay this out step by step, one line per step?",
+)
 TOO_LONG = "Too long — answer in at most {n} words."
 CORRECTIONS = (
     "That's not right. Hint: {hint}",
@@ -49,7 +64,7 @@ CORRECTIONS = (
 class Feedback:
     """The user's reaction to one reply.
 
-    ``kind``: ``thanks``, ``too_long`` or ``correction``; ``success``: the reply had the property
+    ``kind``: ``thanks``, ``too_long``, ``correction`` or ``not_stepwise``; ``success``: the reply had the property
     the policy rewards; ``hint``: the worked step carried by a correction (else None).
     """
 
@@ -71,6 +86,10 @@ def decide(policy: str, grade: Grade, gold: GSM8KAnswer | None, rng: random.Rand
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown feedback policy {policy!r}; choose from {POLICIES}")
+    if policy == "steps":
+        if grade.stepwise:
+            return Feedback("thanks", rng.choice(THANKS_STEPS), success=True)
+        return Feedback("not_stepwise", rng.choice(NOT_STEPWISE), success=False)
     if grade.correct:
         return Feedback("thanks", rng.choice(THANKS_CORRECT), success=True)
     if not grade.brief:

@@ -9,7 +9,8 @@ Nothing here does I/O; every function is deterministic and unit-tested
   (``#### 42``, ``\\boxed{42}``, ``answer is 42``, ``Answer: 42``) over the last number in the text.
 - :func:`parse_gsm8k_answer`: GSM8K's ``answer`` field -> worked steps (calculator annotations
   ``<<...>>`` removed) and the final number after ``####``.
-- :func:`grade_reply`: the facts the feedback policies decide on (brief? correct?).
+- :func:`count_lines`: lines holding a word (:func:`count_words`), the *steps* preference's measure.
+- :func:`grade_reply`: the facts the feedback policies decide on (brief? laid out in steps? correct?).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ _CALC = re.compile(r"<<[^>]*>>")
 def count_words(text: str) -> int:
     """Number of words in ``text``: whitespace-separated chunks holding a letter or digit."""
     return sum(1 for w in _WORD.findall(text or "") if _ALNUM.search(w))
+
+
+def count_lines(text: str) -> int:
+    """Number of lines of ``text`` that hold at least one word (:func:`count_words`): blank lines
+    and lines of punctuation only (``---``, ``=``) do not count."""
+    return sum(1 for line in (text or "").splitlines() if count_words(line))
 
 
 def normalize_number(s: str) -> Decimal | None:
@@ -99,7 +106,9 @@ class Grade:
 
     ``words``: :func:`count_words`; ``tokens``: completion tokens (None if the server did not say);
     ``brief``: at most ``max_words`` words, at most ``max_tokens`` tokens and not cut off by the
-    length limit; ``correct``: the final number equals the gold one (None without a gold answer).
+    length limit; ``correct``: the final number equals the gold one (None without a gold answer);
+    ``lines``: :func:`count_lines`; ``stepwise``: at least ``min_lines`` such lines (the working
+    laid out one step per line, the *steps* preference).
     """
 
     words: int
@@ -107,19 +116,25 @@ class Grade:
     brief: bool
     correct: bool | None
     number: Decimal | None
+    lines: int = 0
+    stepwise: bool = False
 
 
 def grade_reply(content: str, *, completion_tokens: int | None = None, finish_reason: str | None = None,
-                gold: Decimal | None = None, max_words: int = 40, max_tokens: int = 64) -> Grade:
+                gold: Decimal | None = None, max_words: int = 40, max_tokens: int = 64, min_lines: int = 4) -> Grade:
     """Grade one assistant reply (see :class:`Grade`).
 
     The brevity property follows docs/environment.md §7: a reply that finishes
     within ``max_tokens`` tokens and has at most ``max_words`` words; the 135M base model does
-    this ~9% of the time on GSM8K prompts, so it is learnable by Binary RL.
+    this ~9% of the time on GSM8K prompts, so it is learnable by Binary RL. The steps property
+    (at least ``min_lines`` lines with a word, whether or not the reply was cut off) is met by
+    ~9% of its replies at 96 tokens (docs/tenants.md, Demo).
     """
     words = count_words(content)
     brief = (words <= max_words and finish_reason != "length"
              and (completion_tokens is None or completion_tokens <= max_tokens))
     number = extract_final_number(content)
     correct = None if gold is None else numbers_equal(number, gold)
-    return Grade(words=words, tokens=completion_tokens, brief=brief, correct=correct, number=number)
+    lines = count_lines(content)
+    return Grade(words=words, tokens=completion_tokens, brief=brief, correct=correct, number=number, lines=lines,
+                 stepwise=lines >= min_lines)
