@@ -50,7 +50,7 @@ THANKS_STEPS = (
 NOT_STEPWISE = (
     "Please put each step of the working on its own line.",
     "Hard to follow. Write one step per line, please.",
-    "Can you lay this out step by step, one line per step?",
+    "No, lay it out step by step, one line per step.",
 )
 TOO_LONG = "Too long — answer in at most {n} words."
 CORRECTIONS = (

@@ -76,12 +76,14 @@ def test_fixture_is_not_what_the_judge_learns_from():
 
 def test_simulated_feedback_keeps_its_sign(embedding_backend):
     """``pipeline demo`` learns from the simulated users' messages: thanks must read +1, a
-    "too long" or a correction with a hint -1 (and the correction is the OPD hint)."""
+    "too long", a correction with a hint or a "one step per line" request -1 (and the
+    corrective message is the OPD hint)."""
     from pipeline.simulate import feedback as fb
 
     hint = "Natalia sold 48/2 = 24 clips in May."
-    cases = [(t, 1) for t in fb.THANKS_BRIEF + fb.THANKS_CORRECT]
+    cases = [(t, 1) for t in fb.THANKS_BRIEF + fb.THANKS_CORRECT + fb.THANKS_STEPS]
     cases += [(fb.TOO_LONG.format(n=n), -1) for n in (20, 40)] + [("That's not right. Please try again.", -1)]
+    cases += [(t, -1) for t in fb.NOT_STEPWISE]
     cases += [(c.format(hint=hint), -1) for c in fb.CORRECTIONS]
 
     async def go():

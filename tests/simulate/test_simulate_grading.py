@@ -8,8 +8,8 @@ from decimal import Decimal
 import pytest
 
 from pipeline.simulate.datasets import DATA_DIR, load_gsm8k, load_mt_bench, pick
-from pipeline.simulate.feedback import THANKS_BRIEF, THANKS_CORRECT, decide
-from pipeline.simulate.grading import (count_words, extract_final_number, grade_reply, normalize_number,
+from pipeline.simulate.feedback import NOT_STEPWISE, THANKS_BRIEF, THANKS_CORRECT, THANKS_STEPS, decide
+from pipeline.simulate.grading import (count_lines, count_words, extract_final_number, grade_reply, normalize_number,
                                        parse_gsm8k_answer)
 
 
@@ -93,6 +93,31 @@ def test_feedback_policies():
     assert fb.kind == "too_long" and "25 words" in fb.text
     with pytest.raises(ValueError, match="unknown feedback policy"):
         decide("kindness", short_wrong, gold, rng, max_words=40)
+
+
+@pytest.mark.parametrize("text,n", [
+    ("", 0), ("one line", 1), ("a\nb", 2), ("a\n\n\nb\n", 2), ("1. x\n---\n2. y\n=\n", 2),
+    ("  \n\t\n", 0), ("a\r\nb\r\nc", 3),
+])
+def test_count_lines(text, n):
+    assert count_lines(text) == n
+
+
+def test_steps_policy_wants_one_step_per_line_whatever_the_length_or_number():
+    gold = parse_gsm8k_answer("First 2 + 2 = <<2+2=4>>4.\nThen 4 * 3 = <<4*3=12>>12.\n#### 12")
+    rng = random.Random(0)
+    four = "2 + 2 = 4\n4 * 3 = 12\nso twelve\nThe answer is 12."
+    assert grade_reply(four).stepwise and grade_reply(four).lines == 4
+    assert not grade_reply(four, min_lines=5).stepwise
+    right_on_one_line = grade_reply("2 + 2 = 4, 4 * 3 = 12, the answer is 12.", completion_tokens=20, gold=gold.final)
+    assert right_on_one_line.correct and right_on_one_line.brief and not right_on_one_line.stepwise
+    fb = decide("steps", right_on_one_line, gold, rng, max_words=40)  # right and brief, but not laid out
+    assert fb.kind == "not_stepwise" and not fb.success and fb.text in NOT_STEPWISE and fb.hint is None
+    long_steps = grade_reply("\n".join(["blah " * 20] * 5) + "7", completion_tokens=96, finish_reason="length",
+                             gold=gold.final)
+    fb = decide("steps", long_steps, gold, rng, max_words=40)  # long, cut off and wrong: still laid out
+    assert fb.kind == "thanks" and fb.success and fb.text in THANKS_STEPS
+    assert decide("brevity", long_steps, gold, rng, max_words=40).success is False  # the two users disagree
 
 
 def test_shipped_data_is_complete_and_licensed():
