@@ -8,6 +8,8 @@ Metrics, per reply (single-turn, no feedback):
 - ``success_rate``: the feedback policy's success (default ``brevity``: at most ``max_words``
   words and ``max_reply_tokens`` tokens, or a correct final number) — the reward's target;
 - ``brief_rate``: the brevity property alone (9% for the base model, docs/environment.md §7);
+- ``stepwise_rate``: the *steps* property alone (at least 4 lines holding a word; the second
+  tenant's preference in the two-tenant demo, docs/tenants.md);
 - ``accuracy``: GSM8K final number right — the guard metric (with ``words_per_reply``) that
   shows reward hacking (short nonsense) next to the reward.
 """
@@ -33,7 +35,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
                          timeout_s: float = 600.0, seed: int | None = None) -> dict:
     """Evaluate the engine at ``engine_url`` on ``prompts`` (default: the 32 held-out GSM8K problems).
 
-    Returns ``{n, success_rate, brief_rate, accuracy, words_per_reply, completion_tokens,
+    Returns ``{n, success_rate, brief_rate, stepwise_rate, accuracy, words_per_reply, completion_tokens,
     policy_versions, errors}`` (rates in [0, 1]; ``n`` = replies received; ``policy_versions`` =
     the distinct weight versions reported by the engine, normally one).
 
@@ -63,7 +65,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
     finally:
         await client.aclose()
     rng = random.Random(0)
-    succ, brief, correct, words, toks, versions, errors = [], [], [], [], [], set(), []
+    succ, brief, stepwise, correct, words, toks, versions, errors = [], [], [], [], [], [], set(), []
     for p, r in results:
         if isinstance(r, EngineError):
             errors.append(str(r))
@@ -72,6 +74,7 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
                         gold=p.answer.final, max_words=max_words, max_tokens=max_reply_tokens)
         succ.append(decide(feedback, g, p.answer, rng, max_words=max_words).success)
         brief.append(g.brief)
+        stepwise.append(g.stepwise)
         correct.append(bool(g.correct))
         words.append(g.words)
         if r.completion_tokens is not None:
@@ -83,7 +86,8 @@ async def evaluate_async(engine_url: str, prompts: Sequence[GSM8KProblem] | None
     def mean(xs):
         return round(fmean(xs), 4) if xs else None
 
-    return {"n": len(succ), "success_rate": mean(succ), "brief_rate": mean(brief), "accuracy": mean(correct),
+    return {"n": len(succ), "success_rate": mean(succ), "brief_rate": mean(brief), "stepwise_rate": mean(stepwise),
+            "accuracy": mean(correct),
             "words_per_reply": mean(words), "completion_tokens": mean(toks),
             "policy_versions": sorted(versions, key=str), "errors": len(errors)}
 

@@ -13,7 +13,7 @@ from decimal import Decimal
 
 from pipeline.simulate.datasets import load_gsm8k, load_mt_bench
 from pipeline.simulate.evaluate import evaluate
-from pipeline.simulate.feedback import THANKS_BRIEF, THANKS_CORRECT
+from pipeline.simulate.feedback import NOT_STEPWISE, THANKS_BRIEF, THANKS_CORRECT, THANKS_STEPS
 from pipeline.simulate.runner import SimulationPlan, simulate, summarize
 from pipeline.simulate.users import UserSettings
 from pipeline.testing.engine import running_engine
@@ -100,6 +100,28 @@ def test_gsm8k_correctness_policy_hints_steps_and_stops_at_max_turns():
         assert problem.answer.steps[0] in fb1  # the first correction reveals step 1
         assert problem.answer.steps[min(1, len(problem.answer.steps) - 1)] in fb2
     assert out["success_rate"] == 0.0 and out["graded_replies"] == 4
+
+
+def test_steps_user_of_a_tenant_asks_for_one_step_per_line_then_thanks():
+    """The second tenant of the two-tenant demo: every request names the tenant; a reply on one
+    line gets "one step per line", four lines get thanks."""
+    stepwise = "2 + 2 = 4\n4 * 3 = 12\nso 12\nThe answer is 12."
+
+    def script(messages):
+        return "It is 12 because 2 + 2 = 4 and 4 * 3 = 12." if len(messages) == 1 else stepwise
+
+    with _chat(script) as srv:
+        out = _run(srv.url, SimulationPlan(sessions=2, seed=0, session_prefix="t"),
+                   UserSettings(feedback="steps", max_turns=3), tenant="bob")
+    assert {h.get("x-tenant-id") for h in srv.headers} == {"bob"}
+    for reqs in _by_session(srv).values():
+        assert len(reqs) == 3  # ask, "one step per line", closing with the thanks
+        assert reqs[1]["body"]["messages"][-1]["content"] in NOT_STEPWISE
+        assert reqs[2]["body"]["messages"][-1]["content"] in THANKS_STEPS
+    assert out["success_rate"] == 0.5 and out["graded_replies"] == 4
+    with _chat(script) as srv:
+        _run(srv.url, SimulationPlan(sessions=1, seed=0), UserSettings())
+    assert all("x-tenant-id" not in h for h in srv.headers)  # no tenant: no header
 
 
 def test_gsm8k_right_answer_is_thanked_at_once():
