@@ -147,28 +147,34 @@ async def run(args, pt, url: str, work: Path) -> None:
     heldout = load_gsm8k("heldout")
     train = pick(load_gsm8k("train"), args.prompts * args.steps * len(PREFERENCES), seed=args.seed)
     out = Path(args.out)
-    async with EngineClient(url, timeout_s=3600) as client:
+
+    def engine():  # a new connection pool for each phase: a training step outlasts the server's keep-alive
+        return EngineClient(url, timeout_s=3600)
+
+    async with engine() as client:
         hids = [await client.tokenize([{"role": "user", "content": p.question}]) for p in heldout]
         t0 = time.monotonic()
         base = await evaluate(client, heldout, hids, args, None)
-        emit(out, dict(base, tenant="base", step=0, adapter=None, seconds=time.monotonic() - t0))
-        for ti, tenant in enumerate(PREFERENCES):
-            lora = None
-            for step in range(1, args.steps + 1):
-                t0 = time.monotonic()
-                first = (ti * args.steps + step - 1) * args.prompts
+    emit(out, dict(base, tenant="base", step=0, adapter=None, seconds=time.monotonic() - t0))
+    for ti, tenant in enumerate(PREFERENCES):
+        lora = None
+        for step in range(1, args.steps + 1):
+            t0 = time.monotonic()
+            first = (ti * args.steps + step - 1) * args.prompts
+            async with engine() as client:
                 samples, wins = await rollout_batch(client, client, train[first: first + args.prompts], tenant, step,
                                                     args, lora)
-                res = pt.train_batch(samples, adapter=tenant)  # this thread: the CPU shim is per thread
-                exp = pt.export_adapter(tenant, work / tenant / f"v{step}")
-                lora = f"{tenant}-{step}"
+            res = pt.train_batch(samples, adapter=tenant)  # this thread: the CPU shim is per thread
+            exp = pt.export_adapter(tenant, work / tenant / f"v{step}")
+            lora = f"{tenant}-{step}"
+            t1 = time.monotonic()
+            async with engine() as client:
                 await client.load_lora_adapter(lora, str(exp.path))
-                t1 = time.monotonic()
                 ev = await evaluate(client, heldout, hids, args, lora)
-                emit(out, dict(ev, tenant=tenant, step=step, adapter=exp.sha256, batch_successes=wins,
-                               batch_n=len(samples), skipped=res.skipped,
-                               reward_mean=round(sum(s.reward for s in samples) / len(samples), 3),
-                               train_s=round(t1 - t0, 1), seconds=time.monotonic() - t1))
+            emit(out, dict(ev, tenant=tenant, step=step, adapter=exp.sha256, batch_successes=wins,
+                           batch_n=len(samples), skipped=res.skipped,
+                           reward_mean=round(sum(s.reward for s in samples) / len(samples), 3),
+                           train_s=round(t1 - t0, 1), seconds=time.monotonic() - t1))
 
 
 def main() -> int:
