@@ -71,6 +71,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-seed", type=int, default=1234,
                         help="sampling seed of the held-out replies: the same for every version (default 1234)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
+    two = parser.add_mutually_exclusive_group()
+    two.add_argument("--tenants", action="store_true",
+                     help="two simulated users with different preferences (alice: brevity, bob: one step per line), "
+                          "one LoRA adapter each (docs/tenants.md, Demo)")
+    two.add_argument("--shared", action="store_true",
+                     help="the same two users without tenants: one shared full-weight policy (the comparison)")
+    parser.add_argument("--lora-lr", type=float, default=3e-4, help="--tenants: trainer.lr of the adapters (default 3e-4)")
+    parser.add_argument("--eval-samples", type=int, default=2,
+                        help="--tenants/--shared: replies per held-out prompt in each evaluation (default 2)")
 
 
 def demo_config(config: Config, args, run_dir: Path) -> Config:
@@ -87,16 +96,21 @@ def demo_config(config: Config, args, run_dir: Path) -> Config:
 
 
 class Simulator:
-    """``pipeline simulate`` as a child process, frozen (SIGSTOP) while a version is evaluated."""
+    """``pipeline simulate`` as a child process, frozen (SIGSTOP) while a version is evaluated.
 
-    def __init__(self, stack: Stack, run_dir: Path, args) -> None:
-        self.log_path = run_dir / "simulate.jsonl"
+    ``name`` names its log files (``<name>.jsonl``, ``logs/<name>.log``); ``feedback`` is the
+    users' policy, ``tenant`` their ``X-Tenant-Id`` (None: none), ``seed`` their problem choice.
+    """
+
+    def __init__(self, stack: Stack, run_dir: Path, args, *, name: str = "simulate", feedback: str = "brevity",
+                 tenant: str | None = None, seed: int = 1) -> None:
+        self.log_path = run_dir / f"{name}.jsonl"
         argv = [sys.executable, "-m", "pipeline", "simulate", "--dataset", "gsm8k", "--sessions", "100000",
                 "--proxy-url", stack.proxy_url, "--concurrency", str(args.concurrency), "--max-tokens",
-                str(args.max_tokens), "--log", str(self.log_path), "--no-progress", "--seed", "1",
-                "--repeat", str(args.repeat), "--max-turns", str(args.max_turns),
-                "--config", str(run_dir / "config.yaml")]
-        self.out = open(run_dir / "logs" / "simulate.log", "ab")
+                str(args.max_tokens), "--log", str(self.log_path), "--no-progress", "--seed", str(seed),
+                "--repeat", str(args.repeat), "--max-turns", str(args.max_turns), "--feedback", feedback,
+                "--config", str(run_dir / "config.yaml")] + (["--tenant", tenant] if tenant is not None else [])
+        self.out = open(run_dir / "logs" / f"{name}.log", "ab")
         self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=die_with_parent)
 
@@ -368,6 +382,10 @@ def _plot_per_step(hx, steps: list[dict], key: str, color: str) -> bool:
 
 
 def run(args, config: Config) -> int:
+    if args.tenants or args.shared:
+        from pipeline.orchestrate.tenant_demo import run_two_users
+
+        return run_two_users(args, config)
     report_dir = Path(args.report_dir)
     run_dir = report_dir / "run"
     config = demo_config(config, args, run_dir)
