@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.engine_api.errors import EngineError
 from pipeline.orchestrate.demo import (Simulator, _signal_all, demo_config, engine_version, read_topic, shut_down,
                                        summarize_topics, trainer_steps, _trainer_summary)
 from pipeline.orchestrate.tenant_report import USERS, curves, served_adapters, summary_lines, tenant_verdicts
@@ -112,6 +113,9 @@ def watch(args, stack: Stack, sims: list[Simulator], evals: Evaluations, stop: t
             _signal_all(frozen, signal.SIGSTOP)
             try:
                 evals.run(target, version, adapter)
+            except EngineError as e:  # e.g. the adapter was replaced (and unloaded) meanwhile: the next one counts
+                notes.append(f"{target} {version} not evaluated: {e}")
+                print(f"[demo] {notes[-1]}", file=sys.stderr)
             finally:
                 _signal_all(frozen, signal.SIGCONT)
             done[target].append(version)
