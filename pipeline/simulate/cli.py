@@ -50,6 +50,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--session-prefix", help="session id prefix (default sim-<dataset>-<random>)")
     parser.add_argument("--log", help="append one JSON line per reply to this file")
     parser.add_argument("--api-key", help="bearer token (default: the first of proxy.api_keys, if any)")
+    parser.add_argument("--tenant", help="send X-Tenant-Id: TENANT with every request (docs/tenants.md)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--evaluate", action="store_true",
                         help="evaluate the engine on the 32 held-out GSM8K problems instead (no proxy, no training data)")
@@ -98,7 +99,7 @@ def run(args, config) -> int:
             loop.add_signal_handler(sig, stop.set)
         return await simulate(url, plan, settings, model=model, api_key=api_key,
                               timeout_s=config.proxy.engine_timeout_s, log_path=args.log,
-                              progress=not args.no_progress, stop=stop)
+                              progress=not args.no_progress, stop=stop, tenant=args.tenant)
 
     summary = asyncio.run(main())
     print(orjson.dumps(summary).decode(), flush=True)

@@ -182,13 +182,13 @@ async def _until_done_or_stopped(workers: list[asyncio.Task], stop: asyncio.Even
 
 async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, *, model: str = "default",
                    api_key: str | None = None, timeout_s: float = 300.0, log_path: str | Path | None = None,
-                   progress: bool = True, stop: asyncio.Event | None = None) -> dict:
+                   progress: bool = True, stop: asyncio.Event | None = None, tenant: str | None = None) -> dict:
     """Run the plan against the proxy at ``base_url``; returns the summary (see :func:`summarize`)
     plus ``sessions`` (completed), ``sessions_failed``, ``sessions_cancelled``, ``requests`` and
     ``errors`` (the first few messages).
 
     ``plan.concurrency`` workers each run one session at a time, so memory stays flat however
-    many sessions are planned. Setting ``stop`` cancels the sessions in flight (their replies so
+    many sessions are planned. ``tenant``: sent as ``X-Tenant-Id`` with every request. Setting ``stop`` cancels the sessions in flight (their replies so
     far are already logged; the proxy ends such sessions by its idle time-out) and returns.
 
     Raises:
@@ -203,7 +203,7 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
 
         bar = tqdm(total=len(chosen), desc=f"simulate {plan.dataset}", unit="session")
     client = ChatClient(base_url, model=model, api_key=api_key, timeout_s=timeout_s,
-                        max_connections=max(8, plan.concurrency * 2))
+                        max_connections=max(8, plan.concurrency * 2), tenant=tenant)
     run = _Run(plan, settings, client, prefix, iter(enumerate(chosen)), replies, bar, stop)
     workers = [asyncio.create_task(run.worker()) for _ in range(max(1, min(plan.concurrency, len(chosen) or 1)))]
     try:
