@@ -7,7 +7,7 @@ when ``proxy.api_keys`` is set, the same keys as the proxy):
 - ``GET /api/config``: ``{"auth": bool, "show_text": bool}`` (what the page needs to start);
 - ``GET /api/overview``: counters, timelines, trainer steps, syncs, lag, dead letters;
 - ``GET /api/sessions?q=&limit=``: recent sessions, optionally filtered by id;
-- ``GET /api/sessions/{id}``: one session's turns, next states, samples and training outcome;
+- ``GET /api/sessions/{id}[?tenant=T]``: one session's turns, next states, samples and training outcome;
 - ``GET /api/stream``: server-sent events: an ``overview`` event after each change of the
   topics' state (at most one per ``dashboard.push_interval_s``), and at least one per
   ``dashboard.scrape_interval_s`` for the live Prometheus numbers;
@@ -137,11 +137,14 @@ async def api_sessions(q: str = Query("", max_length=256), limit: int = Query(50
 
 
 @router.get("/api/sessions/{session_id:path}")
-async def api_session(session_id: str, d: Dashboard = Depends(dashboard)) -> Response:
-    """One session's turns, next states, samples and training outcome (404 when not read)."""
-    s = d.state.session(session_id)
+async def api_session(session_id: str, tenant: str | None = Query(None, min_length=1, max_length=256),
+                      d: Dashboard = Depends(dashboard)) -> Response:
+    """One session's turns, next states, samples and training outcome (404 when not read);
+    ``?tenant=T`` names a tenant's session (two tenants' sessions may share an id)."""
+    s = d.state.session(session_id, tenant)
     if s is None:
-        return _error(404, f"no session {session_id!r} in what the dashboard has read", "not_found")
+        of = f" of tenant {tenant!r}" if tenant is not None else ""
+        return _error(404, f"no session {session_id!r}{of} in what the dashboard has read", "not_found")
     return _json(s)
 
 

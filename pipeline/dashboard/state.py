@@ -37,6 +37,7 @@ class SessionView:
     """One session as the browser shows it (text only when the dashboard stores text)."""
 
     session_id: str
+    tenant: str | None = None  # sessions of two tenants with one id are two sessions
     first_ms: int = 0
     last_ms: int = 0
     turns: list[dict] = field(default_factory=list)  # turn views in topic order (main and side)
@@ -75,9 +76,10 @@ class DashboardState:
         self.positions: dict[tuple[str, int], int] = {}  # next offset per partition read
         # turns
         self.counts: Counter = Counter()
-        self.sessions: OrderedDict[str, SessionView] = OrderedDict()  # least recently active first
-        self.session_ids: set[str] = set()  # every session seen (also evicted ones)
-        self.ended: set[str] = set()
+        #: keyed by :func:`pipeline.events.session_of` (the id, or ``(tenant, id)``); least recently active first
+        self.sessions: OrderedDict[str | tuple[str, str], SessionView] = OrderedDict()
+        self.session_ids: set[str | tuple[str, str]] = set()  # every session seen (also evicted ones)
+        self.ended: set[str | tuple[str, str]] = set()
         self.turn_buckets: Counter = Counter()  # bucket start (s) -> main+side turns
         self.sample_buckets: Counter = Counter()
         # samples
@@ -131,10 +133,12 @@ class DashboardState:
             "policy_version": ev.policy_version, "n": ev.n, "name": ev.name, "created_at": ev.created_at or ts,
             **{k: v for k, v in ev.metrics.items() if isinstance(v, (int, float))}}
 
-    def _session(self, sid: str, ms: int) -> SessionView:
+    def _session(self, ev, ms: int) -> SessionView:
+        """The view of ``ev``'s session (keyed by tenant and id), created on first sight."""
+        sid = events.session_of(ev)
         s = self.sessions.get(sid)
         if s is None:
-            s = self.sessions[sid] = SessionView(sid)
+            s = self.sessions[sid] = SessionView(ev.session_id, ev.tenant)
             self.session_ids.add(sid)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
@@ -149,19 +153,19 @@ class DashboardState:
         self.counts[f"turns_{t.turn_type}"] += 1
         self.turn_buckets[ms // 1000 // BUCKET_S * BUCKET_S] += 1
         self._trim(self.turn_buckets)
-        self._session(t.session_id, ms).turns.append(views.turn_view(t, text=self.text))
+        self._session(t, ms).turns.append(views.turn_view(t, text=self.text))
 
     def _next_state(self, n: events.NextState, ts: int) -> None:
         ms = n.created_at or ts
         self.counts["next_states"] += 1
         key = n.after_turn_index if n.after_turn_index is not None else -1
         view = views.event_view(n, text=self.text)
-        self._session(n.session_id, ms).next_states.setdefault(key, []).append(view)
+        self._session(n, ms).next_states.setdefault(key, []).append(view)
 
     def _session_end(self, e: events.SessionEnd, ts: int) -> None:
         self.counts["session_ends"] += 1
-        self.ended.add(e.session_id)
-        self._session(e.session_id, e.created_at or ts).end = {"reason": e.reason, "created_at": e.created_at or ts}
+        self.ended.add(events.session_of(e))
+        self._session(e, e.created_at or ts).end = {"reason": e.reason, "created_at": e.created_at or ts}
 
     def _sample(self, s: events.Sample, ts: int) -> None:
         view = views.sample_view(s, text=self.text)
@@ -173,7 +177,7 @@ class DashboardState:
         self.samples[s.sample_id] = {k: view[k] for k in (
             "kind", "reward", "loss_mask", "prm_votes", "hint_votes", "has_hint", "policy_version", "session_id",
             "turn_index")}
-        sess = self._session(s.session_id, s.created_at or ts)
+        sess = self._session(s, s.created_at or ts)
         sess.samples.setdefault(s.turn_index, {})[s.sample_id] = view
 
     def _control(self, c: events.Control, ts: int) -> None:
@@ -290,16 +294,16 @@ class DashboardState:
         return [self.config.topics.dlq(n) for n in ("turns", "samples", "control", "metrics")]
 
     def sessions_list(self, query: str = "", limit: int = 50) -> list[dict]:
-        """Most recently active sessions first, optionally those whose id contains ``query``."""
+        """Most recently active sessions first, optionally those whose id or tenant contains ``query``."""
         q = query.strip().lower()
         out = []
         with self.lock:
             for s in reversed(self.sessions.values()):
-                if q and q not in s.session_id.lower():
+                if q and q not in s.session_id.lower() and q not in (s.tenant or "").lower():
                     continue
                 smp = [v for d in s.samples.values() for v in d.values()]
                 out.append({
-                    "session_id": s.session_id, "first_ms": s.first_ms, "last_ms": s.last_ms,
+                    "session_id": s.session_id, "tenant": s.tenant, "first_ms": s.first_ms, "last_ms": s.last_ms,
                     "turns": sum(1 for t in s.turns if t["turn_type"] == "main"),
                     "side_turns": sum(1 for t in s.turns if t["turn_type"] != "main"),
                     "samples": len(smp), "trained": sum(1 for v in smp if v["sample_id"] in self.trained),
@@ -308,10 +312,11 @@ class DashboardState:
                     break
         return out
 
-    def session(self, session_id: str) -> dict | None:
-        """One session: each turn with its next state(s), sample(s) and training outcome."""
+    def session(self, session_id: str, tenant: str | None = None) -> dict | None:
+        """One session (of ``tenant``; None: a session without a tenant): each turn with its next
+        state(s), sample(s) and training outcome."""
         with self.lock:
-            s = self.sessions.get(session_id)
+            s = self.sessions.get(session_id if tenant is None else (tenant, session_id))
             if s is None:
                 return None
             turns = []
@@ -333,5 +338,5 @@ class DashboardState:
                 turns.append(row)
             known = {t["turn_index"] for t in s.turns if t["turn_type"] == "main"}
             orphans = {i: list(v) for i, v in s.next_states.items() if i not in known}
-            return {"session_id": s.session_id, "first_ms": s.first_ms, "last_ms": s.last_ms, "end": s.end,
+            return {"session_id": s.session_id, "tenant": s.tenant, "first_ms": s.first_ms, "last_ms": s.last_ms, "end": s.end,
                     "turns": turns, "unmatched_next_states": orphans, "show_text": self.text}

@@ -39,7 +39,7 @@ from typing import Iterable, Iterator
 import orjson
 
 from pipeline import events
-from pipeline.bus.bounds import Bound, BoundError, in_range, parse_bound  # noqa: F401 - replay's range grammar
+from pipeline.bus.bounds import Bound, BoundError, in_range, parse_bound
 from pipeline.history.store import ArchivedRecord, count_lines, read_archive, read_manifest
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from pipeline import events
 from pipeline.config import Config
-from pipeline.history.replay import BoundError, archive_records, parse_bound, replay, topic_records
+from pipeline.bus.bounds import BoundError, parse_bound
+from pipeline.history.replay import archive_records, replay, topic_records
 from pipeline.orchestrate.supervisor import StageFailed, Supervisor, http_ok
 from pipeline.procutil import free_port
 

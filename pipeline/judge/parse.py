@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-from pipeline.votes import majority_vote  # noqa: F401 - the judge's vote rule lives on the floor (shared)
 
 _BOX = "\\boxed{"
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.S)

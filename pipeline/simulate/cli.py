@@ -50,7 +50,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--session-prefix", help="session id prefix (default sim-<dataset>-<random>)")
     parser.add_argument("--log", help="append one JSON line per reply to this file")
     parser.add_argument("--api-key", help="bearer token (default: the first of proxy.api_keys, if any)")
-    parser.add_argument("--tenant", help="send X-Tenant-Id: TENANT on every request (default: no tenant)")
+    parser.add_argument("--tenant", help="send X-Tenant-Id: TENANT with every request (docs/tenants.md)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--evaluate", action="store_true",
                         help="evaluate the engine on the 32 held-out GSM8K problems instead (no proxy, no training data)")

@@ -101,17 +101,17 @@ class ChatClient:
         retries: extra attempts on a connection that could not be opened or HTTP 429/503
             (exponential back-off from 0.5 s with jitter, :mod:`pipeline.retry`).
         max_connections: connection-pool bound (concurrency is bounded by the caller too).
-        tenant: sent as ``X-Tenant-Id`` on every request (the proxy's tenant without a key map,
-            docs/tenants.md); None sends nothing.
+        tenant: sent as ``X-Tenant-Id`` on every request (the proxy's tenant when it has no key
+            map: docs/tenants.md); None: no header.
     """
 
     def __init__(self, base_url: str, model: str = "default", api_key: str | None = None,
                  timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64,
                  tenant: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        fixed = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if tenant is not None:
-            headers["X-Tenant-Id"] = tenant
-        self._t = Transport(base_url, timeout_s, max_connections, headers=headers or None)
+            fixed["X-Tenant-Id"] = tenant
+        self._t = Transport(base_url, timeout_s, max_connections, headers=fixed or None)
         self.url = self._t.base_url + CHAT_PATH
         self.model = model
         self.retries = retries

@@ -188,9 +188,8 @@ async def simulate(base_url: str, plan: SimulationPlan, settings: UserSettings, 
     ``errors`` (the first few messages).
 
     ``plan.concurrency`` workers each run one session at a time, so memory stays flat however
-    many sessions are planned. Setting ``stop`` cancels the sessions in flight (their replies so
+    many sessions are planned. ``tenant``: sent as ``X-Tenant-Id`` with every request. Setting ``stop`` cancels the sessions in flight (their replies so
     far are already logged; the proxy ends such sessions by its idle time-out) and returns.
-    ``tenant``: every request says ``X-Tenant-Id: <tenant>`` (None: no tenant).
 
     Raises:
         ValueError: unknown dataset or split.

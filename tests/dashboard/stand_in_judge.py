@@ -8,7 +8,7 @@ from __future__ import annotations
 import zlib
 
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.parse import majority_vote
+from pipeline.votes import majority_vote
 from pipeline.judge.prompts import JudgeInput
 
 

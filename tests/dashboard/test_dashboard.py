@@ -277,6 +277,29 @@ def test_state_fold_rules_without_a_broker():
     assert len(state.overview()["trainer"]["steps"]) == 1
 
 
+def test_two_tenants_with_one_session_id_are_two_sessions():
+    """Sessions are keyed by (tenant, id) as everywhere else: two tenants' ``s1`` are two sessions,
+    each found with its tenant; an untenanted ``s1`` is a third; the list names the tenant."""
+    from fastapi.testclient import TestClient
+
+    from pipeline.bus import Record
+    from pipeline.config import load_config
+    from pipeline.dashboard.state import DashboardState
+
+    state = DashboardState(load_config(None))
+    for i, tenant in enumerate(("alice", "bob", None, "bob")):
+        ev = events.Turn(session_id="s1", turn_index=i, tenant=tenant, response_token_ids=[1], response_logprobs=[-1.0])
+        state.apply(Record("turns", 0, i, "s1", ev, events.now_ms()))
+    state.apply(Record("turns", 0, 9, "s1", events.SessionEnd(session_id="s1", tenant="alice"), events.now_ms()))
+    listed = state.sessions_list()
+    assert sorted((x["tenant"] or "", x["turns"]) for x in listed) == [("", 1), ("alice", 1), ("bob", 2)]
+    assert [x["tenant"] for x in state.sessions_list("ali")] == ["alice"]
+    assert state.session("s1", "alice")["end"] is not None and state.session("s1", "bob")["end"] is None
+    assert [t["turn_index"] for t in state.session("s1", "bob")["turns"]] == [1, 3]
+    assert [t["turn_index"] for t in state.session("s1")["turns"]] == [2]
+    assert state.session("s1", "carol") is None and state.overview()["traffic"]["sessions_open"] == 2
+
+
 def test_bad_requests_and_odd_records_get_clear_answers(kafka_config):
     from pipeline.bus import Record
     from pipeline.dashboard.state import DashboardState

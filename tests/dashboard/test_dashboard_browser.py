@@ -110,7 +110,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
             got = b.wait(f"""(() => {{ const xs = [...document.querySelectorAll('.sample')];
                 return xs.length === {n} && xs.map((x) => [x.dataset.sampleId, [x.dataset.votes, x.dataset.majority,
                                                                              x.dataset.trainedStep]]); }})()""")
-            from pipeline.judge.parse import majority_vote
+            from pipeline.votes import majority_vote
 
             def shown(votes):  # the page's majority: empty without votes or when every vote failed (no score)
                 m = majority_vote(votes) if votes else None

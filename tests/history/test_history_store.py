@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline import events
-from pipeline.history.replay import Bound, BoundError, in_range, mark_replayed, parse_bound
+from pipeline.bus.bounds import Bound, BoundError, in_range, parse_bound
+from pipeline.history.replay import mark_replayed
 from pipeline.history.store import (ArchivedRecord, day_of, event_from_dict, parse_line, partition_file,
                                     read_archive, to_line)
 

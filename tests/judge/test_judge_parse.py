@@ -8,11 +8,12 @@ from pipeline import events
 from pipeline.engine_api.errors import EngineError
 from pipeline.judge.backends import BackendError, backend_class
 from pipeline.judge.backends.base import Verdict
-from pipeline.judge.parse import (best_hint, hint_block, hint_rejection, last_boxed, majority_vote, parse_hint,
+from pipeline.judge.parse import (best_hint, hint_block, hint_rejection, last_boxed, parse_hint,
                                   parse_score)
 from pipeline.judge.prompts import JudgeInput, hint_messages, inject_hint, prm_messages
 from pipeline.judge.samples import combine_sample, rl_flush_sample, rl_sample, sample_id
 from pipeline.judge.teacher import TeacherOutput
+from pipeline.votes import majority_vote
 
 
 @pytest.mark.parametrize("text,want", [

@@ -119,9 +119,6 @@ def test_steps_user_of_a_tenant_asks_for_one_step_per_line_then_thanks():
         assert reqs[1]["body"]["messages"][-1]["content"] in NOT_STEPWISE
         assert reqs[2]["body"]["messages"][-1]["content"] in THANKS_STEPS
     assert out["success_rate"] == 0.5 and out["graded_replies"] == 4
-    with _chat(script) as srv:
-        _run(srv.url, SimulationPlan(sessions=1, seed=0), UserSettings())
-    assert all("x-tenant-id" not in h for h in srv.headers)  # no tenant: no header
 
 
 def test_gsm8k_right_answer_is_thanked_at_once():
@@ -278,3 +275,16 @@ def test_sessions_through_the_real_proxy_and_engine_become_turn_events(kafka_con
             if k < len(feedback):
                 want.append(("next_state", k))
         assert kinds == want + [("session_end", None)]
+
+
+def test_tenant_is_sent_as_x_tenant_id_on_every_request():
+    """``pipeline simulate --tenant T``: every request of every session carries ``X-Tenant-Id: T``;
+    without it, no such header."""
+    with _chat(lambda m: "The answer is 3.") as srv:
+        asyncio.run(simulate(srv.url, SimulationPlan(sessions=2, concurrency=2), UserSettings(max_turns=2),
+                             progress=False, tenant="alice"))
+        n = len(srv.requests)
+        asyncio.run(simulate(srv.url, SimulationPlan(sessions=1, concurrency=1), UserSettings(max_turns=1),
+                             progress=False))
+    assert n >= 4 and all(h.get("x-tenant-id") == "alice" for h in srv.headers[:n])
+    assert len(srv.headers) > n and all("x-tenant-id" not in h for h in srv.headers[n:])

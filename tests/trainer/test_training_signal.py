@@ -198,7 +198,7 @@ def test_all_failed_votes_carry_no_rl_term(runtime):
     the trainer leaves it out: no advantage, not an RL sample, not in the reward mean or the
     normalisation, exactly the loss of the batch without it. Was: reward 0, trained on turn 0
     (rl_samples 2, reward_mean 0.5, normalised advantages [1, -1])."""
-    from pipeline.judge.parse import majority_vote
+    from pipeline.votes import majority_vote
 
     def judged(turn, votes, candidate):  # as the llm backend and the judge app build it
         return _wire(S.rl_sample(turn, Verdict(majority_vote(votes), votes), candidate, "test"))

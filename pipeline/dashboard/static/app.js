@@ -245,7 +245,7 @@ async function refreshSessions() {
   if (!input) return;
   const data = await api(`/api/sessions?limit=200&q=${encodeURIComponent(input.value)}`);
   replace("session-list", data.sessions.length ? table(["session", "main turns", "side turns", "samples", "trained", "rewards", "last activity", "state"],
-    data.sessions.map((x) => [h("a", { href: `#/session/${encodeURIComponent(x.session_id)}`, class: "session-link" }, x.session_id),
+    data.sessions.map((x) => [h("a", { href: `#/session/${encodeURIComponent(x.session_id)}${x.tenant === null ? "" : `?tenant=${encodeURIComponent(x.tenant)}`}`, class: "session-link" }, x.tenant === null ? x.session_id : `${x.tenant} · ${x.session_id}`),
       num(x.turns), num(x.side_turns), num(x.samples), num(x.trained), x.rewards.map((r) => num(r, 0)).join(" ") || "–",
       when(x.last_ms), x.ended ? "ended" : "open"]))
     : h("p", { class: "muted" }, `no session${input.value ? " matches" : " yet"} (${data.total} read)`));
@@ -267,14 +267,15 @@ function messages(list, showText) {
 }
 function kv(pairs) { return h("div", { class: "kv" }, pairs.map(([k, v]) => [h("div", { class: "k" }, k), h("div", {}, v)])); }
 
-async function renderSession(id) {
+async function renderSession(id, tenant) {
   S.charts = {}; S.built = false;
-  const data = await api(`/api/sessions/${encodeURIComponent(id)}`).catch((e) => ({ error: e.message }));
+  const of = tenant === null ? "" : `?tenant=${encodeURIComponent(tenant)}`;
+  const data = await api(`/api/sessions/${encodeURIComponent(id)}${of}`).catch((e) => ({ error: e.message }));
   const view = $("view");
   view.textContent = "";
   if (data.error) { view.appendChild(card(`Session ${id}`, data.error, h("a", { href: "#/sessions" }, "back to sessions"), true)); return; }
   const showText = data.show_text;
-  const head = card(`Session ${data.session_id}`, `first ${when(data.first_ms)} · last ${when(data.last_ms)} · ${data.end ? `ended (${data.end.reason})` : "open"} · conversation text ${showText ? "shown" : "hidden (start the dashboard with --show-text to see it)"}`,
+  const head = card(`Session ${data.tenant === null ? "" : `${data.tenant} · `}${data.session_id}`, `first ${when(data.first_ms)} · last ${when(data.last_ms)} · ${data.end ? `ended (${data.end.reason})` : "open"} · conversation text ${showText ? "shown" : "hidden (start the dashboard with --show-text to see it)"}`,
     h("a", { href: "#/sessions" }, "← all sessions"), true);
   view.appendChild(head);
   for (const t of data.turns) {
@@ -317,7 +318,11 @@ function route() {
   const hash = location.hash || "#/";
   $("nav-overview").classList.toggle("active", hash === "#/" || hash === "");
   $("nav-sessions").classList.toggle("active", hash.startsWith("#/session"));
-  if (hash.startsWith("#/session/")) return renderSession(decodeURIComponent(hash.slice("#/session/".length)));
+  if (hash.startsWith("#/session/")) {
+    const [path, query] = hash.slice("#/session/".length).split("?");
+    const tenant = new URLSearchParams(query || "").get("tenant");
+    return renderSession(decodeURIComponent(path), tenant);
+  }
   if (hash.startsWith("#/sessions")) {
     const q = new URLSearchParams(hash.split("?")[1] || "").get("q") || "";
     return renderSessions(q);

@@ -22,7 +22,8 @@ from pipeline.engine_api.client import EngineClient
 from pipeline.engine_api.errors import EngineError, retried
 from pipeline.judge import metrics
 from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
-from pipeline.judge.parse import best_hint, hint_rejection, majority_vote, parse_hint, parse_score
+from pipeline.judge.parse import best_hint, hint_rejection, parse_hint, parse_score
+from pipeline.votes import majority_vote
 from pipeline.judge.prompts import JudgeInput, hint_messages, prm_messages
 
 log = logging.getLogger(__name__)
