@@ -39,15 +39,16 @@ LORA = {"rank": 16, "alpha": 32}  # every attention and MLP projection (the defa
 
 
 def two_user_config(config: Config, args, run_dir: Path) -> Config:
-    """The demo's configuration (:func:`pipeline.orchestrate.demo.demo_config`) for two users:
-    ``--steps`` updates per user (``trainer.max_steps`` = steps x users); with ``--tenants`` LoRA
-    adapters per tenant at ``--lora-lr`` and the engine serving adapters."""
+    """The demo's configuration (:func:`pipeline.orchestrate.demo.demo_config`) for two users.
+    ``--shared``: ``--steps`` updates per user (``trainer.max_steps`` = steps x users).
+    ``--tenants``: LoRA adapters per tenant at ``--lora-lr``, the engine serving adapters, and no
+    ``max_steps`` (a count of batches of any tenant: one busy tenant could take them all); the
+    run ends when each tenant's first ``--steps`` adapter versions were evaluated."""
     cfg = demo_config(config, args, run_dir)
-    steps = {"max_steps": args.steps * len(USERS)}
     if args.shared:
-        return cfg.replace(trainer=steps)
+        return cfg.replace(trainer={"max_steps": args.steps * len(USERS)})
     return cfg.replace(engine={"enable_lora": True},
-                       trainer={**steps, "lora": LORA, "per_tenant": True, "lr": args.lora_lr})
+                       trainer={"max_steps": None, "lora": LORA, "per_tenant": True, "lr": args.lora_lr})
 
 
 class Evaluations:
@@ -79,14 +80,16 @@ class Evaluations:
 
 def to_evaluate(args, config: Config, done: dict[str, list[str]]) -> list[tuple[str, str, str | None]]:
     """What serves a user now and was not evaluated yet: ``(target, version, adapter)`` triples.
-    ``--tenants``: each tenant's adapter named by its last ``resume`` on ``control``; ``--shared``:
+    ``--tenants``: each tenant's adapter named by its last ``resume`` on ``control``, until the
+    tenant has ``--steps`` evaluated versions; ``--shared``:
     the weight version the engine serves (version 0, the base, is evaluated at the start)."""
     if args.shared:
         v = engine_version(config.engine.url)
         return [("shared", v, None)] if v is not None and v != "0" and v not in done["shared"] else []
     served = served_adapters(read_topic(config, "control"))
     return [(u.tenant, a["name"], a["name"]) for u in USERS
-            if (a := served.get(u.tenant)) is not None and a["name"] not in done[u.tenant]]
+            if len(done[u.tenant]) < args.steps and (a := served.get(u.tenant)) is not None
+            and a["name"] not in done[u.tenant]]
 
 
 def finished(args, config: Config, done: dict[str, list[str]]) -> bool:
@@ -226,6 +229,7 @@ def plot_two_users(report: dict, path: Path) -> None:
         ax.set_title(f"{tenant} ({u['feedback']}), {report['mode']}", fontsize=10)
         ax.set_xlabel("evaluated version (dotted: the base, band: its 95% interval)")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend(fontsize=8, loc="upper left")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper left")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
