@@ -255,3 +255,47 @@ def test_commands_freeze_reset_delete_export_and_a_restart(kafka_config, tmp_pat
     assert [(r["tenant"], r["skipped"]) for r in recs2[6:]] == [("alice", False), ("bob", True)]
     trained = Counter(trained_before + [i for r in recs2[6:] for i in r["sample_ids"] if not r["skipped"]])
     assert max(trained.values()) == 1 and len(trained) == 12  # 16 sent: alice 2 and bob 2 frozen
+
+
+@pytest.mark.slow(seconds=90)
+def test_killed_during_an_adapter_sync_the_restart_syncs_it_again(kafka_config, tmp_path):
+    import os
+    import signal
+
+    cfg = _config(kafka_config, tmp_path, max_steps=1, sync_timeout_s=600.0)
+    _publish(cfg, ["alice", "alice"], 0)
+    cmd = [sys.executable, "-m", "pipeline", "trainer", "--model", "tiny-random", "--batch-size", "2", "--max-steps",
+           "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--export-dir", str(tmp_path / "weights"), "--engines",
+           "engine-a", "--threads", "1", "--no-progress", "--bootstrap", cfg.kafka.bootstrap_servers,
+           "--log-level", "WARNING"]
+    for k, v in (("topics.prefix", cfg.topics.prefix), ("trainer.run_id", RUN), ("trainer.per_tenant", "true"),
+                 ("trainer.lora.rank", "4"), ("trainer.lora.alpha", "8"), ("trainer.lr", "0.01"),
+                 ("trainer.max_staleness", "null"), ("trainer.poll_timeout_s", "0.2"), ("trainer.sync_timeout_s", "600")):
+        cmd += ["--set", f"{k}={v}"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:  # no engine answers: the trainer waits in the sync; killed once its weights record is out
+        weights = _wait(lambda: [c for c in _ctl(cfg, "alice") if c.action == "weights"] or
+                        (proc.poll() is not None and pytest.fail(proc.stdout.read()[-3000:])), "alice's weights")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    adapter = weights[0].adapter
+    assert [c.action for c in _ctl(cfg, "alice")] == ["pause", "weights"]  # never resumed
+    syncer = StandInSyncer(cfg, lambda ev: ["engine-a"])
+    try:
+        stage, t, errors = _run_stage(cfg)  # max_steps reached: it only restores and re-syncs
+        t.join(120)
+        assert not t.is_alive() and not errors, errors
+    finally:
+        syncer.close()
+    alice = [(c.action, c.engine_id, (c.adapter or {}).get("version")) for c in _ctl(cfg, "alice")]
+    v = adapter["version"]
+    ours = [a for a in alice if a[0] != "applied"]  # the stand-in answers both weights records
+    assert ours == [("pause", None, v), ("weights", None, v), ("pause", None, v), ("weights", None, v),
+                    ("resume", None, v)]  # the same content, synced again, and now resumed
+    assert ("applied", "engine-a", v) in alice
+    assert stage.adapters.table["alice"].published == adapter and stage.adapters.table["alice"].synced == 1
+    assert [p.name for p in (tmp_path / "weights" / "adapters" / "alice").iterdir()] == [v[:16]]  # reused
