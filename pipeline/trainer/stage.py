@@ -11,6 +11,17 @@ One step (rank 0 talks to Kafka; every TP/DP rank trains on the broadcast batch)
     control: pause -> weights -> (applied from every engine | timeout -> failed) -> resume
     metrics log line + progress bar
 
+With ``trainer.lora`` (and ``trainer.per_tenant``, required) each step trains the batch's
+tenant's adapter over the frozen base instead, and syncs that adapter alone
+(:mod:`pipeline.trainer.adapters`)::
+
+    batch    = source.next_batch(...)                  # one tenant's samples
+    commands = control from commands_offset            # freeze / unfreeze / reset / delete, applied
+    metrics  = policy.train_batch(batch, adapter=T)    # none when T is frozen or the batch has no tenant
+    n_T += 1; export T's adapter -> <export_dir>/adapters/<slug>/<version[:16]>/
+    checkpoint(adapters + optimizer states, tenants' table, commands_offset, offsets)
+    control: pause(T, A) -> weights(T, A) -> applied/failed -> resume(T, A or the previous one)
+
 Policy version = number of weight syncs; 0 is the initial checkpoint the engines start with.
 On restart the trainer restores the newest checkpoint and seeks every partition to its
 offsets, so no sample is trained twice or skipped (with ``checkpoint_every: 1``; with a larger
