@@ -299,3 +299,42 @@ def test_killed_during_an_adapter_sync_the_restart_syncs_it_again(kafka_config, 
     assert ("applied", "engine-a", v) in alice
     assert stage.adapters.table["alice"].published == adapter and stage.adapters.table["alice"].synced == 1
     assert [p.name for p in (tmp_path / "weights" / "adapters" / "alice").iterdir()] == [v[:16]]  # reused
+
+
+@pytest.mark.slow(seconds=150)
+def test_adapters_through_the_stage_under_torchrun_tp2(kafka_config, tmp_path):
+    """``torchrun -m pipeline trainer --tp 2`` with ``trainer.lora``: rank 0's tenant and commands
+    reach both ranks (a ``reset`` removes the adapter on each: both shards of the checkpoint hold a
+    fresh adapter with one optimizer step), the export gathers both halves of each adapter."""
+    import json
+
+    from tests.trainer.torchrun import torchrun_two
+
+    cfg = _config(kafka_config, tmp_path)
+    _publish(cfg, ["alice", "alice", "bob", "bob", None, None], 0)
+    args = ["-m", "pipeline", "trainer", "--tp", "2", "--model", "tiny-random", "--batch-size", "2", "--max-steps", "3",
+            "--engines", "", "--threads", "1", "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--export-dir", str(tmp_path / "weights"), "--bootstrap", cfg.kafka.bootstrap_servers, "--log-level",
+            "WARNING"]
+    for k, v in (("topics.prefix", cfg.topics.prefix), ("trainer.run_id", RUN), ("trainer.per_tenant", "true"),
+                 ("trainer.lora.rank", "4"), ("trainer.lora.alpha", "8"), ("trainer.lr", "0.01"),
+                 ("trainer.max_staleness", "null"), ("trainer.poll_timeout_s", "0.2")):
+        args += ["--set", f"{k}={v}"]
+    torchrun_two(args, timeout_s=300)
+    _command(cfg, "reset", "alice")
+    _publish(cfg, ["alice", "alice"], 10)
+    torchrun_two([*args[:args.index("--max-steps") + 1], "4", *args[args.index("--max-steps") + 2:]], timeout_s=300)
+    recs = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["tenant"], r["skipped"], r["policy_version"]) for r in recs] == [
+        ("alice", False, 1), ("bob", False, 1), (None, True, 0), ("alice", False, 2)]
+    for r in (recs[0], recs[1], recs[3]):
+        folder = tmp_path / "weights" / "adapters" / r["tenant"] / r["adapter"]["version"][:16]
+        assert weightsync.verify_adapter(folder, r["adapter"]["version"]) == r["adapter"]["version"]
+    meta = json.loads((tmp_path / "ckpt" / "step_00000004" / "meta.json").read_text())
+    assert meta["tenants"]["alice"]["updates"] == 2 and meta["tenants"]["alice"]["base"] == 1
+    assert list(meta["tenants"]["alice"]["versions"].values()) == [2]  # reset forgot the first version
+    import torch
+
+    for shard in ("tp00.pt", "tp01.pt"):
+        state = torch.load(tmp_path / "ckpt" / "step_00000004" / shard, weights_only=False)
+        assert {n: a["steps"] for n, a in state["adapters"].items()} == {"alice": 1, "bob": 1}, shard
