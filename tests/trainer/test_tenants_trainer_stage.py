@@ -135,7 +135,8 @@ def _ctl(cfg, tenant=None):
 
 @pytest.mark.slow(seconds=120)
 def test_two_tenants_train_two_adapters_each_synced_and_a_silent_engine_keeps_the_previous(kafka_config, tmp_path):
-    cfg = _config(kafka_config, tmp_path, engines=["engine-a", "engine-b"], sync_timeout_s=4.0, max_steps=4)
+    cfg = _config(kafka_config, tmp_path, engines=["engine-a", "engine-b"], sync_timeout_s=4.0, max_steps=4,
+                  keep_exports=1)
     # engine-b answers only a tenant's first update: alice's second meets a silent engine-b
     syncer = StandInSyncer(cfg, lambda ev: ["engine-a", "engine-b"] if ev.policy_version == 1 else ["engine-a"])
     sent = _publish(cfg, ["alice", "alice", "bob", "bob", None, None, "alice", "alice"], 0)
@@ -163,6 +164,9 @@ def test_two_tenants_train_two_adapters_each_synced_and_a_silent_engine_keeps_th
         assert ad["name"] == weightsync.adapter_name(tenant, ad["version"])
         assert ad["sha256"] == weightsync.sha256_file(folder / weightsync.ADAPTER_FILE)
     assert sorted(stage.policy.adapters()) == ["alice", "bob"]
+    # keep_exports=1, but alice's resume still names v1: both of her folders stay
+    assert {p.name for p in (tmp_path / "weights" / "adapters" / "alice").iterdir()} == {
+        a1["version"][:16], a2["version"][:16]}
     # control: one sync per update, every record naming its tenant; no full-weights sync at all
     ctl = _ctl(cfg)
     assert all(c.tenant in ("alice", "bob") for c in ctl)
@@ -201,7 +205,7 @@ def test_commands_freeze_reset_delete_export_and_a_restart(kafka_config, tmp_pat
     from pipeline.trainer.adapters import tenant_dir
     from pipeline.trainer.adapters_cli import export
 
-    cfg = _config(kafka_config, tmp_path, max_steps=6)
+    cfg = _config(kafka_config, tmp_path, max_steps=6, keep_exports=1)
     syncer = StandInSyncer(cfg, lambda ev: ["engine-a"])
     try:
         stage, t, errors = _run_stage(cfg)
@@ -238,7 +242,7 @@ def test_commands_freeze_reset_delete_export_and_a_restart(kafka_config, tmp_pat
 
     # restart: every tenant's state comes back, and nothing is trained twice
     trained_before = [i for r in recs for i in r["sample_ids"] if not r["skipped"]]
-    cfg2 = _config(kafka_config, tmp_path, max_steps=8)
+    cfg2 = _config(kafka_config, tmp_path, max_steps=8, keep_exports=1)
     syncer = StandInSyncer(cfg2, lambda ev: ["engine-a"], start="end")
     try:
         stage2, t, errors = _run_stage(cfg2)
@@ -255,6 +259,8 @@ def test_commands_freeze_reset_delete_export_and_a_restart(kafka_config, tmp_pat
     assert [(r["tenant"], r["skipped"]) for r in recs2[6:]] == [("alice", False), ("bob", True)]
     trained = Counter(trained_before + [i for r in recs2[6:] for i in r["sample_ids"] if not r["skipped"]])
     assert max(trained.values()) == 1 and len(trained) == 12  # 16 sent: alice 2 and bob 2 frozen
+    alice_folders = [p.name for p in (tmp_path / "weights" / "adapters" / "alice").iterdir()]
+    assert alice_folders == [recs2[6]["adapter"]["version"][:16]]  # keep_exports=1: older ones pruned
 
 
 @pytest.mark.slow(seconds=90)
