@@ -39,32 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="export: the folder to write (must not exist)")
 
 
-def current_adapter(records: list, tenant: str, run_id: str) -> tuple[dict, str] | None:
-    """``(adapter, location)`` of ``tenant``'s current adapter from ``control`` events in log
-    order: the adapter of its last ``resume`` (of ``run_id``) and the location of the last
-    ``weights`` record of that version before it. None when there is no such ``resume``, it
-    names the base model, or no ``weights`` record of its version precedes it."""
-    location: dict[str, str] = {}
-    current = None
-    for ev in records:
-        if not isinstance(ev, events.Control) or ev.tenant != tenant or ev.run_id != run_id:
-            continue
-        if ev.action == "weights" and ev.adapter is not None:
-            location[ev.adapter["version"]] = ev.location
-        elif ev.action == "resume":
-            current = ev.adapter
-    if current is None or current["version"] not in location:
-        return None
-    return current, location[current["version"]]
-
-
 def export(records: list, tenant: str, run_id: str, out: str | Path) -> dict:
     """Copy ``tenant``'s current adapter folder to ``out`` (see the module docstring); returns the
     adapter. Raises ``LookupError`` (no adapter), ``FileNotFoundError``/``ValueError`` (its
     folder is missing or does not verify), ``FileExistsError`` (``out`` exists)."""
     from pipeline.files import atomic_folder
 
-    found = current_adapter(records, tenant, run_id)
+    found = weightsync.current_adapters(records, run_id).get(tenant)
     if found is None:
         raise LookupError(f"tenant {tenant!r} has no adapter: control holds no resume of it in run {run_id!r}, "
                           f"or its last one names the base model")

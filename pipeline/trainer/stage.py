@@ -287,7 +287,7 @@ class TrainerStage:
         for v in versions[:max(0, len(versions) - self.cfg.keep_exports)]:
             shutil.rmtree(self.export_dir / f"v{v:06d}", ignore_errors=True)
 
-    # ------------------------------------------------------------ loop
+    # ------------------------------------------------------------ adapters (trainer.lora)
 
     def _adapter_export(self, tenant: str, record: dict) -> tuple[dict, Path] | None:
         """``trainer.lora``: export ``tenant``'s adapter (collective); rank 0 gets ``(adapter,

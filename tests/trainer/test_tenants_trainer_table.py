@@ -1,4 +1,4 @@
-"""Issue 28 (tenants): the trainer's per-tenant adapter table and the ``adapters export`` lookup
+"""Issue 28 (tenants): the trainer's per-tenant adapter table and each tenant's current adapter on ``control``
 (pure: no broker, no model)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline import events
-from pipeline.trainer.adapters_cli import current_adapter
+from pipeline.weightsync import current_adapters
 from pipeline.trainer.tenants import TenantTable
 
 
@@ -64,10 +64,10 @@ def test_current_adapter_is_the_last_resume_and_its_weights_location():
            _ctl("weights", "alice", a2, location="/x/b"), _ctl("resume", "alice", a1),  # b failed somewhere
            _ctl("weights", "bob", _ad("bob", "c"), location="/x/c"), _ctl("resume", "bob", _ad("bob", "c")),
            _ctl("resume", "alice", a2, run_id="other-run")]
-    assert current_adapter(log, "alice", "r") == (a1, "/x/a")
-    assert current_adapter(log, "bob", "r") == (_ad("bob", "c"), "/x/c")
-    assert current_adapter(log + [_ctl("reset", "alice"), _ctl("resume", "alice")], "alice", "r") is None
-    assert current_adapter(log, "carol", "r") is None
+    assert current_adapters(log, "r") == {"alice": (a1, "/x/a"), "bob": (_ad("bob", "c"), "/x/c")}
+    assert current_adapters(log, "other-run") == {"alice": None}  # its weights record is of run r
+    later = current_adapters(log + [_ctl("reset", "alice"), _ctl("resume", "alice")], "r")
+    assert later["alice"] is None and later["bob"] == (_ad("bob", "c"), "/x/c")
 
 
 @pytest.mark.parametrize("action", events.ADAPTER_COMMANDS)
