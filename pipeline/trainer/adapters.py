@@ -17,7 +17,8 @@ null}}``, replaced atomically) records each finished sync's ``resume``, so a res
 every tenant is served by even when the checkpoint is older.
 
 Commands (``control`` records with ``action`` in :data:`pipeline.events.ADAPTER_COMMANDS`, this
-run's ``run_id``) are read by rank 0 between steps (:class:`CommandReader`) from the position
+run's ``run_id``) are read by rank 0 between steps and while it waits for samples
+(:class:`CommandReader`) from the position
 kept in the checkpoint's ``commands_offset`` (every command below it was applied), applied in
 log order and broadcast with the batch: ``freeze``/``unfreeze`` set the flag; ``reset`` removes
 ``T``'s adapter and optimizer state on every rank, forgets its version table and publishes

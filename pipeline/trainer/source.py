@@ -186,16 +186,19 @@ class SampleSource:
                 return None
         return ev, float(w[0]), (max(0, version - produced) if sampled else None)
 
-    def next_batch(self, trainer_version: int, stop: threading.Event | None = None) -> Batch | None:
+    def next_batch(self, trainer_version: int, stop: threading.Event | None = None,
+                   idle: Callable[[], bool] | None = None) -> Batch | None:
         """Block until ``rollout_batch_size`` samples count (see the module docstring); with
         ``trainer.per_tenant`` until a tenant's batch is released (:mod:`pipeline.trainer.buffers`).
 
         ``trainer_version`` is the policy version being trained (for staleness). Returns None if
-        ``stop`` is set before the batch is full; the records read so far stay buffered (not
-        consumed), so the offsets of the last returned batch remain exact.
+        ``stop`` is set before the batch is full, or (``trainer.per_tenant`` only) when a poll
+        brought no record and ``idle()`` returns True (the caller has work between batches:
+        adapter commands); the records read so far stay buffered (not consumed), so the offsets
+        of the last returned batch remain exact.
         """
         if self.tenants is not None:
-            return self._next_tenant_batch(trainer_version, stop)
+            return self._next_tenant_batch(trainer_version, stop, idle)
         t0 = time.perf_counter()
         samples: list[events.Sample] = []
         weights: list[float] = []
@@ -232,7 +235,8 @@ class SampleSource:
         self.positions = positions
         return Batch(samples, weights, dict(positions), _finish_stats(stats, staleness, t0))
 
-    def _next_tenant_batch(self, trainer_version: int, stop: threading.Event | None) -> Batch | None:
+    def _next_tenant_batch(self, trainer_version: int, stop: threading.Event | None,
+                           idle: Callable[[], bool] | None = None) -> Batch | None:
         """``trainer.per_tenant``: read into the tenant buffers until one is ready, release it."""
         tb = self.tenants
         if self._t0 is None:
@@ -241,7 +245,10 @@ class SampleSource:
             if not self._buffer:
                 if stop is not None and stop.is_set():
                     return None  # what is buffered stays pending: the last batch's offsets hold
-                self._buffer.extend(self.reader.poll_raw(timeout_ms=int(self.cfg.poll_timeout_s * 1000)))
+                polled = self.reader.poll_raw(timeout_ms=int(self.cfg.poll_timeout_s * 1000))
+                if not polled and idle is not None and idle():
+                    return None  # the same: the caller acts between batches, then asks again
+                self._buffer.extend(polled)
                 continue
             rec = self._buffer[0]
             if tb.consumed(rec.partition, rec.offset):  # consumed before the restart

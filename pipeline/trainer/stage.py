@@ -102,6 +102,7 @@ class TrainerStage:
         self.version = 0
         self.source = self.publisher = self.steps_out = None
         self.adapters = self.commands = None  # trainer.lora: pipeline.trainer.adapters
+        self._commands: list[tuple[str, str]] = []  # read while idle, not applied yet
         self._untrained_logged: set[str] = set()
         self.log = MetricsLog(None)
 
@@ -313,20 +314,28 @@ class TrainerStage:
 
     # ------------------------------------------------------------ loop
 
+    def _commands_waiting(self) -> bool:
+        """Rank 0, idle on ``samples``: read ``control``; True when commands arrived."""
+        self._commands += [(c.action, c.tenant) for c in self.commands.poll()]
+        return bool(self._commands)
+
     def _next_payload(self):
         """Rank 0 takes the next batch and, with ``trainer.lora``, applies the commands that arrived
         and decides whether the batch trains; everything is broadcast (only rank 0's stop flag
-        counts). Returns ``(batch or None on other ranks, (samples, weights, stopping, tenant,
+        counts). While no sample arrives, commands are applied as they come (a payload without
+        samples). Returns ``(batch or None, (samples or None, weights, stopping, tenant,
         commands, why_not))``, or None when stopping."""
         batch, commands, why_not = None, [], None
         if self.par.is_main and not self.stop.is_set():
-            batch = self.source.next_batch(self.version, self.stop)
-            if batch is not None and self.adapters is not None:
-                commands = [(c.action, c.tenant) for c in self.commands.poll()]
+            lora = self.adapters is not None
+            batch = self.source.next_batch(self.version, self.stop, idle=self._commands_waiting if lora else None)
+            if lora and (batch is not None or self._commands):
+                commands, self._commands = self._commands + [(c.action, c.tenant) for c in self.commands.poll()], []
                 self.adapters.apply(commands)
-                why_not = self.adapters.why_not_trained(batch.tenant)
-        payload = dist.broadcast_object(None if batch is None else (
-            batch.samples, batch.weights, self.stop.is_set(), batch.tenant, commands, why_not))
+                why_not = self.adapters.why_not_trained(batch.tenant) if batch is not None else None
+        payload = dist.broadcast_object(None if batch is None and not commands else (
+            None if batch is None else batch.samples, None if batch is None else batch.weights, self.stop.is_set(),
+            None if batch is None else batch.tenant, commands, why_not))
         if payload is None:
             return None
         if not self.par.is_main and payload[4]:
@@ -383,6 +392,8 @@ class TrainerStage:
         if got is None:
             return False
         batch, (samples, weights, stopping, tenant, _, why_not) = got
+        if samples is None:  # commands applied while no sample arrived: no step
+            return not stopping
         t_batch = time.perf_counter()  # the wait for a full batch (consume_s) is not part of step_s
         result, record = self._train(samples, weights, tenant, why_not)
         if batch is not None:

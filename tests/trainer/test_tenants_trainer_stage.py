@@ -246,6 +246,9 @@ def test_commands_freeze_reset_delete_export_and_a_restart(kafka_config, tmp_pat
     syncer = StandInSyncer(cfg2, lambda ev: ["engine-a"], start="end")
     try:
         stage2, t, errors = _run_stage(cfg2)
+        _command(cfg2, "reset", "carol")  # no sample is coming: applied while the trainer waits for one
+        _wait(lambda: [c for c in _ctl(cfg2, "carol") if c.action == "resume" and c.adapter is None], "carol's resume")
+        assert len(stage2.log.records()) == 6  # no step was taken for it
         _command(cfg2, "freeze", "bob")
         _publish(cfg2, ["alice", "alice", "bob", "bob"], 30)
         recs2 = _steps(stage2, 8, errors)
