@@ -9,6 +9,8 @@ One module, torch-free and stage-free (it imports neither :mod:`pipeline.trainer
   :func:`sha256_folder` over its two files (docs/tenants.md). The trainer writes them
   (:func:`pipeline.trainer.model.write_hf_folder`), a syncer checks them before any engine loads the
   folder;
+- what each tenant's adapter is, from ``control`` (:func:`current_adapters`: the last ``resume``
+  of each tenant and its ``weights`` record), for ``pipeline adapters export`` and the syncers;
 - the published record ``<trainer.export_dir>/published.json`` (:class:`Published`,
   :func:`write_published`, :func:`read_published`): the last ``weights`` event the trainer
   published, which a (re)starting syncer falls back to when ``control`` has aged it out;
@@ -141,6 +143,25 @@ def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     if sha256 is not None and version != sha256:
         raise ValueError(f"{path}: adapter version {version} != published {sha256}")
     return version
+
+
+def current_adapters(records, run_id: str) -> dict[str, tuple[dict, str] | None]:
+    """What each tenant is served by, from ``control`` events in log order (docs/tenants.md,
+    "Adapter sync"): ``{tenant: (adapter, location)}`` for the tenants of ``run_id`` with a
+    ``resume``: the adapter its last ``resume`` names and the ``location`` of the last ``weights``
+    record of that version before it; None when that ``resume`` names the base model (or no
+    ``weights`` record of its version came before it). Other events are passed over."""
+    location: dict[tuple[str, str], str] = {}
+    out: dict[str, tuple[dict, str] | None] = {}
+    for ev in records:
+        if getattr(ev, "TYPE", None) != "control" or ev.tenant is None or ev.run_id != run_id:
+            continue
+        if ev.action == "weights" and ev.adapter is not None:
+            location[(ev.tenant, ev.adapter["version"])] = ev.location
+        elif ev.action == "resume":
+            where = location.get((ev.tenant, ev.adapter["version"])) if ev.adapter is not None else None
+            out[ev.tenant] = (ev.adapter, where) if where is not None else None
+    return out
 
 
 # ---- the trainer's record of what it published ------------------------------------------------
