@@ -213,3 +213,13 @@ SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
                             "(engine or syncer restart) and the published one was re-applied", ["engine_id"])
 SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+SYNCER_ADAPTER_LOADS = Counter("pipeline_syncer_adapter_loads_total",
+                               "Tenant adapter loads (/load_lora_adapter after the folder's check), by result "
+                               "(applied | failed)", ["engine_id", "result"])
+SYNCER_ADAPTER_UNLOADS = Counter("pipeline_syncer_adapter_unloads_total",
+                                 "Tenant adapters unloaded after a resume named another one", ["engine_id"])
+SYNCER_ADAPTERS_MISSING = Gauge("pipeline_syncer_adapters_missing",
+                                "Tenants whose current adapter (last resume) the engine does not serve", ["engine_id"])
+SYNCER_ADAPTER_SECONDS = Histogram("pipeline_syncer_adapter_load_seconds",
+                                   "Check + /load_lora_adapter of one tenant adapter (retries included), seconds",
+                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
