@@ -128,6 +128,15 @@ def adapter_name(tenant: str, version: str) -> str:
     return f"{tenant_slug(tenant)}@{version[:16]}"
 
 
+#: the form of every name :func:`adapter_name` gives
+ADAPTER_NAME = re.compile(r".+@[0-9a-f]{16}")
+
+
+def is_adapter_name(name: str) -> bool:
+    """``name`` has the form of a tenant adapter's engine name (:func:`adapter_name`)."""
+    return ADAPTER_NAME.fullmatch(name) is not None
+
+
 def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     """Check an adapter folder before it is loaded; return its :func:`adapter_version`.
 

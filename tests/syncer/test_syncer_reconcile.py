@@ -91,13 +91,15 @@ def test_engine_serving_an_unpublished_version_is_reconciled_and_readyz_says_so(
         with running(syncer, ready=False):
             wait_for(lambda: version(url) == "1", what="v7 -> v1")
             wait_for(lambda: _readyz(port)[0] == 200, what="/readyz 200")
-            assert _readyz(port)[1] == {"engine_id": "engine-0", "served": "1", "published": 1, "in_sync": True}
+            assert _readyz(port)[1] == {"engine_id": "engine-0", "served": "1", "published": 1, "in_sync": True,
+                                          "adapters_missing": {}}
             # a newer version that cannot be applied: loud (failed, behind 1), but the replica keeps
             # serving the published v1 it was confirmed on instead of dropping out of the service
             publish(cfg, 2, tmp_path / "weights" / "v000002", "0" * 64, wait=False)
             wait_for(lambda: 2 in syncer.failed and not syncer.in_sync.is_set(), what="v2 failed")
             code, body = _readyz(port)
-            assert code == 200 and body == {"engine_id": "engine-0", "served": "1", "published": 2, "in_sync": False}
+            assert code == 200 and body == {"engine_id": "engine-0", "served": "1", "published": 2, "in_sync": False,
+                                          "adapters_missing": {}}
             assert _gauge("pipeline_syncer_engine_versions_behind") == 1.0
 
 
