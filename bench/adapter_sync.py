@@ -3,8 +3,9 @@
     .venv/bin/python bench/adapter_sync.py                       # SmolLM2-135M, 2 engines
     .venv/bin/python bench/adapter_sync.py --model tiny-random --repeats 2
 
-One run: the embedded broker, ``--engines`` real CPU engines (in this process, LoRA on, one
-torch thread each) and one real syncer per engine (:class:`pipeline.syncer.Syncer`, threads),
+One run: the embedded broker, ``--engines`` real CPU engines (each its own process, LoRA on,
+one torch thread each: two engines in one process would load new weights with transformers in
+two threads at once, which it does not support) and one real syncer per engine (:class:`pipeline.syncer.Syncer`, threads),
 all as the stack runs them. This script plays the trainer's side of the protocol of
 docs/tenants.md: for an **adapter update** it exports a fresh random LoRA adapter (rank
 ``--rank``, all seven projections, :func:`pipeline.testing.lora.export_tenant_adapter`) and
@@ -142,9 +143,9 @@ def _stack(args, tmp: Path):
         lora = LoraSettings(enabled=True, max_rank=max(16, args.rank))
         syncers = []
         for i in range(args.engines):
-            url = stack.enter_context(running_engine(args.model, threads=1, lora=lora))
+            url = stack.enter_context(running_engine(args.model, subprocess=True, threads=1, lora=lora))
             s = Syncer(cfg.replace(syncer=dict(engine_id=f"engine-{i}", engine_url=url, group_id=f"bench-{i}",
-                                               check_interval_s=60.0, retries=0)))
+                                               check_interval_s=60.0)))
             threading.Thread(target=s.run, daemon=True).start()
             syncers.append(s)
         for s in syncers:

@@ -7,9 +7,6 @@ trainer's records are published by the test (the contract)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 
 from pipeline import events
 from pipeline.engine.lora import LoraSettings
@@ -17,7 +14,7 @@ from pipeline.engine_api.client import EngineClient
 from pipeline.testing.lora import adapter_order, export_tenant_adapter
 from pipeline.testing.topics import publish, read_events
 from pipeline.testing.waiting import wait_for
-from tests.syncer.syncing import TOKENS, engine_for, new_syncer, running, syncer_config
+from tests.syncer.syncing import TOKENS, engine_for, new_syncer, readyz, running, syncer_config
 
 LORA = LoraSettings(enabled=True, max_rank=16)
 RUN = "reconcile"  # syncer_config's run
@@ -47,16 +44,18 @@ def _answers(cfg, pred, want) -> list[events.Control]:
     return [e for e in got if pred(e)]
 
 
+def _exports(tmp_path, *tenants: str) -> list[tuple]:
+    """``(folder, adapter)`` of one fresh adapter per entry of ``tenants`` (seeds 1, 2, ...)."""
+    return [export_tenant_adapter(tmp_path / "weights", t, seed=i) for i, t in enumerate(tenants, 1)]
+
+
 def _answer_of(action: str, adapter: dict):
     return lambda e: e.action == action and e.adapter == adapter and e.engine_id == "engine-0"
 
 
 def test_weights_load_the_adapter_resume_unloads_the_old_one_and_a_torn_folder_is_refused(kafka_config, tmp_path):
     cfg = syncer_config(kafka_config, tmp_path)
-    export = tmp_path / "weights"
-    a1_dir, a1 = export_tenant_adapter(export, "alice", seed=1)
-    a2_dir, a2 = export_tenant_adapter(export, "alice", seed=2)
-    bad_dir, bad = export_tenant_adapter(export, "bob", seed=3)
+    (a1_dir, a1), (a2_dir, a2), (bad_dir, bad) = _exports(tmp_path, "alice", "alice", "bob")
     (bad_dir / "adapter_model.safetensors").write_bytes(b"torn")  # not what its checksum file says
     with engine_for(cfg, lora=LORA) as (cfg, url), running(new_syncer(cfg)) as syncer:
         base = _scores(url, None)
@@ -79,10 +78,7 @@ def test_weights_load_the_adapter_resume_unloads_the_old_one_and_a_torn_folder_i
 
 def test_every_tenants_newest_weights_of_one_drained_poll_is_applied(kafka_config, tmp_path):
     cfg = syncer_config(kafka_config, tmp_path)
-    export = tmp_path / "weights"
-    old_dir, old = export_tenant_adapter(export, "alice", seed=1)
-    new_dir, new = export_tenant_adapter(export, "alice", seed=2)
-    bob_dir, bob = export_tenant_adapter(export, "bob", seed=3)
+    (old_dir, old), (new_dir, new), (bob_dir, bob) = _exports(tmp_path, "alice", "alice", "bob")
     # all waiting before the syncer reads its group: one drain
     publish(cfg, [_order("weights", "alice", old, old_dir), _order("weights", "alice", new, new_dir),
                   _order("weights", "bob", bob, bob_dir)], "control")
@@ -91,14 +87,6 @@ def test_every_tenants_newest_weights_of_one_drained_poll_is_applied(kafka_confi
         assert {(e.tenant, e.adapter["name"]) for e in applied} >= {("alice", new["name"]), ("bob", bob["name"])}
         assert {new["name"], bob["name"]} <= _loaded(url)
         assert set(syncer.adapters_loaded) >= {new["name"], bob["name"]}
-
-
-def _readyz(port: int) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_restarted_syncer_and_engine_get_every_tenants_current_adapter_back(kafka_config, tmp_path):
@@ -120,17 +108,17 @@ def test_restarted_syncer_and_engine_get_every_tenants_current_adapter_back(kafk
         with running(syncer):
             assert {a["name"], b["name"]} <= _loaded(url)
             assert _scores(url, a["name"]) == served
-            wait_for(lambda: _readyz(port)[0] == 200, what="/readyz 200")
+            wait_for(lambda: readyz(port)[0] == 200, what="/readyz 200")
             # the engine loses an adapter under a running syncer (an engine restart): reloaded at the next check
             asyncio.run(_unload(url, b["name"]))
             wait_for(lambda: b["name"] in _loaded(url), what="bob's adapter to be reloaded")
             # a tenant whose current adapter's folder is gone cannot be served: /readyz says so
             c_dir, c = export_tenant_adapter(export, "carol", seed=4)
             publish(cfg, [_order("resume", "carol", c)], "control")  # its weights record never came
-            wait_for(lambda: _readyz(port)[0] == 503, what="/readyz 503")
-            assert "carol" in _readyz(port)[1]["adapters_missing"]
+            wait_for(lambda: readyz(port)[0] == 503, what="/readyz 503")
+            assert "carol" in readyz(port)[1]["adapters_missing"]
             publish(cfg, [_order("resume", "carol", None)], "control")  # reset: carol goes back to the base
-            wait_for(lambda: _readyz(port)[0] == 200, what="/readyz 200 again")
+            wait_for(lambda: readyz(port)[0] == 200, what="/readyz 200 again")
 
 
 async def _unload(url: str, name: str) -> None:
