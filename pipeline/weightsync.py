@@ -95,7 +95,13 @@ def sha256_folder(path: str | os.PathLike, files: list[str] | tuple[str, ...]) -
 
     Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
     """
-    manifest = "".join(f"{sha256_file(Path(path) / name)}  {name}\n" for name in sorted(files))
+    return manifest_sha256({name: sha256_file(Path(path) / name) for name in files})
+
+
+def manifest_sha256(digests: dict[str, str]) -> str:
+    """The sha256 of the ``sha256sum`` manifest of ``digests`` (file name -> its hex sha256):
+    :func:`sha256_folder` once each file's digest is known."""
+    manifest = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
     return hashlib.sha256(manifest.encode()).hexdigest()
 
 
@@ -145,8 +151,8 @@ def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     record names; None: not compared). Raises ``FileNotFoundError`` (a file missing) and
     ``ValueError`` (a mismatch: a torn, half-copied or tampered folder).
     """
-    verify_folder(path, None, file=ADAPTER_FILE)
-    version = adapter_version(path)
+    tensors = verify_folder(path, None, file=ADAPTER_FILE)  # the tensors are read once
+    version = manifest_sha256({ADAPTER_FILE: tensors, ADAPTER_CONFIG: sha256_file(Path(path) / ADAPTER_CONFIG)})
     if sha256 is not None and version != sha256:
         raise ValueError(f"{path}: adapter version {version} != published {sha256}")
     return version
