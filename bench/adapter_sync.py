@@ -5,8 +5,8 @@
 
 One run: the embedded broker, ``--engines`` real CPU engines (each its own process, LoRA on,
 one torch thread each: two engines in one process would load new weights with transformers in
-two threads at once, which it does not support) and one real syncer per engine (:class:`pipeline.syncer.Syncer`, threads),
-all as the stack runs them. This script plays the trainer's side of the protocol of
+two threads at once, which it does not support) and one real syncer per engine
+(:class:`pipeline.syncer.Syncer`, threads), all as the stack runs them. This script plays the trainer's side of the protocol of
 docs/tenants.md: for an **adapter update** it exports a fresh random LoRA adapter (rank
 ``--rank``, all seven projections, :func:`pipeline.testing.lora.export_tenant_adapter`) and
 publishes ``pause`` (tenant, A), ``weights`` (tenant, A, folder), then ``resume`` once every
