@@ -97,7 +97,13 @@ def sha256_folder(path: str | os.PathLike, files: list[str] | tuple[str, ...]) -
 
     Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
     """
-    manifest = "".join(f"{sha256_file(Path(path) / name)}  {name}\n" for name in sorted(files))
+    return manifest_sha256({name: sha256_file(Path(path) / name) for name in files})
+
+
+def manifest_sha256(digests: dict[str, str]) -> str:
+    """The sha256 of the ``sha256sum`` manifest of ``digests`` (file name -> its hex sha256):
+    :func:`sha256_folder` once each file's digest is known."""
+    manifest = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
     return hashlib.sha256(manifest.encode()).hexdigest()
 
 
@@ -130,6 +136,15 @@ def adapter_name(tenant: str, version: str) -> str:
     return f"{tenant_slug(tenant)}@{version[:16]}"
 
 
+#: the form of every name :func:`adapter_name` gives
+ADAPTER_NAME = re.compile(r".+@[0-9a-f]{16}")
+
+
+def is_adapter_name(name: str) -> bool:
+    """``name`` has the form of a tenant adapter's engine name (:func:`adapter_name`)."""
+    return ADAPTER_NAME.fullmatch(name) is not None
+
+
 def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     """Check an adapter folder before it is loaded; return its :func:`adapter_version`.
 
@@ -138,8 +153,8 @@ def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     record names; None: not compared). Raises ``FileNotFoundError`` (a file missing) and
     ``ValueError`` (a mismatch: a torn, half-copied or tampered folder).
     """
-    verify_folder(path, None, file=ADAPTER_FILE)
-    version = adapter_version(path)
+    tensors = verify_folder(path, None, file=ADAPTER_FILE)  # the tensors are read once
+    version = manifest_sha256({ADAPTER_FILE: tensors, ADAPTER_CONFIG: sha256_file(Path(path) / ADAPTER_CONFIG)})
     if sha256 is not None and version != sha256:
         raise ValueError(f"{path}: adapter version {version} != published {sha256}")
     return version
@@ -234,3 +249,13 @@ SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
                             "(engine or syncer restart) and the published one was re-applied", ["engine_id"])
 SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+SYNCER_ADAPTER_LOADS = Counter("pipeline_syncer_adapter_loads_total",
+                               "Tenant adapter loads (/load_lora_adapter after the folder's check), by result "
+                               "(applied | failed)", ["engine_id", "result"])
+SYNCER_ADAPTER_UNLOADS = Counter("pipeline_syncer_adapter_unloads_total",
+                                 "Tenant adapters unloaded after a resume named another one", ["engine_id"])
+SYNCER_ADAPTERS_MISSING = Gauge("pipeline_syncer_adapters_missing",
+                                "Tenants whose current adapter (last resume) the engine does not serve", ["engine_id"])
+SYNCER_ADAPTER_SECONDS = Histogram("pipeline_syncer_adapter_load_seconds",
+                                   "Check + /load_lora_adapter of one tenant adapter (retries included), seconds",
+                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
