@@ -28,11 +28,12 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from pipeline import events
 from pipeline.files import atomic_write_text
 
 # ---- the exported folder and its checksum -----------------------------------------------------
@@ -160,22 +161,50 @@ def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     return version
 
 
+@dataclass
+class TenantAdapters:
+    """The tenants' adapter orders read from ``control`` (docs/tenants.md, "Adapter sync"), fed in
+    log order with :meth:`see` (a syncer's state; :func:`current_adapters`).
+
+    Attributes:
+        folders: ``(tenant, adapter version) -> its weights record`` (the folder to load it from).
+        current: ``tenant -> adapter`` (``{name, version, sha256}``) of the tenant's last ``resume``;
+            None: the tenant is served by the base model. A tenant never resumed is absent.
+    """
+
+    folders: dict[tuple[str, str], events.Control] = field(default_factory=dict)
+    current: dict[str, dict | None] = field(default_factory=dict)
+
+    def see(self, ev: events.Control) -> None:
+        """Record a tenant's ``weights`` (its folder) or ``resume`` (what serves it from now on)."""
+        if ev.tenant is None:
+            return
+        if ev.action == "weights" and ev.adapter is not None:
+            self.folders[(ev.tenant, ev.adapter["version"])] = ev
+        elif ev.action == "resume":
+            self.current[ev.tenant] = ev.adapter
+
+    def weights_of(self, tenant: str) -> events.Control | None:
+        """The ``weights`` record of ``tenant``'s current adapter (None: base model, or its record
+        was never seen: control aged it out)."""
+        a = self.current.get(tenant)
+        return None if a is None else self.folders.get((tenant, a["version"]))
+
+
 def current_adapters(records, run_id: str) -> dict[str, tuple[dict, str] | None]:
     """What each tenant is served by, from ``control`` events in log order (docs/tenants.md,
     "Adapter sync"): ``{tenant: (adapter, location)}`` for the tenants of ``run_id`` with a
-    ``resume``: the adapter its last ``resume`` names and the ``location`` of the last ``weights``
-    record of that version before it; None when that ``resume`` names the base model (or no
-    ``weights`` record of its version came before it). Other events are passed over."""
-    location: dict[tuple[str, str], str] = {}
-    out: dict[str, tuple[dict, str] | None] = {}
+    ``resume``: the adapter its last ``resume`` names and the ``location`` of its ``weights``
+    record; None when that ``resume`` names the base model (or no ``weights`` record of its
+    version was seen). Other events, and other runs' orders, are passed over."""
+    orders = TenantAdapters()
     for ev in records:
-        if getattr(ev, "TYPE", None) != "control" or ev.tenant is None or ev.run_id != run_id:
-            continue
-        if ev.action == "weights" and ev.adapter is not None:
-            location[(ev.tenant, ev.adapter["version"])] = ev.location
-        elif ev.action == "resume":
-            where = location.get((ev.tenant, ev.adapter["version"])) if ev.adapter is not None else None
-            out[ev.tenant] = (ev.adapter, where) if where is not None else None
+        if getattr(ev, "TYPE", None) == "control" and ev.run_id == run_id:
+            orders.see(ev)
+    out: dict[str, tuple[dict, str] | None] = {}
+    for tenant, adapter in orders.current.items():
+        w = orders.weights_of(tenant)
+        out[tenant] = (adapter, w.location) if w is not None else None
     return out
 
 

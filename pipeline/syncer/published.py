@@ -11,39 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 
 from pipeline import events
 from pipeline.config import Config
-
-
-@dataclass
-class TenantAdapters:
-    """The tenants' adapter orders a syncer has read from ``control`` (docs/tenants.md, "Adapter sync").
-
-    Attributes:
-        folders: ``(tenant, adapter version) -> its weights record`` (the folder to load it from).
-        current: ``tenant -> adapter`` (``{name, version, sha256}``) of the tenant's last ``resume``;
-            None: the tenant is served by the base model. A tenant never resumed is absent.
-    """
-
-    folders: dict[tuple[str, str], events.Control] = field(default_factory=dict)
-    current: dict[str, dict | None] = field(default_factory=dict)
-
-    def see(self, ev: events.Control) -> None:
-        """Record a tenant's ``weights`` (its folder) or ``resume`` (what serves it from now on)."""
-        if ev.tenant is None:
-            return
-        if ev.action == "weights" and ev.adapter is not None:
-            self.folders[(ev.tenant, ev.adapter["version"])] = ev
-        elif ev.action == "resume":
-            self.current[ev.tenant] = ev.adapter
-
-    def weights_of(self, tenant: str) -> events.Control | None:
-        """The ``weights`` record of ``tenant``'s current adapter (None: base model, or its record
-        was never seen: control aged it out)."""
-        a = self.current.get(tenant)
-        return None if a is None else self.folders.get((tenant, a["version"]))
+from pipeline.weightsync import TenantAdapters
 
 
 def _full_weights_of(ev: object, run_id: str) -> bool:

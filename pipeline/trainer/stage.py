@@ -61,7 +61,6 @@ from pipeline.models import resolve_model
 from pipeline.trainer import checkpoint as C
 from pipeline.trainer import dist
 from pipeline.trainer import guards
-from pipeline.trainer import model as M
 from pipeline.trainer import prom
 from pipeline.trainer.metrics import MetricsLog, Progress, step_line
 
