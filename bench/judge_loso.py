@@ -172,7 +172,15 @@ def single_rules() -> dict:
     out["decide:all_cue_decisions"] = ("user", False, _patch_attr(clf_mod, "read_cues", lambda *a, **k: blank))
     out["cues:head_inputs"] = ("user", True, _patch_attr(clf_mod, "cue_vector",
                                                          lambda t: [0.0] * clf_mod.CUE_DIM))
-    return out
+    return {name: rule for name, rule in out.items() if rule[2]}
+
+
+def _regroup_cues() -> None:
+    """Rebuild the cue module's tuples of pattern groups from its (possibly patched) patterns."""
+    for group, names in (("_POS", ("_POSITIVE_EN", "_POSITIVE_OTHER", "_POSITIVE_CJK")),
+                         ("_NEG", ("_NEGATIVE_EN", "_NEGATIVE_OTHER", "_NEGATIVE_CJK"))):
+        if hasattr(cues_mod, group):
+            setattr(cues_mod, group, tuple(getattr(cues_mod, n) for n in names))
 
 
 @contextlib.contextmanager
@@ -182,14 +190,12 @@ def patched(patches):
     try:
         for m, a, v in patches:
             setattr(m, a, v)
-        if hasattr(cues_mod, "_NEG"):
-            cues_mod._NEG = (cues_mod._NEGATIVE_EN, cues_mod._NEGATIVE_OTHER, cues_mod._NEGATIVE_CJK)
+        _regroup_cues()
         yield
     finally:
         for m, a, v in reversed(saved):
             setattr(m, a, v)
-        if hasattr(cues_mod, "_NEG"):
-            cues_mod._NEG = (cues_mod._NEGATIVE_EN, cues_mod._NEGATIVE_OTHER, cues_mod._NEGATIVE_CJK)
+        _regroup_cues()
 
 
 def _memo_encode(embedder_cls) -> None:
