@@ -15,7 +15,8 @@ predictions and reasons as JSON (``--out``), so rules can be attributed row by r
 set is never read. ``--single-rules`` also switches single rules off one at a time inside the full
 judge (:func:`single_rules`: each named rule of ``toolread.RULES``, each context check and target
 kind, each cue pattern group and cue decision) and prints, per rule, the rows whose score changes
-and the agreement and sign errors it earns over the judge without it. Folds may group sets (``--folds dev+tuning,replies``: two fine-tunes instead of five, each
+and the agreement and sign errors it earns over the judge without it. ``--extra-rows FILE`` adds training rows
+(e.g. rows written to replace lexical rules) to every fold before the shipped judge learns from them. Folds may group sets (``--folds dev+tuning,replies``: two fine-tunes instead of five, each
 learning from fewer rows). Usage: ``python bench/judge_loso.py [--folds ...] [--out FILE]``.
 """
 
@@ -44,6 +45,7 @@ from pipeline.judge.cpu.classifier import (LABELLED_SETS, Embedder, NextStateCla
 from pipeline.judge.cpu.toolread import ToolReading  # noqa: E402
 from pipeline.judge.evaluate import Tally, load_rows, row_input, row_role  # noqa: E402
 
+EXTRA_ROWS: list[dict] = []  # --extra-rows: training rows to try before the judge learns from them
 CONFIGS = ("encoder", "+cues", "+toolread", "+context", "full")
 # which rule modules each configuration switches on: (cues, toolread, context)
 _ON = {"encoder": (0, 0, 0), "+cues": (1, 0, 0), "+toolread": (0, 1, 0), "+context": (0, 0, 1), "full": (1, 1, 1)}
@@ -101,7 +103,7 @@ def judge_rows(clfs: dict, rows: list[dict]) -> list[dict]:
 def fold(left_out: list[Path], embedder, cache_dir: str) -> list[dict]:
     """Train without the sets ``left_out`` (with and without the cue inputs), judge their rows."""
     others = [p for p in LABELLED_SETS if p not in left_out]
-    examples = load_examples() + generated_examples() + labelled_replies(others)
+    examples = load_examples() + EXTRA_ROWS + generated_examples() + labelled_replies(others)
     clfs = {}
     for cues in (True, False):
         with rules(cues, True, True):
@@ -218,7 +220,7 @@ def single_rule_fold(left_out: list[Path], embedder, cache_dir: str, names: list
     """Rows of the sets ``left_out`` judged by the full judge and with each rule of ``names``
     switched off: ``{"full": [pred...], rule: [pred...]}`` plus ``"rows"`` (id, label, role)."""
     others = [p for p in LABELLED_SETS if p not in left_out]
-    examples = load_examples() + generated_examples() + labelled_replies(others)
+    examples = load_examples() + EXTRA_ROWS + generated_examples() + labelled_replies(others)
     rows = [row for p in left_out for row in load_rows(p)]
     inputs = [row_input(r) for r in rows]
     roles = [row_role(r) for r in rows]
@@ -268,7 +270,11 @@ def main(argv=None) -> None:
     ap.add_argument("--single-rules", default="", help="switch these rules off one at a time in the full judge "
                     "(comma-separated name prefixes, 'all' for every rule of single_rules()) instead of the "
                     "module configurations")
+    ap.add_argument("--extra-rows", default="", help="also learn from these rows ({text, label, role} JSONL), "
+                    "e.g. rows written to replace lexical rules, before the shipped judge learns from them")
     args = ap.parse_args(argv)
+    if args.extra_rows:
+        EXTRA_ROWS[:] = load_examples(args.extra_rows)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     folds = [[p for p in LABELLED_SETS if any(p.name.startswith(w) for w in f.split("+"))]
              for f in args.folds.split(",") if f] or [[p] for p in LABELLED_SETS]
