@@ -346,21 +346,23 @@ class TrainerConfig(Section):
     threads: int | None = _d(None, "torch threads (None: torch's default)", ge=1)
     seed: int = _d(1234, "seed of initialisation and dropout")
     keep_checkpoints: int = _d(2, "checkpoints kept (older ones deleted)", ge=1)
-    keep_exports: int = _d(3, "exported weight folders kept (older ones deleted after a sync)", ge=1)
+    keep_exports: int = _d(3, "exported weight folders kept (older ones deleted after a sync; with lora: per "
+                           "tenant, never the one its last resume names)", ge=1)
     max_steps: int | None = _d(None, "stop after this many batches (0: set up, publish, stop; None: run forever)",
                                ge=0)
     dedup_window: int = _d(100_000, "sample_ids remembered for de-duplication (kept in checkpoints)", ge=1)
-    per_tenant: bool = _d(False, "one batch buffer per tenant: a batch never mixes tenants, though every batch "
-                          "still trains the one shared policy until the stage trains adapters (off: one shared "
-                          "batch; docs/tenants.md)")
+    per_tenant: bool = _d(False, "one batch buffer per tenant: a batch never mixes tenants; it trains the one "
+                          "shared policy, or with trainer.lora the tenant's adapter (off: one shared batch; "
+                          "docs/tenants.md)")
     tenant_max_wait_records: int = _d(1000, "per_tenant: a tenant's partial batch is released once its oldest "
                                       "sample has waited this many records read from `samples` (never "
                                       "wall-clock)", ge=1)
     poll_timeout_s: float = _d(1.0, "one poll of `samples` waits at most this long (s)", gt=0)
     log_sample_ids: bool = _d(True, "write each step's sample_ids to the metrics log")
     progress: bool = _d(True, "progress bar on the console")
-    lora: LoraConfig | None = _d(None, "LoRA adapters per tenant over the frozen base (rank, alpha, targets); "
-                                 "None: full fine-tuning")
+    lora: LoraConfig | None = _d(None, "LoRA adapters per tenant over the frozen base (rank, alpha, targets), each "
+                                 "update synced as the tenant's adapter; needs per_tenant (the stage refuses "
+                                 "without it); None: full fine-tuning")
     missing_checkpoint: Literal["refuse", "fresh", "newest_export"] = _d(
         "refuse", "no checkpoint although exports show this run trained before: refuse, start fresh (base "
         "model, as a new higher version) or start from the newest export")

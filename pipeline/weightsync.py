@@ -9,6 +9,8 @@ One module, torch-free and stage-free (it imports neither :mod:`pipeline.trainer
   :func:`sha256_folder` over its two files (docs/tenants.md). The trainer writes them
   (:func:`pipeline.trainer.model.write_hf_folder`), a syncer checks them before any engine loads the
   folder;
+- what each tenant's adapter is, from ``control`` (:func:`current_adapters`: the last ``resume``
+  of each tenant and its ``weights`` record), for ``pipeline adapters export`` and the syncers;
 - the published record ``<trainer.export_dir>/published.json`` (:class:`Published`,
   :func:`write_published`, :func:`read_published`): the last ``weights`` event the trainer
   published, which a (re)starting syncer falls back to when ``control`` has aged it out;
@@ -26,11 +28,12 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from pipeline import events
 from pipeline.files import atomic_write_text
 
 # ---- the exported folder and its checksum -----------------------------------------------------
@@ -95,7 +98,13 @@ def sha256_folder(path: str | os.PathLike, files: list[str] | tuple[str, ...]) -
 
     Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
     """
-    manifest = "".join(f"{sha256_file(Path(path) / name)}  {name}\n" for name in sorted(files))
+    return manifest_sha256({name: sha256_file(Path(path) / name) for name in files})
+
+
+def manifest_sha256(digests: dict[str, str]) -> str:
+    """The sha256 of the ``sha256sum`` manifest of ``digests`` (file name -> its hex sha256):
+    :func:`sha256_folder` once each file's digest is known."""
+    manifest = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
     return hashlib.sha256(manifest.encode()).hexdigest()
 
 
@@ -128,6 +137,15 @@ def adapter_name(tenant: str, version: str) -> str:
     return f"{tenant_slug(tenant)}@{version[:16]}"
 
 
+#: the form of every name :func:`adapter_name` gives
+ADAPTER_NAME = re.compile(r".+@[0-9a-f]{16}")
+
+
+def is_adapter_name(name: str) -> bool:
+    """``name`` has the form of a tenant adapter's engine name (:func:`adapter_name`)."""
+    return ADAPTER_NAME.fullmatch(name) is not None
+
+
 def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     """Check an adapter folder before it is loaded; return its :func:`adapter_version`.
 
@@ -136,11 +154,58 @@ def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     record names; None: not compared). Raises ``FileNotFoundError`` (a file missing) and
     ``ValueError`` (a mismatch: a torn, half-copied or tampered folder).
     """
-    verify_folder(path, None, file=ADAPTER_FILE)
-    version = adapter_version(path)
+    tensors = verify_folder(path, None, file=ADAPTER_FILE)  # the tensors are read once
+    version = manifest_sha256({ADAPTER_FILE: tensors, ADAPTER_CONFIG: sha256_file(Path(path) / ADAPTER_CONFIG)})
     if sha256 is not None and version != sha256:
         raise ValueError(f"{path}: adapter version {version} != published {sha256}")
     return version
+
+
+@dataclass
+class TenantAdapters:
+    """The tenants' adapter orders read from ``control`` (docs/tenants.md, "Adapter sync"), fed in
+    log order with :meth:`see` (a syncer's state; :func:`current_adapters`).
+
+    Attributes:
+        folders: ``(tenant, adapter version) -> its weights record`` (the folder to load it from).
+        current: ``tenant -> adapter`` (``{name, version, sha256}``) of the tenant's last ``resume``;
+            None: the tenant is served by the base model. A tenant never resumed is absent.
+    """
+
+    folders: dict[tuple[str, str], events.Control] = field(default_factory=dict)
+    current: dict[str, dict | None] = field(default_factory=dict)
+
+    def see(self, ev: events.Control) -> None:
+        """Record a tenant's ``weights`` (its folder) or ``resume`` (what serves it from now on)."""
+        if ev.tenant is None:
+            return
+        if ev.action == "weights" and ev.adapter is not None:
+            self.folders[(ev.tenant, ev.adapter["version"])] = ev
+        elif ev.action == "resume":
+            self.current[ev.tenant] = ev.adapter
+
+    def weights_of(self, tenant: str) -> events.Control | None:
+        """The ``weights`` record of ``tenant``'s current adapter (None: base model, or its record
+        was never seen: control aged it out)."""
+        a = self.current.get(tenant)
+        return None if a is None else self.folders.get((tenant, a["version"]))
+
+
+def current_adapters(records, run_id: str) -> dict[str, tuple[dict, str] | None]:
+    """What each tenant is served by, from ``control`` events in log order (docs/tenants.md,
+    "Adapter sync"): ``{tenant: (adapter, location)}`` for the tenants of ``run_id`` with a
+    ``resume``: the adapter its last ``resume`` names and the ``location`` of its ``weights``
+    record; None when that ``resume`` names the base model (or no ``weights`` record of its
+    version was seen). Other events, and other runs' orders, are passed over."""
+    orders = TenantAdapters()
+    for ev in records:
+        if getattr(ev, "TYPE", None) == "control" and ev.run_id == run_id:
+            orders.see(ev)
+    out: dict[str, tuple[dict, str] | None] = {}
+    for tenant, adapter in orders.current.items():
+        w = orders.weights_of(tenant)
+        out[tenant] = (adapter, w.location) if w is not None else None
+    return out
 
 
 # ---- the trainer's record of what it published ------------------------------------------------
@@ -213,3 +278,13 @@ SYNCER_RECONCILES = Counter("pipeline_syncer_reconciles_total",
                             "(engine or syncer restart) and the published one was re-applied", ["engine_id"])
 SYNCER_SECONDS = Histogram("pipeline_syncer_apply_seconds", "Checksum + /update_weights_from_disk, seconds",
                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+SYNCER_ADAPTER_LOADS = Counter("pipeline_syncer_adapter_loads_total",
+                               "Tenant adapter loads (/load_lora_adapter after the folder's check), by result "
+                               "(applied | failed)", ["engine_id", "result"])
+SYNCER_ADAPTER_UNLOADS = Counter("pipeline_syncer_adapter_unloads_total",
+                                 "Tenant adapters unloaded after a resume named another one", ["engine_id"])
+SYNCER_ADAPTERS_MISSING = Gauge("pipeline_syncer_adapters_missing",
+                                "Tenants whose current adapter (last resume) the engine does not serve", ["engine_id"])
+SYNCER_ADAPTER_SECONDS = Histogram("pipeline_syncer_adapter_load_seconds",
+                                   "Check + /load_lora_adapter of one tenant adapter (retries included), seconds",
+                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

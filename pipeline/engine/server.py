@@ -84,7 +84,7 @@ from pipeline.engine.protocol import (AbortBody, ChatBody, DetokenizeBody, Gener
                                       TokenizeBody, UnloadLoraBody, UpdateWeightsBody)
 from pipeline.engine.worker import EngineWorker
 from pipeline.engine_api.render import ChatRenderer, PromptSpec, normalise_tools
-from pipeline.engine_api.sglang import response_format_schema
+from pipeline.engine_api.sglang import chat_model_adapter, response_format_schema
 from pipeline.engine_api.tokenbytes import TokenBytes
 from pipeline.engine_api.tools import ToolStreamParser, parse_tool_calls
 from pipeline.errors import PipelineError
@@ -567,7 +567,7 @@ def chat_items(state: EngineState, body: ChatBody, prompt: list[int], params: Sa
     Raises:
         ValueError: an unknown adapter or LoRA off (answered 400).
     """
-    adapter = body.model.split(":", 1)[1].strip() or None if ":" in body.model else None
+    adapter = chat_model_adapter(body.model)[1]
     lora = state.lora.resolve([adapter])[0]
     rid = state.new_rid(body.rid)
     rids = [rid] if params.n == 1 else [state.new_rid(f"{rid}_{i}") for i in range(params.n)]

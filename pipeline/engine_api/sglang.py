@@ -69,7 +69,7 @@ class GenerateChatStream:
         self.incremental = bool(info.get("incremental_streaming_output"))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.one_call = body.get("parallel_tool_calls") is False
-        self.model = body.get("model", "default")
+        self.model, self.adapter = chat_model_adapter(body.get("model", "default"))
         self.prompt: list[int] = []
         self.origin: dict[str, str] = {}  # sampling key -> the chat field it came from
         self.used: dict[str, Any] = {}  # the sampling parameters the engine samples with
@@ -123,6 +123,8 @@ class GenerateChatStream:
         self.gen_rid = self.body.get("rid") or f"chat-{uuid.uuid4().hex}"
         gen_body: dict[str, Any] = {"input_ids": self.prompt, "sampling_params": sp, "stream": True,
                                     "rid": self.gen_rid}
+        if self.adapter is not None:  # chat's "<base>:<adapter>" is /generate's lora_path (the adapter's name)
+            gen_body["lora_path"] = self.adapter
         # what the engine samples with (its /generate default temperature is 1.0), reported as our
         # engine reports it (metadata.sampling_params) so a recorder knows the distribution
         self.used = {k: v for k, v in sp.items() if k != "max_new_tokens"}
@@ -233,7 +235,10 @@ class GenerateChatStream:
 
     def _metadata(self, mi: dict) -> dict:
         """The ``metadata`` of the first and finish chunks: policy version and sampling parameters."""
-        return {"weight_version": mi.get("weight_version"), "sampling_params": self.used}
+        md = {"weight_version": mi.get("weight_version"), "sampling_params": self.used}
+        if "lora_name" in mi:  # our engine: the adapter that served it
+            md["lora_name"] = mi["lora_name"]
+        return md
 
     def _chunk(self, delta: dict, **extra: Any) -> dict:
         """A ``chat.completion.chunk`` with one choice: ``logprobs``, ``finish_reason``,
@@ -263,6 +268,15 @@ class GenerateChatStream:
             await asyncio.wait_for(self.client.abort_request(self.gen_rid), timeout=min(5.0, self.client.timeout_s))
         except (EngineError, asyncio.TimeoutError) as e:
             log.warning("could not abort generation %s: %s", self.gen_rid, e)
+
+
+def chat_model_adapter(model: Any) -> tuple[Any, str | None]:
+    """``(base, adapter)`` of a chat ``model``: SGLang's ``"<base>:<adapter>"`` is split at the
+    first ``:`` (docs/sglang-api.md §6; an empty adapter part is none); ``(model, None)`` otherwise."""
+    if not isinstance(model, str) or ":" not in model:
+        return model, None
+    base, adapter = model.split(":", 1)
+    return base, adapter.strip() or None
 
 
 def _lp_bytes(token_id: int, text: str, token_bytes: Callable[[int], bytes] | None) -> list[int] | None:

@@ -34,6 +34,9 @@ from pipeline.engine_api.errors import EngineTimeout, EngineUnavailable, EngineU
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+#: seconds an idle pooled connection is kept: below uvicorn's 5 s ``timeout_keep_alive``
+IDLE_KEEPALIVE_S = 4.0
+
 class Transport:
     """A pooled client for one server base URL. The pool opens on first use (or :meth:`start`),
     inside the event loop that uses it, and is bound to that loop.
@@ -64,8 +67,12 @@ class Transport:
     def session(self) -> aiohttp.ClientSession:
         """The pool (opened now when it is not open yet; call inside the running loop)."""
         if self._session is None or self._session.closed:
+            # an idle connection is dropped before the server drops it: uvicorn (SGLang's server and
+            # ours) closes idle keep-alive connections after 5 s, and a request sent on a connection
+            # the server is closing fails (ClientOSError) though the server never saw it
             conn = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections,
-                                        keepalive_timeout=60.0, enable_cleanup_closed=False, use_dns_cache=True)
+                                        keepalive_timeout=IDLE_KEEPALIVE_S, enable_cleanup_closed=False,
+                                        use_dns_cache=True)
             self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False, headers=self.headers,
                                                   skip_auto_headers=("User-Agent", "Accept-Encoding"))
         return self._session

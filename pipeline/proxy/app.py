@@ -63,6 +63,7 @@ from pipeline.engine_api.tokenbytes import TokenBytesError, load_token_bytes
 from pipeline.engine_api.transport import Transport, sse_batches
 from pipeline.models import ModelNotFound, resolve_model
 from pipeline.proxy import metrics as M
+from pipeline.proxy.adapters import route_to, shown, wrong_adapter
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, error_body, generation_aborted,
@@ -98,7 +99,8 @@ class _Route:
     """Where one request's turn goes: its session, the rule that decided (``source``), whether the
     session is new for it (``fresh``), the recorded turn it continues (``hit``), its prefix
     digests (``chain``) and its ``tenant`` (the session is ``(tenant, sid)``); ``mt`` and
-    ``admitted`` track its reserved index until the engine takes it."""
+    ``admitted`` track its reserved index until the engine takes it; ``adapter`` is the tenant's
+    LoRA adapter it is served by (:mod:`pipeline.proxy.adapters`)."""
 
     sid: str
     source: str
@@ -110,6 +112,7 @@ class _Route:
     tenant: str | None = None
     mt: MainTurn | None = None
     admitted: bool = False
+    adapter: dict | None = None  # the tenant's adapter the request was routed to (None: the base model)
 
     @property
     def key(self) -> str:
@@ -455,7 +458,10 @@ class ProxyApp:
                      receive, send, tenant: str | None = None) -> int:
         route, warnings = self._route(req, meta, rid, created, tenant)
         record = route is not None
-        await self._hold(rid)
+        await self._hold(rid, tenant)
+        adapter = self.gate.adapter_of(tenant)  # after the hold: what the tenant's sync resumed with
+        if record:
+            route.adapter = adapter
         turn_index = None
         if record and meta.turn_type == "main":
             route.mt = self.sessions.begin(route.sid, req["messages"], fresh=route.fresh,
@@ -477,6 +483,7 @@ class ProxyApp:
             req["temperature"] = self.pc.default_temperature  # the log-probs refer to it: make it explicit
         user_view = {"messages": req["messages"], "tools": req.get("tools"), "model": req.get("model"),
                      "sampling": {k: req[k] for k in SAMPLING_KEYS if k in req}, "chat_options": chat_options(req)}
+        route_to(req, adapter)  # the engine's model becomes "<base>:<adapter>"; the turn keeps the user's
         if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
             req["logprobs"] = True
             req["return_token_ids"] = True
@@ -508,10 +515,11 @@ class ProxyApp:
         send.run_before_final()  # the response did not complete (client gone): end the session anyway
         return status
 
-    async def _hold(self, rid: str) -> None:
-        """Wait out a weight sync announced on ``control`` (bounded; 503 with ``sync_strict``)."""
+    async def _hold(self, rid: str, tenant: str | None = None) -> None:
+        """Wait out a full-weight sync, or a sync of ``tenant``'s adapter, announced on ``control``
+        (bounded; 503 with ``sync_strict``). Another tenant's adapter sync holds nothing."""
         try:
-            held = await self.gate.wait()
+            held = await self.gate.wait(tenant)
         except TimeoutError as e:
             M.SYNC_HOLD.observe(self.pc.sync_hold_timeout_s)
             if self.pc.sync_strict:
@@ -582,6 +590,12 @@ class ProxyApp:
             token_ids, logprobs = [], []
         else:
             token_ids, logprobs = rec.token_ids, rec.logprobs
+        adapter, wrong = route.adapter, wrong_adapter(rec, route.adapter)
+        if wrong is not None:  # never a turn that names an adapter that did not serve it
+            M.ADAPTER_MISMATCH.inc()
+            log.error("request %s (tenant %s): %s: recorded without token ids, log-probs and adapter", route.rid,
+                      route.tenant, wrong)
+            token_ids, logprobs, adapter = [], [], None
         temperature, processors = self._distribution(rec, user_view["sampling"], defaults or {})
         reason = rec.finish_reason if finished else (
             rec.finish_reason if isinstance(rec.finish_reason, str) and rec.finish_reason and cause is None else "abort")
@@ -594,7 +608,7 @@ class ProxyApp:
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
             logprob_temperature=temperature if logprobs else None, logprob_processors=processors,
-            session_source=route.source, tenant=route.tenant)
+            session_source=route.source, tenant=route.tenant, adapter=adapter)
         if finished and turn_index is not None:
             content, calls, prefix = rec.response.get("content"), rec.response.get("tool_calls"), _continued_prefix(user_view)
             self.sessions.complete(sid, turn_index, content, calls, prefix=prefix, request_id=route.rid,
@@ -610,6 +624,7 @@ class ProxyApp:
         status, data = await self._call("POST", _CHAT, body)
         if status >= 400:
             raise self._engine_error(status, data)
+        data = shown(data)
         admit()
         record = route is not None
         if record or repair or b'"abort"' in data:
@@ -749,6 +764,7 @@ class ProxyApp:
                 if data == b"[DONE]":
                     finished = True
                     break
+                data = shown(data)
                 if recorder is not None:
                     data = recorder.feed(data)
                     aborted = recorder.aborted
@@ -956,7 +972,8 @@ class ProxyApp:
             st = self.publisher.stats()
             body = {"status": "ready" if engine == 200 else "engine unavailable", "engine_status": engine,
                     "broker_connected": st["broker_connected"], "events_buffered": st["buffered"],
-                    "events_dropped": st["dropped_total"], "sync_paused": self.gate.paused}
+                    "events_dropped": st["dropped_total"], "sync_paused": self.gate.paused,
+                    "sync_paused_tenants": sum(map(self.gate.tenant_paused, self.gate.state.tenants))}
             return JSONResponse(body, status_code=200 if engine == 200 else 503)
 
         @api.get("/metrics")

@@ -8,6 +8,10 @@ sync learns that it is paused. State:
 - ``resume``: the sync is over. ``failed`` does not resume by itself (the trainer decides).
 - ``applied`` (engine, version): ``applied_version`` is the highest version an engine reported;
   it tags turns when the engine's response carries no usable ``weight_version``.
+- a tenant's ``pause`` / ``resume`` (``tenant`` set: adapter sync, docs/tenants.md): that
+  tenant's requests only are held (:class:`TenantState`), every other tenant and untenanted
+  traffic is served throughout; the tenant's ``resume`` names the adapter that serves it from
+  then on (None: the base model), which the proxy routes its requests to and records on its turns.
 
 A pause older than ``max_pause_s`` (by its ``created_at``) is treated as over, so a trainer
 that died mid-sync cannot hold traffic for ever. Broker trouble only delays these updates; the
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pipeline import events
@@ -34,21 +38,44 @@ log = logging.getLogger(__name__)
 DLQ_GIVE_UP_S = 10.0  # a follower passes over a bad record whose dead letter cannot be written
 
 
+@dataclass(frozen=True)
+class TenantState:
+    """One tenant's adapter sync as the control topic says it now.
+
+    Attributes:
+        paused: a sync of the tenant's adapter runs (its requests are held).
+        epoch: the epoch of the tenant's latest pause/resume.
+        paused_at_ms: ``created_at`` of that pause (ms since the epoch), 0 when not paused.
+        adapter: ``{name, version, sha256}`` of the tenant's last ``resume`` (None: the base model).
+    """
+
+    paused: bool = False
+    epoch: int = -1
+    paused_at_ms: int = 0
+    adapter: dict | None = None
+
+
 @dataclass
 class ControlState:
     """What the control topic says now.
 
     Attributes:
-        paused: a weight sync is in progress.
-        epoch: the epoch of the latest pause/resume.
+        paused: a full-weight sync is in progress.
+        epoch: the epoch of the latest full-weight pause/resume.
         paused_at_ms: ``created_at`` of the pause (ms since the epoch), 0 when not paused.
         applied_version: highest policy version an engine reported as applied (-1: none seen).
+        tenants: tenant -> :class:`TenantState` (immutable: a copy of the dict is a snapshot).
     """
 
     paused: bool = False
     epoch: int = -1
     paused_at_ms: int = 0
     applied_version: int = -1
+    tenants: dict[str, TenantState] = field(default_factory=dict)
+
+    def copy(self) -> "ControlState":
+        """A snapshot (for the event loop while the follower thread goes on)."""
+        return replace(self, tenants=dict(self.tenants))
 
 
 class ControlFollower:
@@ -85,7 +112,11 @@ class ControlFollower:
 
     def apply(self, ev: events.Event) -> bool:
         """Apply one event to the state; True if it changed."""
-        if not isinstance(ev, events.Control) or not ev.full_weights:
+        if not isinstance(ev, events.Control):
+            return False
+        if ev.tenant is not None:
+            return self._apply_tenant(ev)
+        if not ev.full_weights:
             return False
         s = self.state
         before = (s.paused, s.epoch, s.applied_version)
@@ -98,6 +129,19 @@ class ControlFollower:
             s.applied_version = max(s.applied_version, ev.policy_version)
         return before != (s.paused, s.epoch, s.applied_version)
 
+    def _apply_tenant(self, ev: events.Control) -> bool:
+        """A tenant's ``pause`` holds its requests; its ``resume`` (of that epoch or a later one)
+        releases them and names its adapter. Other tenant records change nothing here."""
+        t = self.state.tenants.get(ev.tenant, TenantState())
+        if ev.action == "pause":
+            new = replace(t, paused=True, epoch=ev.epoch, paused_at_ms=ev.created_at or events.now_ms())
+        elif ev.action == "resume" and ev.epoch >= t.epoch:
+            new = TenantState(False, ev.epoch, 0, ev.adapter)
+        else:
+            return False
+        self.state.tenants[ev.tenant] = new
+        return new != t
+
     def _record(self, rec) -> None:
         self._changed |= self.apply(rec.event)
 
@@ -105,15 +149,18 @@ class ControlFollower:
         if self._changed:
             self._changed = False
             s = self.state
-            log.info("control: paused=%s epoch=%d applied_version=%d", s.paused, s.epoch, s.applied_version)
-            self.on_change(ControlState(s.paused, s.epoch, s.paused_at_ms, s.applied_version))
+            log.info("control: paused=%s epoch=%d applied_version=%d tenants paused=%s", s.paused, s.epoch,
+                     s.applied_version, sorted(k for k, t in s.tenants.items() if t.paused))
+            self.on_change(s.copy())
 
 
 class SyncGate:
     """Event-loop side of the weight-sync hold.
 
-    ``wait()`` returns at once when no sync runs; during one it waits until ``resume`` or until
-    ``hold_timeout_s`` (then the request goes through, or gets 503 when ``strict``).
+    ``wait(tenant)`` returns at once when neither a full-weight sync nor a sync of ``tenant``'s
+    adapter runs (another tenant's sync holds nothing here); otherwise it waits until the
+    ``resume`` that ends what holds it, or until ``hold_timeout_s`` (then the request goes
+    through, or gets 503 when ``strict``).
 
     Args:
         hold_timeout_s: the longest a request is held.
@@ -125,40 +172,65 @@ class SyncGate:
 
         self.hold_timeout_s = hold_timeout_s
         self.max_pause_s = max_pause_s
-        self._open = asyncio.Event()
-        self._open.set()
+        self._changed = asyncio.Event()  # set (and replaced) at every update: wakes the waiters
         self.state = ControlState()
+
+    def _live(self, paused: bool, paused_at_ms: int) -> bool:
+        return paused and (time.time() * 1000 - paused_at_ms) < self.max_pause_s * 1000
 
     @property
     def paused(self) -> bool:
-        """A sync runs now (and its pause is not stale)."""
-        s = self.state
-        return s.paused and (time.time() * 1000 - s.paused_at_ms) < self.max_pause_s * 1000
+        """A full-weight sync runs now (and its pause is not stale)."""
+        return self._live(self.state.paused, self.state.paused_at_ms)
+
+    def tenant_paused(self, tenant: str | None) -> bool:
+        """A sync of ``tenant``'s adapter runs now (and its pause is not stale); False for None."""
+        t = self.state.tenants.get(tenant) if tenant is not None else None
+        return t is not None and self._live(t.paused, t.paused_at_ms)
+
+    def held(self, tenant: str | None = None) -> bool:
+        """A request of ``tenant`` (None: untenanted) is held now."""
+        return self.paused or self.tenant_paused(tenant)
+
+    def adapter_of(self, tenant: str | None) -> dict | None:
+        """The adapter of ``tenant``'s last ``resume`` (None: the base model, or no tenant)."""
+        t = self.state.tenants.get(tenant) if tenant is not None else None
+        return None if t is None else t.adapter
+
+    def _stale_in(self, tenant: str | None) -> float:
+        """Seconds until every pause that holds ``tenant`` now is stale (``max_pause_s``)."""
+        now = time.time() * 1000
+        ats = [self.state.paused_at_ms] if self.paused else []
+        if self.tenant_paused(tenant):
+            ats.append(self.state.tenants[tenant].paused_at_ms)
+        return max((self.max_pause_s * 1000 - (now - at)) / 1000 for at in ats) if ats else 0.0
 
     def update(self, state: ControlState) -> None:
         """Apply a new control state (call on the event loop thread)."""
-        self.state = state
-        if self.paused:
-            self._open.clear()
-        else:
-            self._open.set()
+        import asyncio
 
-    async def wait(self) -> float:
-        """Hold while paused; returns the seconds held (0.0 when not paused).
+        self.state = state
+        woken, self._changed = self._changed, asyncio.Event()
+        woken.set()
+
+    async def wait(self, tenant: str | None = None) -> float:
+        """Hold while a request of ``tenant`` is held (:meth:`held`); returns the seconds held (0.0
+        when not held).
 
         Raises:
             TimeoutError: the hold timed out (the caller decides: go through or 503).
         """
-        if self._open.is_set() or not self.paused:
+        if not self.held(tenant):
             return 0.0
         import asyncio
 
         t0 = time.monotonic()
-        left = self.max_pause_s - (time.time() * 1000 - self.state.paused_at_ms) / 1000
-        timeout = max(0.0, min(self.hold_timeout_s, left))
-        try:
-            await asyncio.wait_for(self._open.wait(), timeout)
-        except asyncio.TimeoutError:
-            if self.paused and timeout >= self.hold_timeout_s:
-                raise TimeoutError(f"weight sync still running after {self.hold_timeout_s:.1f} s") from None
+        while self.held(tenant):
+            left = self.hold_timeout_s - (time.monotonic() - t0)
+            if left <= 0:
+                raise TimeoutError(f"weight sync still running after {self.hold_timeout_s:.1f} s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(0.0, min(left, self._stale_in(tenant))))
+            except asyncio.TimeoutError:
+                pass
         return time.monotonic() - t0

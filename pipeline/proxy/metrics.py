@@ -34,6 +34,9 @@ REFUSED = Counter("pipeline_proxy_refused_requests_total",
 TURNS = Counter("pipeline_proxy_turns_total", "Turn events queued for publishing", ["turn_type"])
 TURNS_WITHOUT_IDS = Counter("pipeline_proxy_turns_without_token_ids_total",
                             "Turns whose engine response lacked token ids or log-probs")
+ADAPTER_MISMATCH = Counter("pipeline_proxy_adapter_mismatch_total",
+                           "Turns the engine reports another LoRA adapter served than the one of the tenant's last "
+                           "resume (recorded without token ids, log-probs and adapter: they train nothing)")
 UNFINISHED = Counter("pipeline_proxy_unfinished_generations_total",
                      "Generations that did not finish (recorded with finish_reason abort, never trained as an "
                      "answer): engine_abort, client_disconnect, engine_error, timeout, truncated, no_finish_reason",

@@ -10,6 +10,13 @@ turn's ``model`` are the served id: training data never carries a name the engin
 (``gpt-9`` served by SmolLM2 and echoed back as ``gpt-9`` was). A request without ``model``
 gets the served one.
 
+A client never picks a LoRA adapter: a tenant's adapter is chosen by the proxy from the
+tenant's last ``resume`` on ``control`` (docs/tenants.md). A ``model`` that names one, SGLang's
+``<base>:<adapter>`` (any name with a ``:`` that is not an alias), an adapter the engine lists
+(a card with a ``parent``) or a name of the form the trainer gives adapters
+(:func:`pipeline.weightsync.is_adapter_name`), is refused with 400 ``model_not_allowed`` in the
+front door's shape, whichever tenant's adapter it names.
+
 The served ids are read from the engine once (and again, at most every
 :data:`REFRESH_S` seconds, when a name is not among them: an engine restarted with another
 model); an engine that cannot answer ``/v1/models`` is not a reason to refuse a request, so its
@@ -24,6 +31,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from pipeline.proxy.errors import ProxyError
+from pipeline.weightsync import is_adapter_name
 
 REFRESH_S = 5.0
 
@@ -34,6 +42,13 @@ def model_not_found(name: object, served: list[str], aliases: dict[str, str]) ->
     hint = f"; aliases: {', '.join(sorted(aliases))}" if aliases else "; map other names with proxy.model_aliases"
     return ProxyError(404, f"The model {str(name)[:80]!r} does not exist here: this proxy serves {offer}{hint}",
                       param="model", code="model_not_found")
+
+
+def adapter_refused(name: str) -> ProxyError:
+    """The 400 for a ``model`` that names a LoRA adapter (the proxy chooses a tenant's adapter)."""
+    return ProxyError(400, f"The model {name[:80]!r} names a LoRA adapter: adapters are chosen by this proxy for "
+                           "each tenant, never by the request; send the base model's name",
+                      param="model", code="model_not_allowed")
 
 
 class ServedModels:
@@ -53,6 +68,7 @@ class ServedModels:
         self.default = "default"  # SGLang's name for the served model
         self.unknown = unknown
         self.served: list[str] = []
+        self.adapters: set[str] = set()  # the adapter names the engine listed at the last read
         self._read_at: float | None = None
 
     async def _refresh(self) -> None:
@@ -65,13 +81,17 @@ class ServedModels:
         ids = [m.get("id") for m in base_cards(body)]
         if ids and all(isinstance(i, str) for i in ids):
             self.served = ids
+            cards = body.get("data") if isinstance(body, dict) else None
+            self.adapters = {m["id"] for m in cards or () if isinstance(m, dict) and m.get("parent") is not None
+                             and isinstance(m.get("id"), str)}
 
     async def resolve(self, name: object) -> str | None:
         """The served id a request's ``model`` stands for (None: the engine gave no ids, take the
         request as it is).
 
         Raises:
-            ProxyError: 404 ``model_not_found`` (``unknown: reject``), 400 for a non-string name.
+            ProxyError: 404 ``model_not_found`` (``unknown: reject``), 400 for a non-string name and
+                400 ``model_not_allowed`` for a name of a LoRA adapter (see the module docstring).
         """
         if name is not None and not isinstance(name, str):
             raise ProxyError(400, f"'model' must be a string, got {type(name).__name__}", param="model",
@@ -79,11 +99,10 @@ class ServedModels:
         known = name in (None, self.default) or name in self.served or name in self.aliases
         if self._read_at is None or (not (self.served and known) and time.monotonic() - self._read_at >= REFRESH_S):
             await self._refresh()
+        if isinstance(name, str) and name not in self.aliases and name not in self.served and (
+                ":" in name or name in self.adapters or is_adapter_name(name)):
+            raise adapter_refused(name)
         if not self.served:
-            if isinstance(name, str) and ":" in name and name not in self.aliases:
-                # SGLang's "<base>:<adapter>": a client never picks a LoRA adapter (tenants' are
-                # chosen by the proxy, docs/tenants.md); without the engine's list it cannot be told apart
-                raise model_not_found(name, self.served, self.aliases)
             return None
         if name is None or name == self.default or name in self.served:
             return self.served[0] if name in (None, self.default) else name

@@ -58,7 +58,7 @@ class Recorded:
     """The parts of one engine answer a turn needs (filled by the functions below)."""
 
     __slots__ = ("prompt_ids", "token_ids", "logprobs", "response", "finish_reason", "weight_version", "model",
-                 "sampling_params")
+                 "sampling_params", "lora_reported", "lora_name")
 
     def __init__(self) -> None:
         self.prompt_ids: list[int] | None = None
@@ -69,6 +69,16 @@ class Recorded:
         self.weight_version: Any = None
         self.model: str = ""
         self.sampling_params: dict | None = None  # the engine's effective parameters, when it reports them
+        # which LoRA adapter served it (our engine's metadata/meta_info ``lora_name``; None: the base
+        # model), only when the engine reports it (``lora_reported``; SGLang does not)
+        self.lora_reported = False
+        self.lora_name: str | None = None
+
+    def saw_lora(self, holder: Any) -> None:
+        """Record ``holder["lora_name"]`` (a ``metadata`` or ``meta_info`` dict) when it is there."""
+        if isinstance(holder, dict) and "lora_name" in holder:
+            self.lora_reported = True
+            self.lora_name = holder["lora_name"] if isinstance(holder["lora_name"], str) else None
 
     @property
     def finished(self) -> bool:
@@ -106,6 +116,8 @@ def from_response(resp: dict) -> Recorded:
     md = resp.get("metadata")
     r.weight_version = md.get("weight_version") if isinstance(md, dict) else None
     r.sampling_params = _metadata_sampling(md)
+    r.saw_lora(meta)
+    r.saw_lora(md)
     if r.weight_version is None:
         r.weight_version = meta.get("weight_version")
     return r
@@ -236,6 +248,7 @@ class StreamRecorder:
             rec.weight_version = md["weight_version"]
         if _metadata_sampling(md) is not None:
             rec.sampling_params = _metadata_sampling(md)
+        rec.saw_lora(md)
         for c in obj.get("choices") or ():
             if not isinstance(c, dict):
                 continue
@@ -266,6 +279,7 @@ class StreamRecorder:
             mi = c.get("meta_info")
             if isinstance(mi, dict) and mi.get("weight_version") is not None:
                 rec.weight_version = mi["weight_version"]
+            rec.saw_lora(mi)
         return orjson.dumps(obj) if changed else data
 
     def _tool_deltas(self, deltas: Any) -> None:

@@ -49,13 +49,17 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
         weight_version, max_batch_size, context_length, api_key, seed, prefix_cache_bytes: engine
             settings (``prefix_cache_bytes=0``: no prefix cache).
         lora, lora_paths: LoRA settings (:class:`pipeline.engine.lora.LoraSettings`) and start-up
-            adapters (name -> folder); in-process mode only.
+            adapters (name -> folder; in-process mode only). A child process gets ``lora`` as the
+            engine's flags (``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``,
+            ``--max-loras-per-batch``).
     Raises:
         RuntimeError: the engine did not come up within ``start_timeout_s``.
     """
     if subprocess:
+        if lora_paths:
+            raise ValueError("lora_paths is for an in-process engine")
         with _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size, context_length,
-                                api_key, seed, start_timeout_s, prefix_cache_bytes) as url:
+                                api_key, seed, start_timeout_s, prefix_cache_bytes, lora) as url:
             yield url
         return
     from pipeline.engine.runtime import build_state, make_server
@@ -74,7 +78,7 @@ def running_engine(model: str = "tiny-random", cache_dir: str | None = None, *, 
 
 @contextlib.contextmanager
 def _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size, context_length, api_key, seed,
-                       start_timeout_s, prefix_cache_bytes) -> Iterator[str]:
+                       start_timeout_s, prefix_cache_bytes, lora=None) -> Iterator[str]:
     cmd = [sys.executable, "-m", "pipeline", "engine", "--model", model, "--host", "127.0.0.1", "--port", "0",
            "--weight-version", str(weight_version), "--max-batch-size", str(max_batch_size), "--seed", str(seed),
            "--prefix-cache-bytes", str(prefix_cache_bytes)]
@@ -84,6 +88,9 @@ def _subprocess_engine(model, cache_dir, threads, weight_version, max_batch_size
         cmd += ["--threads", str(threads)]
     if context_length:
         cmd += ["--context-length", str(context_length)]
+    if lora is not None and lora.enabled:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras-per-batch",
+                str(lora.max_per_batch), "--lora-target-modules", *lora.targets]
     env = dict(os.environ)
     if api_key:
         env["PIPELINE_ENGINE__API_KEY"] = api_key

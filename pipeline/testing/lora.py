@@ -44,3 +44,40 @@ def write_random_adapter(out, model: str = "tiny-random", *, r: int = 4, alpha: 
            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False}
     (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return folder
+
+
+def export_tenant_adapter(export_dir, tenant: str, model: str = "tiny-random", **random) -> tuple[Path, dict]:
+    """What the trainer's export leaves for ``tenant`` (docs/tenants.md "Adapter sync"): a random
+    adapter (:func:`write_random_adapter` with ``random``) with its checksum file, in
+    ``<export_dir>/adapters/<tenant_slug>/<version[:16]>/``. Returns ``(folder, adapter)``, the
+    adapter being the records' ``{name, version, sha256}``."""
+    import shutil
+    import tempfile
+
+    from pipeline import weightsync
+
+    base = Path(export_dir) / "adapters" / weightsync.tenant_slug(tenant)
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=base))
+    write_random_adapter(tmp, model, **random)
+    sha = weightsync.sha256_file(tmp / weightsync.ADAPTER_FILE)
+    (tmp / weightsync.ADAPTER_CHECKSUM_FILE).write_text(f"{sha}  {weightsync.ADAPTER_FILE}\n")
+    version = weightsync.adapter_version(tmp)
+    folder = base / version[:16]
+    if folder.exists():
+        shutil.rmtree(tmp)
+    else:
+        tmp.rename(folder)
+    return folder, {"name": weightsync.adapter_name(tenant, version), "version": version, "sha256": sha}
+
+
+def adapter_order(action: str, tenant: str, adapter: dict | None, folder=None, *, epoch: int = 1,
+                  run_id: str = "default", engine_id: str | None = None):
+    """A tenant's ``control`` record as the trainer (``pause``/``weights``/``resume``) or a
+    syncer (``applied``/``failed``, with ``engine_id``) writes it; ``folder`` for ``weights``."""
+    from pipeline import events
+
+    return events.Control(action=action, epoch=epoch, run_id=run_id, tenant=tenant, adapter=adapter,
+                          location=None if folder is None else str(folder),
+                          sha256=adapter["sha256"] if action == "weights" else None, engine_id=engine_id,
+                          created_at=events.now_ms())

@@ -11,6 +11,9 @@ Modules (each small, one purpose):
 - :mod:`~pipeline.trainer.source` — fixed-size batches from ``samples`` with exact offsets;
 - :mod:`~pipeline.trainer.checkpoint` — model, optimizer, step, policy version, offsets;
 - :mod:`~pipeline.trainer.sync` — pause -> weights -> applied/failed -> resume on ``control``;
+- :mod:`~pipeline.trainer.tenants`, :mod:`~pipeline.trainer.adapters` — ``trainer.lora``: each
+  tenant's update count and adapter versions; export, adapter sync and commands per tenant;
+- :mod:`~pipeline.trainer.adapters_cli` — ``python -m pipeline adapters``;
 - :mod:`~pipeline.trainer.metrics`, :mod:`~pipeline.trainer.prom` — JSONL log, progress bar, Prometheus;
 - :mod:`~pipeline.trainer.stage` / :mod:`~pipeline.trainer.cli` — ``python -m pipeline trainer``.
 

@@ -13,7 +13,7 @@ STEPS = Counter("pipeline_trainer_steps_total", "Trainer steps (batches) complet
 SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps that changed no weights (no trainable token, or every optimizer step non-finite)")
 POLICY_VERSION = Gauge("pipeline_trainer_policy_version", "Policy version of the trainer's weights (syncs so far)")
 SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcome",
-                  ["outcome"])  # trained, masked, duplicate, stale_dropped, dead_letter
+                  ["outcome"])  # trained, masked, duplicate, stale_dropped, dead_letter, no_tenant, frozen, unknown_adapter
 LOSS = Gauge("pipeline_trainer_loss", "Loss of the last step (NaN: no trainable sample)")
 REWARD = Gauge("pipeline_trainer_reward_mean", "Mean reward of the last batch's trained samples with a reward "
                "(NaN: none)")
@@ -49,7 +49,8 @@ def observe_step(record: dict) -> None:
     POLICY_VERSION.set(record.get("policy_version", 0))
     SAMPLES.labels("trained").inc(record.get("train_samples", 0))
     for key, outcome in (("masked", "masked"), ("duplicates", "duplicate"), ("stale_dropped", "stale_dropped"),
-                         ("dead_letters", "dead_letter")):
+                         ("dead_letters", "dead_letter"), ("no_tenant_samples", "no_tenant"),
+                         ("frozen_samples", "frozen"), ("unknown_adapter", "unknown_adapter")):
         SAMPLES.labels(outcome).inc(record.get(key, 0))
     # a figure the step could not measure (absent from the record, or null in the JSONL log) reads
     # NaN: never 0, and never the previous step's value (a skipped step included)

@@ -16,21 +16,23 @@ from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 
-_NOT_METRICS = ("step", "policy_version", "time_ms", "skipped", "sample_ids", "tenant")
+_NOT_METRICS = ("step", "policy_version", "time_ms", "skipped", "sample_ids", "tenant", "adapter", "resumed")
 
 
 def step_event(record: dict, run_id: str, trained: dict[str, float]) -> events.TrainStep:
     """The :class:`~pipeline.events.TrainStep` of one metrics-log record.
 
     ``trained``: sample_id -> mean advantage over its response tokens, for the samples the
-    step trained. Every other field of ``record`` goes to ``metrics``.
+    step trained. ``tenant`` and ``adapter`` (with ``trainer.lora``: the adapter the step
+    produced) are the event's own fields; every other field of ``record`` but ``resumed`` goes
+    to ``metrics``.
     """
     return events.TrainStep(
         step=int(record["step"]), policy_version=int(record.get("policy_version", 0)), run_id=run_id,
         created_at=int(record.get("time_ms") or events.now_ms()), skipped=bool(record.get("skipped", False)),
         metrics={k: v for k, v in record.items() if k not in _NOT_METRICS},
         sample_ids=[str(i) for i in record.get("sample_ids", [])], trained=dict(trained),
-        tenant=record.get("tenant"))
+        tenant=record.get("tenant"), adapter=record.get("adapter"))
 
 
 class StepPublisher:

@@ -91,7 +91,8 @@ class Batch:
 
 
 def _new_stats() -> dict[str, float]:
-    return dict(records=0, duplicates=0, stale_dropped=0, stale_downweighted=0, masked=0, dead_letters=0)
+    return dict(records=0, duplicates=0, stale_dropped=0, stale_downweighted=0, masked=0, dead_letters=0,
+                unknown_adapter=0)
 
 
 class SampleSource:
@@ -123,15 +124,27 @@ class SampleSource:
         self.tenants = (TenantBuffers(self.cfg.rollout_batch_size, self.cfg.tenant_max_wait_records, self.positions,
                                       resume) if self.cfg.per_tenant else None)
         self._stats = _new_stats()  # per-tenant mode: what was consumed since the last batch
+        #: ``trainer.lora``: the tenants' update counts and adapter versions (staleness per
+        #: tenant's adapter, :mod:`pipeline.trainer.tenants`); None: the one trainer version
+        self.adapters = None
         self._t0: float | None = None
         log.info("trainer reads %s from %s%s", self.topic, self.positions,
                  " (one batch per tenant)" if self.tenants is not None else "")
 
     def staleness_version(self, tenant: str | None, trainer_version: int) -> int:
-        """The policy version a sample of ``tenant`` is stale against: the trainer's one version
-        today. The hook for staleness per (tenant, adapter version): a tenant's adapter has its
-        own version count."""
+        """The policy version a sample of ``tenant`` is stale against: the trainer's one version,
+        or with ``trainer.lora`` (:attr:`adapters` set) the tenant's update count ``n_T``."""
+        if self.adapters is not None:
+            return self.adapters.updates(tenant)
         return trainer_version
+
+    def produced_by(self, ev: events.Sample) -> int | None:
+        """The policy version that generated ``ev``: its ``policy_version``, or with
+        ``trainer.lora`` the update count of the adapter that served it (the base: the tenant's
+        ``base``; None: a version the table does not know, :mod:`pipeline.trainer.tenants`)."""
+        if self.adapters is not None:
+            return self.adapters.produced_by(ev.tenant, ev.adapter)
+        return ev.policy_version
 
     def _take(self, rec, trainer_version: int, stop, stats: dict, seen: set | Callable) -> tuple | None:
         """Decode, check and count one raw record: ``(sample, weight, staleness or None)`` when it
@@ -156,7 +169,11 @@ class SampleSource:
             return None
         sampled = ev.rollout_log_probs is not None  # else never sampled by a policy: never stale
         version = self.staleness_version(ev.tenant, trainer_version)
-        w, keep = L.staleness_weights(torch.tensor([ev.policy_version]), version,
+        produced = self.produced_by(ev)
+        if produced is None:  # an adapter version nobody knows: one version beyond the limit, never fresh
+            stats["unknown_adapter"] += 1
+            produced = version - (cfg.max_staleness or 0) - 1
+        w, keep = L.staleness_weights(torch.tensor([produced]), version,
                                       cfg.max_staleness if sampled else None, cfg.stale_policy, cfg.stale_decay)
         if not bool(keep[0]):
             stats["stale_dropped"] += 1
@@ -167,18 +184,21 @@ class SampleSource:
             stats["masked"] += 1
             if not cfg.count_masked_samples:
                 return None
-        return ev, float(w[0]), (max(0, version - ev.policy_version) if sampled else None)
+        return ev, float(w[0]), (max(0, version - produced) if sampled else None)
 
-    def next_batch(self, trainer_version: int, stop: threading.Event | None = None) -> Batch | None:
+    def next_batch(self, trainer_version: int, stop: threading.Event | None = None,
+                   idle: Callable[[], bool] | None = None) -> Batch | None:
         """Block until ``rollout_batch_size`` samples count (see the module docstring); with
         ``trainer.per_tenant`` until a tenant's batch is released (:mod:`pipeline.trainer.buffers`).
 
         ``trainer_version`` is the policy version being trained (for staleness). Returns None if
-        ``stop`` is set before the batch is full; the records read so far stay buffered (not
-        consumed), so the offsets of the last returned batch remain exact.
+        ``stop`` is set before the batch is full, or (``trainer.per_tenant`` only) when a poll
+        brought no record and ``idle()`` returns True (the caller has work between batches:
+        adapter commands); the records read so far stay buffered (not consumed), so the offsets
+        of the last returned batch remain exact.
         """
         if self.tenants is not None:
-            return self._next_tenant_batch(trainer_version, stop)
+            return self._next_tenant_batch(trainer_version, stop, idle)
         t0 = time.perf_counter()
         samples: list[events.Sample] = []
         weights: list[float] = []
@@ -215,7 +235,8 @@ class SampleSource:
         self.positions = positions
         return Batch(samples, weights, dict(positions), _finish_stats(stats, staleness, t0))
 
-    def _next_tenant_batch(self, trainer_version: int, stop: threading.Event | None) -> Batch | None:
+    def _next_tenant_batch(self, trainer_version: int, stop: threading.Event | None,
+                           idle: Callable[[], bool] | None = None) -> Batch | None:
         """``trainer.per_tenant``: read into the tenant buffers until one is ready, release it."""
         tb = self.tenants
         if self._t0 is None:
@@ -224,7 +245,10 @@ class SampleSource:
             if not self._buffer:
                 if stop is not None and stop.is_set():
                     return None  # what is buffered stays pending: the last batch's offsets hold
-                self._buffer.extend(self.reader.poll_raw(timeout_ms=int(self.cfg.poll_timeout_s * 1000)))
+                polled = self.reader.poll_raw(timeout_ms=int(self.cfg.poll_timeout_s * 1000))
+                if not polled and idle is not None and idle():
+                    return None  # the same: the caller acts between batches, then asks again
+                self._buffer.extend(polled)
                 continue
             rec = self._buffer[0]
             if tb.consumed(rec.partition, rec.offset):  # consumed before the restart

@@ -11,6 +11,17 @@ One step (rank 0 talks to Kafka; every TP/DP rank trains on the broadcast batch)
     control: pause -> weights -> (applied from every engine | timeout -> failed) -> resume
     metrics log line + progress bar
 
+With ``trainer.lora`` (and ``trainer.per_tenant``, required) each step trains the batch's
+tenant's adapter over the frozen base instead, and syncs that adapter alone
+(:mod:`pipeline.trainer.adapters`)::
+
+    batch    = source.next_batch(...)                  # one tenant's samples
+    commands = control from commands_offset            # freeze / unfreeze / reset / delete, applied
+    metrics  = policy.train_batch(batch, adapter=T)    # none when T is frozen or the batch has no tenant
+    n_T += 1; export T's adapter -> <export_dir>/adapters/<slug>/<version[:16]>/
+    checkpoint(adapters + optimizer states, tenants' table, commands_offset, offsets)
+    control: pause(T, A) -> weights(T, A) -> applied/failed -> resume(T, A or the previous one)
+
 Policy version = number of weight syncs; 0 is the initial checkpoint the engines start with.
 On restart the trainer restores the newest checkpoint and seeks every partition to its
 offsets, so no sample is trained twice or skipped (with ``checkpoint_every: 1``; with a larger
@@ -50,7 +61,6 @@ from pipeline.models import resolve_model
 from pipeline.trainer import checkpoint as C
 from pipeline.trainer import dist
 from pipeline.trainer import guards
-from pipeline.trainer import model as M
 from pipeline.trainer import prom
 from pipeline.trainer.metrics import MetricsLog, Progress, step_line
 
@@ -82,15 +92,17 @@ class TrainerStage:
     """
 
     def __init__(self, config: Config, stop: threading.Event | None = None) -> None:
-        if config.trainer.lora is not None:  # PolicyTrainer trains adapters; this loop does not route them yet
-            raise ConfigError("trainer.lora: the trainer stage does not train per-tenant adapters yet (LoRA training "
-                              "is built in PolicyTrainer; the stage wiring and adapter sync are not: "
-                              "docs/tenants.md); leave trainer.lora unset for full fine-tuning")
+        if config.trainer.lora is not None and not config.trainer.per_tenant:
+            raise ConfigError("trainer.lora trains one adapter per tenant, so it needs per-tenant batches: set "
+                              "trainer.per_tenant=true as well (or leave trainer.lora unset for full fine-tuning)")
         self.config, self.cfg = config, config.trainer
         self.stop = stop or threading.Event()
         self.step = 0
         self.version = 0
         self.source = self.publisher = self.steps_out = None
+        self.adapters = self.commands = None  # trainer.lora: pipeline.trainer.adapters
+        self._commands: list[tuple[str, str]] = []  # read while idle, not applied yet
+        self._untrained_logged: set[str] = set()
         self.log = MetricsLog(None)
 
     # ------------------------------------------------------------ setup
@@ -111,6 +123,7 @@ class TrainerStage:
         seen: list[str] = []
         resume = None
         last_record = None
+        tenants_meta, commands_offset = None, 0
         if found is not None:
             meta, state = C.load(found, self.par)
             self.policy.load_state_dict(state)
@@ -121,6 +134,7 @@ class TrainerStage:
             seen = list(meta.get("seen", []))
             resume = meta.get("resume")  # per-tenant buffers: what was consumed above the offsets
             last_record = meta.get("record")
+            tenants_meta, commands_offset = meta.get("tenants"), int(meta.get("commands_offset", 0))
             log.info("restored %s: step %d, policy version %d, offsets %s", found, self.step, self.version, offsets)
         elif from_export is not None:
             self.policy.load_weights(self.export_dir / f"v{from_export:06d}")
@@ -136,7 +150,9 @@ class TrainerStage:
             for tmp in self.export_dir.glob(".v*.tmp-*") if self.export_dir.is_dir() else []:
                 shutil.rmtree(tmp, ignore_errors=True)
             published = max(export_versions(self.export_dir) + [C.read_synced(self.ckpt_dir)])
-            if published > self.version:
+            if cfg.lora is not None:
+                pass  # the base is frozen and never published: adapters are synced per tenant below
+            elif published > self.version:
                 log.warning("engines may serve v%d, newer than the checkpoint's v%d: re-publishing the "
                             "restored weights as v%d", published, self.version, published + 1)
                 self.version, need_sync = published + 1, True
@@ -156,8 +172,24 @@ class TrainerStage:
             self.steps_out = StepPublisher(self.config, self.publisher.producer)
         self.version, need_sync = dist.broadcast_object((self.version, need_sync))
         prom.POLICY_VERSION.set(self.version)
-        if need_sync:
+        if cfg.lora is not None:
+            self._setup_adapters(tenants_meta, commands_offset)
+        elif need_sync:
             self._export_and_sync({})
+
+    def _setup_adapters(self, meta: dict | None, commands_offset: int) -> None:
+        """``trainer.lora``: the tenants' state from the checkpoint; rank 0 reads commands from
+        ``commands_offset``; tenants whose last update was not synced are exported and synced."""
+        from pipeline.trainer.adapters import CommandReader, TenantAdapters
+
+        self.adapters = TenantAdapters(self.config, self.policy, self.par.is_main, meta)
+        if self.par.is_main:
+            self.adapters.publisher = self.publisher
+            self.source.adapters = self.adapters.table
+            self.commands = CommandReader(self.config, commands_offset)
+        for tenant in dist.broadcast_object(self.adapters.need_sync() if self.par.is_main else None):
+            log.info("tenant %s: its last adapter update was not synced: syncing it again", tenant)
+            self._adapter_update(tenant, {})
 
     def _plan_restore(self) -> tuple[Path | None, int | None]:
         """``(checkpoint to restore, export version to load)``; at most one is set.
@@ -183,6 +215,10 @@ class TrainerStage:
             traces.append(f"{self.ckpt_dir / C.SYNCED} says v{synced} was synced to the engines")
         if pointer is not None:
             traces.append(f"{self.ckpt_dir / C.LATEST} names {pointer}, which is missing or incomplete")
+        from pipeline.trainer.adapters import SYNCED_FILE, read_synced
+
+        if read_synced(self.ckpt_dir):
+            traces.append(f"{self.ckpt_dir / SYNCED_FILE} says tenants' adapters were synced to the engines")
         if not traces:
             return None, None  # a new run
         mode = self.cfg.missing_checkpoint
@@ -251,29 +287,114 @@ class TrainerStage:
         for v in versions[:max(0, len(versions) - self.cfg.keep_exports)]:
             shutil.rmtree(self.export_dir / f"v{v:06d}", ignore_errors=True)
 
+    # ------------------------------------------------------------ adapters (trainer.lora)
+
+    def _adapter_export(self, tenant: str, record: dict) -> tuple[dict, Path] | None:
+        """``trainer.lora``: export ``tenant``'s adapter (collective); rank 0 gets ``(adapter,
+        folder)`` and the step record its ``adapter``."""
+        t0 = time.perf_counter()
+        got = self.adapters.export(tenant)
+        record["export_s"] = time.perf_counter() - t0
+        if got is not None:
+            record["adapter"] = got[0]
+        return got
+
+    def _adapter_sync(self, tenant: str, exported: tuple[dict, Path], record: dict) -> None:
+        """Rank 0: the adapter sync of ``tenant``'s update (its figures into the step record)."""
+        report = self.adapters.sync(tenant, exported[0], exported[1], self.stop)
+        record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed,
+                      resumed=report.resumed)
+
+    def _adapter_update(self, tenant: str, record: dict) -> None:
+        """Export and sync ``tenant``'s adapter at once (a restart's unfinished sync)."""
+        exported = self._adapter_export(tenant, record)
+        if exported is not None:
+            self._adapter_sync(tenant, exported, record)
+
     # ------------------------------------------------------------ loop
 
-    def _one_step(self, progress: Progress) -> bool:
-        """Train one batch; False when stopping (no batch)."""
-        cfg = self.cfg
-        batch = None
+    def _commands_waiting(self) -> bool:
+        """Rank 0, idle on ``samples``: read ``control``; True when commands arrived."""
+        self._commands += [(c.action, c.tenant) for c in self.commands.poll()]
+        return bool(self._commands)
+
+    def _next_payload(self):
+        """Rank 0 takes the next batch and, with ``trainer.lora``, applies the commands that arrived
+        and decides whether the batch trains; everything is broadcast (only rank 0's stop flag
+        counts). While no sample arrives, commands are applied as they come (a payload without
+        samples). Returns ``(batch or None, (samples or None, weights, stopping, tenant,
+        commands, why_not))``, or None when stopping."""
+        batch, commands, why_not = None, [], None
         if self.par.is_main and not self.stop.is_set():
-            batch = self.source.next_batch(self.version, self.stop)
-        # rank 0 decides for everyone (only its stop flag counts): the batch, and whether to stop after it
-        payload = dist.broadcast_object(None if batch is None else (batch.samples, batch.weights, self.stop.is_set()))
+            lora = self.adapters is not None
+            batch = self.source.next_batch(self.version, self.stop, idle=self._commands_waiting if lora else None)
+            if lora and (batch is not None or self._commands):
+                commands, self._commands = self._commands + [(c.action, c.tenant) for c in self.commands.poll()], []
+                self.adapters.apply(commands)
+                why_not = self.adapters.why_not_trained(batch.tenant) if batch is not None else None
+        payload = dist.broadcast_object(None if batch is None and not commands else (
+            None if batch is None else batch.samples, None if batch is None else batch.weights, self.stop.is_set(),
+            None if batch is None else batch.tenant, commands, why_not))
         if payload is None:
-            return False
-        samples, weights, stopping = payload
-        t_batch = time.perf_counter()  # the wait for a full batch (consume_s) is not part of step_s
-        result = self.policy.train_batch(samples, weights, policy_version=self.version)
+            return None
+        if not self.par.is_main and payload[4]:
+            self.adapters.apply(payload[4])
+        return batch, payload
+
+    def _train(self, samples: list, weights: list, tenant: str | None, why_not: str | None):
+        """Train the batch (or, with ``why_not``, count it untrained); returns ``(result, record)``."""
+        from pipeline.trainer.policy import StepResult
+
+        lora = self.adapters is not None
+        if why_not is not None:
+            result = StepResult({"train_samples": 0.0, "train_tokens": 0.0, f"{why_not}_samples": float(len(samples))},
+                                skipped=True)
+            if self.par.is_main and (tenant or "") not in self._untrained_logged:
+                self._untrained_logged.add(tenant or "")
+                log.warning("a batch of %s trains nothing (%s): its samples are consumed and counted as "
+                            "%s_samples (logged once per tenant)", f"tenant {tenant}" if tenant else "samples without a "
+                            "tenant (served by the frozen base)", why_not, why_not)
+        else:
+            result = self.policy.train_batch(samples, weights, policy_version=None if lora else self.version,
+                                             adapter=tenant if lora else None)
         if not result.skipped:
             self._check_weights(f"step {self.step + 1}")
         self.step += 1
         if not result.skipped:
-            self.version += 1
-        record: dict = {"step": self.step, "policy_version": self.version, "time_ms": events.now_ms(),
+            if lora:
+                self.adapters.table.bump(tenant)
+            else:
+                self.version += 1
+        version = self.adapters.table.updates(tenant) if lora else self.version
+        record: dict = {"step": self.step, "policy_version": version, "time_ms": events.now_ms(),
                         "optimizer_steps": self.policy.optimizer_steps, "skipped": result.skipped,
                         "batch_samples": len(samples), **result.metrics}
+        return result, record
+
+    def _checkpoint(self, batch, record: dict) -> None:
+        """Save the checkpoint (collective) and commit the offsets to the group (rank 0)."""
+        meta = {"policy_version": self.version, "record": record,
+                "offsets": {self.config.topics.name("samples"): batch.offsets if batch else {}},
+                "seen": self.source.dedup.to_list() if self.source else [],
+                "resume": batch.resume if batch else None}
+        if self.adapters is not None:
+            meta["tenants"] = self.adapters.table.to_meta()
+            meta["commands_offset"] = self.commands.position if self.commands is not None else 0
+        C.save(self.ckpt_dir, self.step, self.par, self.policy.state_dict(), meta, self.cfg.keep_checkpoints)
+        if self.par.is_main:
+            self.source.commit(batch.offsets)
+
+    def _one_step(self, progress: Progress) -> bool:
+        """Train one batch; False when stopping (no batch)."""
+        cfg = self.cfg
+        got = self._next_payload()
+        if got is None:
+            return False
+        batch, (samples, weights, stopping, tenant, _, why_not) = got
+        if samples is None:  # commands applied while no sample arrived: no step
+            return not stopping
+        t_batch = time.perf_counter()  # the wait for a full batch (consume_s) is not part of step_s
+        result, record = self._train(samples, weights, tenant, why_not)
         if batch is not None:
             record.update(batch.stats)
             if cfg.per_tenant:
@@ -282,19 +403,24 @@ class TrainerStage:
                 record["sample_ids"] = [s.sample_id for s in samples]
                 # where consumption ended: with the previous step's, which records this step consumed
                 record["offsets"] = {str(p): o for p, o in batch.offsets.items()}
+        exported = None
+        if self.adapters is not None and not result.skipped:  # exported before the checkpoint: its
+            exported = self._adapter_export(tenant, record)   # version is in the checkpoint's table
         t1 = time.perf_counter()
         last = cfg.max_steps is not None and self.step >= cfg.max_steps
         if self.step % cfg.checkpoint_every == 0 or last or stopping:
-            meta = {"policy_version": self.version, "record": record,
-                    "offsets": {self.config.topics.name("samples"): batch.offsets if batch else {}},
-                    "seen": self.source.dedup.to_list() if self.source else [],
-                    "resume": batch.resume if batch else None}
-            C.save(self.ckpt_dir, self.step, self.par, self.policy.state_dict(), meta, cfg.keep_checkpoints)
-            if self.par.is_main:
-                self.source.commit(batch.offsets)
+            self._checkpoint(batch, record)
         record["checkpoint_s"] = time.perf_counter() - t1
         if not result.skipped:
-            self._export_and_sync(record)
+            if self.adapters is None:
+                self._export_and_sync(record)
+            elif exported is not None:
+                self._adapter_sync(tenant, exported, record)
+        self._report(record, result, samples, t_batch, progress)
+        return not stopping
+
+    def _report(self, record: dict, result, samples: list, t_batch: float, progress: Progress) -> None:
+        """The step's timings; rank 0 logs it (JSONL, ``metrics`` topic, Prometheus, progress)."""
         step_s = time.perf_counter() - t_batch
         record.update(step_s=step_s, samples_per_s=record["train_samples"] / step_s,
                       tokens_per_s=record["train_tokens"] / step_s,
@@ -306,7 +432,6 @@ class TrainerStage:
             prom.observe_step(record)
             progress.update(record)
             log.info("%s", step_line(record))
-        return not stopping
 
     def run(self, install_signals: bool = True) -> int:
         """Set up, then train until ``max_steps`` or a stop request. Returns an exit status."""
@@ -329,5 +454,7 @@ class TrainerStage:
                 self.source.close()
             if self.publisher is not None:
                 self.publisher.close()
+            if self.commands is not None:
+                self.commands.close()
         log.info("trainer stopped at step %d, policy version %d", self.step, self.version)
         return 0

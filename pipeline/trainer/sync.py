@@ -17,7 +17,13 @@ read with :class:`pipeline.bus.TopicReader`: a record that is not a valid ``cont
 to ``control.dlq`` and the wait goes on (if the dead letter cannot be written within
 ``DLQ_GIVE_UP_S`` the record is logged as an error and passed over: the wait commits nothing).
 
-Once the broker holds the ``weights`` event, the trainer also records it in
+With ``trainer.lora`` each update of a tenant ``T`` is synced the same way, every record
+carrying ``tenant`` T and the adapter ``A`` (:meth:`WeightPublisher.sync_adapter`; epoch =
+policy_version = ``T``'s update count): the answers that count are ``T``'s about ``A.version``,
+and ``resume`` names ``A`` when every engine applied it, else the adapter ``T`` was served by
+before (None: the base). The protocol is docs/tenants.md's "Adapter sync".
+
+Once the broker holds the (full) ``weights`` event, the trainer also records it in
 ``<export_dir>/published.json`` (:func:`pipeline.weightsync.write_published`): the last version
 it published, which a (re)starting syncer reconciles its engine to when ``control`` has aged it
 out. The checksum, that record and the syncer's metrics are :mod:`pipeline.weightsync`, shared
@@ -44,12 +50,17 @@ DLQ_GIVE_UP_S = 5.0  # the sync wait passes over a bad record whose dead letter 
 
 @dataclass
 class SyncReport:
-    """Outcome of one sync: which engines applied, which failed (with why), how long it took."""
+    """Outcome of one sync: which engines applied, which failed (with why), how long it took.
+
+    ``resumed``: for an adapter sync, the adapter its ``resume`` named (the new one when every
+    engine applied it, else the one the tenant was served by before; None: the base model).
+    """
 
     policy_version: int
     applied: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    resumed: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -76,25 +87,52 @@ class WeightPublisher:
 
     def sync(self, version: int, location: str, sha256: str, stop: threading.Event | None = None) -> SyncReport:
         """Run the protocol of the module docstring for ``version``; returns a :class:`SyncReport`."""
+        return self._sync(version, str(location), sha256, stop, {}, None)
+
+    def sync_adapter(self, tenant: str, n: int, adapter: dict, location: str, previous: dict | None,
+                     stop: threading.Event | None = None) -> SyncReport:
+        """The adapter sync of ``tenant``'s update ``n`` (docs/tenants.md, "Adapter sync"): ``pause``
+        (tenant, adapter), ``weights`` (``location``, ``sha256 = adapter["sha256"]``), the engines'
+        ``applied``/``failed`` for ``adapter["version"]``, ``resume`` naming ``adapter`` when
+        every engine applied it, else ``previous`` (the adapter the tenant was served by; None:
+        the base). ``epoch = policy_version = n``. Returns the report (``resumed`` set)."""
+        return self._sync(n, str(location), adapter["sha256"], stop, {"tenant": tenant, "adapter": adapter},
+                          previous)
+
+    def resume_adapter(self, tenant: str, n: int, adapter: dict | None) -> None:
+        """A lone ``resume`` (tenant, ``adapter``; None: the base model): ``reset`` and ``delete``."""
+        self._send(self._control("resume", n, tenant=tenant, adapter=adapter))
+
+    def _sync(self, version: int, location: str, sha256: str, stop: threading.Event | None, about: dict,
+              previous: dict | None) -> SyncReport:
+        """The one protocol: full weights (``about`` empty) or a tenant's adapter (``about`` names
+        ``tenant`` and ``adapter``; ``previous``: what its ``resume`` names if an engine failed)."""
         t0 = time.perf_counter()
         report = SyncReport(version)
-        self._send(self._control("pause", version))
+        self._send(self._control("pause", version, **about))
         try:
-            meta = self._send(self._control("weights", version, location=str(location), sha256=sha256))
-            self._published(version, str(location), sha256)
+            meta = self._send(self._control("weights", version, location=location, sha256=sha256, **about))
+            if not about:
+                self._published(version, location, sha256)
             waiting = [e for e in dict.fromkeys(self.cfg.engines)]
             if waiting:
-                self._await(version, meta.partition, meta.offset, waiting, report, stop, sha256)
+                self._await(version, meta.partition, meta.offset, waiting, report, stop, sha256, about)
             for engine in waiting:
                 if engine not in report.applied and engine not in report.failed:
                     report.failed[engine] = f"no answer within {self.cfg.sync_timeout_s:.0f} s"
                     self._send(self._control("failed", version, engine_id=engine,
-                                             message=f"trainer: {report.failed[engine]}"))
+                                             message=f"trainer: {report.failed[engine]}", **about))
         finally:
-            self._send(self._control("resume", version))
+            if about:
+                report.resumed = about["adapter"] if not report.failed and len(report.applied) == len(
+                    dict.fromkeys(self.cfg.engines)) else previous
+                self._send(self._control("resume", version, tenant=about["tenant"], adapter=report.resumed))
+            else:
+                self._send(self._control("resume", version))
         report.seconds = time.perf_counter() - t0
         if report.failed:
-            log.warning("sync of v%d: applied by %s, failed on %s", version, report.applied, report.failed)
+            log.warning("sync of %s%d: applied by %s, failed on %s", f"{about['tenant']}'s adapter n=" if about
+                        else "v", version, report.applied, report.failed)
         return report
 
     def _published(self, version: int, location: str, sha256: str) -> None:
@@ -108,8 +146,17 @@ class WeightPublisher:
         except OSError as e:  # control is the primary record; this one is the fallback
             log.warning("could not write %s: %s", Path(self.cfg.export_dir) / PUBLISHED, e)
 
+    @staticmethod
+    def _answers(ev: events.Control, about: dict) -> bool:
+        """Whether ``ev`` is about what this sync published: the full weights, or the same tenant's
+        same adapter version."""
+        if not about:
+            return ev.full_weights
+        return ev.tenant == about["tenant"] and ev.adapter is not None and \
+            ev.adapter["version"] == about["adapter"]["version"]
+
     def _await(self, version: int, partition: int, offset: int, engines: list[str], report: SyncReport,
-               stop: threading.Event | None, sha256: str | None = None) -> None:
+               stop: threading.Event | None, sha256: str | None = None, about: dict | None = None) -> None:
         """Collect the engines' answers for ``version``; an answer about other content (another
         ``sha256`` under the same number: an earlier export) is not an answer to this sync."""
         consumer = TopicReader(self.config, self.topic, Offset(offset), partitions=[partition], name="trainer",
@@ -120,8 +167,9 @@ class WeightPublisher:
             while pending and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
                 for rec in consumer.poll(timeout_ms=200):
                     ev = rec.event
-                    if ev.run_id != self.cfg.run_id or ev.policy_version != version or ev.engine_id not in pending \
-                            or not ev.full_weights:
+                    # an adapter's answer is matched by tenant and content (its version), not by number
+                    if ev.run_id != self.cfg.run_id or (not about and ev.policy_version != version) \
+                            or ev.engine_id not in pending or not self._answers(ev, about or {}):
                         continue
                     if sha256 is not None and ev.sha256 is not None and ev.sha256 != sha256:
                         continue

@@ -153,7 +153,9 @@ def test_an_adapter_order_on_control_is_never_read_as_one_about_the_full_weights
     assert full.full_weights and not any(ev.full_weights for ev in scoped)
     follower = ControlFollower.__new__(ControlFollower)  # apply() reads only .state
     follower.state = ControlState()
-    assert not any(follower.apply(ev) for ev in scoped) and not follower.state.paused
+    for ev in scoped:  # bob's own state changes (his requests are held), never the full weights'
+        follower.apply(ev)
+    assert not follower.state.paused and follower.state.tenants["bob"].paused
     assert follower.apply(full) and follower.state.paused
 
 
@@ -192,3 +194,27 @@ def test_adapter_names_are_safe_and_distinct():
     assert len(slugs) == len(odd) and all(":" not in s and "/" not in s and s not in (".", "..") for s in slugs)
     v = "0123456789abcdef" * 4
     assert adapter_name("a:b", v).endswith("@0123456789abcdef") and ":" not in adapter_name("a:b", v)
+
+
+def test_adapter_version_is_the_sha256_of_the_sha256sum_manifest_of_its_two_files(tmp_path):
+    """Reference from the definition (docs/tenants.md): sha256 over ``"<hex>  <name>\\n"`` lines of
+    adapter_config.json and adapter_model.safetensors, sorted by name; verify_adapter (which
+    reads the tensors once) and adapter_version agree with it, and a torn copy is refused."""
+    import hashlib
+
+    import pytest
+
+    from pipeline.weightsync import adapter_version, is_adapter_name, verify_adapter
+
+    (tmp_path / "adapter_config.json").write_bytes(b'{"r": 4}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"tensors")
+    lines = "".join(f"{hashlib.sha256(b).hexdigest()}  {n}\n"
+                    for n, b in (("adapter_config.json", b'{"r": 4}'), ("adapter_model.safetensors", b"tensors")))
+    want = hashlib.sha256(lines.encode()).hexdigest()
+    assert adapter_version(tmp_path) == verify_adapter(tmp_path) == verify_adapter(tmp_path, want) == want
+    (tmp_path / "adapter_model.safetensors.sha256").write_text(
+        f"{hashlib.sha256(b'other').hexdigest()}  adapter_model.safetensors\n")
+    with pytest.raises(ValueError):
+        verify_adapter(tmp_path)
+    assert is_adapter_name("alice@" + want[:16]) and not is_adapter_name("alice@" + want[:15])
+    assert not is_adapter_name("smollm2-135m") and not is_adapter_name("@" + want[:16])

@@ -122,17 +122,17 @@ class FakeModelsWithAdapters(FakeModels):  # stand-in engine listing LoRA adapte
 
 @pytest.mark.parametrize("unknown", ["serve", "reject"])
 def test_a_client_never_names_an_adapter_card(unknown):
-    """Adapters are per tenant: an engine's adapter cards are not served names, so
-    ``base:adapter`` is served by the base (``serve``) or refused (``reject``), never forwarded."""
+    """Adapters are per tenant and chosen by the proxy: ``base:adapter``, an adapter card's id
+    or a name of the trainer's adapter form is refused (400), never served nor forwarded."""
     m = ServedModels(FakeModelsWithAdapters(["smollm2-135m"]), unknown=unknown)
     assert _resolve(m, "smollm2-135m") == "smollm2-135m"
     assert m.served == ["smollm2-135m"]
-    if unknown == "serve":
-        assert _resolve(m, "smollm2-135m:bob") == "smollm2-135m"
-    else:
+    for name in ("smollm2-135m:bob", "x:y", "bob@0123456789abcdef"):
         with pytest.raises(ProxyError) as e:
-            _resolve(m, "smollm2-135m:bob")
-        assert e.value.status == 404
+            _resolve(m, name)
+        assert (e.value.status, e.value.code) == (400, "model_not_allowed"), name
+    if unknown == "serve":  # an '@' alone is no adapter's name: an unknown name, served by the base
+        assert _resolve(m, "bob@not-hex") == "smollm2-135m"
 
 
 def test_without_the_engines_list_an_adapter_name_is_refused_not_taken_on_trust():
@@ -140,7 +140,7 @@ def test_without_the_engines_list_an_adapter_name_is_refused_not_taken_on_trust(
     assert _resolve(m, "any-model") is None  # taken on trust, as before
     with pytest.raises(ProxyError) as e:
         _resolve(m, "smollm2-135m:bob")
-    assert e.value.status == 404
+    assert e.value.status == 400
 
 
 def test_base_cards_leave_out_adapters():

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
+import urllib.error
+import urllib.request
 
 from pipeline import events
 from pipeline.config import Config, load_config
@@ -97,3 +100,12 @@ def publish(cfg: Config, version: int, folder, sha: str, wait: bool = True):
         return pub.sync(version, str(folder), sha)
     finally:
         pub.close()
+
+
+def readyz(port: int) -> tuple[int, dict]:
+    """``(status, body)`` of a syncer's ``GET /readyz`` on 127.0.0.1:``port``."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

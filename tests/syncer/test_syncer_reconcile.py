@@ -5,11 +5,8 @@ real engines serving the tiny model, real weight folders)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -18,7 +15,8 @@ from pipeline.bus import EventProducer
 from pipeline.config import load_config
 from pipeline.testing.trainer import shifted_export
 from pipeline.testing.waiting import wait_for
-from tests.syncer.syncing import control, engine_for, info, new_syncer, publish, running, syncer_config, version
+from tests.syncer.syncing import (control, engine_for, info, new_syncer, publish, readyz, running, syncer_config,
+                                  version)
 
 
 def _gauge(name: str) -> float | None:
@@ -87,17 +85,19 @@ def test_engine_serving_an_unpublished_version_is_reconciled_and_readyz_says_so(
     with engine_for(cfg, weight_version="7") as (cfg, url):  # v7 was never published
         syncer = new_syncer(cfg)
         port = syncer.serve_ready(0, host="127.0.0.1")
-        assert _readyz(port)[0] == 503  # nothing reconciled yet: no traffic
+        assert readyz(port)[0] == 503  # nothing reconciled yet: no traffic
         with running(syncer, ready=False):
             wait_for(lambda: version(url) == "1", what="v7 -> v1")
-            wait_for(lambda: _readyz(port)[0] == 200, what="/readyz 200")
-            assert _readyz(port)[1] == {"engine_id": "engine-0", "served": "1", "published": 1, "in_sync": True}
+            wait_for(lambda: readyz(port)[0] == 200, what="/readyz 200")
+            assert readyz(port)[1] == {"engine_id": "engine-0", "served": "1", "published": 1, "in_sync": True,
+                                          "adapters_missing": {}}
             # a newer version that cannot be applied: loud (failed, behind 1), but the replica keeps
             # serving the published v1 it was confirmed on instead of dropping out of the service
             publish(cfg, 2, tmp_path / "weights" / "v000002", "0" * 64, wait=False)
             wait_for(lambda: 2 in syncer.failed and not syncer.in_sync.is_set(), what="v2 failed")
-            code, body = _readyz(port)
-            assert code == 200 and body == {"engine_id": "engine-0", "served": "1", "published": 2, "in_sync": False}
+            code, body = readyz(port)
+            assert code == 200 and body == {"engine_id": "engine-0", "served": "1", "published": 2, "in_sync": False,
+                                          "adapters_missing": {}}
             assert _gauge("pipeline_syncer_engine_versions_behind") == 1.0
 
 
@@ -116,7 +116,7 @@ def test_published_weights_that_cannot_be_served_are_never_silent(kafka_config, 
             assert failed and failed[0].engine_id == "engine-0" and failed[0].policy_version == 1
             assert "serves '0'" in failed[0].message and "not found" in failed[0].message, failed[0].message
             assert version(url) == "0" and not syncer.in_sync.is_set()
-            code, body = _readyz(port)
+            code, body = readyz(port)
             assert code == 503 and body["served"] == "0" and body["published"] == 1
             assert _gauge("pipeline_syncer_engine_versions_behind") == 1.0
 
@@ -172,14 +172,6 @@ def last_published(cfg):
     from pipeline.syncer import last_published as lp
 
     return lp(cfg, "reconcile")
-
-
-def _readyz(port: int) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(autouse=True)

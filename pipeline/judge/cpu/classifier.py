@@ -24,8 +24,7 @@ because a 0 only loses a sample while a wrong sign pushes the policy the wrong w
    ``MIN_CONFIDENCE`` and the opposite sign's at most ``MAX_OPPOSITE``, else 0. The cues only
    move it toward 0 (irony markers next to praise, a sign the cues contradict) or, for praise
    followed by a complaining contrast ("thanks, but ..."), to -1 when that clause alone reads
-   -1. When the models abstain and the cues point one way only, the cues' sign is taken if the
-   models give it at least ``CUE_RESCUE_MIN`` (``USER_CUE_RESCUE``).
+   -1.
 
 The user's message, when there is one, decides (it is the user's verdict on the turn); tool
 results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool results the
@@ -75,8 +74,6 @@ MIN_CONFIDENCE = 0.5  # a sign from the models needs this probability ...
 MAX_OPPOSITE = 0.25  # ... and at most this for the opposite sign
 FINETUNE_EPOCHS = 2.0  # fine-tuning of MiniLM on the user replies (pipeline.judge.cpu.finetune; 0: frozen)
 FINETUNE_LR = 3e-5
-USER_CUE_RESCUE = True  # an abstention of the models may take the cues' one-way sign ...
-CUE_RESCUE_MIN = 0.35  # ... when the models give that sign at least this
 L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 MAX_TEXT_CHARS = 2000
@@ -350,17 +347,12 @@ class NextStateClassifier:
             return 0
         return best
 
-    def judge_user(self, text: str, response: str = "", request: str = "") -> Judgement:
-        """A user's reply (module docstring, layer 3).
-
-        ``response`` and ``request`` (the turn's assistant output and user request) feed the two
-        context cues: a short reply stating a value the response did not give, and a short
-        reply repeating the request's words.
-        """
+    def judge_user(self, text: str) -> Judgement:
+        """A user's reply (module docstring, layer 3)."""
         if not text.strip():
             return Judgement(0, {}, "empty reply")
         p = self.proba(text, "user")
-        cues = read_cues(text, response, request)
+        cues = read_cues(text)
         label, why = self.decide(p), "models"
         # the cues can only move the models' sign toward 0 (or a praise-then-complaint to -1)
         if label == 1 and cues.contrast_negative:
@@ -371,9 +363,6 @@ class NextStateClassifier:
             label, why = 0, "praise next to irony markers"
         elif label != 0 and cues.polarity == -label:
             label, why = 0, "cues contradict the models"
-        elif label == 0 and USER_CUE_RESCUE and cues.polarity and p[cues.polarity] >= CUE_RESCUE_MIN \
-                and p[-cues.polarity] <= MAX_OPPOSITE and not (cues.polarity == 1 and (cues.sarcasm or cues.trouble)):
-            label, why = cues.polarity, "cues, with the models leaning the same way"
         return Judgement(label, p, why)
 
     def judge_tool(self, text: str, call: str = "", request: str = "") -> Judgement:
@@ -415,7 +404,7 @@ class NextStateClassifier:
         context); ``request``: the user's request it answered."""
         reply = user_reply(messages)
         if reply:
-            return self.judge_user(reply, response, request)
+            return self.judge_user(reply)
         tools = [m for m in messages if isinstance(m, dict) and m.get("role") != "user"]
         if not tools:
             return Judgement(0, {}, "empty next state")

@@ -126,7 +126,6 @@ _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like outpu
 ]), _I)
 SHORT_CHARS = 400  # a tool result up to this long (and up to SHORT_LINES lines) reads as a status message
 SHORT_LINES = 6
-_WARNING = re.compile(r"^\s*(?:warning|warn)\b\s*:?|\bDeprecationWarning\b", _I)
 _SUCCESS = re.compile("|".join([
     r"\bsuccess(?:ful(?:ly)?)?\b", r"\bsucceeded\b", r"\bcompleted?\b", r"\bdone\b", r"\bfinished\b",
     r"\bsaved\b", r"\bwritten\b", r"\bwrote\b", r"\bcreated\b", r"\bdeleted\b", r"\bremoved\b", r"\bupdated\b",
@@ -437,7 +436,6 @@ RULES = (
     ("pending", _pending),
     ("success", _when(_SUCCESS, 1, "success signature")),
     ("zero_errors", _when(_ZERO_COUNTS, 1, "reports zero errors")),
-    ("warnings_only", _when(_WARNING, None, "warnings only")),
 )
 
 

@@ -1,4 +1,4 @@
-"""``python -m pipeline syncer --engine URL``: apply published weights to one engine replica.
+"""The syncer of one engine replica (:class:`Syncer`; its command is :mod:`pipeline.syncer`).
 
 Runs beside each engine replica (Kubernetes: a sidecar). It reads ``control`` from the offsets
 committed by its own consumer group (``syncer.group_id``, default ``syncer-<engine_id>``;
@@ -28,7 +28,7 @@ events go to ``control.dlq`` (:class:`pipeline.bus.TopicReader`; the offset is c
 once the dead letter is delivered).
 
 Reconciliation (engine or syncer restarts). A syncer that starts first finds the last version
-the trainer published (:func:`last_published`: the newest ``weights`` event of its run on
+the trainer published (:func:`pipeline.syncer.published.last_published`: the newest ``weights`` event of its run on
 ``control``, or the trainer's ``published.json`` record when control has aged it out:
 :func:`pipeline.weightsync.read_published`) and, if
 the engine serves anything else (a restarted engine comes back with its base model as v0),
@@ -42,17 +42,17 @@ engine serves the last published version (or, while a newer version fails to app
 was last confirmed on): use it as the replica's readiness probe so a restarted engine takes no
 traffic before it is reconciled.
 
-``pause``/``resume`` need no action here: the engine lets in-flight requests finish on the old
-weights during the swap (SGLang's ``/update_weights_from_disk`` waits for them), and the proxy
-holds new requests while paused.
+Full-weight ``pause``/``resume`` need no action here: the engine lets in-flight requests finish
+on the old weights during the swap (SGLang's ``/update_weights_from_disk`` waits for them), and
+the proxy holds new requests while paused. A tenant's records (``tenant`` set: its LoRA adapter)
+are :class:`pipeline.syncer.adapters.AdapterSync`'s; ``/readyz`` is 503 while any tenant's
+current adapter cannot be served.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -63,42 +63,12 @@ from pipeline.config import Config
 from pipeline.engine_api.client import EngineClient
 from pipeline.engine_api.errors import EngineError
 from pipeline.errors import PipelineError
+from pipeline.syncer.adapters import AdapterSync, backoff_s
 
 log = logging.getLogger("pipeline.syncer")
 
-HELP = "apply published weights (control topic) to one engine replica via /update_weights_from_disk"
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--engine URL``, ``--engine-id``, ``--group-id``, ``--ready-port``."""
-    parser.add_argument("--engine", dest="engine_url", help="engine base URL (syncer.engine_url; default engine.url)")
-    parser.add_argument("--engine-id", help="this replica's id in applied/failed reports (syncer.engine_id)")
-    parser.add_argument("--group-id", help="consumer group (default syncer-<engine_id>)")
-    parser.add_argument("--ready-port", type=int,
-                        help="serve GET /readyz here: 200 once the engine serves the last published version "
-                             "(syncer.ready_port; the replica's readiness probe)")
-
-
-def run(args: argparse.Namespace, config: Config) -> int:
-    """Apply the flags to ``config.syncer`` and run the :class:`Syncer` until SIGTERM/SIGINT."""
-    flags = {"engine_url": args.engine_url, "engine_id": args.engine_id, "group_id": args.group_id}
-    config = config.replace(syncer={k: v for k, v in flags.items() if v}
-                            | ({"ready_port": args.ready_port} if args.ready_port is not None else {}))
-    s = config.syncer
-    from pipeline.metrics import serve_metrics
-
-    serve_metrics(config.metrics_port)
-    syncer = Syncer(config)
-    if s.ready_port is not None:
-        syncer.serve_ready(s.ready_port)
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: syncer.stop.set())
-    syncer.run()
-    return 0
-
-
-class Syncer:
+class Syncer(AdapterSync):
     """One engine replica's weight syncer (see the module docstring).
 
     Args:
@@ -132,6 +102,7 @@ class Syncer:
         self._reported: tuple | None = None  # last unrepairable mismatch logged (log it once)
         self._loop: asyncio.AbstractEventLoop | None = None  # see _engine_call
         self._engine = None
+        self._init_adapters()
 
     # ------------------------------------------------------------ engine side
 
@@ -185,7 +156,7 @@ class Syncer:
         return str(out.get("message", "ok"))
 
     def apply(self, ev: events.Control) -> tuple[bool, str]:
-        """Verify and apply one ``weights`` event. Returns ``(ok, message)``; never raises.
+        """Verify and apply one full-weight ``weights`` event. Returns ``(ok, message)``; never raises.
 
         Retried (``syncer.retries`` more tries, jittered exponential back-off): the engine
         unreachable, a time-out, HTTP 5xx, 408, 409, 425 or 429
@@ -193,8 +164,22 @@ class Syncer:
         Not retried: a missing folder, a checksum mismatch, a 4xx answer (the engine refused the
         weights), any other error. :attr:`stop` ends the waits between tries.
         """
+        def check() -> None:
+            from pipeline.weightsync import verify_folder
+
+            if not Path(ev.location).is_dir():
+                raise FileNotFoundError(f"weights folder {ev.location} not found")
+            verify_folder(ev.location, ev.sha256)
+
+        return self.retried(f"v{ev.policy_version}", check,
+                            lambda eng: self._apply_async(eng, ev.location, ev.policy_version, ev.sha256))
+
+    def retried(self, what: str, check: Callable[[], Any], call: Callable[[Any], Awaitable[str]]) -> tuple[bool, str]:
+        """``check()`` then ``await call(engine_client)`` (the engine's answer message), with the
+        syncer's retry rule (see :meth:`apply`): every try runs both, only a retryable
+        :class:`EngineError` is tried again. ``what`` names the update in the log.
+        Returns ``(ok, message)``; never raises."""
         from pipeline.retry import Transient, retrying_sync
-        from pipeline.weightsync import verify_folder
 
         tries = self.cfg.retries + 1
 
@@ -207,28 +192,23 @@ class Syncer:
                 with attempt:
                     n = attempt.retry_state.attempt_number
                     t0 = time.perf_counter()
-                    if not Path(ev.location).is_dir():
-                        raise FileNotFoundError(f"weights folder {ev.location} not found")
-                    verify_folder(ev.location, ev.sha256)
+                    check()
                     try:
-                        msg = self._engine_call(lambda eng: self._apply_async(eng, ev.location, ev.policy_version,
-                                                                              ev.sha256))
+                        msg = self._engine_call(call)
                     except EngineError as e:
                         if not e.retryable:
                             raise
-                        log.warning("%s: apply of v%d failed (try %d/%d, will retry if tries are left): %s: %s",
-                                    self.engine_id, ev.policy_version, n, tries, type(e).__name__, e)
+                        log.warning("%s: apply of %s failed (try %d/%d, will retry if tries are left): %s: %s",
+                                    self.engine_id, what, n, tries, type(e).__name__, e)
                         raise Transient(f"{type(e).__name__}: {e}") from e
-                    log.info("%s: v%d applied in %.2f s (%s)", self.engine_id, ev.policy_version,
-                             time.perf_counter() - t0, msg)
+                    log.info("%s: %s applied in %.2f s (%s)", self.engine_id, what, time.perf_counter() - t0, msg)
                     return True, msg
         except _Stopped:
             return False, "stopped while retrying"
         except Transient as e:
             return False, f"{e} (after {tries} tries)"
         except Exception as e:  # noqa: BLE001 - a refusal another try cannot change: reported at once
-            log.warning("%s: apply of v%d refused, not retried: %s: %s", self.engine_id, ev.policy_version,
-                        type(e).__name__, e)
+            log.warning("%s: apply of %s refused, not retried: %s: %s", self.engine_id, what, type(e).__name__, e)
             return False, f"{type(e).__name__}: {e}"
         return False, "no try made"  # unreachable: the loop makes at least one try
 
@@ -237,7 +217,8 @@ class Syncer:
     def _publish(self, producer, action: str, ev: events.Control, message: str = "") -> None:
         out = events.Control(action=action, epoch=ev.epoch, policy_version=ev.policy_version, run_id=self.run_id,
                              engine_id=self.engine_id, location=ev.location, sha256=ev.sha256,
-                             message=message[:2000], created_at=events.now_ms())
+                             message=message[:2000], created_at=events.now_ms(), tenant=ev.tenant,
+                             adapter=ev.adapter)
         producer.send(self.topic, out, key=self.run_id).get(timeout=30)
 
     # ------------------------------------------------------------ reconciliation
@@ -276,9 +257,11 @@ class Syncer:
     def serving_ok(self) -> bool:
         """What ``/readyz`` answers: the engine serves the last published version, or still the
         version it was confirmed in sync on while a newer one fails to apply (reported by
-        ``failed`` and the metrics, and retried). False for an engine that came back on another
-        version (a restart: base weights) until it is reconciled, and before the first check."""
-        return self.in_sync.is_set() or (self.served is not None and self.served == self.confirmed)
+        ``failed`` and the metrics, and retried); and every tenant's current adapter is served
+        (:meth:`adapters_ok`). False for an engine that came back on another version (a restart:
+        base weights, no adapters) until it is reconciled, and before the first check."""
+        weights_ok = self.in_sync.is_set() or (self.served is not None and self.served == self.confirmed)
+        return weights_ok and self.adapters_ok()
 
     def reconcile(self, producer) -> bool:
         """Make the engine serve :attr:`target` (the last published weights; v0 when none).
@@ -323,7 +306,7 @@ class Syncer:
             self._failures, self._retry_at = 0, 0.0
         else:
             self._failures += 1
-            wait = min(300.0, self.cfg.check_interval_s * 2 ** self._failures)
+            wait = backoff_s(self.cfg.check_interval_s, self._failures)
             self._retry_at = time.monotonic() + wait
             log.error("%s: cannot serve the published v%d (%s); it keeps serving %r (next try in %.0f s)",
                       self.engine_id, target.policy_version, msg, self.served, wait)
@@ -352,7 +335,7 @@ class Syncer:
                 ok = syncer.serving_ok() or self.path.startswith("/healthz")
                 body = json.dumps({"engine_id": syncer.engine_id, "served": syncer.served,
                                    "published": syncer.target.policy_version if syncer.target else None,
-                                   "in_sync": syncer.in_sync.is_set()}).encode()
+                                   "in_sync": syncer.in_sync.is_set(), **syncer.readiness()}).encode()
                 self.send_response(200 if ok else 503)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -369,15 +352,17 @@ class Syncer:
     def run(self) -> None:
         """Consume ``control`` and apply ``weights`` events until :attr:`stop` is set."""
         from pipeline.bus import DeadLetterError, EventProducer, TopicReader
-        from pipeline import weightsync
+        from pipeline.syncer.published import scan_control, with_published_record
 
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
         try:
-            self.target = last_published(self.config, self.run_id, stop=self.stop)
+            best, self.tenants = scan_control(self.config, self.run_id, stop=self.stop)
+            self.target = with_published_record(self.config, self.run_id, best)
         except Exception:
             producer.close()
             raise
         self.reconcile(producer)  # before the group: a restarted engine gets the published weights first
+        self.reconcile_adapters(producer)  # ... and every tenant's current adapter
         next_check = time.monotonic() + self.cfg.check_interval_s
         try:
             consumer = TopicReader(self.config, self.topic, "committed", name=f"syncer-{self.engine_id}",
@@ -387,47 +372,24 @@ class Syncer:
             self.close()
             raise
         self.ready.set()
-        log.info("syncer %s -> %s (group %s, run %s, published v%s, engine serves %s)", self.engine_id, self.url,
-                 self.group_id, self.run_id, self.target.policy_version if self.target else "-", self.served)
+        log.info("syncer %s -> %s (group %s, run %s, published v%s, engine serves %s, %d tenant adapter(s))",
+                 self.engine_id, self.url, self.group_id, self.run_id,
+                 self.target.policy_version if self.target else "-", self.served,
+                 sum(a is not None for a in self.tenants.current.values()))
         try:
             while not self.stop.is_set():
                 polled = consumer.poll_raw(timeout_ms=500)
                 if time.monotonic() >= next_check:
                     self.reconcile(producer)  # an engine restarted without its syncer comes back on v0
+                    self.reconcile_adapters(producer)  # ... and without adapters
                     next_check = time.monotonic() + self.cfg.check_interval_s
                 if not polled:
                     continue
-                latest: events.Control | None = None
-                ends: dict[int, int] = {}
-                more = polled
-                while more:  # drain what is already there: only the newest weights matter
-                    for rec in more:
-                        got = consumer.decode(rec)  # a bad record goes to control.dlq first
-                        ends[rec.partition] = rec.offset + 1
-                        ev = got.event if got is not None else None
-                        if isinstance(ev, events.Control) and ev.full_weights and ev.action == "weights" \
-                                and ev.run_id == self.run_id \
-                                and (latest is None or ev.policy_version >= latest.policy_version):
-                            if latest is not None:
-                                log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
-                                         ev.policy_version)
-                            latest = ev
-                    more = consumer.poll_raw(timeout_ms=0)
-                if latest is not None and self.target is not None \
-                        and latest.policy_version < self.target.policy_version:
-                    log.info("%s: v%d is older than the published v%d: not applied", self.engine_id,
-                             latest.policy_version, self.target.policy_version)
-                    latest = None
+                latest, tenant_recs, ends = self._drain(consumer, polled)
                 if latest is not None:
-                    self.target = latest
-                    t0 = time.perf_counter()
-                    ok, msg = self.apply(latest)
-                    weightsync.SYNCER_SECONDS.observe(time.perf_counter() - t0)
-                    (weightsync.SYNCER_APPLIED if ok else weightsync.SYNCER_FAILED).inc()
-                    (self.applied if ok else self.failed).append(latest.policy_version)
-                    self._publish(producer, "applied" if ok else "failed", latest, msg)
-                    self.served = self.served_version()  # what the engine says, not what the apply call claimed
-                    self._observe()
+                    self._apply_full(producer, latest)
+                if tenant_recs:
+                    self.handle_tenant_records(producer, tenant_recs)
                 consumer.commit(ends)
         except DeadLetterError as e:  # stopped while a dead letter was undeliverable: not committed past it
             log.warning("%s", e)
@@ -438,44 +400,53 @@ class Syncer:
                 producer.close()
                 self.close()
 
+    def _drain(self, consumer, polled) -> tuple[events.Control | None, list[events.Control], dict[int, int]]:
+        """Decode ``polled`` and what else is already there (a bad record goes to control.dlq).
+
+        Returns ``(newest full weights, tenant records, end offsets)``: of the full-weight
+        ``weights`` events of this run only the newest matters (an older one than the one
+        already published is dropped, logged); the tenant records of this run are kept in log
+        order for :meth:`handle_tenant_records`."""
+        latest: events.Control | None = None
+        tenant_recs: list[events.Control] = []
+        ends: dict[int, int] = {}
+        more = polled
+        while more:
+            for rec in more:
+                got = consumer.decode(rec)  # a bad record goes to control.dlq first
+                ends[rec.partition] = rec.offset + 1
+                ev = got.event if got is not None else None
+                if not isinstance(ev, events.Control) or ev.run_id != self.run_id:
+                    continue
+                if ev.tenant is not None:
+                    tenant_recs.append(ev)
+                elif ev.full_weights and ev.action == "weights" \
+                        and (latest is None or ev.policy_version >= latest.policy_version):
+                    if latest is not None:
+                        log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
+                                 ev.policy_version)
+                    latest = ev
+            more = consumer.poll_raw(timeout_ms=0)
+        if latest is not None and self.target is not None and latest.policy_version < self.target.policy_version:
+            log.info("%s: v%d is older than the published v%d: not applied", self.engine_id,
+                     latest.policy_version, self.target.policy_version)
+            latest = None
+        return latest, tenant_recs, ends
+
+    def _apply_full(self, producer, latest: events.Control) -> None:
+        """Apply the newest full weights of a poll, answer on ``control``, read the engine back."""
+        from pipeline import weightsync
+
+        self.target = latest
+        t0 = time.perf_counter()
+        ok, msg = self.apply(latest)
+        weightsync.SYNCER_SECONDS.observe(time.perf_counter() - t0)
+        (weightsync.SYNCER_APPLIED if ok else weightsync.SYNCER_FAILED).inc()
+        (self.applied if ok else self.failed).append(latest.policy_version)
+        self._publish(producer, "applied" if ok else "failed", latest, msg)
+        self.served = self.served_version()  # what the engine says, not what the apply call claimed
+        self._observe()
+
 
 class _Stopped(PipelineError):
     """Raised by :meth:`Syncer.apply`'s back-off sleep when the syncer is stopping."""
-
-
-def last_published(config: Config, run_id: str, timeout_s: float = 60.0,
-                   stop: threading.Event | None = None) -> events.Control | None:
-    """The last weights the trainer of ``run_id`` published, as a ``weights`` :class:`events.Control`.
-
-    Reads ``control`` (one partition) from the beginning to its end (the high watermark seen
-    after a fetch; no end-offset lookup) and keeps the newest ``weights`` event of the run; the
-    trainer's ``<trainer.export_dir>/published.json`` record counts too when it is newer (control
-    retention may have deleted the event). None when the run never published.
-
-    Raises:
-        TimeoutError: the end of ``control`` was not reached within ``timeout_s``.
-    """
-    from pipeline.bus import TopicReader
-    from pipeline.weightsync import read_published
-
-    best: events.Control | None = None
-    topic = config.topics.name("control")
-    # an observer (bad records are passed over here; the syncer's own group dead-letters them)
-    with TopicReader(config, topic, "beginning", partitions=[0], name="syncer-reconcile") as reader:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for rec in reader.poll(timeout_ms=200):
-                ev = getattr(rec, "event", None)
-                if isinstance(ev, events.Control) and ev.full_weights and ev.action == "weights" \
-                        and ev.run_id == run_id \
-                        and (best is None or ev.policy_version >= best.policy_version):
-                    best = ev
-            if reader.caught_up():
-                break
-            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
-                raise TimeoutError(f"could not read {topic} to its end within {timeout_s:.0f} s")
-    rec = read_published(config.trainer.export_dir)
-    if rec is not None and rec.run_id == run_id and (best is None or rec.policy_version > best.policy_version):
-        best = events.Control(action="weights", epoch=rec.policy_version, policy_version=rec.policy_version,
-                              run_id=run_id, location=rec.location, sha256=rec.sha256, created_at=rec.created_at)
-    return best

@@ -1,0 +1,194 @@
+"""Adapter sync vs full-weight sync: event -> every engine serving it, bytes on control and on disk.
+
+    .venv/bin/python bench/adapter_sync.py                       # SmolLM2-135M, 2 engines
+    .venv/bin/python bench/adapter_sync.py --model tiny-random --repeats 2
+
+One run: the embedded broker, ``--engines`` real CPU engines (each its own process, LoRA on,
+one torch thread each: two engines in one process would load new weights with transformers in
+two threads at once, which it does not support) and one real syncer per engine
+(:class:`pipeline.syncer.Syncer`, threads), all as the stack runs them. This script plays the trainer's side of the protocol of
+docs/tenants.md: for an **adapter update** it exports a fresh random LoRA adapter (rank
+``--rank``, all seven projections, :func:`pipeline.testing.lora.export_tenant_adapter`) and
+publishes ``pause`` (tenant, A), ``weights`` (tenant, A, folder), then ``resume`` once every
+syncer answered; for a **full-weight update** it exports the whole model as the trainer does
+(:func:`pipeline.testing.trainer.shifted_export`: ``model.safetensors`` + its checksum, fp32)
+and publishes ``pause``, ``weights`` (version), ``resume``. The folder is written before the
+clock starts (the trainer writes it before the record is sent).
+
+Measured per update: the time from sending ``weights`` (after the broker acknowledged it) to
+reading the last engine's ``applied`` for it on ``control`` (each syncer verifies the folder's
+checksum and content id, then ``/load_lora_adapter`` or ``/update_weights_from_disk``); bytes on
+control: the encoded records of one sync (pause, weights, one ``applied`` per engine, resume);
+bytes on disk: the exported folder. Updates alternate (adapter, full, adapter, ...) ``--repeats``
+times; medians are printed with the ratio full / adapter. Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline import events  # noqa: E402
+
+TENANT = "bench-tenant"
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+class ControlWatch:
+    """The ``control`` topic read as it grows (one reader for the run): waits for answers."""
+
+    def __init__(self, cfg) -> None:
+        from pipeline.bus import TopicReader
+
+        self.reader = TopicReader(cfg, cfg.topics.name("control"), "beginning", partitions=[0], name="bench-watch")
+        self.seen: list = []
+
+    def until(self, done, timeout_s: float = 600.0) -> float:
+        """Poll until ``done(new events)`` is true; returns the monotonic time it became true."""
+        got: list = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for rec in self.reader.poll(timeout_ms=20):
+                if getattr(rec, "event", None) is not None:
+                    got.append(rec.event)
+            if done(got):
+                t = time.monotonic()
+                self.seen.extend(got)
+                return t
+        raise TimeoutError(f"no answer within {timeout_s:.0f} s: {[(e.action, e.engine_id) for e in got]}")
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _answers_of(n: int, match):
+    """A ``done`` for :meth:`ControlWatch.until`: ``n`` engines answered the update ``match`` names."""
+    def done(evs) -> bool:
+        failed = [e for e in evs if e.action == "failed" and match(e)]
+        if failed:
+            raise RuntimeError(f"{failed[0].engine_id} failed: {failed[0].message}")
+        return len({e.engine_id for e in evs if e.action == "applied" and match(e)}) >= n
+    return done
+
+
+def _sync(producer, watch: ControlWatch, cfg, n: int, pause, weights, resume_of, match) -> tuple[float, int]:
+    """One sync as the trainer runs it; returns (seconds weights -> every applied, bytes on control)."""
+    topic = cfg.topics.name("control")
+    producer.send(topic, pause, key=pause.run_id).get(timeout=30)
+    t0 = time.monotonic()
+    producer.send(topic, weights, key=weights.run_id).get(timeout=30)
+    t1 = watch.until(_answers_of(n, match))
+    resume = resume_of()
+    producer.send(topic, resume, key=resume.run_id).get(timeout=30)
+    applied = [e for e in watch.seen if e.action == "applied" and match(e)][-n:]
+    size = sum(len(events.encode(e)) for e in (pause, weights, resume, *applied))
+    return t1 - t0, size
+
+
+def _adapter_update(k: int, args, export: Path, producer, watch, cfg) -> tuple[float, int, int]:
+    from pipeline.testing.lora import adapter_order, export_tenant_adapter
+
+    folder, a = export_tenant_adapter(export, TENANT, args.model, r=args.rank, alpha=2.0 * args.rank, seed=k)
+    run = cfg.trainer.run_id
+    secs, size = _sync(producer, watch, cfg, args.engines,
+                       adapter_order("pause", TENANT, a, epoch=k, run_id=run),
+                       adapter_order("weights", TENANT, a, folder, epoch=k, run_id=run),
+                       lambda: adapter_order("resume", TENANT, a, epoch=k, run_id=run),
+                       lambda e: e.adapter == a)
+    return secs, size, _folder_bytes(folder)
+
+
+def _full_update(k: int, args, export: Path, producer, watch, cfg) -> tuple[float, int, int]:
+    from pipeline.testing.trainer import shifted_export
+
+    folder, sha = shifted_export(export, k, shift=0.001 * k, model=args.model)
+    run = cfg.trainer.run_id
+
+    def order(action: str, **kw) -> events.Control:
+        return events.Control(action=action, epoch=k, policy_version=k, run_id=run, created_at=events.now_ms(), **kw)
+
+    secs, size = _sync(producer, watch, cfg, args.engines, order("pause"),
+                       order("weights", location=str(folder), sha256=sha), lambda: order("resume"),
+                       lambda e: e.full_weights and e.policy_version == k)
+    return secs, size, _folder_bytes(folder)
+
+
+@contextlib.contextmanager
+def _stack(args, tmp: Path):
+    """``(cfg, producer, watch)`` with the broker, ``--engines`` engines and their syncers running."""
+    from pipeline.broker import EmbeddedBroker
+    from pipeline.bus import EventProducer
+    from pipeline.bus.admin import apply_topics
+    from pipeline.config import load_config
+    from pipeline.engine.lora import LoraSettings
+    from pipeline.syncer import Syncer
+    from pipeline.testing.engine import running_engine
+    from pipeline.topics import load_topics
+
+    with EmbeddedBroker() as broker, contextlib.ExitStack() as stack:
+        cfg = load_config(None, kafka={"bootstrap_servers": broker.bootstrap}, topics={"prefix": "bench-sync-"},
+                          trainer=dict(model=args.model, export_dir=str(tmp / "weights"), run_id="bench-sync"))
+        apply_topics(cfg, load_topics(cfg.topics.file))
+        lora = LoraSettings(enabled=True, max_rank=max(16, args.rank))
+        syncers = []
+        for i in range(args.engines):
+            url = stack.enter_context(running_engine(args.model, subprocess=True, threads=1, lora=lora))
+            s = Syncer(cfg.replace(syncer=dict(engine_id=f"engine-{i}", engine_url=url, group_id=f"bench-{i}",
+                                               check_interval_s=60.0)))
+            threading.Thread(target=s.run, daemon=True).start()
+            syncers.append(s)
+        for s in syncers:
+            if not s.ready.wait(120):
+                raise RuntimeError(f"syncer {s.engine_id} never joined its group")
+        producer = EventProducer(cfg, name="bench-trainer")
+        watch = ControlWatch(cfg)
+        try:
+            yield cfg, producer, watch
+        finally:
+            watch.close()
+            producer.close()
+            for s in syncers:
+                s.stop.set()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default) or tiny-random")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    rows: dict[str, list[tuple[float, int, int]]] = {"adapter": [], "full": []}
+    with tempfile.TemporaryDirectory(prefix="bench-adapter-sync-") as tmp:
+        export = Path(tmp) / "weights"
+        with _stack(args, Path(tmp)) as (cfg, producer, watch):
+            for k in range(1, args.repeats + 1):
+                rows["adapter"].append(_adapter_update(k, args, export, producer, watch, cfg))
+                rows["full"].append(_full_update(k, args, export, producer, watch, cfg))
+                print(f"round {k}: adapter {rows['adapter'][-1][0]:.3f} s, full {rows['full'][-1][0]:.3f} s",
+                      flush=True)
+    med = {kind: [statistics.median(r[i] for r in rs) for i in range(3)] for kind, rs in rows.items()}
+    print(f"\nsync of one update to {args.engines} engines ({args.model}; adapter rank {args.rank} on all seven "
+          f"projections; median of {args.repeats}; 'weights' sent -> every engine's 'applied' read on control)")
+    print(f"{'update':<10}{'seconds':>10}{'control bytes':>16}{'disk bytes':>16}")
+    for kind in ("adapter", "full"):
+        s, c, d = med[kind]
+        print(f"{kind:<10}{s:>10.3f}{int(c):>16,}{int(d):>16,}")
+    a, f = med["adapter"], med["full"]
+    print(f"{'full/adapter':<10}{f[0] / a[0]:>9.1f}x{f[1] / a[1]:>15.2f}x{f[2] / a[2]:>15.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

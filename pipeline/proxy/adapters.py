@@ -1,0 +1,50 @@
+"""A tenant's request served by its LoRA adapter (docs/tenants.md "Adapter sync").
+
+The adapter is the one of the tenant's last ``resume`` on ``control``
+(:meth:`pipeline.proxy.control.SyncGate.adapter_of`), read once per request, after the hold
+(a request held by its tenant's sync goes to the adapter that sync resumed with). The proxy:
+
+- forwards the chat body with ``model: "<base>:<adapter name>"`` (SGLang's chat syntax and our
+  engine's, split at the first ``:``; the ``/generate`` path of
+  :meth:`pipeline.engine_api.client.EngineClient.chat_stream` turns it into ``lora_path``);
+- answers the client with the model it asked for: the engine's echo of ``"<base>:<name>"`` is
+  put back to ``<base>`` (:func:`shown`), so no client learns, or sends back, an adapter name;
+- records the adapter on the turn, unless the engine reports that another one served it
+  (:func:`wrong_adapter`): that turn is recorded without token ids and log-probs (it trains
+  nothing), without an adapter, counted and logged as an error.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+#: ``(engine's model bytes, client's model bytes)`` of the request being served (None: no adapter)
+_SHOWN: contextvars.ContextVar[tuple[bytes, bytes] | None] = contextvars.ContextVar("proxy_shown_model",
+                                                                                    default=None)
+
+
+def route_to(req: dict, adapter: dict | None) -> None:
+    """Point the chat body ``req`` at ``adapter`` (None: the base model, ``req`` unchanged) and
+    remember, for this request's task, how to show the model back to the client."""
+    if adapter is None:
+        _SHOWN.set(None)
+        return
+    base = req.get("model") if isinstance(req.get("model"), str) else "default"
+    req["model"] = f"{base}:{adapter['name']}"
+    _SHOWN.set((f'"model":"{req["model"]}"'.encode(), f'"model":"{base}"'.encode()))
+
+
+def shown(data: bytes) -> bytes:
+    """``data`` (an engine answer or SSE payload, compact JSON) with the adapter's model name put
+    back to the base model the client asked for; unchanged without an adapter."""
+    pair = _SHOWN.get()
+    return data if pair is None or pair[0] not in data else data.replace(*pair)
+
+
+def wrong_adapter(rec, adapter: dict | None) -> str | None:
+    """Why the engine's answer ``rec`` (:class:`pipeline.proxy.record.Recorded`) was not served
+    by ``adapter`` (None: the base model), or None when it was or the engine does not say."""
+    want = None if adapter is None else adapter["name"]
+    if not rec.lora_reported or rec.lora_name == want:
+        return None
+    return f"the engine reports adapter {rec.lora_name!r} served it, the proxy routed it to {want!r}"
