@@ -32,7 +32,7 @@ from pipeline.config import Config
 from pipeline.engine_api.errors import EngineError
 from pipeline.orchestrate.demo import (Simulator, _signal_all, demo_config, engine_version, read_topic, shut_down,
                                        summarize_topics, trainer_steps, _trainer_summary)
-from pipeline.orchestrate.tenant_report import USERS, curves, served_adapters, summary_lines, tenant_verdicts
+from pipeline.orchestrate.tenant_report import USERS, curves, summary_lines, tenant_verdicts
 from pipeline.orchestrate.up import Stack, start_or_status, start_stack
 
 LORA = {"rank": 16, "alpha": 32}  # every attention and MLP projection (the default targets)
@@ -80,16 +80,19 @@ class Evaluations:
 
 def to_evaluate(args, config: Config, done: dict[str, list[str]]) -> list[tuple[str, str, str | None]]:
     """What serves a user now and was not evaluated yet: ``(target, version, adapter)`` triples.
-    ``--tenants``: each tenant's adapter named by its last ``resume`` on ``control``, until the
+    ``--tenants``: each tenant's adapter named by its last ``resume`` on ``control``
+    (:func:`pipeline.weightsync.current_adapters`), until the
     tenant has ``--steps`` evaluated versions; ``--shared``:
     the weight version the engine serves (version 0, the base, is evaluated at the start)."""
     if args.shared:
         v = engine_version(config.engine.url)
         return [("shared", v, None)] if v is not None and v != "0" and v not in done["shared"] else []
-    served = served_adapters(read_topic(config, "control"))
+    from pipeline.weightsync import current_adapters
+
+    served = current_adapters(read_topic(config, "control"), config.trainer.run_id)
     return [(u.tenant, a["name"], a["name"]) for u in USERS
-            if len(done[u.tenant]) < args.steps and (a := served.get(u.tenant)) is not None
-            and a["name"] not in done[u.tenant]]
+            if len(done[u.tenant]) < args.steps and (cur := served.get(u.tenant)) is not None
+            and (a := cur[0])["name"] not in done[u.tenant]]
 
 
 def finished(args, config: Config, done: dict[str, list[str]]) -> bool:

@@ -5,8 +5,6 @@ Two simulated users want different things (docs/tenants.md, Demo): ``alice`` rew
 line (``stepwise_rate``: at least 4 lines holding a word). Every held-out evaluation grades the
 same replies for both properties, so each evaluation gives both users' metrics.
 
-- :func:`served_adapters`: which adapter each tenant is served by, from the ``control`` records
-  (the last ``resume`` of that tenant decides: docs/tenants.md, Adapter sync).
 - :func:`curves`: one curve per user: its own metric and the other user's metric, per evaluated
   version of what served it (its adapter with ``--tenants``, the one shared policy with
   ``--shared``), each with successes, n and the Wilson 95% interval; the base's evaluation beside.
@@ -37,17 +35,6 @@ class User:
 
 
 USERS = (User("alice", "brevity", "brief_rate"), User("bob", "steps", "stepwise_rate"))
-
-
-def served_adapters(control_events) -> dict[str, dict | None]:
-    """Tenant -> the adapter (``{name, version, sha256}``) its last ``resume`` names, None when that
-    resume routes it to the base; tenants without a ``resume`` are absent. ``control_events`` in
-    log order (the topic has one partition)."""
-    out: dict[str, dict | None] = {}
-    for c in control_events:
-        if getattr(c, "action", None) == "resume" and getattr(c, "tenant", None) is not None:
-            out[c.tenant] = dict(c.adapter) if c.adapter is not None else None
-    return out
 
 
 def point(evaluation: dict, metric: str) -> dict:

@@ -1,39 +1,12 @@
-"""The two-tenant demo's report logic: routing from control records, curves, Wilson points, verdicts."""
+"""The two-tenant demo's report logic: curves, Wilson points, verdicts."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import pytest
 
-from pipeline import events
-from pipeline.orchestrate.tenant_report import USERS, curves, point, served_adapters, summary_lines, tenant_verdicts
-from pipeline.weightsync import adapter_name
-
-
-def _adapter(tenant: str, content: str) -> dict:
-    version = hashlib.sha256(content.encode()).hexdigest()
-    return {"name": adapter_name(tenant, version), "version": version,
-            "sha256": hashlib.sha256(b"t" + content.encode()).hexdigest()}
-
-
-def _control(action: str, tenant: str | None = None, adapter: dict | None = None, **kw) -> events.Control:
-    c = events.Control(action=action, epoch=kw.pop("epoch", 1), tenant=tenant, adapter=adapter, **kw)
-    c.validate()
-    return c
-
-
-def test_served_adapters_follow_each_tenants_last_resume_in_log_order():
-    a1, a2, b1 = _adapter("alice", "a1"), _adapter("alice", "a2"), _adapter("bob", "b1")
-    log = [_control("pause", "alice", a1), _control("resume", "alice", a1), _control("resume", "bob", b1),
-           _control("pause", "alice", a2),  # a pause alone routes nothing
-           _control("resume"),  # the full weights' resume names no tenant
-           _control("applied", "alice", a2, engine_id="engine-0")]
-    assert served_adapters(log) == {"alice": a1, "bob": b1}
-    log += [_control("resume", "alice", a2), _control("reset", "bob"), _control("resume", "bob", None)]
-    assert served_adapters(log) == {"alice": a2, "bob": None}  # bob back on the base: None, not absent
-    assert served_adapters([]) == {}
+from pipeline.orchestrate.tenant_report import USERS, curves, point, summary_lines, tenant_verdicts
 
 
 def _wilson_reference(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
