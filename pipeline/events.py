@@ -21,6 +21,7 @@ anything else -> :class:`MalformedEvent`). Stages route such records to the dead
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 import time
@@ -184,6 +185,47 @@ def tenant_error(v: str) -> str | None:
     if not isinstance(v, str) or not CLIENT_ID.match(v):
         return f"must be 1-{MAX_ID_LEN} printable ASCII characters without spaces"
     return None
+
+
+#: characters kept as they are when a tenant names a folder or an engine adapter
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def tenant_slug(tenant: str) -> str:
+    """A file- and adapter-name-safe form of ``tenant``, distinct for distinct tenants (also on a
+    case-insensitive file system): the tenant itself when it is ``[a-z0-9._-]`` (and not
+    ``.``/``..``, at most 64 long), else its safe characters (at most 64) + ``~`` + the first 12
+    hex digits of its sha256."""
+    safe = _SAFE.sub("_", tenant)
+    if safe == tenant and tenant == tenant.lower() and tenant not in (".", "..") and len(tenant) <= 64:
+        return tenant
+    return f"{safe[:64]}~{hashlib.sha256(tenant.encode()).hexdigest()[:12]}"
+
+
+def adapter_name(tenant: str, version: str) -> str:
+    """The name an engine loads ``tenant``'s adapter ``version`` under (SGLang's ``lora_name``):
+    ``<tenant_slug>@<first 16 hex digits of the version>``; no ``:`` (``model: "base:name"``
+    splits there). One name per content, so a new version is loaded beside the old one."""
+    return f"{tenant_slug(tenant)}@{version[:16]}"
+
+
+#: the form of every name :func:`adapter_name` gives
+ADAPTER_NAME = re.compile(r".+@[0-9a-f]{16}")
+
+
+def is_adapter_name(name: str) -> bool:
+    """``name`` has the form of a tenant adapter's engine name (:func:`adapter_name`)."""
+    return ADAPTER_NAME.fullmatch(name) is not None
+
+
+def adapter_tenant_error(tenant: str | None, adapter: dict | None) -> str | None:
+    """Why a record's ``adapter`` cannot be its ``tenant``'s (its name is not
+    :func:`adapter_name` of that tenant and its version), or None. A record without a tenant may
+    name any adapter (the fields are then reserved); one with both never names another tenant's."""
+    if tenant is None or adapter is None or adapter["name"] == adapter_name(tenant, adapter["version"]):
+        return None
+    return (f"names adapter {adapter['name']!r}, not tenant {tenant!r}'s "
+            f"({adapter_name(tenant, adapter['version'])!r} for its version)")
 
 
 def session_key(tenant: str | None, session_id: str) -> str:
@@ -694,6 +736,9 @@ def check_domains(event: Event) -> None:
         if err is not None:
             sep = "" if err.startswith("[") else " "
             raise MalformedEvent(f"{event.TYPE}.{name}{sep}{err}")
+    err = adapter_tenant_error(getattr(event, "tenant", None), getattr(event, "adapter", None))
+    if err is not None:
+        raise MalformedEvent(f"{event.TYPE}.adapter {err}")
 
 
 #: older schema versions still read, per event type: ``(type, v) -> function`` that turns the

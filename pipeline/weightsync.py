@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -114,36 +113,6 @@ def adapter_version(path: str | os.PathLike) -> str:
     Raises ``OSError`` (``FileNotFoundError`` included) when a file cannot be read.
     """
     return sha256_folder(path, ADAPTER_FILES)
-
-
-#: characters kept as they are when a tenant names a folder or an engine adapter
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def tenant_slug(tenant: str) -> str:
-    """A file- and adapter-name-safe form of ``tenant``, distinct for distinct tenants: the
-    tenant itself when it is ``[A-Za-z0-9._-]`` (and not ``.``/``..``), else its safe characters
-    (at most 64) + ``~`` + the first 12 hex digits of its sha256."""
-    safe = _SAFE.sub("_", tenant)
-    if safe == tenant and tenant not in (".", "..") and len(tenant) <= 64:
-        return tenant
-    return f"{safe[:64]}~{hashlib.sha256(tenant.encode()).hexdigest()[:12]}"
-
-
-def adapter_name(tenant: str, version: str) -> str:
-    """The name an engine loads ``tenant``'s adapter ``version`` under (SGLang's ``lora_name``):
-    ``<tenant_slug>@<first 16 hex digits of the version>``; no ``:`` (``model: "base:name"``
-    splits there). One name per content, so a new version is loaded beside the old one."""
-    return f"{tenant_slug(tenant)}@{version[:16]}"
-
-
-#: the form of every name :func:`adapter_name` gives
-ADAPTER_NAME = re.compile(r".+@[0-9a-f]{16}")
-
-
-def is_adapter_name(name: str) -> bool:
-    """``name`` has the form of a tenant adapter's engine name (:func:`adapter_name`)."""
-    return ADAPTER_NAME.fullmatch(name) is not None
 
 
 def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:

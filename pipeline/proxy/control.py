@@ -90,6 +90,7 @@ class ControlFollower:
         self.config = config
         self.topic = config.topics.name("control")
         self.on_change = on_change
+        self.run_id = config.syncer.run_id or config.trainer.run_id  # the run whose adapter orders count
         self.state = ControlState()
         self._changed = False
         self._follower = Follower(config, self.topic, self._record, name="proxy", start=Offset(0), partitions=[0],
@@ -130,12 +131,16 @@ class ControlFollower:
         return before != (s.paused, s.epoch, s.applied_version)
 
     def _apply_tenant(self, ev: events.Control) -> bool:
-        """A tenant's ``pause`` holds its requests; its ``resume`` (of that epoch or a later one)
-        releases them and names its adapter. Other tenant records change nothing here."""
+        """A tenant's ``pause`` holds its requests; its ``resume`` releases them and names its
+        adapter, whatever its epoch: ``control`` is one partition, so log order decides, exactly
+        as it does for the syncers (a trainer restarted from an older checkpoint resumes with a
+        lower epoch). Records of another run, and other tenant records, change nothing here."""
+        if ev.run_id != self.run_id:
+            return False
         t = self.state.tenants.get(ev.tenant, TenantState())
         if ev.action == "pause":
             new = replace(t, paused=True, epoch=ev.epoch, paused_at_ms=ev.created_at or events.now_ms())
-        elif ev.action == "resume" and ev.epoch >= t.epoch:
+        elif ev.action == "resume":
             new = TenantState(False, ev.epoch, 0, ev.adapter)
         else:
             return False

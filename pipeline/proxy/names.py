@@ -14,7 +14,7 @@ A client never picks a LoRA adapter: a tenant's adapter is chosen by the proxy f
 tenant's last ``resume`` on ``control`` (docs/tenants.md). A ``model`` that names one, SGLang's
 ``<base>:<adapter>`` (any name with a ``:`` that is not an alias), an adapter the engine lists
 (a card with a ``parent``) or a name of the form the trainer gives adapters
-(:func:`pipeline.weightsync.is_adapter_name`), is refused with 400 ``model_not_allowed`` in the
+(:func:`pipeline.events.is_adapter_name`), is refused with 400 ``model_not_allowed`` in the
 front door's shape, whichever tenant's adapter it names.
 
 The served ids are read from the engine once (and again, at most every
@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from pipeline.proxy.errors import ProxyError
-from pipeline.weightsync import is_adapter_name
+from pipeline.events import is_adapter_name
 
 REFRESH_S = 5.0
 

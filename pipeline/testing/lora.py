@@ -54,9 +54,9 @@ def export_tenant_adapter(export_dir, tenant: str, model: str = "tiny-random", *
     import shutil
     import tempfile
 
-    from pipeline import weightsync
+    from pipeline import events, weightsync
 
-    base = Path(export_dir) / "adapters" / weightsync.tenant_slug(tenant)
+    base = Path(export_dir) / "adapters" / events.tenant_slug(tenant)
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=base))
     write_random_adapter(tmp, model, **random)
@@ -68,7 +68,7 @@ def export_tenant_adapter(export_dir, tenant: str, model: str = "tiny-random", *
         shutil.rmtree(tmp)
     else:
         tmp.rename(folder)
-    return folder, {"name": weightsync.adapter_name(tenant, version), "version": version, "sha256": sha}
+    return folder, {"name": events.adapter_name(tenant, version), "version": version, "sha256": sha}
 
 
 def adapter_order(action: str, tenant: str, adapter: dict | None, folder=None, *, epoch: int = 1,

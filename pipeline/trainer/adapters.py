@@ -2,7 +2,7 @@
 
 Layout under ``trainer.export_dir``::
 
-    adapters/<weightsync.tenant_slug(T)>/<first 16 hex digits of the version>/   # one folder per content
+    adapters/<events.tenant_slug(T)>/<first 16 hex digits of the version>/   # one folder per content
         adapter_config.json  adapter_model.safetensors  adapter_model.safetensors.sha256
 
 An update of tenant ``T`` is exported into a staging folder beside (written atomically by
@@ -48,7 +48,7 @@ EMPTY_POLLS = 3  # polls without a record before the command reader calls itself
 
 def tenant_dir(export_dir: str | os.PathLike, tenant: str) -> Path:
     """``<export_dir>/adapters/<tenant_slug(tenant)>``: every exported version of ``tenant``."""
-    return Path(export_dir) / "adapters" / weightsync.tenant_slug(tenant)
+    return Path(export_dir) / "adapters" / events.tenant_slug(tenant)
 
 
 def adapter_folder(export_dir: str | os.PathLike, tenant: str, version: str) -> Path:
@@ -170,7 +170,7 @@ class TenantAdapters:
             fsync_dir(tdir)
         sha = weightsync.verify_folder(final, file=weightsync.ADAPTER_FILE)
         self.table.record(tenant, version)
-        return {"name": weightsync.adapter_name(tenant, version), "version": version, "sha256": sha}, final
+        return {"name": events.adapter_name(tenant, version), "version": version, "sha256": sha}, final
 
     def prune(self, tenant: str) -> None:
         """Keep ``tenant``'s newest ``keep_exports`` folders (by update count; folders of versions

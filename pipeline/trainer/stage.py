@@ -179,7 +179,8 @@ class TrainerStage:
 
     def _setup_adapters(self, meta: dict | None, commands_offset: int) -> None:
         """``trainer.lora``: the tenants' state from the checkpoint; rank 0 reads commands from
-        ``commands_offset``; tenants whose last update was not synced are exported and synced."""
+        ``commands_offset`` and every rank applies those already there; then tenants whose last
+        update was not synced (and still have an adapter) are exported and synced."""
         from pipeline.trainer.adapters import CommandReader, TenantAdapters
 
         self.adapters = TenantAdapters(self.config, self.policy, self.par.is_main, meta)
@@ -187,6 +188,12 @@ class TrainerStage:
             self.adapters.publisher = self.publisher
             self.source.adapters = self.adapters.table
             self.commands = CommandReader(self.config, commands_offset)
+        # commands read after the checkpoint first: a reset or delete that followed it must not be
+        # undone by re-syncing the adapter it dropped
+        pending = dist.broadcast_object([(c.action, c.tenant) for c in self.commands.poll()] if self.par.is_main
+                                        else None)
+        if pending:
+            self.adapters.apply(pending)
         for tenant in dist.broadcast_object(self.adapters.need_sync() if self.par.is_main else None):
             log.info("tenant %s: its last adapter update was not synced: syncing it again", tenant)
             self._adapter_update(tenant, {})

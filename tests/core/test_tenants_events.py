@@ -20,7 +20,8 @@ from pipeline.events import MalformedEvent, decode, encode
 from tests.legacy_records import sample_v1
 
 H = hashlib.sha256(b"adapter tensors").hexdigest()
-ADAPTER = {"name": "alice-lora", "version": H, "sha256": hashlib.sha256(b"files").hexdigest()}
+ADAPTER = {"name": events.adapter_name("alice", H), "version": H, "sha256": hashlib.sha256(b"files").hexdigest()}
+BOB_ADAPTER = dict(ADAPTER, name=events.adapter_name("bob", H))
 
 
 def _turn(**kw):
@@ -52,8 +53,8 @@ def test_new_fields_round_trip():
     assert decode(encode(s)) == s
     for ev in (events.NextState(session_id="s1", messages=[], tenant="bob"),
                events.SessionEnd(session_id="s1", tenant="bob"),
-               events.Control(action="pause", epoch=1, tenant="bob", adapter=dict(ADAPTER)),
-               events.TrainStep(step=1, tenant="bob", adapter=dict(ADAPTER))):
+               events.Control(action="pause", epoch=1, tenant="bob", adapter=dict(BOB_ADAPTER)),
+               events.TrainStep(step=1, tenant="bob", adapter=dict(BOB_ADAPTER))):
         assert decode(encode(ev)) == ev
 
 
@@ -149,10 +150,10 @@ def test_an_adapter_order_on_control_is_never_read_as_one_about_the_full_weights
 
     full = events.Control(action="pause", epoch=1)
     scoped = [events.Control(action="pause", epoch=1, tenant="bob"),
-              events.Control(action="pause", epoch=1, tenant="bob", adapter=dict(ADAPTER))]
+              events.Control(action="pause", epoch=1, tenant="bob", adapter=dict(BOB_ADAPTER))]
     assert full.full_weights and not any(ev.full_weights for ev in scoped)
-    follower = ControlFollower.__new__(ControlFollower)  # apply() reads only .state
-    follower.state = ControlState()
+    follower = ControlFollower.__new__(ControlFollower)  # apply() reads only .state and .run_id
+    follower.state, follower.run_id = ControlState(), "default"
     for ev in scoped:  # bob's own state changes (his requests are held), never the full weights'
         follower.apply(ev)
     assert not follower.state.paused and follower.state.tenants["bob"].paused
@@ -164,7 +165,8 @@ def test_an_adapter_order_on_control_is_never_read_as_one_about_the_full_weights
     (dict(action="freeze"), "needs a tenant and no adapter"),
     (dict(action="reset", tenant="bob", adapter=dict(ADAPTER)), "needs a tenant and no adapter"),
     (dict(action="weights", tenant="bob", location="/x", sha256="b" * 64), "needs its adapter"),
-    (dict(action="weights", tenant="bob", location="/x", sha256="b" * 64, adapter=dict(ADAPTER)), "needs its adapter"),
+    (dict(action="weights", tenant="bob", location="/x", sha256="b" * 64, adapter=dict(BOB_ADAPTER)), "needs its adapter"),
+    (dict(action="resume", tenant="bob", adapter=dict(ADAPTER)), "not tenant 'bob''s"),
     (dict(action="thaw", tenant="bob"), "must be one of"),
 ])
 def test_control_orders_about_a_tenant_are_checked_at_decode(kw, why):
@@ -181,12 +183,12 @@ def test_valid_tenant_orders_round_trip():
     for ev in [events.Control(action="freeze", epoch=0, tenant="bob"),
                events.Control(action="resume", epoch=3, tenant="bob"),
                events.Control(action="weights", epoch=3, tenant="bob", location="/x", sha256=ADAPTER["sha256"],
-                              adapter=dict(ADAPTER))]:
+                              adapter=dict(BOB_ADAPTER))]:
         assert events.decode(events.encode(ev)) == ev
 
 
 def test_adapter_names_are_safe_and_distinct():
-    from pipeline.weightsync import adapter_name, tenant_slug
+    from pipeline.events import adapter_name, tenant_slug
 
     assert tenant_slug("alice") == "alice"
     odd = ["a:b", "a/b", "a_b", "..", "x" * 65, "x" * 66]
@@ -204,7 +206,8 @@ def test_adapter_version_is_the_sha256_of_the_sha256sum_manifest_of_its_two_file
 
     import pytest
 
-    from pipeline.weightsync import adapter_version, is_adapter_name, verify_adapter
+    from pipeline.events import is_adapter_name
+    from pipeline.weightsync import adapter_version, verify_adapter
 
     (tmp_path / "adapter_config.json").write_bytes(b'{"r": 4}')
     (tmp_path / "adapter_model.safetensors").write_bytes(b"tensors")
@@ -218,3 +221,17 @@ def test_adapter_version_is_the_sha256_of_the_sha256sum_manifest_of_its_two_file
         verify_adapter(tmp_path)
     assert is_adapter_name("alice@" + want[:16]) and not is_adapter_name("alice@" + want[:15])
     assert not is_adapter_name("smollm2-135m") and not is_adapter_name("@" + want[:16])
+
+
+@pytest.mark.parametrize("ev", [
+    _turn(tenant="bob", adapter=dict(ADAPTER)),
+    _sample(sample_id="bob/s1:0:rl:r1", tenant="bob", adapter=dict(ADAPTER)),
+    events.TrainStep(step=1, tenant="bob", adapter=dict(ADAPTER)),
+    events.Control(action="resume", epoch=1, tenant="bob", adapter=dict(ADAPTER, name="bob-any-name"))],
+    ids=lambda e: e.TYPE)
+def test_a_tenants_record_never_names_another_tenants_adapter(ev):
+    """Isolation at decode: a record of tenant bob whose adapter is alice's (or any name that is
+    not bob's engine name for that version) is refused, so no stage routes, judges or trains bob
+    with it; the DLQ gets it."""
+    with pytest.raises(MalformedEvent, match=r"\.adapter names adapter"):
+        decode(encode(ev))

@@ -16,7 +16,8 @@ from pipeline.judge.reorder import Reorderer
 from pipeline.judge.samples import rl_flush_sample, sample_id
 
 TP = ("turns", 0)
-ADAPTER = {"name": "alice-lora", "version": hashlib.sha256(b"v").hexdigest(), "sha256": hashlib.sha256(b"f").hexdigest()}
+_V = hashlib.sha256(b"v").hexdigest()
+ADAPTER = {"name": events.adapter_name("alice", _V), "version": _V, "sha256": hashlib.sha256(b"f").hexdigest()}
 
 
 class Stream:

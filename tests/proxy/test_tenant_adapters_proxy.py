@@ -69,10 +69,14 @@ def test_a_stale_tenant_pause_holds_nothing_and_a_long_one_times_out():
 
 def test_the_follower_keeps_each_tenants_pause_epoch_and_resumed_adapter():
     f = ControlFollower.__new__(ControlFollower)  # its apply() only: no broker
-    f.state = ControlState()
+    f.state, f.run_id = ControlState(), "default"
     assert f.apply(adapter_order("pause", "alice", A, epoch=3))
     assert f.state.tenants["alice"].paused and not f.state.paused
-    assert not f.apply(adapter_order("resume", "alice", A, epoch=2))  # an older sync's resume
+    assert not f.apply(adapter_order("resume", "alice", None, epoch=3, run_id="other-run"))  # not this run's
+    # log order decides, as for the syncers: a trainer restarted from an older checkpoint resumes
+    # with a lower epoch (the syncers then unload the adapter; the proxy must not keep routing to it)
+    assert f.apply(adapter_order("resume", "alice", None, epoch=2))
+    assert f.state.tenants["alice"] == TenantState(False, 2, 0, None)
     assert f.apply(adapter_order("resume", "alice", A, epoch=3))
     assert f.state.tenants["alice"] == TenantState(False, 3, 0, A)
     assert f.apply(adapter_order("resume", "alice", None, epoch=4))  # reset: back to the base model

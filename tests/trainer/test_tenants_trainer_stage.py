@@ -161,7 +161,7 @@ def test_two_tenants_train_two_adapters_each_synced_and_a_silent_engine_keeps_th
     for tenant, ad in (("alice", a1), ("bob", b1), ("alice", a2)):
         folder = tmp_path / "weights" / "adapters" / tenant / ad["version"][:16]
         assert weightsync.verify_adapter(folder, ad["version"]) == ad["version"]
-        assert ad["name"] == weightsync.adapter_name(tenant, ad["version"])
+        assert ad["name"] == events.adapter_name(tenant, ad["version"])
         assert ad["sha256"] == weightsync.sha256_file(folder / weightsync.ADAPTER_FILE)
     assert sorted(stage.policy.adapters()) == ["alice", "bob"]
     # keep_exports=1, but alice's resume still names v1: both of her folders stay
