@@ -502,11 +502,11 @@ def evaluate_frozen(stack: Stack, sim: Simulator, heldout: HeldOut, version: str
     """Evaluate the engine's new ``version`` with the simulated users and the trainer frozen
     (SIGSTOP, SIGCONT after), so that every held-out reply comes from that version."""
     frozen = [sim.proc] + [s.proc for s in stack.supervisor.stages if s.name == "trainer" and s.alive]
-    _signal_all(frozen, signal.SIGSTOP)
+    signal_all(frozen, signal.SIGSTOP)
     try:
         heldout.evaluate(engine_version(stack.config.engine.url) or version)
     finally:
-        _signal_all(frozen, signal.SIGCONT)
+        signal_all(frozen, signal.SIGCONT)
 
 
 def trainer_steps(config: Config) -> list[dict]:
@@ -562,7 +562,7 @@ def demo_report(config: Config, t0: float, sim: Simulator | None, evaluations: l
         "duration_s": round(time.monotonic() - t0, 1),
         "model": config.engine.model,
         "judge": {"mode": config.judge.mode, "backend": config.judge.backend},
-        "trainer": _trainer_summary(config, steps_log),
+        "trainer": trainer_summary(config, steps_log),
         "versions_applied": sorted({c.policy_version for c in ending.topics["control"] if c.action == "applied"}),
         "topics": summarize_topics(ending.topics["turns"], ending.topics["samples"]),
         "unjudged": ending.unjudged,
@@ -578,7 +578,7 @@ def demo_report(config: Config, t0: float, sim: Simulator | None, evaluations: l
     return report
 
 
-def _trainer_summary(config: Config, steps_log: list[dict]) -> dict:
+def trainer_summary(config: Config, steps_log: list[dict]) -> dict:
     """The report's ``trainer`` section from the trainer's per-step records."""
     return {"steps": len(steps_log), "steps_with_gradient": sum(1 for r in steps_log if r.get("grad_norm")),
             "lr": config.trainer.lr, "kl_coef": config.trainer.kl_coef,
@@ -622,7 +622,7 @@ def publish_evaluation(producer, config: Config, res: dict) -> None:
         print(f"[demo] evaluation not published to the metrics topic: {e}", file=sys.stderr)
 
 
-def _signal_all(procs, sig) -> None:
+def signal_all(procs, sig) -> None:
     for p in procs:
         if p is not None and p.poll() is None:
             try:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.engine_api.errors import EngineError
-from pipeline.orchestrate.demo import (Simulator, _signal_all, demo_config, engine_version, read_topic, shut_down,
-                                       summarize_topics, trainer_steps, _trainer_summary)
+from pipeline.orchestrate.demo import (Simulator, signal_all, demo_config, engine_version, read_topic, shut_down,
+                                       summarize_topics, trainer_steps, trainer_summary)
 from pipeline.orchestrate.tenant_report import USERS, curves, summary_lines, tenant_verdicts
 from pipeline.orchestrate.up import Stack, start_or_status, start_stack
 
@@ -116,14 +116,14 @@ def watch(args, stack: Stack, sims: list[Simulator], evals: Evaluations, stop: t
     while not stop.is_set():
         for target, version, adapter in to_evaluate(args, config, done):
             frozen = [s.proc for s in sims] + [s.proc for s in stack.supervisor.stages if s.name == "trainer" and s.alive]
-            _signal_all(frozen, signal.SIGSTOP)
+            signal_all(frozen, signal.SIGSTOP)
             try:
                 evals.run(target, version, adapter)
             except EngineError as e:  # e.g. the adapter was replaced (and unloaded) meanwhile: the next one counts
                 notes.append(f"{target} {version} not evaluated: {e}")
                 print(f"[demo] {notes[-1]}", file=sys.stderr)
             finally:
-                _signal_all(frozen, signal.SIGCONT)
+                signal_all(frozen, signal.SIGCONT)
             done[target].append(version)
         if finished(args, config, done):
             return 0
@@ -189,7 +189,7 @@ def two_user_report(config: Config, mode: str, t0: float, sims: list[Simulator],
     return {"mode": mode, "model": config.engine.model, "duration_s": round(time.monotonic() - t0, 1),
             "users": [{"tenant": u.tenant, "feedback": u.feedback, "metric": u.metric} for u in USERS],
             "evaluations": evaluations, "curves": c, "verdicts": tenant_verdicts(c),
-            "trainer": _trainer_summary(config, trainer_steps(config)),
+            "trainer": trainer_summary(config, trainer_steps(config)),
             "simulators": {u.tenant: summarize(s.records()) for u, s in zip(USERS, sims)},
             "topics": summarize_topics(ending.topics["turns"], ending.topics["samples"]),
             "stages_stopped": {k: str(v) for k, v in ending.stopped.items()}, "notes": notes}
