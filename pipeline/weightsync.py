@@ -115,16 +115,37 @@ def adapter_version(path: str | os.PathLike) -> str:
     return sha256_folder(path, ADAPTER_FILES)
 
 
+def read_adapter_files(path: str | os.PathLike) -> tuple[str, bytes, bytes]:
+    """Read an adapter folder's two files once: ``(version, config bytes, tensor bytes)``.
+
+    ``version`` is :func:`adapter_version` of exactly the bytes returned, so whoever parses them
+    parses what was hashed (no second read that a concurrent writer could change). The tensors
+    are checked against their checksum file ``adapter_model.safetensors.sha256`` when it exists.
+    An adapter is small (rank 16 on a 135M model: 19.6 MB), so both files are held in memory.
+
+    Raises:
+        OSError: a file is missing or unreadable (``FileNotFoundError`` included).
+        ValueError: the tensors do not match their checksum file (torn, half-copied, tampered).
+    """
+    path = Path(path)
+    tensors = (path / ADAPTER_FILE).read_bytes()
+    config = (path / ADAPTER_CONFIG).read_bytes()
+    digest = hashlib.sha256(tensors).hexdigest()
+    side = path / ADAPTER_CHECKSUM_FILE
+    if side.exists() and side.read_text().split()[0] != digest:
+        raise ValueError(f"{path}: sha256 {digest} != {side.name}")
+    return manifest_sha256({ADAPTER_FILE: digest, ADAPTER_CONFIG: hashlib.sha256(config).hexdigest()}), config, tensors
+
+
 def verify_adapter(path: str | os.PathLike, sha256: str | None = None) -> str:
     """Check an adapter folder before it is loaded; return its :func:`adapter_version`.
 
-    The tensors are checked against their checksum file (:func:`verify_folder` with
-    :data:`ADAPTER_FILE`, when that file exists) and the version against ``sha256`` (the one a
-    record names; None: not compared). Raises ``FileNotFoundError`` (a file missing) and
+    The tensors are checked against their checksum file (when that file exists) and the version
+    against ``sha256`` (the one a record names; None: not compared); each file is read once
+    (:func:`read_adapter_files`). Raises ``FileNotFoundError`` (a file missing) and
     ``ValueError`` (a mismatch: a torn, half-copied or tampered folder).
     """
-    tensors = verify_folder(path, None, file=ADAPTER_FILE)  # the tensors are read once
-    version = manifest_sha256({ADAPTER_FILE: tensors, ADAPTER_CONFIG: sha256_file(Path(path) / ADAPTER_CONFIG)})
+    version, _, _ = read_adapter_files(path)
     if sha256 is not None and version != sha256:
         raise ValueError(f"{path}: adapter version {version} != published {sha256}")
     return version

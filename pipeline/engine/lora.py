@@ -46,7 +46,7 @@ from pipeline.config import LORA_TARGETS
 from pipeline.errors import PipelineError
 from pipeline.weightsync import ADAPTER_CONFIG as CONFIG_FILE
 from pipeline.weightsync import ADAPTER_FILE as WEIGHTS_FILE
-from pipeline.weightsync import verify_adapter
+from pipeline.weightsync import read_adapter_files, verify_adapter
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,9 @@ def target_linears(model, targets: tuple[str, ...] | list[str]) -> dict[str, tor
             if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets}
 
 
-def read_config(folder: Path, *, max_rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
-    """``adapter_config.json`` checked against the contract and the engine's LoRA settings.
+def read_config(folder: Path, *, max_rank: int, targets: tuple[str, ...], raw: bytes | None = None) -> dict[str, Any]:
+    """``adapter_config.json`` (``raw``: its bytes, already read) checked against the contract
+    and the engine's LoRA settings.
 
     Raises:
         LoraError: not PEFT LoRA, a rank outside ``1..max_rank``, a target outside ``targets``,
@@ -120,7 +121,7 @@ def read_config(folder: Path, *, max_rank: int, targets: tuple[str, ...]) -> dic
     """
     f = folder / CONFIG_FILE
     try:
-        cfg = json.loads(f.read_text())
+        cfg = json.loads(f.read_bytes() if raw is None else raw)
     except (OSError, ValueError) as e:
         raise LoraError(f"cannot read {f}: {e}") from e
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
@@ -156,22 +157,26 @@ def read_adapter(name: str, path: str | os.PathLike, linears: dict[str, torch.nn
     Checked: the contract of :func:`read_config`; every tensor named
     ``base_model.model.<module>.lora_{A,B}.weight`` with ``<module>`` a target linear of the served
     model whose kind is in the config's ``target_modules``; both halves present; ``A`` is
-    ``[r, in_features]`` and ``B`` ``[out_features, r]``; floating point and finite. The sha256 is
-    taken before and after reading, so a folder changed meanwhile is refused.
+    ``[r, in_features]`` and ``B`` ``[out_features, r]``; floating point and finite. Each file is
+    read once (:func:`pipeline.weightsync.read_adapter_files`): the content id is that of the
+    very bytes parsed, so a folder changed meanwhile can never be served under the old id.
 
     Raises:
         LoraError: the first problem found, named.
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load as load_bytes
 
     folder = Path(os.path.expanduser(str(path)))
     if not folder.is_dir():
         raise LoraError(f"LoRA adapter folder {path} does not exist")
-    sha = adapter_sha256(folder)
-    cfg = read_config(folder, max_rank=max_rank, targets=targets)
+    try:
+        sha, raw_config, raw_tensors = read_adapter_files(folder)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"cannot load the adapter at {path}: {e}") from e
+    cfg = read_config(folder, max_rank=max_rank, targets=targets, raw=raw_config)
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     try:
-        tensors = load_file(str(folder / WEIGHTS_FILE))
+        tensors = load_bytes(raw_tensors)
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad adapter
         raise LoraError(f"cannot read {folder / WEIGHTS_FILE}: {type(e).__name__}: {e}") from e
     halves: dict[str, dict[str, torch.Tensor]] = {}
@@ -194,8 +199,6 @@ def read_adapter(name: str, path: str | os.PathLike, linears: dict[str, torch.nn
             raise LoraError(f"module {mod} of {folder}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit "
                             f"the served model's [{r}, {lin.in_features}] / [{lin.out_features}, {r}]")
         weights[mod] = (a.contiguous(), (b * (alpha / r)).contiguous())
-    if adapter_sha256(folder) != sha:
-        raise LoraError(f"the adapter at {folder} changed while it was read")
     return LoraAdapter(name, str(path), sha, r, alpha, tuple(cfg["target_modules"]), weights)
 
 
