@@ -3,10 +3,12 @@
     .venv/bin/python bench/adapter_sync.py                       # SmolLM2-135M, 2 engines
     .venv/bin/python bench/adapter_sync.py --model tiny-random --repeats 2
 
-One run: the embedded broker, ``--engines`` real CPU engines (each its own process, LoRA on,
+One run: the session broker (``--broker``: Apache Kafka when installed, as ``pipeline up``
+chooses; Tansu answers some fetches only after ~50 ms, which is most of an adapter sync),
+``--engines`` real CPU engines (each its own process, LoRA on,
 one torch thread each: two engines in one process would load new weights with transformers in
-two threads at once, which it does not support) and one real syncer per engine
-(:class:`pipeline.syncer.Syncer`, threads), all as the stack runs them. This script plays the trainer's side of the protocol of
+two threads at once, which it does not support) and one real syncer per engine (``pipeline
+syncer``, its own process), all as the stack runs them. This script plays the trainer's side of the protocol of
 docs/tenants.md: for an **adapter update** it exports a fresh random LoRA adapter (rank
 ``--rank``, all seven projections, :func:`pipeline.testing.lora.export_tenant_adapter`) and
 publishes ``pause`` (tenant, A), ``weights`` (tenant, A, folder), then ``resume`` once every
@@ -20,7 +22,8 @@ reading the last engine's ``applied`` for it on ``control`` (each syncer verifie
 checksum and content id, then ``/load_lora_adapter`` or ``/update_weights_from_disk``); bytes on
 control: the encoded records of one sync (pause, weights, one ``applied`` per engine, resume);
 bytes on disk: the exported folder. Updates alternate (adapter, full, adapter, ...) ``--repeats``
-times; medians are printed with the ratio full / adapter. Nothing here asserts a speed.
+times after one warm-up round of each (an engine's first load of either kind pays one-time costs:
+imports, first allocations; printed, not counted); medians are printed with the ratio full / adapter. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline import events  # noqa: E402
+from pipeline.procutil import die_with_parent, stop_group  # noqa: E402
 
 TENANT = "bench-tenant"
 
@@ -125,32 +130,57 @@ def _full_update(k: int, args, export: Path, producer, watch, cfg) -> tuple[floa
 
 
 @contextlib.contextmanager
+def _syncer_process(cfg, i: int, url: str):
+    """``pipeline syncer`` for engine ``i`` as its own process (as ``pipeline up`` runs it), returned
+    once it reconciled the engine and joined its consumer group (its "syncer engine-i ->" log line)."""
+    cmd = [sys.executable, "-m", "pipeline", "syncer", "--bootstrap", cfg.kafka.bootstrap_servers,
+           "--engine", url, "--engine-id", f"engine-{i}", "--group-id", f"bench-{i}",
+           "--set", f"topics.prefix={cfg.topics.prefix}", "--set", f"trainer.run_id={cfg.trainer.run_id}",
+           "--set", "syncer.check_interval_s=60"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+                            preexec_fn=die_with_parent)
+    joined = threading.Event()
+    tail: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            tail[:] = (tail + [line])[-20:]
+            if f"syncer engine-{i} ->" in line:
+                joined.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not joined.wait(0.1):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"syncer engine-{i} never joined its group:\n{''.join(tail)}")
+        yield proc
+    finally:
+        stop_group(proc, 15)
+
+
+@contextlib.contextmanager
 def _stack(args, tmp: Path):
     """``(cfg, producer, watch)`` with the broker, ``--engines`` engines and their syncers running."""
-    from pipeline.broker import EmbeddedBroker
+    from pipeline.broker import make_broker
     from pipeline.bus import EventProducer
     from pipeline.bus.admin import apply_topics
     from pipeline.config import load_config
     from pipeline.engine.lora import LoraSettings
-    from pipeline.syncer import Syncer
     from pipeline.testing.engine import running_engine
     from pipeline.topics import load_topics
 
-    with EmbeddedBroker() as broker, contextlib.ExitStack() as stack:
+    with make_broker(args.broker) as broker, contextlib.ExitStack() as stack:
         cfg = load_config(None, kafka={"bootstrap_servers": broker.bootstrap}, topics={"prefix": "bench-sync-"},
                           trainer=dict(model=args.model, export_dir=str(tmp / "weights"), run_id="bench-sync"))
         apply_topics(cfg, load_topics(cfg.topics.file))
+        print(f"broker: {'Apache Kafka' if broker.kind == 'kafka' else 'Tansu'} at {broker.bootstrap}", flush=True)
         lora = LoraSettings(enabled=True, max_rank=max(16, args.rank))
-        syncers = []
-        for i in range(args.engines):
-            url = stack.enter_context(running_engine(args.model, subprocess=True, threads=1, lora=lora))
-            s = Syncer(cfg.replace(syncer=dict(engine_id=f"engine-{i}", engine_url=url, group_id=f"bench-{i}",
-                                               check_interval_s=60.0)))
-            threading.Thread(target=s.run, daemon=True).start()
-            syncers.append(s)
-        for s in syncers:
-            if not s.ready.wait(120):
-                raise RuntimeError(f"syncer {s.engine_id} never joined its group")
+        urls = [stack.enter_context(running_engine(args.model, subprocess=True, threads=1, lora=lora))
+                for _ in range(args.engines)]
+        for i, url in enumerate(urls):
+            stack.enter_context(_syncer_process(cfg, i, url))
         producer = EventProducer(cfg, name="bench-trainer")
         watch = ControlWatch(cfg)
         try:
@@ -158,14 +188,14 @@ def _stack(args, tmp: Path):
         finally:
             watch.close()
             producer.close()
-            for s in syncers:
-                s.stop.set()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default) or tiny-random")
     p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--broker", default="auto", choices=("auto", "kafka", "tansu"),
+                   help="auto (default): Apache Kafka when installed (deploy/install.sh does), else Tansu")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
@@ -173,11 +203,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-adapter-sync-") as tmp:
         export = Path(tmp) / "weights"
         with _stack(args, Path(tmp)) as (cfg, producer, watch):
-            for k in range(1, args.repeats + 1):
-                rows["adapter"].append(_adapter_update(k, args, export, producer, watch, cfg))
-                rows["full"].append(_full_update(k, args, export, producer, watch, cfg))
-                print(f"round {k}: adapter {rows['adapter'][-1][0]:.3f} s, full {rows['full'][-1][0]:.3f} s",
-                      flush=True)
+            for k in range(1, args.repeats + 2):  # round 1 warms up (first load per engine), not counted
+                a = _adapter_update(k, args, export, producer, watch, cfg)
+                f = _full_update(k, args, export, producer, watch, cfg)
+                if k > 1:
+                    rows["adapter"].append(a)
+                    rows["full"].append(f)
+                print(f"round {k}{' (warm-up, not counted)' if k == 1 else ''}: adapter {a[0]:.3f} s, "
+                      f"full {f[0]:.3f} s", flush=True)
     med = {kind: [statistics.median(r[i] for r in rs) for i in range(3)] for kind, rs in rows.items()}
     print(f"\nsync of one update to {args.engines} engines ({args.model}; adapter rank {args.rank} on all seven "
           f"projections; median of {args.repeats}; 'weights' sent -> every engine's 'applied' read on control)")

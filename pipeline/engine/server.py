@@ -930,8 +930,11 @@ async def update_weights(request: Request, state: Engine):
 
 def _lora_answer(state: EngineState, error: str | None) -> ORJSONResponse:
     """SGLang's ``LoRAUpdateOutput``: ``{success, error_message, loaded_adapters: {name: path}}``,
-    200 on success and 400 on a refusal."""
-    return ORJSONResponse({"success": error is None, "error_message": error, "loaded_adapters": state.lora.paths()},
+    200 on success and 400 on a refusal; plus this engine's ``adapter_versions: {name: content
+    id}`` (the sha256 of the bytes it parsed; SGLang has no such field), which lets a syncer
+    check what was loaded instead of hashing the folder a second time."""
+    return ORJSONResponse({"success": error is None, "error_message": error, "loaded_adapters": state.lora.paths(),
+                           "adapter_versions": state.lora.versions()},
                           status_code=200 if error is None else 400)
 
 

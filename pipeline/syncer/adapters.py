@@ -4,10 +4,12 @@
 engine client (``_engine_call``), its retry rule (``retried``, the one of full weights) and its
 ``control`` answers (``_publish``). What it does with the tenant records of ``control``:
 
-- ``weights`` (T, A, location): the folder is verified (:func:`pipeline.weightsync.verify_adapter`
-  against ``A.version``: the tensors' checksum file and the content id of config + tensors) and
-  loaded as ``A.name`` (``POST /load_lora_adapter``); the answer is ``applied`` / ``failed``
-  (T, A, ``engine_id``). Of several waiting records, each tenant's newest is applied.
+- ``weights`` (T, A, location): the folder is verified against ``A.version`` (the tensors'
+  checksum file and the content id of config + tensors: by this syncer,
+  :func:`pipeline.weightsync.verify_adapter`, or by an engine that reports the id of what it
+  parsed; :meth:`AdapterSync.apply_adapter`) and loaded as ``A.name`` (``POST
+  /load_lora_adapter``); the answer is ``applied`` / ``failed`` (T, A, ``engine_id``). Of
+  several waiting records, each tenant's newest is applied.
 - ``resume`` (T, A'): A' serves T from now on (None: the base model); every other adapter of T
   this syncer loaded is unloaded (``POST /unload_lora_adapter``), except one whose ``weights``
   came after the resume (a sync still running).
@@ -53,22 +55,46 @@ class AdapterSync:
         self.adapters_loaded: dict[str, str] = {}
         self.adapters_missing: dict[str, str] = {}
         self._adapter_retry: dict[str, tuple[int, float]] = {}  # tenant -> (failures, monotonic retry time)
+        self._engine_reports_versions = False  # its last load answer had adapter_versions (see apply_adapter)
 
     # ------------------------------------------------------------ engine calls
 
     def apply_adapter(self, ev: events.Control) -> tuple[bool, str]:
         """Verify and load one tenant ``weights`` record's adapter. Returns ``(ok, message)``;
         never raises. Retried as a full-weight apply (:meth:`Syncer.retried`): only what can pass.
-        Not retried: a missing or torn folder, a version mismatch, the engine refusing the adapter."""
+        Not retried: a missing or torn folder, a version mismatch, the engine refusing the adapter.
+
+        The folder is hashed once per engine: by this syncer before the load
+        (:func:`pipeline.weightsync.verify_adapter`), or, when the engine's last answer reported
+        the content id of what it parsed (the CPU engine's ``adapter_versions``; SGLang has none),
+        by the engine alone, its id then compared with ``A.version``. A load that nobody verified
+        (an engine that stopped reporting ids) is verified after it. A mismatch unloads the name
+        (no request reaches it: the tenant is resumed on it only after every engine's
+        ``applied``) and answers ``failed``.
+        """
+        from pipeline.weightsync import verify_adapter
+
         name, version = ev.adapter["name"], ev.adapter["version"]
+        verified: list[bool] = []
 
         def check() -> None:
-            from pipeline.weightsync import verify_adapter
-
-            verify_adapter(ev.location, version)
+            verified.clear()
+            if not self._engine_reports_versions:
+                verify_adapter(ev.location, version)
+                verified.append(True)
 
         async def call(eng) -> str:
             out = await eng.load_lora_adapter(name, ev.location)
+            got = (out.get("adapter_versions") or {}).get(name)
+            self._engine_reports_versions = got is not None
+            try:
+                if got is not None and got != version:
+                    raise ValueError(f"{ev.location}: the engine loaded content {got}, the record names {version}")
+                if got is None and not verified:
+                    verify_adapter(ev.location, version)
+            except (OSError, ValueError):
+                await self._unload_refused(eng, name, ev.tenant)
+                raise
             return f"loaded {name} ({len(out.get('loaded_adapters') or {})} adapters on the engine)"
 
         from pipeline import weightsync
@@ -80,6 +106,15 @@ class AdapterSync:
         if ok:
             self.adapters_loaded[name] = ev.tenant
         return ok, msg
+
+    async def _unload_refused(self, eng, name: str, tenant: str) -> None:
+        """Unload ``name``, loaded with content its record does not name; one that cannot be
+        unloaded now is kept in :attr:`adapters_loaded` for the tenant's next ``resume``."""
+        try:
+            await eng.unload_lora_adapter(name)
+        except Exception as e:  # noqa: BLE001 - the refusal is reported either way
+            log.warning("%s: unload of the refused adapter %s failed: %s", self.engine_id, name, e)
+            self.adapters_loaded[name] = tenant
 
     def engine_adapters(self) -> set[str] | None:
         """The adapter names the engine lists on ``/v1/models`` (cards with a ``parent``); None

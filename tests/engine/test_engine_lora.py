@@ -14,10 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline.engine.lora import LoraSettings
 from pipeline.testing.engine import perturbed_copy, running_engine
 from pipeline.testing.lora import write_random_adapter
+from pipeline.weightsync import verify_adapter
 
 IDS = [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198, 731, 88, 12, 3051]
 
@@ -94,6 +96,7 @@ def test_load_is_idempotent_and_refuses_other_content(http, adapters):
     r = load(http, "b", adapters["b"])
     assert r.status_code == 200 and r.json()["success"] is True and r.json()["error_message"] is None
     assert r.json()["loaded_adapters"]["b"] == str(adapters["b"])
+    assert r.json()["adapter_versions"]["b"] == verify_adapter(adapters["b"])  # the content id of what it parsed
     again = load(http, "b", adapters["b"])
     assert again.status_code == 200 and again.json()["success"] is True
     other = load(http, "b", adapters["c"])
@@ -109,7 +112,7 @@ def test_load_is_idempotent_and_refuses_other_content(http, adapters):
 
 
 def _write_bad(folder: Path, src: Path, *, config: dict | None = None, tensors: dict | None = None) -> Path:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "adapter_config.json").read_text())
@@ -138,6 +141,16 @@ def test_load_refusals_name_the_problem(http, adapters, tmp_path):
         r = load(http, "bad", folder)
         assert r.status_code == 400 and r.json()["success"] is False, (needle, r.text)
         assert needle in r.json()["error_message"], (needle, r.json()["error_message"])
+    b_key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    for i, (name, bad) in enumerate([(b_key, float("nan")), (key, float("inf")), (b_key, -float("inf")), (key, None)]):
+        t = load_file(str(adapters["c"] / "adapter_model.safetensors"))[name]
+        if bad is None:
+            t = t.to(torch.int32)  # not floating point
+        else:
+            t.view(-1)[[0, -1][i % 2]] = bad  # first or last element
+        r = load(http, "bad", _write_bad(tmp_path / f"finite{i}", adapters["c"], tensors={name: t}))
+        assert r.status_code == 400 and f"tensor {name} of" in r.json()["error_message"], r.text
+        assert "must be finite floating point" in r.json()["error_message"]
     assert "bad" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
     r = http.post("/load_lora_adapter", json={"lora_name": "x"})
     assert r.status_code == 400 and r.json()["object"] == "error"

@@ -124,3 +124,62 @@ def test_restarted_syncer_and_engine_get_every_tenants_current_adapter_back(kafk
 async def _unload(url: str, name: str) -> None:
     async with EngineClient(url, timeout_s=60) as eng:
         await eng.unload_lora_adapter(name)
+
+
+def test_a_record_whose_folder_holds_other_content_is_refused_before_or_after_the_engine_trusts(
+        kafka_config, tmp_path):
+    """The folder is hashed once: by the syncer until the engine reports content ids, then by the
+    engine alone; a record naming other content than its folder holds is refused either way, and
+    the name is not left loaded."""
+    cfg = syncer_config(kafka_config, tmp_path)
+    (a_dir, a), (b_dir, b) = _exports(tmp_path, "alice", "alice")
+    lie = {**a, "name": events.adapter_name("alice", "f" * 64), "version": "f" * 64}  # A's folder, another id
+    with engine_for(cfg, lora=LORA) as (cfg, url), running(new_syncer(cfg)) as syncer:
+        assert not syncer._engine_reports_versions
+        publish(cfg, [_order("weights", "alice", lie, a_dir)], "control")  # refused by the syncer's own hash
+        (first,) = _answers(cfg, _answer_of("failed", lie), 1)
+        assert "adapter version" in first.message and lie["name"] not in _loaded(url)
+        publish(cfg, [_order("weights", "alice", b, b_dir)], "control")
+        _answers(cfg, _answer_of("applied", b), 1)
+        assert syncer._engine_reports_versions  # the CPU engine answered with content ids
+        lie_b = {**lie, "sha256": b["sha256"]}  # B's folder under an id that is not B's
+        publish(cfg, [_order("weights", "alice", lie_b, b_dir)], "control")
+        (second,) = _answers(cfg, _answer_of("failed", lie_b), 1)  # refused on the engine's id, then unloaded
+        assert "the engine loaded content" in second.message and b["version"] in second.message
+        assert lie["name"] not in _loaded(url) and b["name"] in _loaded(url)
+
+
+class _EngineWithoutIds:
+    """A stand-in engine client answering loads as SGLang does (no ``adapter_versions``)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+        self.unloaded: list[str] = []
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        self.loaded.append(name)
+        return {"success": True, "error_message": None, "loaded_adapters": {name: path}}
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        self.unloaded.append(name)
+        return {"success": True, "error_message": None, "loaded_adapters": {}}
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_an_engine_that_reports_no_content_ids_gets_the_folder_verified_even_after_trusting(
+        kafka_config, tmp_path, monkeypatch):
+    cfg = syncer_config(kafka_config, tmp_path)
+    (a_dir, a), (b_dir, _) = _exports(tmp_path, "alice", "bob")
+    syncer = new_syncer(cfg)
+    syncer._engine = fake = _EngineWithoutIds()
+    syncer._engine_reports_versions = True  # as if the engine behind the URL had reported ids before
+    try:
+        ok, msg = syncer.apply_adapter(_order("weights", "alice", a, b_dir))  # A's record, B's folder
+        assert not ok and "adapter version" in msg
+        assert fake.loaded == fake.unloaded == [a["name"]] and not syncer._engine_reports_versions
+        ok, _ = syncer.apply_adapter(_order("weights", "alice", a, a_dir))  # verified before the load now
+        assert ok and syncer.adapters_loaded == {a["name"]: "alice"} and fake.unloaded == [a["name"]]
+    finally:
+        syncer.close()
