@@ -12,7 +12,10 @@ engine client (``_engine_call``), its retry rule (``retried``, the one of full w
   several waiting records, each tenant's newest is applied.
 - ``resume`` (T, A'): A' serves T from now on (None: the base model); every other adapter of T
   this syncer loaded is unloaded (``POST /unload_lora_adapter``), except one whose ``weights``
-  came after the resume (a sync still running).
+  came after the resume (a sync still running) and the one T was served by before: kept until
+  T's next ``resume``, so a request the proxy routed to it just before it read this ``resume``
+  (a lagging follower, a hold that timed out) is still served, not refused. A resume to the base
+  model (``reset``, ``delete``) keeps nothing of T loaded.
 - reconciliation (:meth:`AdapterSync.reconcile_adapters`, at start and every
   ``syncer.check_interval_s``): every tenant's current adapter (its last ``resume``; the folder
   from the matching ``weights`` record) is loaded when the engine's ``/v1/models`` does not list
@@ -158,10 +161,14 @@ class AdapterSync:
     def handle_tenant_records(self, producer, recs: list[events.Control]) -> None:
         """Apply the tenant records of one drained poll, in log order (see the module docstring):
         each tenant's newest ``weights`` is loaded and answered, then each tenant resumed in
-        ``recs`` keeps only its current adapter (and one whose ``weights`` came later)."""
+        ``recs`` keeps only its current adapter, the one before it (unless resumed to the base)
+        and one whose ``weights`` came later."""
         newest: dict[str, tuple[int, events.Control]] = {}
         resumed: dict[str, int] = {}
+        before: dict[str, dict | None] = {}  # tenant -> its adapter before its last resume here
         for i, ev in enumerate(recs):
+            if ev.action == "resume":
+                before[ev.tenant] = self.tenants.current.get(ev.tenant)
             self.tenants.see(ev)
             if ev.action == "weights" and ev.adapter is not None:
                 if ev.tenant in newest:
@@ -174,8 +181,8 @@ class AdapterSync:
             ok, msg = self.apply_adapter(ev)
             self._publish(producer, "applied" if ok else "failed", ev, msg)
         for tenant, at in resumed.items():
-            cur = self.tenants.current.get(tenant)
-            keep = {cur["name"]} if cur is not None else set()
+            cur, prev = self.tenants.current.get(tenant), before.get(tenant)
+            keep = {a["name"] for a in (cur, prev if cur is not None else None) if a is not None}
             if tenant in newest and newest[tenant][0] > at:
                 keep.add(newest[tenant][1].adapter["name"])
             self.unload_others(tenant, keep)

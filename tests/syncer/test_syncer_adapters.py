@@ -53,9 +53,9 @@ def _answer_of(action: str, adapter: dict):
     return lambda e: e.action == action and e.adapter == adapter and e.engine_id == "engine-0"
 
 
-def test_weights_load_the_adapter_resume_unloads_the_old_one_and_a_torn_folder_is_refused(kafka_config, tmp_path):
+def test_weights_load_the_adapter_resume_unloads_the_one_before_the_old_and_a_torn_folder_is_refused(kafka_config, tmp_path):
     cfg = syncer_config(kafka_config, tmp_path)
-    (a1_dir, a1), (a2_dir, a2), (bad_dir, bad) = _exports(tmp_path, "alice", "alice", "bob")
+    (a1_dir, a1), (a2_dir, a2), (a3_dir, a3), (bad_dir, bad) = _exports(tmp_path, "alice", "alice", "alice", "bob")
     (bad_dir / "adapter_model.safetensors").write_bytes(b"torn")  # not what its checksum file says
     with engine_for(cfg, lora=LORA) as (cfg, url), running(new_syncer(cfg)) as syncer:
         base = _scores(url, None)
@@ -67,13 +67,19 @@ def test_weights_load_the_adapter_resume_unloads_the_old_one_and_a_torn_folder_i
                       _order("weights", "alice", a2, a2_dir)], "control")
         _answers(cfg, _answer_of("applied", a2), 1)
         assert {a1["name"], a2["name"]} <= _loaded(url)  # A1 still serves alice until resume names A2
-        publish(cfg, [_order("resume", "alice", a2)], "control")
-        wait_for(lambda: _loaded(url) == {a2["name"]}, what="alice's old adapter to be unloaded")
+        publish(cfg, [_order("resume", "alice", a2), _order("pause", "alice", a3),
+                      _order("weights", "alice", a3, a3_dir)], "control")
+        _answers(cfg, _answer_of("applied", a3), 1)
+        assert {a1["name"], a2["name"], a3["name"]} <= _loaded(url)  # A1: served alice until this resume
+        publish(cfg, [_order("resume", "alice", a3)], "control")
+        wait_for(lambda: _loaded(url) == {a2["name"], a3["name"]}, what="alice's adapter before the last one unloaded")
+        publish(cfg, [_order("resume", "alice", None)], "control")  # reset: nothing of alice stays loaded
+        wait_for(lambda: _loaded(url) == set(), what="alice's adapters unloaded on a resume to the base")
         publish(cfg, [_order("pause", "bob", bad), _order("weights", "bob", bad, bad_dir)], "control")
         (failed,) = _answers(cfg, _answer_of("failed", bad), 1)
         assert failed.tenant == "bob" and "sha256" in failed.message
         assert bad["name"] not in _loaded(url)
-        assert syncer.adapters_loaded == {a2["name"]: "alice"}
+        assert syncer.adapters_loaded == {}
 
 
 def test_every_tenants_newest_weights_of_one_drained_poll_is_applied(kafka_config, tmp_path):
