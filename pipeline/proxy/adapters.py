@@ -8,7 +8,11 @@ The adapter is the one of the tenant's last ``resume`` on ``control``
   engine's, split at the first ``:``; the ``/generate`` path of
   :meth:`pipeline.engine_api.client.EngineClient.chat_stream` turns it into ``lora_path``);
 - answers the client with the model it asked for: the engine's echo of ``"<base>:<name>"`` is
-  put back to ``<base>`` (:func:`shown`), so no client learns, or sends back, an adapter name;
+  put back to ``<base>`` (:func:`shown`). A client cannot choose an adapter: a ``model`` naming
+  one (:mod:`pipeline.proxy.names`) and SGLang's ``lora_path`` field
+  (:func:`pipeline.proxy.validate.check_request`) are refused with 400. The CPU engine's answer
+  metadata (``lora_name``, ``lora_sha256``) is passed on: a tenant sees the name of its own
+  adapter, never another tenant's;
 - records the adapter on the turn, unless the engine reports that another one served it
   (:func:`wrong_adapter`): that turn is recorded without token ids and log-probs (it trains
   nothing), without an adapter, counted and logged as an error.
@@ -43,8 +47,17 @@ def shown(data: bytes) -> bytes:
 
 def wrong_adapter(rec, adapter: dict | None) -> str | None:
     """Why the engine's answer ``rec`` (:class:`pipeline.proxy.record.Recorded`) was not served
-    by ``adapter`` (None: the base model), or None when it was or the engine does not say."""
+    by ``adapter`` (None: the base model), or None when it was or the engine does not say.
+
+    The name must be the adapter's and, when the engine reports the content id of what served it
+    (the CPU engine's ``lora_sha256``; SGLang reports neither), that id its ``version``: a name
+    loaded with other content is not the adapter the turn is recorded with."""
     want = None if adapter is None else adapter["name"]
-    if not rec.lora_reported or rec.lora_name == want:
+    if not rec.lora_reported:
         return None
-    return f"the engine reports adapter {rec.lora_name!r} served it, the proxy routed it to {want!r}"
+    if rec.lora_name != want:
+        return f"the engine reports adapter {rec.lora_name!r} served it, the proxy routed it to {want!r}"
+    if adapter is not None and rec.lora_sha256 is not None and rec.lora_sha256 != adapter["version"]:
+        return (f"the engine's adapter {want!r} holds content {rec.lora_sha256[:16]}..., not the version "
+                f"{adapter['version'][:16]}... its name stands for")
+    return None

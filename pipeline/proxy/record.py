@@ -58,7 +58,7 @@ class Recorded:
     """The parts of one engine answer a turn needs (filled by the functions below)."""
 
     __slots__ = ("prompt_ids", "token_ids", "logprobs", "response", "finish_reason", "weight_version", "model",
-                 "sampling_params", "lora_reported", "lora_name")
+                 "sampling_params", "lora_reported", "lora_name", "lora_sha256")
 
     def __init__(self) -> None:
         self.prompt_ids: list[int] | None = None
@@ -73,12 +73,16 @@ class Recorded:
         # model), only when the engine reports it (``lora_reported``; SGLang does not)
         self.lora_reported = False
         self.lora_name: str | None = None
+        self.lora_sha256: str | None = None  # the content id of that adapter, when the engine reports it
 
     def saw_lora(self, holder: Any) -> None:
-        """Record ``holder["lora_name"]`` (a ``metadata`` or ``meta_info`` dict) when it is there."""
+        """Record ``holder["lora_name"]`` and ``holder["lora_sha256"]`` (a ``metadata`` or
+        ``meta_info`` dict) when they are there."""
         if isinstance(holder, dict) and "lora_name" in holder:
             self.lora_reported = True
             self.lora_name = holder["lora_name"] if isinstance(holder["lora_name"], str) else None
+            sha = holder.get("lora_sha256")
+            self.lora_sha256 = sha if isinstance(sha, str) else None
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,9 @@ SESSION_FIELDS = ("session_id", "turn_type", "session_done")
 #: request fields recorded as the turn's sampling parameters: the table's ``recorded`` fields, and two
 #: SGLang extensions outside it (forwarded untouched) that constrain decoding (no OPD term then)
 SAMPLING_KEYS = tuple(k for k, f in CHAT_FIELDS.items() if f.recorded) + ("json_schema", "structural_tag")
+#: chat fields that choose a LoRA adapter (SGLang's chat reads ``lora_path``): refused, as a ``model``
+#: naming an adapter is (:mod:`pipeline.proxy.names`), since the proxy chooses each tenant's adapter
+ADAPTER_FIELDS = ("lora_path",)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -113,8 +116,8 @@ def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str
 
 def check_request(body: Any) -> None:
     """Validate a parsed chat-completion request in place (nothing is changed): ``n`` must be 1
-    (each recorded turn is one sample), then every field of :data:`pipeline.engine_api.schema.CHAT_FIELDS`
-    that is present.
+    (each recorded turn is one sample), no field of :data:`ADAPTER_FIELDS`, then every field of
+    :data:`pipeline.engine_api.schema.CHAT_FIELDS` that is present.
 
     Raises:
         ProxyError: 400 with the offending field in ``param``.
@@ -126,6 +129,10 @@ def check_request(body: Any) -> None:
         if n != 1:
             raise bad_request("'n' must be 1 through the proxy (each recorded turn is one sample)", param="n",
                               code="unsupported_value")
+    for key in ADAPTER_FIELDS:
+        if isinstance(body, dict) and key in body:
+            raise bad_request(f"'{key}' chooses a LoRA adapter: adapters are chosen by this proxy for each tenant, "
+                              "never by the request", param=key, code="model_not_allowed")
     try:
         check_chat_body(body)
     except ChatBodyError as e:

@@ -62,7 +62,7 @@ class AdapterSync:
 
     # ------------------------------------------------------------ engine calls
 
-    def apply_adapter(self, ev: events.Control) -> tuple[bool, str]:
+    def apply_adapter(self, ev: events.Control, *, live: bool = False) -> tuple[bool, str]:
         """Verify and load one tenant ``weights`` record's adapter. Returns ``(ok, message)``;
         never raises. Retried as a full-weight apply (:meth:`Syncer.retried`): only what can pass.
         Not retried: a missing or torn folder, a version mismatch, the engine refusing the adapter.
@@ -73,7 +73,9 @@ class AdapterSync:
         by the engine alone, its id then compared with ``A.version``. A load that nobody verified
         (an engine that stopped reporting ids) is verified after it. A mismatch unloads the name
         (no request reaches it: the tenant is resumed on it only after every engine's
-        ``applied``) and answers ``failed``.
+        ``applied``) and answers ``failed``. ``live``: the name may already be routed (the
+        tenant's current adapter, reloaded by reconciliation), so the folder is always verified
+        before the load: wrong content is never loaded under it, not even for a moment.
         """
         from pipeline.weightsync import verify_adapter
 
@@ -82,7 +84,7 @@ class AdapterSync:
 
         def check() -> None:
             verified.clear()
-            if not self._engine_reports_versions:
+            if live or not self._engine_reports_versions:
                 verify_adapter(ev.location, version)
                 verified.append(True)
 
@@ -238,7 +240,7 @@ class AdapterSync:
         log.warning("%s: the engine lacks tenant %s's adapter %s: loading %s", self.engine_id, tenant,
                     adapter["name"], ev.location)
         weightsync.SYNCER_RECONCILES.labels(self.engine_id).inc()
-        ok, msg = self.apply_adapter(ev)
+        ok, msg = self.apply_adapter(ev, live=True)
         if ok:
             self._served_again(tenant)
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import openai
+import pytest
 
 from pipeline import events
 from pipeline.proxy import metrics as M
@@ -85,13 +86,21 @@ def test_the_follower_keeps_each_tenants_pause_epoch_and_resumed_adapter():
 
 
 class _WrongAdapterEngine(StandInEngine):  # stand-in LLM whose answers say another adapter served them
+    def __init__(self, reported: dict) -> None:
+        super().__init__()
+        self.reported = reported
+
     def _metadata(self) -> dict:
-        return {"metadata": {"weight_version": "0", "lora_name": "bob@" + "c" * 16}}
+        return {"metadata": {"weight_version": "0", **self.reported}}
 
 
-def test_a_turn_the_engine_says_another_adapter_served_trains_nothing(kafka_config):
+@pytest.mark.parametrize("reported", [
+    {"lora_name": "bob@" + "c" * 16},  # another tenant's adapter
+    {"lora_name": A["name"], "lora_sha256": "c" * 64},  # alice's name, loaded with other content
+], ids=["other-name", "other-content"])
+def test_a_turn_the_engine_says_another_adapter_served_trains_nothing(kafka_config, reported):
     before = M.ADAPTER_MISMATCH._value.get()
-    up = _WrongAdapterEngine()
+    up = _WrongAdapterEngine(reported)
     with serve_app(up) as up_url, running_proxy(kafka_config, up_url, follow_control=True) as (url, app):
         publish(kafka_config, [adapter_order("resume", "alice", A)], "control")
         wait_for(lambda: app.gate.adapter_of("alice") == A, what="the proxy to route alice to A")
@@ -104,3 +113,17 @@ def test_a_turn_the_engine_says_another_adapter_served_trains_nothing(kafka_conf
     assert turn.tenant == "alice" and turn.adapter is None
     assert turn.response_token_ids == [] and turn.response_logprobs == []
     assert M.ADAPTER_MISMATCH._value.get() == before + 1
+
+
+def test_a_request_naming_an_adapter_in_lora_path_is_refused_in_openais_shape(kafka_config):
+    up = StandInEngine()
+    with serve_app(up) as up_url, running_proxy(kafka_config, up_url) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="default", messages=[{"role": "user", "content": "q"}],
+                                               stream=stream, extra_body={"lora_path": A["name"]},
+                                               extra_headers={"X-Tenant-Id": "bob"})
+            err = e.value.body
+            assert (err["code"], err["param"]) == ("model_not_allowed", "lora_path") and "LoRA" in err["message"]
+    assert up.requests == []  # nothing reached the engine
