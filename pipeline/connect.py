@@ -47,8 +47,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context-window", type=int, help="tokens (default: the served model's max_model_len)")
     parser.add_argument("--max-tokens", type=int, default=128, help="longest reply OpenClaw asks for (default 128)")
     parser.add_argument("--provider", default="pipeline", help="provider id in OpenClaw's config (default pipeline)")
-    parser.add_argument("--api-key", default="pipeline", help="bearer key OpenClaw sends (the proxy's, when it "
-                        "has proxy.api_keys; default: a placeholder)")
+    parser.add_argument("--api-key", default="pipeline", help="bearer key OpenClaw sends, when the proxy has "
+                        "keys: one of proxy.api_keys (no tenant) or a tenant's key (proxy.tenants: "
+                        "docs/tenants.md); default: a placeholder")
     parser.add_argument("--no-prompt-profile", action="store_true",
                         help="keep OpenClaw's own prompt settings (tools, skills, bootstrap, context injection)")
     parser.add_argument("--dry-run", action="store_true", help="print the merged config instead of writing it")

@@ -58,6 +58,15 @@ def test_merges_provider_model_and_profile_keeping_the_rest(engine_url, oc_confi
     assert str(oc_config) in capsys.readouterr().out
 
 
+def test_the_key_is_the_one_openclaw_sends(oc_config, capsys):
+    """``--api-key`` (a tenant's key, say) is the provider's ``apiKey``; without it, the placeholder."""
+    fixed = ["connect", "openclaw", "--proxy-url", "http://127.0.0.1:9/v1", "--model", "m", "--context-window", "8192"]
+    assert main([*fixed, "--api-key", "k-alice"]) == 0
+    assert json.loads(oc_config.read_text())["models"]["providers"]["pipeline"]["apiKey"] == "k-alice"
+    assert main(fixed) == 0
+    assert json.loads(oc_config.read_text())["models"]["providers"]["pipeline"]["apiKey"] == "pipeline"
+
+
 def test_the_served_context_window_is_used_and_a_small_one_refused(engine_url, oc_config, capsys):
     assert main(["connect", "openclaw", "--proxy-url", f"{engine_url}/v1"]) == 1
     err = capsys.readouterr().err

@@ -2,19 +2,28 @@
 ``deploy/install_openclaw.sh``) against a running stack, connected the documented way
 (``pipeline connect openclaw``, ``openclaw config validate``, ``openclaw plugins install -l``).
 
-Two OpenClaw homes chat three turns in one session each, at the same time: one with the
+Three OpenClaw homes chat three turns in one session each, at the same time: one with the
 plugin of ``integrations/openclaw`` (headers per request), one with no plugin and no headers
-(the proxy derives the session from OpenClaw's ``sessionId=`` prompt footer). From the topics:
-one proxy session ``openclaw:<sessionId>`` per OpenClaw session, turn indices 0..2, each of the
-first two turns joined with its own session's next message and judged into a rewarded sample,
-no side turn trained. The policy is the tiny random model with an 8,192-token window (OpenClaw
-refuses models under 4,000): plumbing, not quality; the judge is the real CPU embedding judge.
+(the proxy derives the session from OpenClaw's ``sessionId=`` prompt footer), and a tenant: no
+plugin, connected with ``pipeline connect openclaw --api-key <key>`` where ``proxy.tenants`` maps
+the key's sha256 to ``alice`` (docs/tenants.md). The stack has keys on, as a user sets them: the
+other two homes connect with a key of ``proxy.api_keys`` (``PIPELINE_PROXY__API_KEYS`` in the
+environment of the stack: secrets never come from the config file), accepted with no tenant, and
+a key of neither is refused with 401 (one plain HTTP request). From the topics: one proxy
+session ``openclaw:<sessionId>`` per OpenClaw session, turn indices 0..2, each of the first two
+turns joined with its own session's next message and judged into a rewarded sample, no side
+turn trained; every turn, next state and sample of the tenant's session carries ``alice`` (its
+sample ids start with ``alice/``), every record of the other two carries no tenant. The policy
+is the tiny random model with an 8,192-token window (OpenClaw refuses models under 4,000):
+plumbing, not quality; the judge is the real CPU embedding judge.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -23,6 +32,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pipeline import events
@@ -34,9 +44,12 @@ from pipeline.procutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TURNS = 3
-# one session per home (two at once across the homes): each `openclaw agent` call costs tens of
+# one session per home (three at once across the homes): each `openclaw agent` call costs tens of
 # CPU-seconds of Node start-up, and the suite is CPU-bound
 SESSIONS = ("alpha",)
+TENANT = "alice"
+#: each OpenClaw home and the tenant of its key (None: a key of ``proxy.api_keys``, no tenant)
+HOMES = {"plugin": None, "plain": None, "tenant": TENANT}
 
 
 def _openclaw_dir() -> Path | None:
@@ -107,8 +120,8 @@ def _await_samples(config, want: set[tuple[str, int]], timeout_s: float = 300) -
         time.sleep(1)
 
 
-def _check_home(name: str, turns: list, samples: list) -> None:
-    """The assertions of one OpenClaw home (``name``) on the records of its sessions."""
+def _check_home(name: str, tenant: str | None, turns: list, samples: list) -> None:
+    """The assertions of one OpenClaw home (``name``, its key's ``tenant``) on the records of its sessions."""
     ids = {f"openclaw:{name}-{s}": s for s in SESSIONS}
     mine = [e for e in turns if getattr(e, "session_id", None) in ids
             or f"Note {name}-" in json.dumps(getattr(e, "messages", []))]
@@ -125,24 +138,44 @@ def _check_home(name: str, turns: list, samples: list) -> None:
             assert len(joined) == 1, f"{sid}: next states after turn {k}: {len(joined)}"
             text = json.dumps(joined[0].messages)
             assert f"{name}-{session}-{k + 1}" in text, f"{sid} turn {k}: next state is not its own next message"
-            others = [f"{h}-{s}-" for h in ("plugin", "plain") for s in SESSIONS if (h, s) != (name, session)]
+            others = [f"{h}-{s}-" for h in HOMES for s in SESSIONS if (h, s) != (name, session)]
             assert not any(o in text for o in others), f"{sid} turn {k}: another session's message joined"
-    rewarded = {(s.session_id, s.turn_index) for s in samples if s.reward is not None and s.loss_mask}
+    mine_samples = [s for s in samples if s.session_id in ids]
+    # the key decided the tenant of every record of this home: turns (side ones too), next states, samples
+    tenants = {e.tenant for e in mine + mine_samples}
+    assert tenants == {tenant}, f"{name}: tenants {sorted(map(repr, tenants))}, not {tenant!r}"
+    prefix = "" if tenant is None else f"{tenant}/"  # <tenant>/<session>:<turn>:<mode>:<request id>
+    bad_ids = [s.sample_id for s in mine_samples
+               if not s.sample_id.startswith(f"{prefix}{s.session_id}:{s.turn_index}:")]
+    assert not bad_ids, f"{name}: sample ids {bad_ids}"
+    rewarded = {(s.session_id, s.turn_index) for s in mine_samples if s.reward is not None and s.loss_mask}
     assert {(sid, k) for sid in ids for k in range(TURNS - 1)} <= rewarded, f"{name}: rewarded {sorted(rewarded)}"
     # every sample of these sessions is of a main turn: side turns (housekeeping) are never trained
-    trained = {(s.session_id, s.turn_index) for s in samples if s.session_id in ids}
+    trained = {(s.session_id, s.turn_index) for s in mine_samples}
     assert trained <= {(t.session_id, t.turn_index) for t in main}, sorted(trained)
 
 
-def test_openclaw_three_turns_two_sessions_with_and_without_plugin(tmp_path):
+def _refused(proxy_url: str, key: str) -> None:
+    """A key that is neither mapped to a tenant nor one of ``proxy.api_keys`` gets 401 ``invalid_api_key``."""
+    r = httpx.post(f"{proxy_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30.0,
+                   json={"model": "tiny-8k", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (r.status_code, r.text[:300])
+
+
+def test_openclaw_plugin_plain_and_tenant_homes_on_one_stack(tmp_path, monkeypatch):
     t0 = time.monotonic()
     run_dir = tmp_path / "run"
     model = _tiny_8k(tmp_path)
+    # keys as a user sets them: accepted keys (a secret) in the stack's environment, the tenants'
+    # key digests in its config; each home connects with its own key
+    keys = {name: secrets.token_urlsafe(24) for name in ("untenanted", TENANT, "unknown")}
+    monkeypatch.setenv("PIPELINE_PROXY__API_KEYS", json.dumps([keys["untenanted"]]))
     config = load_config(None, engine={"model": str(model), "served_model_name": "tiny-8k", "threads": 1,
                                        "max_batch_size": 8},
-                         judge={"mode": "rl", "backend": "embedding"})
+                         judge={"mode": "rl", "backend": "embedding"},
+                         proxy={"tenants": {hashlib.sha256(keys[TENANT].encode()).hexdigest(): TENANT}})
     homes = {}
-    for name in ("plugin", "plain"):
+    for name in HOMES:
         (tmp_path / name).mkdir()
         homes[name] = _env(tmp_path / name, run_dir)
     port = free_port()
@@ -161,10 +194,13 @@ def test_openclaw_three_turns_two_sessions_with_and_without_plugin(tmp_path):
         record = json.loads((run_dir / "stack.json").read_text())
         assert record["model"] == {"id": "tiny-8k", "context_window": 8192}
         assert stack.proxy_url == record["proxy_url"] == f"http://127.0.0.1:{port}"
-        for env in homes.values():  # the documented way: connect (found from stack.json), then validate
-            out = _run([sys.executable, "-m", "pipeline", "connect", "openclaw", "--max-tokens", "16"], env, 120)
+        _refused(stack.proxy_url, keys["unknown"])
+        for name, env in homes.items():  # the documented way: connect (found from stack.json), then validate
+            key = keys[HOMES[name] or "untenanted"]
+            out = _run([sys.executable, "-m", "pipeline", "connect", "openclaw", "--max-tokens", "16",
+                        "--api-key", key], env, 120)
             assert f"{stack.proxy_url}/v1" in out.stdout and "using the stack of" in out.stderr
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(len(homes)) as pool:
             for done in [pool.submit(_run, ["openclaw", "config", "validate"], env, 120) for env in homes.values()]:
                 done.result()
         t_chat = time.monotonic()
@@ -175,8 +211,8 @@ def test_openclaw_three_turns_two_sessions_with_and_without_plugin(tmp_path):
         turns, samples = _await_samples(config, want)
     finally:
         stack.stop()
-    for name in homes:
-        _check_home(name, turns, samples)
+    for name, tenant in HOMES.items():
+        _check_home(name, tenant, turns, samples)
     print(f"OpenClaw end to end: {time.monotonic() - t0:.0f} s (stack, plugin install, connect, validate "
           f"{t_chat - t0:.0f} s, {TURNS * len(SESSIONS) * len(homes)} agent turns {t_judged - t_chat:.0f} s, "
           f"judged {time.monotonic() - t_judged:.0f} s)")
