@@ -189,3 +189,23 @@ def test_an_engine_that_reports_no_content_ids_gets_the_folder_verified_even_aft
         assert ok and syncer.adapters_loaded == {a["name"]: "alice"} and fake.unloaded == [a["name"]]
     finally:
         syncer.close()
+
+
+def test_reconciliation_never_loads_other_content_under_a_live_adapter_name(kafka_config, tmp_path):
+    """A tenant's current adapter is routed already: when its folder changed (the config edited,
+    the tensors and their checksum intact), a syncer that trusts the engine's content ids still
+    verifies before reloading it, so the name is never loaded with other content."""
+    cfg = syncer_config(kafka_config, tmp_path)
+    (a_dir, a), (b_dir, b) = _exports(tmp_path, "alice", "bob")
+    with engine_for(cfg, lora=LORA) as (cfg, url), running(new_syncer(cfg)) as syncer:
+        publish(cfg, [_order("weights", "alice", a, a_dir), _order("resume", "alice", a)], "control")
+        _answers(cfg, _answer_of("applied", a), 1)
+        publish(cfg, [_order("weights", "bob", b, b_dir)], "control")
+        _answers(cfg, _answer_of("applied", b), 1)
+        assert syncer._engine_reports_versions
+        conf = a_dir / "adapter_config.json"
+        conf.write_text(conf.read_text().replace('"lora_alpha": 8.0', '"lora_alpha": 4.0'))
+        asyncio.run(_unload(url, a["name"]))  # the engine lost it (a restart): reconciliation reloads it
+        (failed,) = _answers(cfg, _answer_of("failed", a), 1)
+        assert failed.message.startswith("reconcile: ") and "adapter version" in failed.message
+        assert a["name"] not in _loaded(url) and "alice" in syncer.adapters_missing
