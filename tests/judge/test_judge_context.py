@@ -8,8 +8,7 @@ import json
 import pytest
 
 from pipeline.judge.cpu.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
-                                    other_day, target_mismatch, wrong_action, wrong_conversion_target,
-                                    wrong_count)
+                                        target_mismatch, wrong_action, wrong_conversion_target, wrong_count)
 
 
 def call(name: str, **args) -> str:
@@ -72,53 +71,22 @@ def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     ("I'm paid in euros. What is 3000 EUR in dollars?", call("fx", **{"from": "EUR", "to": "USD", "amount": 3000})),
     ("30 degrees in Celsius, what is that in Fahrenheit?", call("units", value=30, **{"from": "c", "to": "f"})),
     ("Convert 100 USD to EUR using the rate in real time", call("fx", **{"from": "USD", "to": "EUR", "amount": 100})),
-    # dates never make a call wrong_action (-1): see other_day
-    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00")),
+    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00")),  # dates are not read
 ])
 def test_silent_without_evidence(request_, response):
     assert wrong_action(request_, response) is None
 
 
-@pytest.mark.parametrize("request_,bad,good", [
-    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-05T09:00"),
-     call("book", start="2025-07-03T09:00")),
-    ("schedule the review on March 14th", call("cal_add", date="2026-03-17"), call("cal_add", date="2026-03-14")),
-    ("Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
-     call("reschedule", when="2025-11-02 10:00")),
-])
-def test_another_day_abstains(request_, bad, good):
-    assert other_day(request_, bad) and other_day(request_, good) is None
-    assert wrong_action(request_, bad) is None  # a date only makes the judge abstain
-
-
-@pytest.mark.parametrize("request_,response", [
-    ("Am I free on June 13?", call("list_events", start="2025-06-01", end="2025-06-30")),  # a range
-    ("Call with Tokyo on March 5 at 8am their time", call("book", start="2025-03-04T23:00Z")),  # UTC: a day off
-    ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),  # two days named
-    ("New Year call on January 1", call("book", start="2025-12-31T23:30")),  # across the year
-])
-def test_no_other_day_without_evidence(request_, response):
-    assert other_day(request_, response) is None
-
-
-
-
 @pytest.mark.parametrize("request_,bad,good,kind", [
-    # one of two files swapped for another
-    ("Rename notes_old.md to notes.md", call("rename", src="notes_tmp.md", dst="notes.md"),
-     call("rename", src="notes_old.md", dst="notes.md"), "file"),
-    ("Copy q1.csv to q1_backup.csv", call("shell", cmd="cp q2.csv q1_backup.csv"),
-     call("shell", cmd="cp q1.csv q1_backup.csv"), "file"),
-    # git on another branch than the one named
-    ("Push my work on fix/cart-total to the remote", call("shell", cmd="git push origin main"),
-     call("shell", cmd="git push origin fix/cart-total"), "branch"),
+    ("Send the minutes to marta@acme.io", call("email", to="martin@acme.io"), call("email", to="marta@acme.io"),
+     "email"),
+    ("Delete old.log please", call("shell", cmd="rm new.log"), call("shell", cmd="rm old.log"), "file"),
     ("Check out feature/search-v2 please", call("shell", cmd="git checkout feature/search"),
      call("shell", cmd="git checkout feature/search-v2"), "branch"),
-    ("Merge release/1.4 into main", call("shell", cmd="git merge release/1.3"),
-     call("shell", cmd="git merge release/1.4"), "branch"),
     # a branch named at the end of a sentence: the full stop is not part of its name
     ("Switch to release/3.1.", call("shell", cmd="git switch release/3.0"),
      call("shell", cmd="git switch release/3.1"), "branch"),
+    ("Deploy the fix to staging", call("deploy", env="production"), call("deploy", env="staging"), "env"),
 ])
 def test_a_call_on_another_named_target(request_, bad, good, kind):
     why = target_mismatch(request_, bad)

@@ -4,52 +4,35 @@ A tool can succeed at the wrong thing: the right command on the wrong file, a me
 wrong person, the tests of another module. The result alone then reads as a success; only the
 user's request next to the assistant's tool call shows the mismatch.
 
-- :func:`target_mismatch` compares the specific things each names (file names and paths, e-mail
-  addresses and the names in them, @handles and #channels, ticket-style ids, identifiers such as
-  ``web-2``, branches such as ``feature/login``, environments and branches, dates and times, numbers, names of
-  people or places, also read from the argument they are passed as) kind by kind: when both
-  sides name things of one kind and none of them match, the call targeted something else.
-- :func:`unrequested_target` flags a target argument (path, recipient, branch ...) with a
-  distinctive word the request never uses.
+- :func:`target_mismatch` compares the things of a kind users name exactly (e-mail addresses,
+  file names, branches such as ``feature/login``, environments, also read from the argument
+  they are passed as): when both sides name things of one kind and none match, the call acted
+  on another one (the judge scores the success -1).
+- :func:`wrong_action` finds a success at the wrong thing shown by the request's own words
+  (a misspelt target, a reversed direction, another target language or currency ...; -1 too).
 - :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
   checks for relevance to the query and the request.
 
-All are heuristics. A mismatch makes the judge abstain (score 0), except for the kinds of thing a
-user names exactly (e-mail, file, @handle/#channel, ticket, branch, environment): a call on
-another one of those succeeded at the wrong thing and scores -1
-(:data:`pipeline.judge.cpu.classifier.DISTINCT_KINDS`).
+All are heuristics, kept because each decides rows of the left-out labelled sets
+(docs/judge.md, "What each rule earns").
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 
 _FILE = re.compile(r"(?<![\w@/.-])(?:[\w-]+/)*[\w-]+\.(?:[a-z][a-z0-9]{0,4})\b", re.I)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
-_HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
-_TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
-_NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
-_IDENT = re.compile(r"(?<![\w@#/.-])(?=[\w-]*[a-z])[a-z0-9]+(?:[-_/:.][a-z0-9]+)+(?![\w-])", re.I)
 _ENV = re.compile(r"\b(?:prod|production|staging|stage|dev|development|qa|sandbox|preview|live|main|master|develop|"
                   r"release|canary|beta|test|testing)\b", re.I)
 _BRANCHLIKE = re.compile(r"(?<![\w./-])(?:feature|feat|fix|bugfix|hotfix|release|chore|dev|topic|wip)/[\w./-]+", re.I)
-_WEEKDAY = re.compile(r"\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b", re.I)
-_MONTH = re.compile(r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b",
-                    re.I)
-_ISODATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
-_CLOCK = re.compile(r"\b\d{1,2}:\d{2}\b")
-_AMPM = re.compile(r"\b\d{1,2}\s?(?:am|pm)\b", re.I)
-_PERSON_KEYS = {"to", "recipient", "recipients", "user", "username", "assignee", "owner", "name", "contact", "cc",
-                "reviewer", "reviewers", "member", "person", "attendee", "attendees", "invitee", "for"}
 _ENV_KEYS = {"env", "environment", "stage", "target", "cluster", "namespace", "branch", "region", "workspace"}
 _WORDS = re.compile(r"[^\W_]+")
 _QUERY_KEYS = ("q", "query", "search", "search_query", "term", "terms", "keywords")
 _CODE_QUERY = re.compile(r"\s*(?:select|insert|update|delete|with|match|create|drop)\b|\s*[{\[]", re.I)
 _SEARCH_TOOL = re.compile(r"search|find|lookup|look_up|browse|google|bing|retriev|news|wiki", re.I)
-_NOT_TARGETS = {"json", "yaml", "true", "false", "null", "none"}
 
 
 def call_text(response: str) -> str:
@@ -90,55 +73,32 @@ def _call_args(calls: str) -> list[str]:
 
 
 def _things(text: str) -> dict[str, set[str]]:
-    """The specific things a text names, by kind, normalised to lower case."""
-    found: dict[str, set[str]] = {}
-
-    def add(kind: str, values) -> None:
-        vals = {v.lower().strip() for v in values if v and v.lower().strip() not in _NOT_TARGETS}
-        if vals:
-            found.setdefault(kind, set()).update(vals)
-
-    emails = _EMAIL.findall(text)
-    add("email", emails)
+    """The things of each kind of :data:`KINDS` a text names, in lower case."""
     without_emails = _EMAIL.sub(" ", text)
-    add("file", [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)])
-    add("handle", _HANDLE.findall(without_emails))
-    add("ticket", _TICKET.findall(text))
-    add("number", [n.lstrip("0") or "0" for n in _NUMBER.findall(_FILE.sub(" ", without_emails))])
-    add("name", [n for n in _NAME.findall(" " + without_emails) if not (_WEEKDAY.fullmatch(n) or _MONTH.fullmatch(n))]
-        + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
-                                                        if len(p) >= 3])
-    add("env", _ENV.findall(text))
-    add("weekday", _WEEKDAY.findall(text))
-    add("month", _MONTH.findall(text))
-    add("isodate", _ISODATE.findall(text))
-    add("clock", _CLOCK.findall(text))
-    add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
-    add("branch", [b.rstrip(".,;:") for b in _BRANCHLIKE.findall(without_emails)])  # not a sentence's full stop
-    add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
-    return found
+    found = {"email": _EMAIL.findall(text),
+             "file": [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)],
+             "branch": [b.rstrip(".,;:") for b in _BRANCHLIKE.findall(without_emails)],  # not a full stop
+             "env": _ENV.findall(text)}
+    return {kind: {v.lower().strip() for v in vals} for kind, vals in found.items() if vals}
 
 
 def _call_things(calls: str) -> dict[str, set[str]]:
-    """:func:`_things` of the call's argument values, plus names and environments read from
-    the argument they are passed as (``to``, ``assignee`` ...; ``env``, ``branch`` ...)."""
+    """:func:`_things` of the call's argument values, plus the environment an argument such as
+    ``env`` or ``branch`` names."""
     items = _call_items(calls)
     found = _things(" \n".join(v for _, v in items))
     for key, value in items:
         words = [w.lower() for w in _WORDS.findall(value)]
-        if key in _PERSON_KEYS and 1 <= len(words) <= 3 and not value.isupper():
-            found.setdefault("name", set()).update(w for w in words if len(w) >= 3)
         if key in _ENV_KEYS and 1 <= len(words) <= 3:
             found.setdefault("env", set()).update(words)
     return found
 
 
-KINDS = ("email", "file", "handle", "ticket", "branch", "name", "env", "weekday", "month", "isodate", "clock", "ampm",
-         "ident", "number")
+KINDS = ("email", "file", "branch", "env")
 
 
 def target_mismatch(request: str, response: str) -> str | None:
-    """Why the tool call seems to act on something other than the request names, or None.
+    """Why the tool call seems to act on another thing than the request names, or None.
 
     Args:
         request: the user's request the turn answered.
@@ -150,53 +110,18 @@ def target_mismatch(request: str, response: str) -> str | None:
     calls = call_text(response)
     if not calls or not (request or "").strip():
         return None
-    asked = _things(request)
-    called = _call_things(calls)
+    asked, called = _things(request), _call_things(calls)
     called_text = " ".join(_call_args(calls)).lower()
     for kind in KINDS:
         want, got = asked.get(kind), called.get(kind)
         if not want or not got:
             continue
-        if kind in ("name", "env"):  # a name matches when it appears anywhere in the call
+        if kind == "env":  # an environment matches when it appears anywhere in the call
             if any(re.search(r"(?<![^\W_])" + re.escape(w), called_text) for w in want):
                 continue
         elif want & got or any(w in called_text for w in want):
-            if kind == "file" and _swapped(want, got, called_text):
-                return f"file: the call names {', '.join(sorted(got - want))[:60]} where the request names " \
-                       f"{', '.join(sorted(w for w in want if w not in called_text))[:60]}"
             continue
         return f"{kind}: request names {', '.join(sorted(want))[:60]}, the call {', '.join(sorted(got))[:60]}"
-    ref = git_ref_mismatch(request, calls)
-    if ref:
-        return ref
-    return None
-
-
-def _swapped(want: set[str], got: set[str], called_text: str) -> bool:
-    """Some files match, but the call also names a file the request does not while a file the
-    request names is missing from the call (``mv draft.docx new.docx`` for "rename final.docx to
-    new.docx"): one of the targets was swapped for another."""
-    return bool(got - want) and any(w not in called_text for w in want)
-
-
-_GIT_REF_CMD = re.compile(r"\bgit\s+(?:-\S+\s+)*(push|checkout|switch|merge|rebase|branch|reset|pull|cherry-pick)\b([^;&|\n]*)")
-
-
-def git_ref_mismatch(request: str, calls: str) -> str | None:
-    """A git command (push, checkout, merge ...) on a branch other than the one the request
-    names (``feature/search`` asked, ``git push origin main`` called)."""
-    req_refs = {r.lower().rstrip(".,") for r in _BRANCHLIKE.findall(request or "")}
-    if not req_refs:
-        return None
-    for _, v in _call_items(calls):
-        for m in _GIT_REF_CMD.finditer(v):
-            args = [a for a in m.group(2).split() if not a.startswith("-")]
-            if m.group(1) in ("push", "pull") and args:
-                args = args[1:]  # the remote
-            refs = {a.split(":")[-1].lower() for a in args if a}
-            if refs and not refs & req_refs and not any(r in v.lower() for r in req_refs):
-                return f"branch: git {m.group(1)} on another branch; the request names {', '.join(sorted(req_refs))[:60]}, the call " \
-                       f"{', '.join(sorted(refs))[:60]}"
     return None
 
 
@@ -219,54 +144,6 @@ def call_query(response: str) -> str | None:
                     continue
                 if _SEARCH_TOOL.search(name) or key in ("q", "search", "search_query", "keywords"):
                     return v
-    return None
-
-
-_TARGET_KEYS = {"path", "file", "filename", "filepath", "file_path", "dir", "directory", "folder", "dest",
-                "destination",
-                "to", "recipient", "recipients", "cc", "email", "assignee", "user", "username", "contact", "customer",
-                "branch", "env", "environment", "region", "cluster", "namespace", "database", "db", "table", "repo",
-                "repository", "ticket", "issue", "order_id", "account"}
-_SHELL_KEYS = {"cmd", "command", "script", "shell", "args", "argv", ""}
-_PATHLIKE = re.compile(r"(?<![\w-])(?:~|\.{0,2})?/?(?:[\w.-]+/)+[\w.-]*|(?<![\w/.-])[\w-]+\.[a-z][a-z0-9]{0,4}\b", re.I)
-_GENERIC = set("""tmp var log logs home usr bin etc src lib test tests spec specs data file files dir py js ts tsx jsx
-json yml yaml txt md csv sh cfg ini toml lock the app apps main index default new old all root local www api v1 v2
-http https com org net io example localhost dev null none true false out build dist docs doc html css png jpg pdf zip
-gz tar mnt opt srv run user users config conf settings public static assets images img node_modules venv env""".split())
-
-
-def _present(word: str, request: str) -> bool:
-    """``word`` (lower case) or a word sharing its first 5 letters occurs in the request."""
-    if re.search(r"(?<![^\W_])" + re.escape(word), request):
-        return True
-    return len(word) >= 6 and re.search(r"(?<![^\W_])" + re.escape(word[:5]), request) is not None
-
-
-def unrequested_target(request: str, response: str) -> str | None:
-    """Why a tool call seems to act on a target the request never mentions, or None.
-
-    A target is an argument passed as a path, recipient, branch, environment, channel, service,
-    id ... (or a path in a shell command). It is unrequested when it has a distinctive word
-    (not a generic one such as ``src``, ``tests``, ``json``) and none of its distinctive words,
-    nor a word sharing their first five letters, occurs in the request.
-    """
-    calls = call_text(response)
-    req = (request or "").lower()
-    if not calls or len(_WORDS.findall(req)) < 3:
-        return None
-    for key, value in _call_items(calls):
-        if key in _SHELL_KEYS:  # paths in a command count when the request itself names a file or path
-            values = _PATHLIKE.findall(value) if _PATHLIKE.search(request or "") else []
-        elif key in _TARGET_KEYS and len(value) <= 120 and not (value.isupper() and len(value) <= 5):
-            values = [value]  # (short upper-case codes such as airport or currency codes are not names)
-        else:
-            continue
-        for v in values:
-            words = {w.lower() for w in re.split(r"[\W_]+", _EMAIL.sub(lambda m: m.group(0).split("@")[0], v))
-                     if len(w) >= 3 and not w.isdigit()}
-            distinctive = words - _GENERIC
-            if distinctive and not any(_present(w, req) for w in distinctive):
-                return f"{key or 'command'} {v[:60]!r} is not in the request"
     return None
 
 
@@ -456,55 +333,6 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     got = {g for g in (_call_value(kind, v) for v in dst) if g}
     if got and not got & named:
         return f"the request converts to {want} ({kind}), the call to {', '.join(sorted(got))}"
-    return None
-
-
-_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-           "november", "december")
-_DAY_MONTH = re.compile(r"\b(\d{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+(" + "|".join(_MONTHS) + r"|"
-                        + "|".join(m[:3] for m in _MONTHS) + r")\b", re.I)
-_MONTH_DAY = re.compile(r"\b(" + "|".join(_MONTHS) + r"|" + "|".join(m[:3] for m in _MONTHS)
-                        + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?\b(?!:)", re.I)
-_ISO_DAY = re.compile(r"\b\d{4}-(\d{2})-(\d{2})")
-_ISO_FULL = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})")
-
-
-def _month_index(name: str) -> int:
-    return [m[:3] for m in _MONTHS].index(name.lower()[:3]) + 1
-
-
-def other_day(request: str, response: str) -> str | None:
-    """The request names one calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and the
-    call passes one date (ISO ``YYYY-MM-DD``) more than a day away from it. The judge abstains on
-    it rather than scoring -1: a date can be derived from the request ("the day before", "due in 7
-    days"), a range query passes two, a time converted to UTC moves a day."""
-    calls = call_text(response)
-    if not calls:
-        return None
-    wanted = {(_month_index(m), int(d)) for d, m in _DAY_MONTH.findall(request or "")}
-    wanted |= {(_month_index(m), int(d)) for m, d in _MONTH_DAY.findall(request or "")}
-    wanted |= {(int(mo), int(d)) for mo, d in _ISO_DAY.findall(request or "")}
-    wanted = {(mo, d) for mo, d in wanted if 1 <= mo <= 12 and 1 <= d <= 31}
-    if len(wanted) != 1:
-        return None
-    got = {m for _, v in _call_items(calls) for m in _ISO_FULL.findall(v)}
-    if len(got) != 1:
-        return None
-    (year, mo, d), = [tuple(int(x) for x in g) for g in got]
-    (wm, wd), = wanted
-    try:
-        called = datetime.date(year, mo, d)
-    except ValueError:
-        return None
-    gaps = []
-    for y in (year - 1, year, year + 1):  # "Jan 2" asked in late December may land in the next year
-        try:
-            gaps.append(abs((called - datetime.date(y, wm, wd)).days))
-        except ValueError:  # 29 February of a common year
-            pass
-    gap = min(gaps, default=0)
-    if gap > 1:
-        return f"date: the request names {wm:02d}-{wd:02d}, the call {year}-{mo:02d}-{d:02d}"
     return None
 
 

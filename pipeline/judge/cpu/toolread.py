@@ -151,15 +151,6 @@ _PENDING = re.compile("|".join([
 # a container or pod still being set up (kubectl / docker status columns): the outcome is not known yet
 _STARTING_UP = re.compile(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+)\b|\bhealth: starting\b"
                           r"|^\S+\s+\d+/\d+\s+Pending\s", re.M)
-_NO_RESULTS = re.compile(
-    r"\bno (?:results?|matches|matching|hits|records?|rows?|entries|items|documents?|files?)\b(?: (?:were )?found)?"
-    r"|\b0 (?:results?|matches|hits|records?|rows?|items|documents?|files?)\b|\bnothing (?:found|matched)\b"
-    r"|\bfound 0\b|\breturned 0\b|\bempty (?:result|response|list|set)\b|^\s*(?:\(?empty\)?|none|null|nil)\s*$"
-    r"|\b(?:couldn'?t|could not|didn'?t|did not|unable to|can'?t|cannot) find (?:anything|any|a match|results?)\b"
-    r"|\bnothing (?:was |has been )?found\b|\bno \w+ (?:results|matches|hits) (?:were )?found\b"
-    r"|\bmatch(?:ed)? nothing\b"
-    r"|\b0 \w+ match\b|\bdid not match any\b|\bno (?:matching|relevant) \w+",
-    _I)
 _DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
 _DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
                          r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
@@ -191,9 +182,6 @@ _FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*
                       r"|^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b"
                       r"|^\s*(?:top|search) results\b|^\s*(?:results?|matches) (?:for|found)\b", re.I | re.M)
 
-_READ_CALL = re.compile(r"^\s*(?:[\w-]+\.)?(?:read_file|read|open_file|view_file|get_file|cat_file|read_doc|fetch_doc|"
-                        r"get_doc|read_document)\(|\b(?:cat|less|head|more|bat)\s+[\w./~-]+\.(?:md|rst|txt|adoc)\b",
-                        re.I | re.M)
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+\S", re.M)
 _QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
 _TEST_FAILED = re.compile(_UNITTEST_FAILED.pattern + "|" + _GO_FAIL.pattern, re.M)
@@ -349,14 +337,13 @@ class _Output:
                         or bool(_FOUND_N.search(s.split("\n", 1)[0])))  # search hits, a result listing
         # a prose document (a file read by a read tool, markdown with a heading): the errors it quotes are content
         self.document = (s.count("\n") >= 2 or len(s) >= 200) and bool(
-            _READ_CALL.search(self.call) or (_HEADING.match(s) and s.count("\n") >= 2))
+            _HEADING.match(s) and s.count("\n") >= 2)
         self.cleaned = _ZERO_COUNTS.sub(" ", s)
         if self.document:
             self.cleaned = _QUOTED_SPAN.sub(" ", self.cleaned)
         short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not self.searched and not self.document
-        self.no_results = bool(_NO_RESULTS.search(self.cleaned))
         self.error = None if self.listing else (_ERROR.search(self.cleaned) or (
-            _WEAK_ERROR.search(self.cleaned) if short and not self.no_results else None))
+            _WEAK_ERROR.search(self.cleaned) if short else None))
         self.listing = self.listing or (self.searched and not self.error)
 
 
@@ -430,12 +417,9 @@ RULES = (
     ("http_status", _http_status),
     ("error_signature", lambda o: ToolReading(-1, f"error signature: {o.error.group(0).strip()[:40]}")
      if o.error else None),
-    ("listing", lambda o: ToolReading(1, "result listing") if o.listing else None),
-    ("no_results", lambda o: ToolReading(0, "no results") if o.no_results else None),
     ("starting_up", _when(_STARTING_UP, 0, "pending (a container still starting)")),
     ("pending", _pending),
     ("success", _when(_SUCCESS, 1, "success signature")),
-    ("zero_errors", _when(_ZERO_COUNTS, 1, "reports zero errors")),
 )
 
 
