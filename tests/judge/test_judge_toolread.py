@@ -21,11 +21,8 @@ CASES = [
     ("test result: FAILED. 8 passed; 1 failed; 0 ignored", "", -1),
     ("--- FAIL: TestParse (0.00s)\nFAIL\texample.com/p\t0.01s", "", -1),
     ("ok  \texample.com/p\t0.01s", "", 1),
-    ("Tests run: 10, Failures: 0, Errors: 0, Skipped: 1", "", 1),
-    ("Tests run: 10, Failures: 1, Errors: 0, Skipped: 0", "", -1),
     ("Tests:       2 failed, 9 passed, 11 total", "", -1),
     ("FAILURES!\nTests: 5, Assertions: 9, Failures: 2.", "", -1),
-    ("collected 0 items\n\n==== no tests ran in 0.01s ====", "", 0),
     ("Found 0 errors. 0 warnings.", "", None),  # zero counts are no errors: the model decides
     # exit and HTTP statuses
     ("done\n[exit code 0]", "", 1),
@@ -74,20 +71,10 @@ CASES = [
     ("Monday 12°C cloudy", "", None),
     ("warning: unused variable 'n'", "", None),  # warnings alone: the model decides
     ("Saved 2 files.", "", 1),
-    # a command result given as JSON reads like the same result printed
-    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "find . -size +1G"})', 0),
-    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "npx tsc --noEmit"})', 1),
-    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "sort names.txt > sorted.txt"})', 1),
-    ('{"exit_code": 0, "stdout": "a.txt", "stderr": ""}', 'shell({"cmd": "ls"})', 1),
-    ('{"exit_code": 1, "stdout": "", "stderr": ""}', 'shell({"cmd": "grep -rn TODO src"})', 0),
-    ('{"exit_code": 1, "stdout": "", "stderr": "No such file"}', 'shell({"cmd": "grep -rn TODO srcx"})', -1),
-    ('{"exit_code": 2, "stdout": "", "stderr": ""}', 'shell({"cmd": "make"})', -1),
     # search hits are content, even short ones with error words in them
     ("1. Task groups - cancelled tasks and errors explained", 'web_search({"query": "task groups"})', None),
     ("Traceback (most recent call last):\n  File \"s.py\", line 1\nKeyError: 'q'", 'web_search({"query": "x"})', -1),
-    # JSON: titles describe an object; an identified resource is a success; a page is partial
-    ('{"number": 7, "title": "Login fails on Safari", "state": "open"}', "", 1),
-    ('{"id": "c_1", "description": "invalid rows are skipped"}', "", 1),
+    # JSON: a page of a longer result is partial
     ('{"id": "c_1", "status": "failed"}', "", -1),
     ('{"items": [{"n": 1}], "next_page": 2}', "", 0),
     ('{"data": [{"n": 1}], "has_more": true}', "", 0),
@@ -99,8 +86,7 @@ CASES = [
     ('{"error": "Too many requests, please retry later"}', "", 0),
     ('{"error": {"code": 404, "message": "no such repo"}}', "", -1),  # a client error stays a failure
     ("<html><title>504 Gateway Time-out</title><body>upstream timed out</body></html>", "", 0),
-    # a flag that the thing happened; a false flag decides nothing alone
-    ('{"reservation": "T-88", "confirmed": true}', "", 1),
+    # a false flag decides nothing alone
     ('{"reservation": "T-88", "confirmed": false, "error": "slot taken"}', "", -1),
     # progress that ended in a success; a container still starting
     ("Waiting for rollout of api: 1 of 2 new replicas updated...\nrollout of api completed successfully", "", 1),
@@ -123,7 +109,6 @@ CASES = [
     ("File not found: src/app.py", 'read_file({"path": "src/app.py"})', -1),
     ("Could not post message: channel not found", 'slack_thread_reply({"channel": "x", "text": "y"})', -1),
     # flags and statuses: the most specific outcome field decides
-    ('{"completed": true, "exit_code": 2, "stderr": "boom"}', "", -1),
     ('{"done": true, "status": "failed"}', "", -1),
     ('{"status": "completed", "conclusion": "failure"}', "", -1),
     ('{"ok": true, "error": null, "note": "quota resets later; retry later if needed"}', "", 1),

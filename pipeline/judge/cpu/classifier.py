@@ -48,7 +48,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.judge.cpu.context import call_query, is_search_call, target_mismatch, wrong_action
+from pipeline.judge.cpu.context import call_query, target_mismatch, wrong_action
 from pipeline.judge.cpu.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.cpu.finetune import fine_tuned_encoder, mean_pool, save_atomically
@@ -76,8 +76,6 @@ L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 MAX_TEXT_CHARS = 2000
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
-_RESULT_READINGS = ("JSON results returned", "JSON items returned", "JSON hits returned",
-                    "JSON matches returned", "JSON documents returned")
 
 
 def minilm_dir() -> Path:
@@ -384,7 +382,7 @@ class NextStateClassifier:
             if mismatch:
                 return Judgement(-1, p, f"succeeded at another target than the request names ({mismatch})")
             query = call_query(call)
-            if text.strip() and (query or (reading.reason in _RESULT_READINGS and is_search_call(call))):
+            if text.strip() and query:
                 asked = [q for q in (query, request) if q and q.strip()]
                 e = self.embedder.encode([clip(q, 500) for q in asked] + [clip(text, MAX_TEXT_CHARS)])
                 sim = max(float(e[i] @ e[-1]) for i in range(len(asked))) if asked else 1.0

@@ -10,8 +10,8 @@ user's request next to the assistant's tool call shows the mismatch.
   on another one (the judge scores the success -1).
 - :func:`wrong_action` finds a success at the wrong thing shown by the request's own words
   (a misspelt target, a reversed direction, another target language or currency ...; -1 too).
-- :func:`call_query` and :func:`is_search_call` find search calls, whose results the judge
-  checks for relevance to the query and the request.
+- :func:`call_query` finds the query of a search call, whose results the judge checks for
+  relevance to the query and the request.
 
 All are heuristics, kept because each decides rows of the left-out labelled sets
 (docs/judge.md, "What each rule earns").
@@ -28,10 +28,8 @@ _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _ENV = re.compile(r"\b(?:prod|production|staging|stage|dev|development|qa|sandbox|preview|live|main|master|develop|"
                   r"release|canary|beta|test|testing)\b", re.I)
 _BRANCHLIKE = re.compile(r"(?<![\w./-])(?:feature|feat|fix|bugfix|hotfix|release|chore|dev|topic|wip)/[\w./-]+", re.I)
-_ENV_KEYS = {"env", "environment", "stage", "target", "cluster", "namespace", "branch", "region", "workspace"}
 _WORDS = re.compile(r"[^\W_]+")
 _QUERY_KEYS = ("q", "query", "search", "search_query", "term", "terms", "keywords")
-_CODE_QUERY = re.compile(r"\s*(?:select|insert|update|delete|with|match|create|drop)\b|\s*[{\[]", re.I)
 _SEARCH_TOOL = re.compile(r"search|find|lookup|look_up|browse|google|bing|retriev|news|wiki", re.I)
 
 
@@ -82,18 +80,6 @@ def _things(text: str) -> dict[str, set[str]]:
     return {kind: {v.lower().strip() for v in vals} for kind, vals in found.items() if vals}
 
 
-def _call_things(calls: str) -> dict[str, set[str]]:
-    """:func:`_things` of the call's argument values, plus the environment an argument such as
-    ``env`` or ``branch`` names."""
-    items = _call_items(calls)
-    found = _things(" \n".join(v for _, v in items))
-    for key, value in items:
-        words = [w.lower() for w in _WORDS.findall(value)]
-        if key in _ENV_KEYS and 1 <= len(words) <= 3:
-            found.setdefault("env", set()).update(words)
-    return found
-
-
 KINDS = ("email", "file", "branch", "env")
 
 
@@ -110,7 +96,7 @@ def target_mismatch(request: str, response: str) -> str | None:
     calls = call_text(response)
     if not calls or not (request or "").strip():
         return None
-    asked, called = _things(request), _call_things(calls)
+    asked, called = _things(request), _things(" \n".join(_call_args(calls)))
     called_text = " ".join(_call_args(calls)).lower()
     for kind in KINDS:
         want, got = asked.get(kind), called.get(kind)
@@ -140,16 +126,11 @@ def call_query(response: str) -> str | None:
         if isinstance(args, dict):
             for key in _QUERY_KEYS:
                 v = args.get(key)
-                if not isinstance(v, str) or not _WORDS.findall(v) or _CODE_QUERY.match(v):
+                if not isinstance(v, str) or not _WORDS.findall(v):
                     continue
                 if _SEARCH_TOOL.search(name) or key in ("q", "search", "search_query", "keywords"):
                     return v
     return None
-
-
-def is_search_call(response: str) -> bool:
-    """The assistant called a tool whose name says search (``web_search``, ``kb_lookup`` ...)."""
-    return any(_SEARCH_TOOL.search(line.partition("(")[0]) for line in call_text(response).splitlines())
 
 
 # -- a success at the wrong thing, shown by the request itself (the judge scores it -1) ----------------------
@@ -163,8 +144,6 @@ _CURRENCY = {"euro": "eur", "euros": "eur", "€": "eur", "dollar": "usd", "doll
              "lb": "lb", "lbs": "lb", "metres": "m", "meters": "m", "feet": "ft", "ft": "ft", "inches": "in",
              "cm": "cm", "centimetres": "cm", "centimeters": "cm"}
 _DIRECTION = re.compile(r"([\w€$£¥]+)\s+(?:to|into|in|->|→)\s+([\w€$£¥]+)", re.I)
-_HOW_MANY = re.compile(r"\bhow (?:many|much)\s+([\w€$£¥]+)\s+(?:is|are|in|for|make|equals?|would|do I get for)\s+"
-                       r"(?:[\d.,]+\s*)?(?:\w+\s+)?([\w€$£¥]+)", re.I)
 _FROM_KEYS = ("from", "source", "src", "from_currency", "base", "from_unit", "input", "old", "old_name")
 _TO_KEYS = ("to", "target", "dst", "dest", "destination", "to_currency", "quote", "to_unit", "output", "new",
             "new_name")
@@ -230,9 +209,7 @@ def reversed_direction(request: str, response: str) -> str | None:
     items = _call_items(calls)
     src = {_unit(v) for k, v in items if k in _FROM_KEYS}
     dst = {_unit(v) for k, v in items if k in _TO_KEYS}
-    pairs = [(m.group(1), m.group(2)) for m in _DIRECTION.finditer(request or "")]
-    pairs += [(m.group(2), m.group(1)) for m in _HOW_MANY.finditer(request or "")]  # "how many B is N A": A to B
-    for a, b in pairs:
+    for a, b in [(m.group(1), m.group(2)) for m in _DIRECTION.finditer(request or "")]:
         a, b = _unit(a), _unit(b)
         if a == b:
             continue
@@ -274,7 +251,6 @@ _UNIT_CODES = set(_CURRENCY.values()) - _CURRENCY_CODES
 # a destination: "to X", "into X", and "in X" only closing the request ("what is 30 GBP in yen?"),
 # not inside it ("I wrote it in German", "paid in euros")
 _TARGET_OF = re.compile(r"\b(?:to|into|nach|naar|auf|na)\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?", re.I)
-_IN_AT_END = re.compile(r"\bin\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?\s*[?.!]*\s*$", re.I)  # "... in km?"
 _AMBIGUOUS_UNITS = {"real", "in", "m", "c", "f", "k", "ft", "mi"}  # also ordinary words
 
 
@@ -319,7 +295,7 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     if not dst:
         return None
     destinations = []
-    for m in [*_TARGET_OF.finditer(request or ""), *_IN_AT_END.finditer(request or "")]:
+    for m in _TARGET_OF.finditer(request or ""):
         # "to Japanese yen": the second word names the currency; "into Spanish, please": the first
         wanted = (m.group(2) and _kind_value(m.group(2))) or _kind_value(m.group(1))
         if wanted:

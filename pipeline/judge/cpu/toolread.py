@@ -42,23 +42,13 @@ _ZERO_COUNTS = re.compile(
     r"|(?:失败|错误|エラー|失敗|오류|실패)\s*[:：]?\s*0|0\s*(?:个|件|개)?\s*(?:失败|错误|エラー|失敗|오류|실패)",
     re.I)
 
-# -- test runners ---------------------------------------------------------------------------
-_FAILED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:failed|failing|failures?|errors?|errored|broken)\b"
-                       r"|\b(?:failures|failed|errors)\s*[:=]\s*(\d+)", re.I)
-_PASSED_N = re.compile(r"\b(\d+)\s+(?:tests?\s+)?(?:passed|passing|succeeded|successful|ok)\b", re.I)
-_JUNIT = re.compile(r"Tests run:\s*(\d+),\s*Failures:\s*(\d+)(?:,\s*Errors:\s*(\d+))?", re.I)
-_UNITTEST_FAILED = re.compile(r"^FAILED \((?:failures|errors)=\d+", re.M)
-_UNITTEST_OK = re.compile(r"^Ran \d+ tests? in [\d.]+s\s*\n+\s*OK\b", re.M)
-_CARGO = re.compile(r"test result:\s*(ok|FAILED)", re.I)
-_GO_FAIL = re.compile(r"^(?:--- FAIL:|FAIL\s+\S+|FAIL$)", re.M)
-_GO_OK = re.compile(r"^ok\s+\S+\s+[\d.]+s", re.M)
-_NO_TESTS = re.compile(r"\bno tests? (?:ran|found|collected|to run)\b|\bcollected 0 items\b|\b0 tests?\b", re.I)
+# -- test runners: a unittest or Go run that failed ------------------------------------------
+_TEST_FAILED = re.compile(r"^FAILED \((?:failures|errors)=\d+|^(?:--- FAIL:|FAIL\s+\S+|FAIL$)", re.M)
 
 # -- exit and HTTP statuses -------------------------------------------------------------------
 _EXIT = re.compile(
     r"(?:\bexit(?:ed)?(?:\s+with)?(?:\s+(?:code|status))?|\breturn(?:ed)?\s*code|\breturncode|\bexit_?code"
     r"|\bexit_status|\bexitstatus|\brc)\s*[:=]?\s*\(?(-?\d{1,3})\b", re.I)
-_NONZERO_EXIT = re.compile(r"non-?zero exit (?:status|code)|exit status [1-9]", re.I)
 _HTTP = re.compile(
     r"\bHTTP/\d(?:\.\d)?\s+(\d{3})\b|\b(?:HTTP|status(?:[ _-]?code)?|http_status|statusCode)\"?\s*[:=]?\s*\"?(\d{3})\b"
     r"|^\s*(\d{3})\s+(?:OK|Created|Accepted|No Content|Moved|Found|Not Modified|Bad Request|Unauthori[sz]ed|"
@@ -121,9 +111,6 @@ _PENDING = re.compile("|".join([
 # a container or pod still being set up (kubectl / docker status columns): the outcome is not known yet
 _STARTING_UP = re.compile(r"\b(?:ContainerCreating|PodInitializing|Init:\d+/\d+)\b|\bhealth: starting\b"
                           r"|^\S+\s+\d+/\d+\s+Pending\s", re.M)
-_DONE_NOW = re.compile(r"\b(?:done|finished|completed?|succeeded|ready)\b", re.I)
-_DONE_LATER = re.compile(r"\b(?:when|once|until|after|as soon as|if)\b[^.\n]{0,30}?\b(?:done|finished|completed?|"
-                         r"succeeded|ready)\b|\b\d{1,2}(?:\.\d+)?\s?% (?:complete|completed|done|finished)\b", re.I)
 # failures of the environment, not of the action: rate limits, overload, maintenance (retry later)
 _TRANSIENT_CODES = {429, 502, 503, 504}
 _TRANSIENT = re.compile(
@@ -145,8 +132,6 @@ _COLLECTION_ERROR = re.compile(r"\bERROR collecting\b|\berrors? during collectio
                                r"test module\b", re.I)
 _EMPTY = {"", "[]", "{}", "()", "null", "none", "nil", '""', "''", "(no output)", "<no output>", "no output",
           "(empty)", "<empty>", "empty", "n/a", "-"}
-_URL = re.compile(r"https?://\S+")
-_NUMBERED = re.compile(r"^\s*(?:\d{1,2}[.)]|[-*•])\s+\S", re.M)
 _FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*([1-9]\d*)\s+(?:results?|matches|"
                       r"files?|rows?|items|records|hits|documents?|entries|pages?|issues|messages|emails)\b"
                       r"|^\s*[1-9]\d*\s+[\w -]{1,30}?\s(?:found|returned|matched|available|listed)\b"
@@ -154,8 +139,6 @@ _FOUND_N = re.compile(r"^\s*(?:found|returned|got|showing|retrieved|fetched)?\s*
 
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+\S", re.M)
 _QUOTED_SPAN = re.compile(r"'[^'\n]{1,80}'|\"[^\"\n]{1,80}\"|`[^`\n]{1,120}`|“[^”\n]{1,80}”|‘[^’\n]{1,80}’")
-_TEST_FAILED = re.compile(_UNITTEST_FAILED.pattern + "|" + _GO_FAIL.pattern, re.M)
-_TEST_OK = re.compile(_UNITTEST_OK.pattern + "|" + _GO_OK.pattern, re.M)
 
 # -- JSON fields ------------------------------------------------------------------------------
 _JSON_FAIL = {"error", "errored", "failed", "failure", "fail", "denied", "rejected", "invalid", "timeout", "timed_out",
@@ -168,10 +151,7 @@ _JSON_PENDING = {"pending", "queued", "running", "in_progress", "in-progress", "
                  "waiting", "scheduled", "submitted", "created_pending"}
 _LIST_KEYS = ("results", "items", "data", "hits", "rows", "records", "matches", "documents", "entries", "files",
               "values", "list", "events", "messages")
-_DONE_FLAGS = ("confirmed", "completed", "done", "created", "sent", "saved", "deleted", "booked", "paid", "delivered",
-               "approved", "published", "merged", "deployed", "updated", "scheduled")
 _CODE_KEYS = ("code", "status", "status_code", "statuscode", "http_status", "http_code")
-_EXIT_KEYS = ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc")
 
 
 def _int(v) -> int | None:
@@ -196,21 +176,7 @@ def _json_transient(low: dict) -> ToolReading | None:
     return None
 
 
-def _json_command(low: dict, key: str, call: str) -> ToolReading:
-    """``{"exit_code", "stdout", "stderr"}`` read like the same result printed."""
-    code = low[key]
-    streams = [low[k] for k in ("stdout", "output", "out") if isinstance(low.get(k), str)]
-    quiet = bool(streams) and not any(x.strip() for x in streams) and not str(low.get("stderr") or "").strip()
-    if code == 0:
-        if quiet and not (call and _SILENT_OK.search(call)):
-            return ToolReading(0, f"JSON {key}=0 with an empty output")
-        return ToolReading(1, f"JSON {key}=0")
-    if code == 1 and call and _SILENT_ON_ERROR_1.search(call) and quiet:
-        return ToolReading(0, f"JSON {key}=1 of a match/compare command (no match)")
-    return ToolReading(-1, f"JSON {key}={code}")
-
-
-def _json_fields(low: dict, call: str) -> ToolReading | None:
+def _json_fields(low: dict) -> ToolReading | None:
     """The outcome fields of a JSON object, most specific first."""
     for key, err in low.items():
         if ("error" in key or key in ("exception", "fault", "failure")) and "count" not in key \
@@ -219,13 +185,6 @@ def _json_fields(low: dict, call: str) -> ToolReading | None:
     for key in ("ok", "success", "succeeded"):
         if isinstance(low.get(key), bool):
             return ToolReading(1 if low[key] else -1, f"JSON {key}={str(low[key]).lower()}")
-    for key in _EXIT_KEYS:
-        if _int(low.get(key)) is not None and not isinstance(low.get(key), str):
-            return _json_command(low, key, call)
-    for key in ("status_code", "statuscode", "http_status", "code", "status"):
-        v = low.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and 100 <= v <= 599:
-            return _http_reading(v)
     for key in ("conclusion", "outcome", "result", "status", "state"):  # a conclusion outranks a status
         s = low[key].strip().lower().replace(" ", "_") if isinstance(low.get(key), str) else ""
         for values, label in ((_JSON_FAIL, -1), (_JSON_PENDING, 0), (_JSON_OK, 1)):
@@ -236,10 +195,7 @@ def _json_fields(low: dict, call: str) -> ToolReading | None:
 
 def _json_shape(low: dict) -> ToolReading | None:
     """What a JSON object without outcome fields says by its shape: a flag that the thing
-    happened, a list of results, a status message, a zero count, a page, an identified resource."""
-    for key in _DONE_FLAGS:  # "confirmed": true on a booking; a false one says nothing by itself
-        if low.get(key) is True:
-            return ToolReading(1, f"JSON {key}=true")
+    a list of results, a status message, a page of a longer result."""
     more = any(low.get(k) for k in ("next_page", "next_cursor", "has_more", "truncated"))
     for key in _LIST_KEYS:
         if isinstance(low.get(key), list) and not low.get("next_page") and not low.get("has_more"):
@@ -248,15 +204,8 @@ def _json_shape(low: dict) -> ToolReading | None:
         v = low.get(key)
         if isinstance(v, str) and len(v) <= SHORT_CHARS and (_ERROR.search(v) or _WEAK_ERROR.search(v)):
             return ToolReading(-1, f"JSON {key} reports an error")
-    if any(_int(low.get(k)) == 0 and not isinstance(low.get(k), str) for k in ("total", "count", "total_count",
-                                                                            "num_results", "totalresults")) \
-            and len(low) <= 3:
-        return ToolReading(0, "JSON count=0")
     if more:
         return ToolReading(0, "JSON page of a longer result (more pages)")
-    if any(k in low for k in ("id", "uuid", "number", "html_url", "url", "self", "href")) and not any(
-            isinstance(v, str) and v.strip().lower().replace(" ", "_") in _JSON_FAIL for v in low.values()):
-        return ToolReading(1, "JSON object returned (an identified resource)")
     return None
 
 
@@ -270,32 +219,6 @@ def _http_reading(code: int) -> ToolReading:
     return ToolReading(-1 if 400 <= code < 600 else 0, f"HTTP {code}")
 
 
-def _tests(s: str) -> ToolReading | None:
-    """Test-runner summaries: JUnit/Maven, Cargo, unittest and Go, then counts (zero counts removed)."""
-    m = _JUNIT.search(s)
-    if m:
-        bad = int(m.group(2)) + int(m.group(3) or 0)
-        return ToolReading(-1 if bad else (1 if int(m.group(1)) else 0), f"JUnit: {bad} failures/errors")
-    m = _CARGO.search(s)
-    if m:
-        ok = m.group(1).lower() == "ok" and not _FAILED_N.search(_ZERO_COUNTS.sub(" ", s))
-        return ToolReading(1 if ok else -1, f"cargo: {'ok' if ok else 'FAILED'}")
-    if _TEST_FAILED.search(s):
-        return ToolReading(-1, "test run failed")
-    cleaned = _ZERO_COUNTS.sub(" ", s)
-    failed = sum(int(a or b) for a, b in _FAILED_N.findall(cleaned))
-    if failed:
-        return ToolReading(-1, f"tests: {failed} failed")
-    if _TEST_OK.search(s):
-        return ToolReading(1, "test run ok")
-    passed = sum(int(n) for n in _PASSED_N.findall(cleaned))
-    if passed and re.search(r"\btests?\b|\bpassed\b|\bpassing\b|\bspecs?\b|\bsuites?\b|=====", s, re.I):
-        return ToolReading(1, f"tests: {passed} passed")
-    if _NO_TESTS.search(s) and re.search(r"\btests?\b|\bcollected\b", s, re.I):
-        return ToolReading(0, "no tests ran")
-    return None
-
-
 class _Output:
     """One tool result and what the rules share about it."""
 
@@ -303,8 +226,7 @@ class _Output:
         self.s, self.call = (text or "").strip(), call or ""
         s = self.s
         self.searched = bool(_SEARCH_CALL.search(self.call))
-        self.listing = (len(_URL.findall(s)) >= 2 or len(_NUMBERED.findall(s)) >= 3
-                        or bool(_FOUND_N.search(s.split("\n", 1)[0])))  # search hits, a result listing
+        self.listing = bool(_FOUND_N.search(s.split("\n", 1)[0]))  # "Found 3 matches": a result listing
         # a prose document (a file read by a read tool, markdown with a heading): the errors it quotes are content
         self.document = (s.count("\n") >= 2 or len(s) >= 200) and bool(
             _HEADING.match(s) and s.count("\n") >= 2)
@@ -337,7 +259,7 @@ def _json(o: _Output) -> ToolReading | None:
         return ToolReading(0, "empty JSON list")
     if isinstance(obj, dict):
         low = {str(k).lower(): v for k, v in obj.items()}
-        reading = _json_transient(low) or _json_fields(low, o.call) or _json_shape(low)
+        reading = _json_transient(low) or _json_fields(low) or _json_shape(low)
         if reading is not None:
             return reading
     return None if _ERROR.search(o.cleaned) else ToolReading(None, "JSON data")
@@ -349,9 +271,7 @@ def _exit_status(o: _Output) -> ToolReading | None:
         if codes[-1] == 1 and _SILENT_ON_ERROR_1.search(o.call) and not o.error:
             return ToolReading(0, "exit 1 of a match/compare command (no match)")
         return ToolReading(-1, f"exit status {codes[-1]}")
-    if codes and not o.error:
-        return ToolReading(1, "exit status 0")
-    return ToolReading(-1, "non-zero exit status") if _NONZERO_EXIT.search(o.s) else None
+    return ToolReading(1, "exit status 0") if codes and not o.error else None
 
 
 def _http_status(o: _Output) -> ToolReading | None:
@@ -360,10 +280,10 @@ def _http_status(o: _Output) -> ToolReading | None:
 
 
 def _pending(o: _Output) -> ToolReading | None:
-    """Queued, running, submitted ... unless the output ends in a success or says it is done now."""
+    """Queued, running, submitted ... unless the output ends in a success."""
     lines = o.s.splitlines() or [""]
     ended_well = len(lines) > 1 and bool(_SUCCESS.search(lines[-1])) and not _PENDING.search(lines[-1])
-    if _PENDING.search(o.s) and not _DONE_NOW.search(_DONE_LATER.sub(" ", o.s)) and not ended_well:
+    if _PENDING.search(o.s) and not ended_well:
         return ToolReading(0, "pending")
     return None
 
@@ -381,7 +301,7 @@ RULES = (
     ("collection_error", lambda o: ToolReading(-1, "test collection error (no test could run)")
      if _COLLECTION_ERROR.search(o.s) and not o.searched and not o.listing else None),
     ("unsettled", _when(_UNSETTLED, 0, "not settled (dry run, partial, truncated or flaky)")),
-    ("test_summary", lambda o: _tests(o.s)),
+    ("test_summary", _when(_TEST_FAILED, -1, "test run failed")),
     ("transient", _when(_TRANSIENT, 0, "transient failure of the environment (rate limit, overload)")),
     ("exit_status", _exit_status),
     ("http_status", _http_status),
