@@ -135,15 +135,11 @@ def call_query(response: str) -> str | None:
 
 # -- a success at the wrong thing, shown by the request itself (the judge scores it -1) ----------------------
 _TOKEN = re.compile(r"[\w./~-]*[A-Za-z][\w./~-]*")
-_CURRENCY = {"euro": "eur", "euros": "eur", "€": "eur", "dollar": "usd", "dollars": "usd", "$": "usd",
-             "pound": "gbp", "pounds": "gbp", "sterling": "gbp", "£": "gbp", "yen": "jpy", "¥": "jpy",
-             "franc": "chf", "francs": "chf", "rupee": "inr", "rupees": "inr", "yuan": "cny", "renminbi": "cny",
-             "krona": "sek", "kronor": "sek", "zloty": "pln", "real": "brl", "reais": "brl", "peso": "mxn",
-             "pesos": "mxn", "celsius": "c", "fahrenheit": "f", "kelvin": "k", "miles": "mi", "kilometres": "km",
-             "kilometers": "km", "km": "km", "mi": "mi", "kg": "kg", "kilograms": "kg", "pounds_mass": "lb",
-             "lb": "lb", "lbs": "lb", "metres": "m", "meters": "m", "feet": "ft", "ft": "ft", "inches": "in",
-             "cm": "cm", "centimetres": "cm", "centimeters": "cm"}
-_DIRECTION = re.compile(r"([\w€$£¥]+)\s+(?:to|into|in|->|→)\s+([\w€$£¥]+)", re.I)
+_CURRENCY = {"euro": "eur", "euros": "eur", "dollar": "usd", "dollars": "usd", "pound": "gbp", "pounds": "gbp",
+             "sterling": "gbp", "yen": "jpy", "franc": "chf", "francs": "chf", "rupee": "inr", "rupees": "inr",
+             "yuan": "cny", "renminbi": "cny", "krona": "sek", "kronor": "sek", "zloty": "pln", "reais": "brl",
+             "peso": "mxn", "pesos": "mxn"}  # currency names -> ISO 4217 codes
+_DIRECTION = re.compile(r"(\w+)\s+(?:to|into)\s+(\w+)", re.I)
 _FROM_KEYS = ("from", "source", "src", "from_currency", "base", "from_unit", "input", "old", "old_name")
 _TO_KEYS = ("to", "target", "dst", "dest", "destination", "to_currency", "quote", "to_unit", "output", "new",
             "new_name")
@@ -195,22 +191,22 @@ def misspelt_target(request: str, response: str) -> str | None:
     return None
 
 
-def _unit(word: str) -> str:
-    w = word.lower()
-    return _CURRENCY.get(w, w)
+def _currency(word: str) -> str:
+    """A currency name as its code (``"euros"`` -> ``"eur"``); any other word in lower case."""
+    return _CURRENCY.get(word.lower(), word.lower())
 
 
 def reversed_direction(request: str, response: str) -> str | None:
-    """The request says "A to B" (a conversion, a rename, a copy) and the call goes from B to A:
+    """The request says "A to B" (a currency conversion, a rename) and the call goes from B to A:
     by ``from``/``to``-style arguments, or by the order of A and B in a ``mv``/``cp`` command."""
     calls = call_text(response)
     if not calls:
         return None
     items = _call_items(calls)
-    src = {_unit(v) for k, v in items if k in _FROM_KEYS}
-    dst = {_unit(v) for k, v in items if k in _TO_KEYS}
+    src = {_currency(v) for k, v in items if k in _FROM_KEYS}
+    dst = {_currency(v) for k, v in items if k in _TO_KEYS}
     for a, b in [(m.group(1), m.group(2)) for m in _DIRECTION.finditer(request or "")]:
-        a, b = _unit(a), _unit(b)
+        a, b = _currency(a), _currency(b)
         if a == b:
             continue
         if src and dst and a in dst and b in src and a not in src and b not in dst:
@@ -223,50 +219,22 @@ def reversed_direction(request: str, response: str) -> str | None:
     return None
 
 
-_LANGUAGE = {  # language names (English and native, a few other spellings) -> ISO 639-1
-    "en": ("english", "anglais", "englisch", "inglés", "ingles", "inglese", "inglês", "engels", "angielski"),
-    "es": ("spanish", "español", "espanol", "espagnol", "spanisch", "spagnolo", "espanhol", "spaans", "hiszpański",
-           "castilian"),
-    "fr": ("french", "français", "francais", "französisch", "francés", "frances", "francese", "francês", "frans",
-           "francuski"),
-    "de": ("german", "deutsch", "allemand", "alemán", "aleman", "tedesco", "alemão", "duits", "niemiecki"),
-    "it": ("italian", "italiano", "italien", "italienisch", "italiaans", "włoski"),
-    "pt": ("portuguese", "português", "portugues", "portugais", "portugiesisch", "portoghese", "portugués",
-           "portugees", "portugalski"),
-    "nl": ("dutch", "nederlands", "néerlandais", "niederländisch", "holandés", "olandese", "holenderski"),
-    "pl": ("polish", "polski", "polonais", "polnisch", "polaco", "polacco"),
-    "ru": ("russian", "русский", "russe", "russisch", "ruso", "russo", "rosyjski"),
-    "ja": ("japanese", "日本語", "japonais", "japanisch", "japonés", "giapponese", "japonês", "japans"),
-    "zh": ("chinese", "mandarin", "中文", "汉语", "chinois", "chinesisch", "chino", "cinese", "chinês"),
-    "ko": ("korean", "한국어", "coréen", "koreanisch", "coreano"),
-    "ar": ("arabic", "arabe", "arabisch", "árabe", "arabo"),
-    "tr": ("turkish", "türkçe", "turc", "türkisch", "turco"),
-    "sv": ("swedish", "svenska", "suédois", "schwedisch", "sueco", "svedese"),
-    "hi": ("hindi",), "uk": ("ukrainian", "українська"), "el": ("greek", "ελληνικά"), "cs": ("czech", "čeština"),
-}
-_LANGUAGE_OF = {name: code for code, names in _LANGUAGE.items() for name in names}
+_LANGUAGE = {"en": "english", "es": "spanish", "fr": "french", "de": "german", "it": "italian", "pt": "portuguese",
+             "nl": "dutch", "pl": "polish", "ru": "russian", "ja": "japanese", "zh": "chinese", "ko": "korean",
+             "ar": "arabic", "tr": "turkish", "sv": "swedish", "hi": "hindi", "uk": "ukrainian", "el": "greek",
+             "cs": "czech"}  # ISO 639-1 codes -> English names
+_LANGUAGE_OF = {name: code for code, name in _LANGUAGE.items()}
 _CURRENCY_CODES = {"eur", "usd", "gbp", "jpy", "chf", "inr", "cny", "sek", "pln", "brl", "mxn", "cad", "aud", "nzd",
                    "nok", "dkk", "krw", "hkd", "sgd", "try", "zar", "czk", "huf"}
-_UNIT_CODES = set(_CURRENCY.values()) - _CURRENCY_CODES
-# a destination: "to X", "into X", and "in X" only closing the request ("what is 30 GBP in yen?"),
-# not inside it ("I wrote it in German", "paid in euros")
-_TARGET_OF = re.compile(r"\b(?:to|into|nach|naar|auf|na)\s+([^\W\d_]+|[€$£¥])(?:\s+([^\W\d_]+))?", re.I)
-_AMBIGUOUS_UNITS = {"real", "in", "m", "c", "f", "k", "ft", "mi"}  # also ordinary words
+_TARGET_OF = re.compile(r"\b(?:to|into)\s+([^\W\d_]+)(?:\s+([^\W\d_]+))?", re.I)  # a destination: "to X", "into X"
 
 
 def _kind_value(word: str) -> tuple[str, str] | None:
-    """``("language", "es")``, ``("currency", "jpy")`` or ``("unit", "km")`` of one word, or None."""
+    """``("language", "es")`` or ``("currency", "jpy")`` of one word, or None."""
     w = word.lower().strip(".,:;!?'\"")
-    if w in _AMBIGUOUS_UNITS:
-        return None
     if w in _LANGUAGE_OF:
         return "language", _LANGUAGE_OF[w]
-    unit = _CURRENCY.get(w, w)
-    if unit in _CURRENCY_CODES:
-        return "currency", unit
-    if w in _CURRENCY:
-        return "unit", unit
-    return None
+    return ("currency", _currency(w)) if _currency(w) in _CURRENCY_CODES else None
 
 
 def _call_value(kind: str, value: str) -> str | None:
@@ -276,14 +244,12 @@ def _call_value(kind: str, value: str) -> str | None:
         code = re.split(r"[-_]", v)[0]
         return code if code in _LANGUAGE else _LANGUAGE_OF.get(v)
     got = _kind_value(v)
-    if got is None and kind == "unit" and v in _UNIT_CODES:  # a unit's code ("m", "lb") in an argument
-        return v
     return got[1] if got and got[0] == kind else None
 
 
 def wrong_conversion_target(request: str, response: str) -> str | None:
-    """The request converts or translates *to* a named language, currency or unit ("into
-    Spanish", "to Japanese yen": its last such destination) and the call's ``to``/``target``
+    """The request converts or translates *to* a named language or currency ("into Spanish",
+    "to Japanese yen": its last such destination) and the call's ``to``/``target``
     argument is another one of the same kind (``"target": "fr"``) that the request names nowhere
     ("I wrote it in German, translate it into English" with target ``de`` is not caught: German is
     named, so the call may have read the request another way)."""
@@ -303,9 +269,7 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     if not destinations:
         return None
     kind, want = destinations[-1]
-    named = {v for w in _WORDS.findall(request or "") for v in [_kind_value(w)] if v and v[0] == kind}
-    named |= {("currency", c) for c in re.findall(r"\b[A-Z]{3}\b", request or "") if c.lower() in _CURRENCY_CODES}
-    named = {v for _, v in named} | {want}
+    named = {v[1] for w in _WORDS.findall(request or "") for v in [_kind_value(w)] if v and v[0] == kind} | {want}
     got = {g for g in (_call_value(kind, v) for v in dst) if g}
     if got and not got & named:
         return f"the request converts to {want} ({kind}), the call to {', '.join(sorted(got))}"
@@ -341,9 +305,6 @@ def wrong_count(request: str, response: str) -> str | None:
     if not calls:
         return None
     said = {n.lstrip("0") or "0" for n in _NUMBER.findall(request or "")}
-    words = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8",
-             "nine": "9", "ten": "10", "twelve": "12"}
-    said |= {n for w, n in words.items() if re.search(rf"\b{w}\b", request or "", re.I)}
     if not said:
         return None
     for key, v in _call_items(calls):
@@ -354,7 +315,7 @@ def wrong_count(request: str, response: str) -> str | None:
 
 def wrong_action(request: str, response: str) -> str | None:
     """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
-    target, a reversed direction, another target language, currency or unit, a public post for a
+    target, a reversed direction, another target language or currency, a public post for a
     private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
     for check in (misspelt_target, reversed_direction, wrong_conversion_target, public_instead_of_private,
                   narrower_scope, wrong_count):
