@@ -21,7 +21,7 @@ def call(name: str, **args) -> str:
      call("shell", cmd="rm -rf ./output")),
     (misspelt_target, "Show the last lines of /var/log/postgres.log", call("sh", cmd="tail /var/log/postrges.log"),
      call("sh", cmd="tail /var/log/postgres.log")),
-    (reversed_direction, "How much is 50 pounds in yen?", call("fx", **{"from": "JPY", "to": "GBP", "amount": 50}),
+    (reversed_direction, "Convert 50 pounds to yen", call("fx", **{"from": "JPY", "to": "GBP", "amount": 50}),
      call("fx", **{"from": "GBP", "to": "JPY", "amount": 50})),
     (reversed_direction, "Rename old.txt to new.txt", call("shell", cmd="mv new.txt old.txt"),
      call("shell", cmd="mv old.txt new.txt")),
@@ -31,12 +31,10 @@ def call(name: str, **args) -> str:
      call("shell", cmd="pytest tests")),
     (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
      call("shell", cmd="go test ./...")),
-    (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
-    # another target language, currency or unit than the request names
+    (wrong_count, "Reserve seats for 3 of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
+    # another target language or currency than the request names
     (wrong_conversion_target, "Please translate the menu into German.", call("translate", text="x", target="it"),
      call("translate", text="x", target="de")),
-    (wrong_conversion_target, "Übersetze das bitte ins Englische: 'Guten Tag'. Auf Englisch bitte.",
-     call("translate", text="Guten Tag", source="de", target="fr"), call("translate", text="Guten Tag", target="en-GB")),
     (wrong_conversion_target, "Convert 45 euros to Japanese yen", call("fx", base="EUR", quote="USD", amount=45),
      call("fx", base="EUR", quote="JPY", amount=45)),
 ])

@@ -83,7 +83,6 @@ CASES = [
     ('{"error": {"code": 503, "message": "The model is overloaded"}}', "", 0),
     ('{"error": {"status": "429", "message": "slow down"}}', "", 0),
     ('{"status_code": 502, "error": "Bad Gateway"}', "", 0),
-    ('{"error": "Too many requests, please retry later"}', "", 0),
     ('{"error": {"code": 404, "message": "no such repo"}}', "", -1),  # a client error stays a failure
     ("<html><title>504 Gateway Time-out</title><body>upstream timed out</body></html>", "", 0),
     # a false flag decides nothing alone
