@@ -39,20 +39,23 @@ def call_text(response: str) -> str:
     return calls.strip() if sep else ""
 
 
+def _calls(calls: str):
+    """``(tool name, arguments)`` of each rendered call: the parsed JSON, or the raw argument text."""
+    for line in calls.splitlines():
+        name, sep, rest = line.partition("(")
+        if sep:
+            raw = rest[:-1] if rest.endswith(")") else rest
+            try:
+                yield name, json.loads(raw)
+            except ValueError:
+                yield name, raw
+
+
 def _call_items(calls: str) -> list[tuple[str, str]]:
     """``(argument name, value)`` of the tool calls' JSON arguments, nested values flattened
     (name "" for the whole argument text when it is not JSON)."""
     out = []
-    for line in calls.splitlines():
-        _, sep, rest = line.partition("(")
-        if not sep:
-            continue
-        raw = rest[:-1] if rest.endswith(")") else rest
-        try:
-            args = json.loads(raw)
-        except ValueError:
-            out.append(("", raw))
-            continue
+    for _, args in _calls(calls):
         stack = [("", args)]
         while stack:
             key, v = stack.pop()
@@ -113,16 +116,8 @@ def target_mismatch(request: str, response: str) -> str | None:
 
 def call_query(response: str) -> str | None:
     """The query string of a search call: an argument ``q``, ``search`` or ``keywords``, or
-    ``query``/``term`` of a tool whose name says search (``web_search``, ``kb_lookup`` ...);
-    not database or code queries (SQL, JSON)."""
-    for line in call_text(response).splitlines():
-        name, sep, rest = line.partition("(")
-        if not sep:
-            continue
-        try:
-            args = json.loads(rest[:-1] if rest.endswith(")") else rest)
-        except ValueError:
-            continue
+    ``query``/``term`` of a tool whose name says search (``web_search``, ``kb_lookup`` ...)."""
+    for name, args in _calls(call_text(response)):
         if isinstance(args, dict):
             for key in _QUERY_KEYS:
                 v = args.get(key)
@@ -199,13 +194,10 @@ def _currency(word: str) -> str:
 def reversed_direction(request: str, response: str) -> str | None:
     """The request says "A to B" (a currency conversion, a rename) and the call goes from B to A:
     by ``from``/``to``-style arguments, or by the order of A and B in a ``mv``/``cp`` command."""
-    calls = call_text(response)
-    if not calls:
-        return None
-    items = _call_items(calls)
+    items = _call_items(call_text(response))
     src = {_currency(v) for k, v in items if k in _FROM_KEYS}
     dst = {_currency(v) for k, v in items if k in _TO_KEYS}
-    for a, b in [(m.group(1), m.group(2)) for m in _DIRECTION.finditer(request or "")]:
+    for a, b in _DIRECTION.findall(request or ""):
         a, b = _currency(a), _currency(b)
         if a == b:
             continue
@@ -226,6 +218,7 @@ _LANGUAGE = {"en": "english", "es": "spanish", "fr": "french", "de": "german", "
 _LANGUAGE_OF = {name: code for code, name in _LANGUAGE.items()}
 _CURRENCY_CODES = {"eur", "usd", "gbp", "jpy", "chf", "inr", "cny", "sek", "pln", "brl", "mxn", "cad", "aud", "nzd",
                    "nok", "dkk", "krw", "hkd", "sgd", "try", "zar", "czk", "huf"}
+_LANGUAGE_KEYS = ("language", "lang", "target_lang", "target_language", "to_lang", "currency")
 _TARGET_OF = re.compile(r"\b(?:to|into)\s+([^\W\d_]+)(?:\s+([^\W\d_]+))?", re.I)  # a destination: "to X", "into X"
 
 
@@ -253,20 +246,10 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     argument is another one of the same kind (``"target": "fr"``) that the request names nowhere
     ("I wrote it in German, translate it into English" with target ``de`` is not caught: German is
     named, so the call may have read the request another way)."""
-    calls = call_text(response)
-    if not calls:
-        return None
-    dst = [v for k, v in _call_items(calls) if k in _TO_KEYS or k in ("language", "lang", "target_lang",
-                                                                        "target_language", "to_lang", "currency")]
-    if not dst:
-        return None
-    destinations = []
-    for m in _TARGET_OF.finditer(request or ""):
-        # "to Japanese yen": the second word names the currency; "into Spanish, please": the first
-        wanted = (m.group(2) and _kind_value(m.group(2))) or _kind_value(m.group(1))
-        if wanted:
-            destinations.append(wanted)
-    if not destinations:
+    dst = [v for k, v in _call_items(call_text(response)) if k in _TO_KEYS + _LANGUAGE_KEYS]
+    # "to Japanese yen": the second word names the currency; "into Spanish, please": the first
+    destinations = [d for a, b in _TARGET_OF.findall(request or "") if (d := (b and _kind_value(b)) or _kind_value(a))]
+    if not dst or not destinations:
         return None
     kind, want = destinations[-1]
     named = {v[1] for w in _WORDS.findall(request or "") for v in [_kind_value(w)] if v and v[0] == kind} | {want}
@@ -278,10 +261,9 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
 
 def public_instead_of_private(request: str, response: str) -> str | None:
     """The request asks for a private message and the call posts to a channel (``#name``)."""
-    calls = call_text(response)
-    if not calls or not _PRIVATE.search(request or ""):
+    if not _PRIVATE.search(request or ""):
         return None
-    for key, v in _call_items(calls):
+    for key, v in _call_items(call_text(response)):
         if key in ("channel", "channel_id", "room", "to", "conversation") and v.strip().startswith("#"):
             return f"a private message was asked, the call posts to {v.strip()[:40]}"
     return None
@@ -289,10 +271,9 @@ def public_instead_of_private(request: str, response: str) -> str | None:
 
 def narrower_scope(request: str, response: str) -> str | None:
     """The request asks for the whole test suite and the call runs one test file or a filtered subset."""
-    calls = call_text(response)
-    if not calls or not _WHOLE.search(request or ""):
+    if not _WHOLE.search(request or ""):
         return None
-    for _, v in _call_items(calls):
+    for v in _call_args(call_text(response)):
         if _TEST_CMD.search(v) and _ONE_TEST.search(v):
             return "the whole suite was asked, the call runs a subset"
     return None
@@ -301,13 +282,10 @@ def narrower_scope(request: str, response: str) -> str | None:
 def wrong_count(request: str, response: str) -> str | None:
     """A count argument (``people``, ``guests``, ``quantity`` ...) whose value the request never
     states while the request states numbers (a table for 2 when 4 were asked)."""
-    calls = call_text(response)
-    if not calls:
-        return None
     said = {n.lstrip("0") or "0" for n in _NUMBER.findall(request or "")}
     if not said:
         return None
-    for key, v in _call_items(calls):
+    for key, v in _call_items(call_text(response)):
         if key in _COUNT_KEYS and re.fullmatch(r"\d+", v.strip()) and (v.strip().lstrip("0") or "0") not in said:
             return f"{key}={v.strip()}, the request says {', '.join(sorted(said))[:30]}"
     return None
@@ -316,7 +294,7 @@ def wrong_count(request: str, response: str) -> str | None:
 def wrong_action(request: str, response: str) -> str | None:
     """Why a successful call did the wrong thing by the request's own words, or None: a misspelt
     target, a reversed direction, another target language or currency, a public post for a
-    private message, a narrower test run, a wrong count. The judge scores such a success -1 (a call that succeeded at the wrong thing)."""
+    private message, a narrower test run, a wrong count. The judge scores such a success -1."""
     for check in (misspelt_target, reversed_direction, wrong_conversion_target, public_instead_of_private,
                   narrower_scope, wrong_count):
         why = check(request, response)
