@@ -1,14 +1,14 @@
 """A structured reading of tool results before any model sees them: an ordered table of named rules.
 
-:func:`read_tool_result` tries the rules of :data:`RULES` in order (outcomes not settled, test
-summaries, exit and HTTP statuses, error signatures, listings, "no results", pending, success
-words); the first that decides gives a :class:`ToolReading`: 1 / -1 when the structure decides,
-0 when the outcome is not known yet or not the call's doing (pending, empty, dry run, truncated,
-rate limit, HTTP 429/502/503/504), None when no convention was found (the model decides).
-Zero counts ("0 failed") are no errors; hits of a search and words a document quotes are
-content; weak error words ("failed", "not found") decide only in a short status-like output.
-Pure (no model, no I/O); the rules are our own, written from the output
-formats of pytest, unittest, Jest, Go, Cargo, Maven/JUnit, POSIX shells and HTTP.
+:func:`read_tool_result` tries the rules of :data:`RULES` in order (empty output, JSON fields,
+outcomes not settled, failed test runs, exit and HTTP statuses, error signatures, pending,
+success words); the first that decides gives a :class:`ToolReading`: 1 / -1 when the structure
+decides, 0 when the outcome is not known yet or not the call's doing (pending, empty, dry run,
+truncated, rate limit, HTTP 429/502/503/504), None when no convention was found (the model
+decides). Zero counts ("0 failed") are no errors; hits of a search and words a document quotes
+are content; weak error words ("failed", "not found") decide only in a short status-like output.
+Pure (no model, no I/O). Each rule and word list decides rows of the left-out labelled sets
+(docs/judge.md, "What each rule earns").
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"\bConnection (?:refused|reset by peer)\b", r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!",
     r"\bmax retries exceeded\b", r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^[\w.-]+: \*\*\* ",
     r"\bNo rule to make target\b",
-    # the same OS errors as printed in other locales (permission denied, no such file, access denied)
+    # the same OS errors as printed in other locales
     r"\bKeine Berechtigung\b",
 ]), _I)
 _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like output
@@ -181,9 +181,8 @@ def _json_fields(low: dict) -> ToolReading | None:
 
 
 def _json_shape(low: dict) -> ToolReading | None:
-    """What a JSON object without outcome fields says by its shape: a flag that the thing
-    a list of results, a status message, a page of a longer result."""
-    more = any(low.get(k) for k in ("next_page", "next_cursor", "has_more", "truncated"))
+    """What a JSON object without outcome fields says by its shape: a list of results, a status
+    message, a page of a longer result."""
     for key in _LIST_KEYS:
         if isinstance(low.get(key), list) and not low.get("next_page") and not low.get("has_more"):
             return ToolReading(1 if low[key] else 0, f"JSON {key} {'returned' if low[key] else 'empty'}")
@@ -191,7 +190,7 @@ def _json_shape(low: dict) -> ToolReading | None:
         v = low.get(key)
         if isinstance(v, str) and len(v) <= SHORT_CHARS and (_ERROR.search(v) or _WEAK_ERROR.search(v)):
             return ToolReading(-1, f"JSON {key} reports an error")
-    if more:
+    if any(low.get(k) for k in ("next_page", "next_cursor", "has_more", "truncated")):
         return ToolReading(0, "JSON page of a longer result (more pages)")
     return None
 
@@ -214,9 +213,8 @@ class _Output:
         s = self.s
         self.searched = bool(_SEARCH_CALL.search(self.call))
         self.listing = bool(_FOUND_N.search(s.split("\n", 1)[0]))  # "Found 3 matches": a result listing
-        # a prose document (a file read by a read tool, markdown with a heading): the errors it quotes are content
-        self.document = (s.count("\n") >= 2 or len(s) >= 200) and bool(
-            _HEADING.match(s) and s.count("\n") >= 2)
+        # a prose document (markdown with a heading): the errors it quotes are content
+        self.document = s.count("\n") >= 2 and bool(_HEADING.match(s))
         self.cleaned = _ZERO_COUNTS.sub(" ", s)
         if self.document:
             self.cleaned = _QUOTED_SPAN.sub(" ", self.cleaned)
