@@ -6,8 +6,8 @@ three of them move the models' decision (:meth:`pipeline.judge.cpu.classifier.Ne
 irony markers next to praise, a complaining clause after a contrast ("thanks, but ...", "aber",
 "mais", "但是", "でも"), and cues pointing against the models' sign. Each group of patterns was
 kept because it earns rows on the left-out labelled sets (``bench/judge_loso.py --single-rules``,
-docs/judge.md "What each rule earns"); what earned none was deleted, its intent written as
-training rows (``pipeline/judge/data/rule_rows.jsonl``). The word lists are our own.
+docs/judge.md "What each rule earns"); what earned none was deleted, and so were the words and
+phrases that occur in no reply the judge learns from or is measured on. The word lists are our own.
 """
 
 from __future__ import annotations
