@@ -8,7 +8,8 @@ import json
 import pytest
 
 from pipeline.judge.cpu.context import (misspelt_target, narrower_scope, public_instead_of_private, reversed_direction,
-                                        target_mismatch, wrong_action, wrong_conversion_target, wrong_count)
+                                    other_day, target_mismatch, wrong_action, wrong_conversion_target,
+                                    wrong_count)
 
 
 def call(name: str, **args) -> str:
@@ -21,7 +22,7 @@ def call(name: str, **args) -> str:
      call("shell", cmd="rm -rf ./output")),
     (misspelt_target, "Show the last lines of /var/log/postgres.log", call("sh", cmd="tail /var/log/postrges.log"),
      call("sh", cmd="tail /var/log/postgres.log")),
-    (reversed_direction, "Convert 50 pounds to yen", call("fx", **{"from": "JPY", "to": "GBP", "amount": 50}),
+    (reversed_direction, "How much is 50 pounds in yen?", call("fx", **{"from": "JPY", "to": "GBP", "amount": 50}),
      call("fx", **{"from": "GBP", "to": "JPY", "amount": 50})),
     (reversed_direction, "Rename old.txt to new.txt", call("shell", cmd="mv new.txt old.txt"),
      call("shell", cmd="mv old.txt new.txt")),
@@ -31,12 +32,22 @@ def call(name: str, **args) -> str:
      call("shell", cmd="pytest tests")),
     (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
      call("shell", cmd="go test ./...")),
-    (wrong_count, "Reserve seats for 3 of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
-    # another target language or currency than the request names
+    (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
+    (reversed_direction, "How many dollars is 80 euros?", call("fx", **{"from": "USD", "to": "EUR", "amount": 80}),
+     call("fx", **{"from": "EUR", "to": "USD", "amount": 80})),
+    (reversed_direction, "how much yen for 20 pounds", call("fx", **{"from": "JPY", "to": "GBP", "amount": 20}),
+     call("fx", **{"from": "GBP", "to": "JPY", "amount": 20})),
+    # another target language, currency or unit than the request names
     (wrong_conversion_target, "Please translate the menu into German.", call("translate", text="x", target="it"),
      call("translate", text="x", target="de")),
+    (wrong_conversion_target, "Übersetze das bitte ins Englische: 'Guten Tag'. Auf Englisch bitte.",
+     call("translate", text="Guten Tag", source="de", target="fr"), call("translate", text="Guten Tag", target="en-GB")),
+    (wrong_conversion_target, "what is 300 swiss francs in british pounds",
+     call("fx", **{"from": "CHF", "to": "EUR", "amount": 300}), call("fx", **{"from": "CHF", "to": "GBP", "amount": 300})),
     (wrong_conversion_target, "Convert 45 euros to Japanese yen", call("fx", base="EUR", quote="USD", amount=45),
      call("fx", base="EUR", quote="JPY", amount=45)),
+    (wrong_conversion_target, "How far is 10 miles in km?", call("units", value=10, **{"from": "mi", "to": "m"}),
+     call("units", value=10, **{"from": "mi", "to": "km"})),
 ])
 def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     assert check(request_, bad), (request_, bad)
@@ -61,22 +72,53 @@ def test_each_kind_fires_on_the_fault_only(check, request_, bad, good):
     ("I'm paid in euros. What is 3000 EUR in dollars?", call("fx", **{"from": "EUR", "to": "USD", "amount": 3000})),
     ("30 degrees in Celsius, what is that in Fahrenheit?", call("units", value=30, **{"from": "c", "to": "f"})),
     ("Convert 100 USD to EUR using the rate in real time", call("fx", **{"from": "USD", "to": "EUR", "amount": 100})),
-    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00")),  # dates are not read
+    # dates never make a call wrong_action (-1): see other_day
+    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-04T09:00")),
 ])
 def test_silent_without_evidence(request_, response):
     assert wrong_action(request_, response) is None
 
 
+@pytest.mark.parametrize("request_,bad,good", [
+    ("Book the dentist for Thursday 3 July at 9am", call("book", start="2025-07-05T09:00"),
+     call("book", start="2025-07-03T09:00")),
+    ("schedule the review on March 14th", call("cal_add", date="2026-03-17"), call("cal_add", date="2026-03-14")),
+    ("Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
+     call("reschedule", when="2025-11-02 10:00")),
+])
+def test_another_day_abstains(request_, bad, good):
+    assert other_day(request_, bad) and other_day(request_, good) is None
+    assert wrong_action(request_, bad) is None  # a date only makes the judge abstain
+
+
+@pytest.mark.parametrize("request_,response", [
+    ("Am I free on June 13?", call("list_events", start="2025-06-01", end="2025-06-30")),  # a range
+    ("Call with Tokyo on March 5 at 8am their time", call("book", start="2025-03-04T23:00Z")),  # UTC: a day off
+    ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),  # two days named
+    ("New Year call on January 1", call("book", start="2025-12-31T23:30")),  # across the year
+])
+def test_no_other_day_without_evidence(request_, response):
+    assert other_day(request_, response) is None
+
+
+
+
 @pytest.mark.parametrize("request_,bad,good,kind", [
-    ("Send the minutes to marta@acme.io", call("email", to="martin@acme.io"), call("email", to="marta@acme.io"),
-     "email"),
-    ("Delete old.log please", call("shell", cmd="rm new.log"), call("shell", cmd="rm old.log"), "file"),
+    # one of two files swapped for another
+    ("Rename notes_old.md to notes.md", call("rename", src="notes_tmp.md", dst="notes.md"),
+     call("rename", src="notes_old.md", dst="notes.md"), "file"),
+    ("Copy q1.csv to q1_backup.csv", call("shell", cmd="cp q2.csv q1_backup.csv"),
+     call("shell", cmd="cp q1.csv q1_backup.csv"), "file"),
+    # git on another branch than the one named
+    ("Push my work on fix/cart-total to the remote", call("shell", cmd="git push origin main"),
+     call("shell", cmd="git push origin fix/cart-total"), "branch"),
     ("Check out feature/search-v2 please", call("shell", cmd="git checkout feature/search"),
      call("shell", cmd="git checkout feature/search-v2"), "branch"),
+    ("Merge release/1.4 into main", call("shell", cmd="git merge release/1.3"),
+     call("shell", cmd="git merge release/1.4"), "branch"),
     # a branch named at the end of a sentence: the full stop is not part of its name
     ("Switch to release/3.1.", call("shell", cmd="git switch release/3.0"),
      call("shell", cmd="git switch release/3.1"), "branch"),
-    ("Deploy the fix to staging", call("deploy", env="production"), call("deploy", env="staging"), "env"),
 ])
 def test_a_call_on_another_named_target(request_, bad, good, kind):
     why = target_mismatch(request_, bad)

@@ -21,9 +21,12 @@ CASES = [
     ("test result: FAILED. 8 passed; 1 failed; 0 ignored", "", -1),
     ("--- FAIL: TestParse (0.00s)\nFAIL\texample.com/p\t0.01s", "", -1),
     ("ok  \texample.com/p\t0.01s", "", 1),
+    ("Tests run: 10, Failures: 0, Errors: 0, Skipped: 1", "", 1),
+    ("Tests run: 10, Failures: 1, Errors: 0, Skipped: 0", "", -1),
     ("Tests:       2 failed, 9 passed, 11 total", "", -1),
     ("FAILURES!\nTests: 5, Assertions: 9, Failures: 2.", "", -1),
-    ("Found 0 errors. 0 warnings.", "", None),  # zero counts are no errors: the model decides
+    ("collected 0 items\n\n==== no tests ran in 0.01s ====", "", 0),
+    ("Found 0 errors. 0 warnings.", "", 1),
     # exit and HTTP statuses
     ("done\n[exit code 0]", "", 1),
     ("[process exited with code 3]", "", -1),
@@ -57,24 +60,36 @@ CASES = [
     ("Dry run: would delete 14 files", "", 0),
     ("Imported 40 of 100 rows processed before the connection dropped", "", 0),
     ("1 flaky test passed on retry; 20 passed", "", 0),
-    # pending, empty
+    # pending, empty, no results
     ("[3] 12345", "", 0),
     ("Upload 35% complete", "", 0),
     ("Report requested. You'll get an email when it is ready.", "", 0),
     ("", 'shell({"cmd": "mkdir -p out"})', 1),
     ("", 'shell({"cmd": "cat notes.txt"})', 0),
     ("[]", "", 0),
-    # data is not an error, even when it talks about errors (the model decides)
-    ("1. Fixing TypeError in Python - https://a.example/1\n2. TypeError explained - https://b.example/2", "", None),
-    ("Found 3 matches:\n- retry on failure (config)\n- failed jobs view\n- error budget", "", None),
+    ("No results found for 'zzkx'", "", 0),
+    ("We could not find any matching orders.", "", 0),
+    # data is not an error, even when it talks about errors
+    ("1. Fixing TypeError in Python - https://a.example/1\n2. TypeError explained - https://b.example/2", "", 1),
+    ("Found 3 matches:\n- retry on failure (config)\n- failed jobs view\n- error budget", "", 1),
     ("def check(x):\n    if x < 0:\n        raise ValueError('invalid input')\n    return x\n" * 3, "", None),
     ("Monday 12°C cloudy", "", None),
     ("warning: unused variable 'n'", "", None),  # warnings alone: the model decides
     ("Saved 2 files.", "", 1),
+    # a command result given as JSON reads like the same result printed
+    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "find . -size +1G"})', 0),
+    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "npx tsc --noEmit"})', 1),
+    ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "sort names.txt > sorted.txt"})', 1),
+    ('{"exit_code": 0, "stdout": "a.txt", "stderr": ""}', 'shell({"cmd": "ls"})', 1),
+    ('{"exit_code": 1, "stdout": "", "stderr": ""}', 'shell({"cmd": "grep -rn TODO src"})', 0),
+    ('{"exit_code": 1, "stdout": "", "stderr": "No such file"}', 'shell({"cmd": "grep -rn TODO srcx"})', -1),
+    ('{"exit_code": 2, "stdout": "", "stderr": ""}', 'shell({"cmd": "make"})', -1),
     # search hits are content, even short ones with error words in them
-    ("1. Task groups - cancelled tasks and errors explained", 'web_search({"query": "task groups"})', None),
+    ("1. Task groups - cancelled tasks and errors explained", 'web_search({"query": "task groups"})', 1),
     ("Traceback (most recent call last):\n  File \"s.py\", line 1\nKeyError: 'q'", 'web_search({"query": "x"})', -1),
-    # JSON: a page of a longer result is partial
+    # JSON: titles describe an object; an identified resource is a success; a page is partial
+    ('{"number": 7, "title": "Login fails on Safari", "state": "open"}', "", 1),
+    ('{"id": "c_1", "description": "invalid rows are skipped"}', "", 1),
     ('{"id": "c_1", "status": "failed"}', "", -1),
     ('{"items": [{"n": 1}], "next_page": 2}', "", 0),
     ('{"data": [{"n": 1}], "has_more": true}', "", 0),
@@ -83,15 +98,18 @@ CASES = [
     ('{"error": {"code": 503, "message": "The model is overloaded"}}', "", 0),
     ('{"error": {"status": "429", "message": "slow down"}}', "", 0),
     ('{"status_code": 502, "error": "Bad Gateway"}', "", 0),
+    ('{"error": "Too many requests, please retry later"}', "", 0),
     ('{"error": {"code": 404, "message": "no such repo"}}', "", -1),  # a client error stays a failure
     ("<html><title>504 Gateway Time-out</title><body>upstream timed out</body></html>", "", 0),
-    # a false flag decides nothing alone
+    # a flag that the thing happened; a false flag decides nothing alone
+    ('{"reservation": "T-88", "confirmed": true}', "", 1),
     ('{"reservation": "T-88", "confirmed": false, "error": "slot taken"}', "", -1),
     # progress that ended in a success; a container still starting
     ("Waiting for rollout of api: 1 of 2 new replicas updated...\nrollout of api completed successfully", "", 1),
     ("NAME        READY   STATUS              RESTARTS   AGE\nweb-5f7d   0/1     ContainerCreating   0          5s",
      "", 0),
     ("NAME        READY   STATUS    RESTARTS   AGE\nworker-9b   0/1     Init:0/2  0          40s", "", 0),
+    ("NAME        READY   STATUS             RESTARTS   AGE\napi-77c    0/1     CrashLoopBackOff   6          9m", "", -1),
     # runs cut short, flaky passes
     ("Copying shard 1/8 ... done\nCopying shard 2/8 ...\n(still running after 120 s; output so far)", "", 0),
     ("tests/test_io.py::test_retry PASSED\n==== 3 passed, 2 rerun in 4.10s ====", "", 0),
@@ -101,6 +119,11 @@ CASES = [
     ("ImportError while importing test module '/srv/tests/test_db.py'.", "", -1),
     # OS errors in other locales
     ("cp: 'a.txt' kann nicht angelegt werden: Keine Berechtigung", 'bash({"command": "cp a.txt /etc/"})', -1),
+    ("ls: impossible d'accéder à 'logs': Aucun fichier ou dossier de ce type", "", -1),
+    ("mkdir: no se puede crear el directorio «/opt/x»: Permiso denegado", "", -1),
+    ("cat: notes.txt: そのようなファイルやディレクトリはありません", "", -1),
+    ("rm: 无法删除 'x.log': 权限不够", "", -1),
+    ("Fehler: Verbindung zur Datenbank fehlgeschlagen", "", -1),
     # a document read from a file: the errors it quotes are its content, not the read's outcome
     ("## Known issues\n\nWhen the worker prints 'Permission denied' on start, check the socket owner.\n"
      "A \"connection refused\" usually means the broker is down.", 'read_file({"path": "docs/ops.md"})', None),
@@ -108,16 +131,17 @@ CASES = [
     ("File not found: src/app.py", 'read_file({"path": "src/app.py"})', -1),
     ("Could not post message: channel not found", 'slack_thread_reply({"channel": "x", "text": "y"})', -1),
     # flags and statuses: the most specific outcome field decides
+    ('{"completed": true, "exit_code": 2, "stderr": "boom"}', "", -1),
     ('{"done": true, "status": "failed"}', "", -1),
     ('{"status": "completed", "conclusion": "failure"}', "", -1),
     ('{"ok": true, "error": null, "note": "quota resets later; retry later if needed"}', "", 1),
     # a search for an error message returns hits that quote it
     ("1. ImportError while importing test module - pytest docs - docs.example.org\n"
      "2. Fixing ImportError while importing test module - blog.example.com\n3. conftest tips - q.example.net",
-     'web_search({"query": "ImportError while importing test module"})', None),
+     'web_search({"query": "ImportError while importing test module"})', 1),
     # zero counts in other languages are no failure
-    ("Tests : 12 réussis, 0 échec", "", None),
-    ("成功 12 个, 失败 0 个", "", None),
+    ("Tests : 12 réussis, 0 échec", "", 1),
+    ("成功 12 个, 失败 0 个", "", 1),
     # "successfully" queued is still pending; a pending line followed by a final success is done
     ("Build queued successfully. Waiting for runner...", "", 0),
     ("Job submitted successfully. Status: pending", "", 0),

@@ -31,9 +31,10 @@ results alone decide otherwise (any -1 gives -1, else any +1 gives +1). On tool 
 models may say +1 or abstain, never -1: errors are read from structure. A tool success scores -1
 when the request's own words show it did the wrong thing (:func:`pipeline.judge.cpu.context.wrong_action`:
 misspelt target, reversed direction, public post for a private message, narrower test run,
-wrong count) or when the call acted on another e-mail address, file, branch or environment than
-the request names (:func:`~pipeline.judge.cpu.context.target_mismatch`); it abstains when a
-search's results are unrelated to its query. One vote, no parse failures.
+wrong count); it abstains
+when the call acted on something other than the user's request names (another file, person,
+ticket, number: :mod:`pipeline.judge.cpu.context`) or when a search's results are unrelated to its
+query. One vote, no parse failures.
 Measured figures are in the README (``pipeline judge --eval``).
 """
 
@@ -48,7 +49,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.judge.cpu.context import call_query, target_mismatch, wrong_action
+from pipeline.judge.cpu.context import (call_query, is_search_call, other_day, target_mismatch, unrequested_target,
+                                    wrong_action)
 from pipeline.judge.cpu.cues import CUE_DIM, cue_vector, read_cues, tail_clause
 from pipeline.judge.evaluate import LABELS, load_rows  # LABELS: class index order of the heads' outputs
 from pipeline.judge.cpu.finetune import fine_tuned_encoder, mean_pool, save_atomically
@@ -76,6 +78,11 @@ L2 = 3e-2  # weight penalty of the embedding inputs
 L2_CUES = 1e-3  # weight penalty of the cue inputs (few, and made to carry the verdict)
 MAX_TEXT_CHARS = 2000
 SEARCH_MIN_SIMILARITY = 0.25  # search results less similar than this to both the query and the request abstain
+# kinds of target a user names exactly, so that a call naming another one of the kind acted on the
+# wrong thing (-1); other kinds (numbers, dates, names, identifiers) only make the judge abstain
+DISTINCT_KINDS = ("email", "file", "handle", "ticket", "branch", "env")
+_RESULT_READINGS = ("result listing", "JSON results returned", "JSON items returned", "JSON hits returned",
+                    "JSON matches returned", "JSON documents returned")
 
 
 def minilm_dir() -> Path:
@@ -362,10 +369,9 @@ class NextStateClassifier:
         """One tool result: structure first; else the models, which may only say +1 or abstain
         (an error without any error structure is too rare to trust a model's -1 on data).
 
-        A success scores -1 when the call did the wrong thing by the request's own words
-        (:func:`pipeline.judge.cpu.context.wrong_action`) or acted on another e-mail address, file,
-        branch or environment than the request names (:func:`~pipeline.judge.cpu.context.target_mismatch`);
-        it abstains when search results are unrelated to both the query and the request (cosine
+        A success abstains when the call acted on something other than the request names
+        (:func:`pipeline.judge.cpu.context.target_mismatch`, :func:`~pipeline.judge.cpu.context.unrequested_target`),
+        or when search results are unrelated to both the query and the request (cosine
         similarity below ``SEARCH_MIN_SIMILARITY``).
         """
         reading = read_tool_result(text, call)
@@ -379,10 +385,13 @@ class NextStateClassifier:
             if wrong:
                 return Judgement(-1, p, f"succeeded at the wrong thing ({wrong})")
             mismatch = target_mismatch(request, call)
-            if mismatch:
+            if mismatch and mismatch.split(":", 1)[0] in DISTINCT_KINDS:
                 return Judgement(-1, p, f"succeeded at another target than the request names ({mismatch})")
+            mismatch = mismatch or unrequested_target(request, call) or other_day(request, call)
+            if mismatch:
+                return Judgement(0, p, f"call targets something else ({mismatch})")
             query = call_query(call)
-            if text.strip() and query:
+            if text.strip() and (query or (reading.reason in _RESULT_READINGS and is_search_call(call))):
                 asked = [q for q in (query, request) if q and q.strip()]
                 e = self.embedder.encode([clip(q, 500) for q in asked] + [clip(text, MAX_TEXT_CHARS)])
                 sim = max(float(e[i] @ e[-1]) for i in range(len(asked))) if asked else 1.0
