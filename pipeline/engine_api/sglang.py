@@ -236,8 +236,9 @@ class GenerateChatStream:
     def _metadata(self, mi: dict) -> dict:
         """The ``metadata`` of the first and finish chunks: policy version and sampling parameters."""
         md = {"weight_version": mi.get("weight_version"), "sampling_params": self.used}
-        if "lora_name" in mi:  # our engine: the adapter that served it
-            md["lora_name"] = mi["lora_name"]
+        for key in ("lora_name", "lora_sha256"):  # our engine: the adapter that served it, its content id
+            if key in mi:
+                md[key] = mi[key]
         return md
 
     def _chunk(self, delta: dict, **extra: Any) -> dict:

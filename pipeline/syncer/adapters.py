@@ -74,8 +74,9 @@ class AdapterSync:
         (an engine that stopped reporting ids) is verified after it. A mismatch unloads the name
         (no request reaches it: the tenant is resumed on it only after every engine's
         ``applied``) and answers ``failed``. ``live``: the name may already be routed (the
-        tenant's current adapter, reloaded by reconciliation), so the folder is always verified
-        before the load: wrong content is never loaded under it, not even for a moment.
+        tenant's current adapter: reloaded by reconciliation, or its ``weights`` read after the
+        ``resume`` naming it), so the folder is always verified before the load: wrong content is
+        never loaded under it, not even for a moment.
         """
         from pipeline.weightsync import verify_adapter
 
@@ -180,7 +181,8 @@ class AdapterSync:
             elif ev.action == "resume":
                 resumed[ev.tenant] = i
         for _, ev in newest.values():
-            ok, msg = self.apply_adapter(ev)
+            # live: T is already resumed on it (an engine the trainer does not wait for, a replay)
+            ok, msg = self.apply_adapter(ev, live=self.tenants.current.get(ev.tenant) == ev.adapter)
             self._publish(producer, "applied" if ok else "failed", ev, msg)
         for tenant, at in resumed.items():
             cur, prev = self.tenants.current.get(tenant), before.get(tenant)

@@ -6,10 +6,10 @@ of a sync (pause, weights, resume for tenant ``alice``) is published by the test
 contract of docs/tenants.md says the trainer does. Checked:
 
 - an adapter update of one tenant holds none of the other tenant's requests: while ``alice``
-  is paused, ``bob`` is answered; ``alice``'s request waits for her ``resume``;
+  is paused, ``bob`` is answered (by his adapter); ``alice``'s request waits for her ``resume``;
 - after ``resume`` (alice, A) alice's turns carry ``adapter == A`` and the engine says A served
-  them (its ``metadata.lora_name``); bob's turns carry none and the base served them; no answer
-  shows the adapter's name as its model;
+  them (its ``metadata.lora_name``); bob, served by his own adapter B throughout, has turns that
+  carry B; no answer shows the adapter's name as its model;
 - alice naming bob's adapter (or any adapter) as her ``model`` is refused 400;
 - the ``/generate`` path of the engine client (SGLang's streamed chat) serves ``"<base>:<A>"``
   with ``lora_path = A``.
@@ -70,14 +70,22 @@ def serving(kafka_config, tmp_path):
 def test_one_tenants_adapter_sync_holds_none_of_the_others_requests_and_routes_each_to_its_own(serving):
     cfg, eng, url, app, adapters = serving
     a_dir, a = adapters["alice"]
+    b_dir, b = adapters["bob"]  # bob is served by his own adapter while alice's syncs
+    publish(cfg, [_order("pause", "bob", b), _order("weights", "bob", b, b_dir)], "control")
+    wait_for(lambda: any(e.action == "applied" and e.adapter == b for e in read_events(cfg, "control", None, 2, 0)),
+             what="the syncer's applied (bob, B)")
+    publish(cfg, [_order("resume", "bob", b)], "control")
+    wait_for(lambda: app.gate.adapter_of("bob") == b, what="the proxy to route bob to B")
     publish(cfg, [_order("pause", "alice", a)], "control")
     wait_for(lambda: app.gate.tenant_paused("alice"), what="the proxy to see alice's pause")
     held: dict = {}
     t = threading.Thread(target=lambda: held.update(r=_ask(url, "alice", "a-held")), daemon=True)
     t.start()
-    for i in range(2):  # bob is served while alice's adapter syncs
+    for i in range(2):  # bob is served, by his adapter, while alice's adapter syncs
         out = _ask(url, "bob", f"b-{i}", stream=bool(i))
         assert out
+        if not i:
+            assert out.metadata["lora_name"] == b["name"]
     assert t.is_alive() and "r" not in held  # alice's request is still held, bob's were answered
     publish(cfg, [_order("weights", "alice", a, a_dir)], "control")
     wait_for(lambda: any(e.action == "applied" and e.adapter == a for e in read_events(cfg, "control", None, 2, 0)),
@@ -96,7 +104,7 @@ def test_one_tenants_adapter_sync_holds_none_of_the_others_requests_and_routes_e
     assert {s: by_session[s].adapter for s in ("a-held", "a-after", "a-stream")} == dict.fromkeys(
         ("a-held", "a-after", "a-stream"), a)
     assert all(by_session[s].tenant == "alice" and by_session[s].response_token_ids for s in ("a-held", "a-stream"))
-    assert {by_session[s].adapter for s in ("b-0", "b-1")} == {None}
+    assert [by_session[s].adapter for s in ("b-0", "b-1")] == [b, b]
     assert {by_session[s].tenant for s in ("b-0", "b-1")} == {"bob"}
     # a client never picks an adapter: alice naming bob's (or her own) adapter is refused in OpenAI's shape
     for model in (f"default:{adapters['bob'][1]['name']}", adapters["bob"][1]["name"], f"x:{a['name']}"):
@@ -119,4 +127,5 @@ def test_the_generate_path_serves_chat_model_base_colon_adapter_as_lora_path(ser
     base = asyncio.run(stream("default"))
     assert {c["model"] for c in with_adapter} == {"default"}
     assert with_adapter[-1]["metadata"]["lora_name"] == a["name"]
-    assert base[-1]["metadata"]["lora_name"] is None
+    assert with_adapter[-1]["metadata"]["lora_sha256"] == a["version"]  # the proxy compares it with the version
+    assert base[-1]["metadata"]["lora_name"] is None and base[-1]["metadata"]["lora_sha256"] is None

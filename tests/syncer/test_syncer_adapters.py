@@ -153,6 +153,11 @@ def test_a_record_whose_folder_holds_other_content_is_refused_before_or_after_th
         (second,) = _answers(cfg, _answer_of("failed", lie_b), 1)  # refused on the engine's id, then unloaded
         assert "the engine loaded content" in second.message and b["version"] in second.message
         assert lie["name"] not in _loaded(url) and b["name"] in _loaded(url)
+        # a weights record read after the resume that names it: the name is live, verified first
+        lie_c = {**lie, "sha256": "c" * 64}
+        publish(cfg, [_order("resume", "alice", lie_c), _order("weights", "alice", lie_c, b_dir)], "control")
+        (third,) = _answers(cfg, _answer_of("failed", lie_c), 1)
+        assert "adapter version" in third.message and lie["name"] not in _loaded(url)
 
 
 class _EngineWithoutIds:
