@@ -210,7 +210,7 @@ def main(argv=None) -> int:
                     rows["adapter"].append(a)
                     rows["full"].append(f)
                 print(f"round {k}{' (warm-up, not counted)' if k == 1 else ''}: adapter {a[0]:.3f} s, "
-                      f"full {f[0]:.3f} s", flush=True)
+                      f"full {f[0]:.3f} s, {f[0] / a[0]:.1f}x", flush=True)
     med = {kind: [statistics.median(r[i] for r in rs) for i in range(3)] for kind, rs in rows.items()}
     print(f"\nsync of one update to {args.engines} engines ({args.model}; adapter rank {args.rank} on all seven "
           f"projections; median of {args.repeats}; 'weights' sent -> every engine's 'applied' read on control)")
@@ -220,6 +220,9 @@ def main(argv=None) -> int:
         print(f"{kind:<10}{s:>10.3f}{int(c):>16,}{int(d):>16,}")
     a, f = med["adapter"], med["full"]
     print(f"{'full/adapter':<10}{f[0] / a[0]:>9.1f}x{f[1] / a[1]:>15.2f}x{f[2] / a[2]:>15.1f}x")
+    per_round = sorted(fr[0] / ar[0] for ar, fr in zip(rows["adapter"], rows["full"]))
+    print(f"per-round ratio (full / adapter of the same round): min {per_round[0]:.1f}x, "
+          f"median {statistics.median(per_round):.1f}x, max {per_round[-1]:.1f}x")
     return 0
 
 
