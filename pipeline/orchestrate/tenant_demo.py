@@ -41,14 +41,14 @@ LORA = {"rank": 16, "alpha": 32}  # every attention and MLP projection (the defa
 def two_user_config(config: Config, args, run_dir: Path) -> Config:
     """The demo's configuration (:func:`pipeline.orchestrate.demo.demo_config`) for two users.
     ``--shared``: ``--steps`` updates per user (``trainer.max_steps`` = steps x users).
-    ``--tenants``: LoRA adapters per tenant at ``--lora-lr``, the engine serving adapters, and no
+    ``--tenants``: LoRA adapters per tenant at ``--lora-lr`` (the stack's engine then serves
+    adapters: :func:`pipeline.orchestrate.up.serving_lora`), and no
     ``max_steps`` (a count of batches of any tenant: one busy tenant could take them all); the
     run ends when each tenant's first ``--steps`` adapter versions were evaluated."""
     cfg = demo_config(config, args, run_dir)
     if args.shared:
         return cfg.replace(trainer={"max_steps": args.steps * len(USERS)})
-    return cfg.replace(engine={"enable_lora": True},
-                       trainer={"max_steps": None, "lora": LORA, "per_tenant": True, "lr": args.lora_lr})
+    return cfg.replace(trainer={"max_steps": None, "lora": LORA, "per_tenant": True, "lr": args.lora_lr})
 
 
 class Evaluations:

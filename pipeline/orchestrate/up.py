@@ -287,6 +287,19 @@ class _Ports:
     front: int | None  # the front of several proxies
 
 
+def serving_lora(config: Config) -> Config:
+    """``config`` with the stack's own engines serving the trainer's adapters: ``trainer.lora``
+    (one adapter per tenant) turns ``engine.enable_lora`` on, with a ``max_lora_rank`` and
+    ``lora_target_modules`` that admit them (an engine without LoRA refused every adapter sync,
+    and the trainer trained adapters nobody served). Unchanged without ``trainer.lora``."""
+    lora = config.trainer.lora
+    if lora is None:
+        return config
+    e = config.engine
+    return config.replace(engine={"enable_lora": True, "max_lora_rank": max(e.max_lora_rank, lora.rank),
+                                  "lora_target_modules": sorted(set(e.lora_target_modules) | set(lora.targets))})
+
+
 def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broker: BrokerChoice | None = None,
                engine_url: str | None = None, trainer: bool = True, ready_timeout_s: float = 600.0,
                replicas: dict[str, int] | None = None, dashboard: bool = True, dashboard_port: int | None = None,
@@ -295,9 +308,12 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
     readiness probe and metrics URL in start order, the configuration they run with and the
     addresses they serve. Starts, reads and writes nothing: ``broker`` is the embedded broker
     (:func:`choose_broker`; None: ``config``'s external one), ``new_port()`` gives every other
-    port (:func:`pipeline.procutil.free_port`: a free one per call).
+    port (:func:`pipeline.procutil.free_port`: a free one per call). The stack's own engines serve
+    the trainer's adapters when it trains them (:func:`serving_lora`).
     """
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
+    if engine_url is None:
+        config = serving_lora(config)
     broker_stage = None
     if broker is not None:
         config = config.replace(kafka={"bootstrap_servers": broker.bootstrap})

@@ -11,6 +11,7 @@ from pipeline.config import load_config
 from pipeline.orchestrate import demo
 from pipeline.orchestrate.tenant_demo import two_user_config, write_two_user_report
 from pipeline.orchestrate.tenant_report import curves, tenant_verdicts
+from pipeline.orchestrate.up import serving_lora
 
 
 def _args(*argv: str):
@@ -21,7 +22,7 @@ def _args(*argv: str):
 
 def test_tenants_config_trains_one_adapter_per_tenant_and_serves_adapters(tmp_path):
     cfg = two_user_config(load_config(None), _args("--tenants", "--steps", "2"), tmp_path)
-    assert cfg.engine.enable_lora and cfg.trainer.per_tenant
+    assert serving_lora(cfg).engine.enable_lora and cfg.trainer.per_tenant  # the stack's engine serves adapters
     assert (cfg.trainer.lora.rank, cfg.trainer.lora.alpha) == (16, 32)
     # no max_steps: it counts batches of any tenant, and one tenant's batches could take them all
     assert cfg.trainer.lr == 3e-4 and cfg.trainer.max_steps is None
