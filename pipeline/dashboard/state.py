@@ -88,7 +88,9 @@ class DashboardState:
         # trainer, control, evaluations
         self.steps: dict[int, dict] = {}  # step -> record
         self.trained: dict[str, dict] = {}  # sample_id -> {"step", "advantage", "policy_version"}
-        self.syncs: dict[tuple[str, int], dict] = {}  # (run_id, epoch) -> pause/weights/applied/resume times
+        #: (run_id, tenant, epoch) -> pause/weights/applied/resume times; tenant None: the full weights,
+        #: else that tenant's adapter sync (its epoch counts its own updates: two tenants' epoch 1 are two syncs)
+        self.syncs: dict[tuple[str, str | None, int], dict] = {}
         self.evaluations: dict[tuple[str, int], dict] = {}
         # dead letters
         self.dlq_counts: Counter = Counter()
@@ -182,8 +184,16 @@ class DashboardState:
 
     def _control(self, c: events.Control, ts: int) -> None:
         ms = c.created_at or ts
-        sync = self.syncs.setdefault((c.run_id, c.epoch), {
-            "run_id": c.run_id, "epoch": c.epoch, "policy_version": c.policy_version, "applied": {}, "failed": {}})
+        sync = self.syncs.get((c.run_id, c.tenant, c.epoch))
+        if sync is None:
+            sync = self.syncs[(c.run_id, c.tenant, c.epoch)] = {
+                "run_id": c.run_id, "epoch": c.epoch, "policy_version": c.policy_version, "applied": {}, "failed": {}}
+            if c.tenant is not None:  # a tenant's adapter sync (full-weight syncs keep their old shape)
+                sync.update(tenant=c.tenant, adapter=None)
+        if c.tenant is not None and c.adapter is not None and (sync["adapter"] is None or c.action != "resume"):
+            # the adapter synced (pause/weights/applied/failed name it); a resume after a failure
+            # names the one the tenant stays on, shown only when nothing else named one
+            sync["adapter"] = c.adapter["name"]
         if c.action in ("applied", "failed"):
             sync[c.action][c.engine_id] = ms if c.action == "applied" else (c.message or "failed")
         else:
@@ -253,7 +263,7 @@ class DashboardState:
             hint_kinds = [s for s in samples if s["kind"] in ("opd", "opd+rl")]
             steps = [{k: v for k, v in r.items() if not k.startswith("_")} for _, r in sorted(self.steps.items())]
             syncs = []
-            for (_run, _epoch), s in sorted(self.syncs.items(), key=lambda kv: kv[1].get("pause_ms") or 0):
+            for s in sorted(self.syncs.values(), key=lambda v: v.get("pause_ms") or 0):
                 d = dict(s)
                 if d.get("pause_ms") and d.get("resume_ms"):
                     d["pause_s"] = (d["resume_ms"] - d["pause_ms"]) / 1000

@@ -7,6 +7,9 @@ Token-id and log-prob arrays become their length and a mean unless ``arrays=True
 letter's raw bytes are never shown (only their size): they may hold any of the above.
 
 Fields are read with defaults, so a view also works on events whose optional fields are absent.
+Every record that can carry a ``tenant`` shows it (None: no tenant), and turns and samples show
+their LoRA ``adapter`` (``{name, version, sha256}``; None: the base model's full weights), as the
+``to_dict`` views of session ends, controls and train steps do.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def sample_view(s: events.Sample, text: bool = False, arrays: bool = False) -> d
     hint = getattr(s, "hint", None)
     out: dict[str, Any] = {
         "sample_id": s.sample_id, "session_id": s.session_id, "turn_index": s.turn_index,
+        "tenant": getattr(s, "tenant", None), "adapter": getattr(s, "adapter", None),
         "policy_version": getattr(s, "policy_version", None), "kind": getattr(s, "kind", None),
         "reward": getattr(s, "reward", None), "loss_mask": getattr(s, "loss_mask", None),
         "prm_votes": prm, "majority": majority(prm), "hint_votes": hint_votes,
@@ -129,7 +133,8 @@ def turn_view(t: events.Turn, text: bool = False, arrays: bool = False) -> dict:
     """A turn's ids, policy version, finish reason and lengths (see the module docstring)."""
     resp = t.response if isinstance(t.response, dict) else {}
     out: dict[str, Any] = {
-        "session_id": t.session_id, "turn_type": t.turn_type, "turn_index": t.turn_index,
+        "session_id": t.session_id, "tenant": getattr(t, "tenant", None), "adapter": getattr(t, "adapter", None),
+        "turn_type": t.turn_type, "turn_index": t.turn_index,
         "request_id": t.request_id, "session_source": t.session_source, "created_at": t.created_at,
         "policy_version": t.policy_version,
         "model": t.model, "source": t.source, "engine_id": t.engine_id, "finish_reason": t.finish_reason,
@@ -159,7 +164,8 @@ def event_view(ev: events.Event, text: bool = False, arrays: bool = False) -> di
     elif isinstance(ev, events.Sample):
         body = sample_view(ev, text, arrays)
     elif isinstance(ev, events.NextState):
-        body = {"session_id": ev.session_id, "after_turn_index": ev.after_turn_index, "request_id": ev.request_id,
+        body = {"session_id": ev.session_id, "tenant": getattr(ev, "tenant", None),
+                "after_turn_index": ev.after_turn_index, "request_id": ev.request_id,
                 "created_at": ev.created_at, "messages": [message_view(m, text) for m in ev.messages or []]}
     elif isinstance(ev, events.DeadLetter):
         key = ev.key.decode("utf-8", "replace") if isinstance(ev.key, (bytes, bytearray)) else ev.key

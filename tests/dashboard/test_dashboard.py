@@ -197,6 +197,63 @@ def test_views_redact_every_text_field():
     assert views.majority([1, None, -1]) == 0 and views.majority([1, 1, -1]) == 1 and views.majority([]) is None
 
 
+def _adapter(tenant: str, digit: str) -> dict:
+    version = digit * 64
+    return {"name": events.adapter_name(tenant, version), "version": version, "sha256": "ab" * 32}
+
+
+def test_views_show_tenant_and_adapter_on_every_record_that_carries_them():
+    """``pipeline tail`` and the dashboard show a turn's, next state's and sample's ``tenant`` (and
+    a turn's and sample's LoRA ``adapter``) as the other records' views do: None when absent."""
+    ad = _adapter("alice", "1")
+    tenanted = [events.Turn(session_id="s", turn_index=0, tenant="alice", adapter=ad),
+                events.NextState(session_id="s", after_turn_index=0, messages=[], tenant="alice"),
+                events.Sample(sample_id="alice/s:0:rl", session_id="s", turn_index=0, loss_mask=0, tenant="alice",
+                              adapter=ad),
+                events.SessionEnd(session_id="s", tenant="alice"),
+                events.Control(action="pause", epoch=1, tenant="alice", adapter=ad)]
+    for ev in tenanted:
+        shown = views.event_view(events.decode(events.encode(ev)))
+        assert shown["tenant"] == "alice", ev.TYPE
+        if hasattr(ev, "adapter"):
+            assert shown["adapter"] == ad, ev.TYPE
+    for ev in (events.Turn(session_id="s", turn_index=0), events.NextState(session_id="s", after_turn_index=0, messages=[]),
+               events.Sample(sample_id="s:0:rl", session_id="s", turn_index=0, loss_mask=0), events.SessionEnd(session_id="s")):
+        shown = views.event_view(events.decode(events.encode(ev)))
+        assert "tenant" in shown and shown["tenant"] is None, ev.TYPE
+        assert shown.get("adapter", "absent") in (None, "absent") and ("adapter" in shown) == hasattr(ev, "adapter")
+
+
+def test_two_tenants_adapter_syncs_of_one_epoch_are_two_syncs():
+    """``/api/overview`` keys syncs by (tenant, epoch): alice's and bob's epoch-1 adapter syncs are
+    two entries naming tenant and adapter; a full-weight epoch-1 sync is a third, in its old shape."""
+    from pipeline.bus import Record
+    from pipeline.config import load_config
+    from pipeline.dashboard.state import DashboardState
+    from pipeline.testing.lora import adapter_order
+
+    state = DashboardState(load_config(None))
+    recs = []
+    for tenant, digit in (("alice", "1"), ("bob", "2")):
+        ad = _adapter(tenant, digit)
+        recs += [adapter_order("pause", tenant, ad), adapter_order("weights", tenant, ad, "/x/" + tenant),
+                 adapter_order("applied" if tenant == "alice" else "failed", tenant, ad, engine_id="engine-0"),
+                 adapter_order("resume", tenant, ad if tenant == "alice" else None)]
+    recs += [events.Control(action="pause", epoch=1, policy_version=1, created_at=events.now_ms()),
+             events.Control(action="applied", epoch=1, policy_version=1, engine_id="engine-0")]
+    for i, c in enumerate(recs):
+        state.apply(Record("control", 0, i, c.run_id, c, events.now_ms()))
+    syncs = state.overview()["syncs"]
+    by_tenant = {s.get("tenant", "-"): s for s in syncs}
+    assert len(syncs) == 3 and set(by_tenant) == {"alice", "bob", "-"}
+    assert by_tenant["alice"]["adapter"] == _adapter("alice", "1")["name"] and list(by_tenant["alice"]["applied"]) == [
+        "engine-0"] and not by_tenant["alice"]["failed"]
+    # bob's resume names no adapter (back to the base): the entry still names the adapter that failed
+    assert by_tenant["bob"]["adapter"] == _adapter("bob", "2")["name"] and list(by_tenant["bob"]["failed"]) == [
+        "engine-0"] and not by_tenant["bob"]["applied"]
+    assert "adapter" not in by_tenant["-"] and list(by_tenant["-"]["applied"]) == ["engine-0"]
+
+
 def test_reader_start_positions_and_no_group(kafka_config):
     from pipeline.bus.admin import admin_client
 

@@ -193,13 +193,15 @@ function renderOverview(o) {
 
   const syncs = o.syncs.filter((x) => x.resume_ms || x.pause_ms);
   const vx = [], vy = [];
-  for (const x of syncs) if (x.resume_ms) { vx.push(x.resume_ms / 1000); vy.push(x.policy_version); }
+  // the policy-version chart follows the full weights; a tenant's adapter sync counts its own updates
+  for (const x of syncs) if (x.resume_ms && !x.tenant) { vx.push(x.resume_ms / 1000); vy.push(x.policy_version); }
   updateChart("versions", [vx, vy]);
   setText("n-hold-count", num(live.sync_hold_count));
   setText("n-hold-mean", live.sync_hold_count ? num(live.sync_hold_sum_s / live.sync_hold_count, 3) : "n/a");
   setText("n-engine-version", num(live.engine_weight_version));
   replace("syncs", syncs.length ? table(["version", "paused at", "paused (s)", "applied by", "failed"],
-    syncs.slice(-12).reverse().map((x) => [num(x.policy_version), when(x.pause_ms), num(x.pause_s, 2),
+    syncs.slice(-12).reverse().map((x) => [x.tenant ? `${x.tenant}: ${x.adapter || "adapter"} (#${x.policy_version})`
+      : num(x.policy_version), when(x.pause_ms), num(x.pause_s, 2),
       Object.keys(x.applied).join(", ") || "–", Object.entries(x.failed).map(([k, v]) => `${k}: ${v}`).join("; ") || "–"]))
     : h("p", { class: "muted" }, "no weight sync yet"));
 
@@ -290,6 +292,7 @@ async function renderSession(id, tenant) {
       ["finish reason", t.finish_reason || "–"],
       ["policy version", num(t.policy_version)],
     ];
+    if (data.tenant !== null) rows.push(["adapter", t.adapter ? t.adapter.name : "none (base model)"]);
     if (t.turn_type === "main") {
       rows.push(["next state", t.next_states.length ? t.next_states.map((n) => messages(n.messages, showText)) : h("span", { class: "muted" }, data.end ? "none (session ended)" : "waiting")]);
       for (const s of t.samples) {
