@@ -569,8 +569,29 @@ def scrape_by_label(url: str, name: str, label: str) -> dict[str, float]:
     return out
 
 
+def _stage_urls(stack: Stack, prefix: str) -> list[str]:
+    """The metrics URLs of stage ``prefix`` and its replicas (``prefix-<i>``)."""
+    return [url for name, url in stack.metrics.items()
+            if name == prefix or name.startswith(prefix + "-") and name[len(prefix) + 1:].isdigit()]
+
+
+def syncs_failed(stack: Stack) -> int:
+    """Applies the syncers answered ``failed`` for, summed over syncers: full weights
+    (``pipeline_syncer_failed_total``) and tenant adapter loads
+    (``pipeline_syncer_adapter_loads_total{result="failed"}``), each after its retries.
+    0 when no syncer answers (the status line then shows nothing)."""
+    n = 0.0
+    for url in _stage_urls(stack, "syncer"):
+        for s in _samples(url):
+            if s.name == "pipeline_syncer_failed_total" or (
+                    s.name == "pipeline_syncer_adapter_loads_total" and s.labels.get("result") == "failed"):
+                n += s.value
+    return int(n)
+
+
 def status_line(stack: Stack) -> str:
-    """One console line: each stage's state and restart count, and the main counters (summed over replicas)."""
+    """One console line: each stage's state and restart count, and the main counters (summed over
+    replicas); ``| syncs failed N`` only when a syncer reported a failed apply (:func:`syncs_failed`)."""
     parts = []
     for s in stack.supervisor.stages:
         state = s.state
@@ -580,9 +601,7 @@ def status_line(stack: Stack) -> str:
     def total(prefix: str, key: str) -> str:
         """The sum over the stage's replicas that serve ``key``; ``n/a`` when none does (a stage
         down or not started: no figure, never 0)."""
-        hits = [v for name, url in stack.metrics.items()
-                if name == prefix or name.startswith(prefix + "-") and name[len(prefix) + 1:].isdigit()
-                for k, v in scrape(url).items() if k == key]
+        hits = [v for url in _stage_urls(stack, prefix) for k, v in scrape(url).items() if k == key]
         return f"{sum(hits):.0f}" if hits else "n/a"
 
     return (f"[{time.strftime('%H:%M:%S')}] {' '.join(parts)}"
@@ -590,7 +609,8 @@ def status_line(stack: Stack) -> str:
             f" | samples {total('judge', 'pipeline_judge_samples_total')}"
             f" | trainer steps {total('trainer', 'pipeline_trainer_steps_total')}"
             f" | policy version {total('trainer', 'pipeline_trainer_policy_version')}"
-            f" | restarts {sum(stack.supervisor.restarts().values())}")
+            + (f" | syncs failed {failed}" if (failed := syncs_failed(stack)) else "")
+            + f" | restarts {sum(stack.supervisor.restarts().values())}")
 
 
 def start_interruptibly(stop: threading.Event, start: Callable[[], Stack]) -> Stack:

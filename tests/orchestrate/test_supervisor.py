@@ -206,3 +206,31 @@ def test_status_line_reads_n_a_for_a_stage_that_serves_no_figure(tmp_path):
                              metrics={"proxy": url, "judge": url, "trainer": url}))
     for figure in ("requests", "samples", "trainer steps", "policy version"):
         assert f"| {figure} n/a" in line, line
+
+
+def test_status_line_counts_failed_syncs_only_when_there_are_some(tmp_path):
+    """``| syncs failed N``: full-weight applies and tenant adapter loads the syncers answered
+    ``failed`` for, summed over syncers; absent while none failed (issue 28)."""
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+    regs, urls, servers = [], {}, []
+    for i in range(2):
+        reg = CollectorRegistry()
+        regs.append((Counter("pipeline_syncer_failed_total", "x", registry=reg),
+                     Counter("pipeline_syncer_adapter_loads_total", "x", ["engine_id", "result"], registry=reg)))
+        port = free_port()
+        servers.append(start_http_server(port, addr="127.0.0.1", registry=reg))
+        urls[f"syncer-{i}"] = f"http://127.0.0.1:{port}/metrics"
+    sup = Supervisor(tmp_path / "logs", policy=RestartPolicy(backoff_s=0.1, stable_s=0.5))
+    stack = Stack(config=None, run_dir=tmp_path, supervisor=sup, metrics=urls)
+    try:
+        regs[0][1].labels("engine-0", "applied").inc(5)
+        assert "syncs failed" not in status_line(stack)
+        regs[0][0].inc(3)
+        regs[1][1].labels("engine-1", "failed").inc()
+        regs[1][1].labels("engine-1", "applied").inc(2)
+        assert "| syncs failed 4 |" in status_line(stack)
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            thread.join(timeout=5)
