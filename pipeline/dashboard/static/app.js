@@ -317,15 +317,16 @@ async function renderSession(id, tenant) {
 }
 
 // ---------------------------------------------------------------- routing and live updates
+function showSessionOf(hash) {  // "#/session/<id>?tenant=<t>": the session page of (tenant, id)
+  const [path, query] = hash.slice("#/session/".length).split("?");
+  return renderSession(decodeURIComponent(path), new URLSearchParams(query || "").get("tenant"));
+}
+
 function route() {
   const hash = location.hash || "#/";
   $("nav-overview").classList.toggle("active", hash === "#/" || hash === "");
   $("nav-sessions").classList.toggle("active", hash.startsWith("#/session"));
-  if (hash.startsWith("#/session/")) {
-    const [path, query] = hash.slice("#/session/".length).split("?");
-    const tenant = new URLSearchParams(query || "").get("tenant");
-    return renderSession(decodeURIComponent(path), tenant);
-  }
+  if (hash.startsWith("#/session/")) return showSessionOf(hash);
   if (hash.startsWith("#/sessions")) {
     const q = new URLSearchParams(hash.split("?")[1] || "").get("q") || "";
     return renderSessions(q);
@@ -343,7 +344,7 @@ function onOverview(o) {
   if (hash === "#/" || hash === "") renderOverview(o);
   else if (Date.now() - S.lastRefresh > 2000) {  // browser pages refresh on change, at most every 2 s
     S.lastRefresh = Date.now();
-    if (hash.startsWith("#/session/")) renderSession(decodeURIComponent(hash.slice("#/session/".length)));
+    if (hash.startsWith("#/session/")) showSessionOf(hash);  // the live refresh keeps the tenant
     else refreshSessions().catch(() => {});
   }
 }
