@@ -34,6 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.args import trainer_workload  # noqa: E402  (this checkout's bench helpers)
+
 LORA = {"rank": 16, "alpha": 32}  # targets: every attention and MLP projection (the default)
 
 
@@ -143,13 +145,8 @@ def _report(rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="tiny-random,smollm2-135m")
-    p.add_argument("--batch", type=int, default=4, help="samples per step")
-    p.add_argument("--micro", type=int, default=2, help="samples per micro-batch")
-    p.add_argument("--seq", type=int, default=256, help="tokens per sample (half prompt, half response)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: on a shared CPU, two "
-                   "threads' barrier spinning inflated LoRA's many small matmuls 3-4x in CPU seconds)")
+    trainer_workload(p, seq=256, threads=1, threads_help="torch threads per process (1: on a shared CPU, two "
+                     "threads' barrier spinning inflated LoRA's many small matmuls 3-4x in CPU seconds)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per model and mode")
     p.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -37,6 +37,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.args import trainer_workload  # noqa: E402  (this checkout's bench helpers)
+
 PHASES = ("consume_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "export_s", "sync_s", "step_s")
 
 
@@ -249,12 +251,7 @@ def bench_gpu(args) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="tiny-random,smollm2-135m")
-    p.add_argument("--batch", type=int, default=4, help="samples per step")
-    p.add_argument("--micro", type=int, default=2, help="samples per micro-batch")
-    p.add_argument("--seq", type=int, default=300, help="tokens per sample (half prompt, half response)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    trainer_workload(p, seq=300, threads=2)
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--gpu-check", action="store_true", help="GPU path check (see the module docstring)")
     p.add_argument("--size", default="1b", choices=sorted(SIZES))

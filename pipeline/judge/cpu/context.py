@@ -508,26 +508,26 @@ def other_day(request: str, response: str) -> str | None:
     return None
 
 
+def _asked_and_called(request: str, response: str, asked: re.Pattern, called) -> tuple[str, str] | None:
+    """The first argument ``(name, value)`` of the tool calls for which ``called(name, value)``
+    holds, when ``asked`` occurs in the request; else None."""
+    calls = call_text(response)
+    if not calls or not asked.search(request or ""):
+        return None
+    return next(((key, v) for key, v in _call_items(calls) if called(key, v)), None)
+
+
 def public_instead_of_private(request: str, response: str) -> str | None:
     """The request asks for a private message and the call posts to a channel (``#name``)."""
-    calls = call_text(response)
-    if not calls or not _PRIVATE.search(request or ""):
-        return None
-    for key, v in _call_items(calls):
-        if key in ("channel", "channel_id", "room", "to", "conversation") and v.strip().startswith("#"):
-            return f"a private message was asked, the call posts to {v.strip()[:40]}"
-    return None
+    hit = _asked_and_called(request, response, _PRIVATE, lambda key, v: v.strip().startswith("#") and key in (
+        "channel", "channel_id", "room", "to", "conversation"))
+    return f"a private message was asked, the call posts to {hit[1].strip()[:40]}" if hit else None
 
 
 def narrower_scope(request: str, response: str) -> str | None:
     """The request asks for the whole test suite and the call runs one test file or a filtered subset."""
-    calls = call_text(response)
-    if not calls or not _WHOLE.search(request or ""):
-        return None
-    for _, v in _call_items(calls):
-        if _TEST_CMD.search(v) and _ONE_TEST.search(v):
-            return "the whole suite was asked, the call runs a subset"
-    return None
+    hit = _asked_and_called(request, response, _WHOLE, lambda _, v: bool(_TEST_CMD.search(v) and _ONE_TEST.search(v)))
+    return "the whole suite was asked, the call runs a subset" if hit else None
 
 
 def wrong_count(request: str, response: str) -> str | None:
