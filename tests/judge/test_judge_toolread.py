@@ -87,6 +87,10 @@ CASES = [
     # search hits are content, even short ones with error words in them
     ("1. Task groups - cancelled tasks and errors explained", 'web_search({"query": "task groups"})', 1),
     ("Traceback (most recent call last):\n  File \"s.py\", line 1\nKeyError: 'q'", 'web_search({"query": "x"})', -1),
+    # ... but a search that found nothing did not succeed at finding: no results (0), not a listing
+    ("No results found for 'flange bracket 77'", 'web_search({"query": "flange bracket 77"})', 0),
+    ("We couldn't find anything for \"Chez Plume\".", 'kb_lookup({"q": "Chez Plume"})', 0),
+    ("0 messages match your search.", 'search_mail({"q": "invoice 7781"})', 0),
     # JSON: titles describe an object; an identified resource is a success; a page is partial
     ('{"number": 7, "title": "Login fails on Safari", "state": "open"}', "", 1),
     ('{"id": "c_1", "description": "invalid rows are skipped"}', "", 1),

@@ -357,7 +357,7 @@ class _Output:
         self.no_results = bool(_NO_RESULTS.search(self.cleaned))
         self.error = None if self.listing else (_ERROR.search(self.cleaned) or (
             _WEAK_ERROR.search(self.cleaned) if short and not self.no_results else None))
-        self.listing = self.listing or (self.searched and not self.error)
+        self.listing = self.listing or (self.searched and not self.error and not self.no_results)
 
 
 def _empty(o: _Output) -> ToolReading | None:
