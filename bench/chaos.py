@@ -530,6 +530,23 @@ LOSS_COLUMNS = ("answered_200_without_turn", "duplicate_turns_into_samples", "tu
                 "versions_backwards_published", "versions_backwards_trainer", "user_failures_other")
 
 
+# rows of the table that show one count of the result as it is: (label, key in the result)
+COUNT_ROWS = (
+    ("records out of protocol order on turns (reordered by the judge)", "records_out_of_protocol_order"),
+    ("answered 200 with no turn event", "answered_200_without_turn"),
+    ("turn records seen twice (at-least-once, raw)", "turn_records_seen_twice"),
+    ("turn index reused by a user's retry", "turn_index_reused_after_failure"),
+    ("duplicate turns that reached samples", "duplicate_turns_into_samples"),
+    ("sample records seen twice (raw, de-duplicated by id)", "sample_records_seen_twice"),
+    ("turns with a next state never judged", "turns_never_judged"),
+    ("turns without any sample", "turns_without_sample"),
+    ("samples trained twice", "samples_trained_twice"),
+    ("samples consumed, never trained", "samples_never_trained"),
+    ("samples dropped as stale (max_staleness)", "samples_dropped_stale"),
+    ("samples not consumed yet (partial batch)", "samples_not_consumed_yet"),
+)
+
+
 def table(res: dict) -> str:
     rows = [
         ("requests (200 / all)", f"{res['answered_200']} / {res['requests']}"),
@@ -543,18 +560,7 @@ def table(res: dict) -> str:
             f"{c['stage']} ({c['exit']})" for c in res["crashes"]) or "none"),
         ("trainer kills / proven mid-step (phase)", f"{res['trainer_kills']} / {res['trainer_kills_mid_step']} "
                                                     f"({', '.join(res['mid_step_phases']) or '-'})"),
-        ("records out of protocol order on turns (reordered by the judge)", res["records_out_of_protocol_order"]),
-        ("answered 200 with no turn event", res["answered_200_without_turn"]),
-        ("turn records seen twice (at-least-once, raw)", res["turn_records_seen_twice"]),
-        ("turn index reused by a user's retry", res["turn_index_reused_after_failure"]),
-        ("duplicate turns that reached samples", res["duplicate_turns_into_samples"]),
-        ("sample records seen twice (raw, de-duplicated by id)", res["sample_records_seen_twice"]),
-        ("turns with a next state never judged", res["turns_never_judged"]),
-        ("turns without any sample", res["turns_without_sample"]),
-        ("samples trained twice", res["samples_trained_twice"]),
-        ("samples consumed, never trained", res["samples_never_trained"]),
-        ("samples dropped as stale (max_staleness)", res["samples_dropped_stale"]),
-        ("samples not consumed yet (partial batch)", res["samples_not_consumed_yet"]),
+        *((label, res[key]) for label, key in COUNT_ROWS),
         ("policy versions going backwards (published / trainer)",
          f"{res['versions_backwards_published']} / {res['versions_backwards_trainer']}"),
         ("requests served by v0 after v1 was published", res["requests_on_base_model_after_v1"]),
