@@ -75,6 +75,11 @@ CASES = [
     ("def check(x):\n    if x < 0:\n        raise ValueError('invalid input')\n    return x\n" * 3, "", None),
     ("Monday 12°C cloudy", "", None),
     ("warning: unused variable 'n'", "", None),  # warnings alone: the model decides
+    # a weak error word on a warning line of npm, Maven or pip is no failure: the model decides
+    ("npm WARN deprecated inflight@1.0.6: not supported\nadded 3 packages in 2s", 'shell({"cmd": "npm i"})', None),
+    ("[WARNING] Parameter 'x' is unknown\n[INFO] Copying 3 resources", 'shell({"cmd": "mvn package"})', None),
+    ("WARNING: Retrying after connection broken\nCollecting six", 'shell({"cmd": "pip install six"})', None),
+    ("npm WARN config cannot be set\nnpm ERR! code E404", 'shell({"cmd": "npm i nope"})', -1),
     ("Saved 2 files.", "", 1),
     # a command result given as JSON reads like the same result printed
     ('{"exit_code": 0, "stdout": "", "stderr": ""}', 'shell({"cmd": "find . -size +1G"})', 0),
@@ -87,6 +92,13 @@ CASES = [
     # search hits are content, even short ones with error words in them
     ("1. Task groups - cancelled tasks and errors explained", 'web_search({"query": "task groups"})', 1),
     ("Traceback (most recent call last):\n  File \"s.py\", line 1\nKeyError: 'q'", 'web_search({"query": "x"})', -1),
+    # a listing's items are content, but an error line beside them is the tool's own: a numbered
+    # list of steps that ends in a traceback or an error line failed
+    ("1. fetch sources\n2. compile\n3. link\nerror: ld returned 1 exit status", 'shell({"cmd": "make"})', -1),
+    ("1) migrate users\n2) migrate orders\n3) migrate invoices\nTraceback (most recent call last):\n"
+     "  File \"m.py\", line 3\nKeyError: 'id'", 'shell({"cmd": "python migrate.py"})', -1),
+    ("Found 3 files\nsrc/a.py\nsrc/b.py\nfind: 'src/c': Permission denied", 'shell({"cmd": "find src"})', -1),
+    ("1. Login fails with Permission denied\n2. Dark mode\n3. Crash on start", 'shell({"cmd": "gh issue list"})', 1),
     # ... but a search that found nothing did not succeed at finding: no results (0), not a listing
     ("No results found for 'flange bracket 77'", 'web_search({"query": "flange bracket 77"})', 0),
     ("We couldn't find anything for \"Chez Plume\".", 'kb_lookup({"q": "Chez Plume"})', 0),

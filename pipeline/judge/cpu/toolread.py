@@ -5,8 +5,9 @@ summaries, exit and HTTP statuses, error signatures, listings, "no results", pen
 words); the first that decides gives a :class:`ToolReading`: 1 / -1 when the structure decides,
 0 when the outcome is not known yet or not the call's doing (pending, empty, dry run, truncated,
 rate limit, HTTP 429/502/503/504), None when no convention was found (the model decides).
-Zero counts ("0 failed") are no errors; hits of a search and words a document quotes are
-content; weak error words ("failed", "not found") decide only in a short status-like output.
+Zero counts ("0 failed") are no errors; hits of a search, the items of a listing and words a
+document quotes are content (an error line beside a listing's items is not); weak error words
+("failed", "not found") decide only in a short status-like output, and not on a WARN line.
 Pure (no model, no I/O); the rules are our own, written from the output
 formats of pytest, unittest, Jest, Go, Cargo, Maven/JUnit, POSIX shells and HTTP.
 """
@@ -124,6 +125,7 @@ _WEAK_ERROR = re.compile("|".join([  # decide only in a short, status-like outpu
     r"\bnie udało się\b", r"не удалось", r"невозможно", r"失敗しました", r"できません", r"失败", r"无法", r"실패",
     r"할 수 없습니다",
 ]), _I)
+_WARN_LINE = re.compile(r"^\s*(?:npm\s+)?(?:WARN(?:ING)?\b|\[WARN(?:ING)?\]).*$", re.M)  # npm, Maven, pip warnings
 SHORT_CHARS = 400  # a tool result up to this long (and up to SHORT_LINES lines) reads as a status message
 SHORT_LINES = 6
 _SUCCESS = re.compile("|".join([
@@ -355,8 +357,12 @@ class _Output:
             self.cleaned = _QUOTED_SPAN.sub(" ", self.cleaned)
         short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not self.searched and not self.document
         self.no_results = bool(_NO_RESULTS.search(self.cleaned))
-        self.error = None if self.listing else (_ERROR.search(self.cleaned) or (
-            _WEAK_ERROR.search(self.cleaned) if short and not self.no_results else None))
+        if self.listing:  # the items of a listing are content; an error line beside them is the tool's own
+            self.error = None if self.searched else _ERROR.search("\n".join(
+                line for line in self.cleaned.splitlines() if not (_NUMBERED.match(line) or _URL.search(line))))
+        else:
+            self.error = _ERROR.search(self.cleaned) or (  # (a WARN line's words are no failure)
+                _WEAK_ERROR.search(_WARN_LINE.sub(" ", self.cleaned)) if short and not self.no_results else None)
         self.listing = self.listing or (self.searched and not self.error and not self.no_results)
 
 
