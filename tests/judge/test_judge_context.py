@@ -26,6 +26,9 @@ def call(name: str, **args) -> str:
      call("fx", **{"from": "GBP", "to": "JPY", "amount": 50})),
     (reversed_direction, "Rename old.txt to new.txt", call("shell", cmd="mv new.txt old.txt"),
      call("shell", cmd="mv old.txt new.txt")),
+    (reversed_direction, "Download the report from s3://acme-reports/2026/q3.csv into ./reports.",
+     call("shell", cmd="aws s3 cp ./reports/q3.csv s3://acme-reports/2026/q3.csv"),
+     call("shell", cmd="aws s3 cp s3://acme-reports/2026/q3.csv ./reports/")),
     (public_instead_of_private, "Send Omar the password privately", call("chat_post", channel="#ops", text="pw"),
      call("chat_dm", user="omar", text="pw")),
     (narrower_scope, "Run the entire test suite please", call("shell", cmd="pytest tests/test_api.py"),
@@ -85,6 +88,9 @@ def test_silent_without_evidence(request_, response):
     ("schedule the review on March 14th", call("cal_add", date="2026-03-17"), call("cal_add", date="2026-03-14")),
     ("Move the call to 2025-11-02", call("reschedule", when="2025-12-02 10:00"),
      call("reschedule", when="2025-11-02 10:00")),
+    # one day off, and not the weekday the request names
+    ("Put the dentist in my calendar: Tuesday 9 February, 8:30", call("cal_add", start="2027-02-10T08:30:00"),
+     call("cal_add", start="2027-02-09T08:30:00")),
 ])
 def test_another_day_abstains(request_, bad, good):
     assert other_day(request_, bad) and other_day(request_, good) is None
@@ -119,6 +125,10 @@ def test_no_other_day_without_evidence(request_, response):
     # a branch named at the end of a sentence: the full stop is not part of its name
     ("Switch to release/3.1.", call("shell", cmd="git switch release/3.0"),
      call("shell", cmd="git switch release/3.1"), "branch"),
+
+    # an amount written with a thousands separator is one number; 2300.0 is not 3,200
+    ("Send Greyfield their invoice for $3,200", call("send_invoice", customer="Greyfield", amount=2300.0),
+     call("send_invoice", customer="Greyfield", amount=3200.0), "number"),
 ])
 def test_a_call_on_another_named_target(request_, bad, good, kind):
     why = target_mismatch(request_, bad)
@@ -130,6 +140,10 @@ def test_a_call_on_another_named_target(request_, bad, good, kind):
     ("Push my commits", call("shell", cmd="git push origin main")),  # no branch named: nothing to compare
     ("Push feature/a to the remote", call("shell", cmd="git push")),  # no branch in the call
     ("Back up report.docx", call("shell", cmd="cp report.docx report.docx.bak")),  # an extra file, none missing
+    # dates and times are not counts: "7 December at 3pm" is the ISO start, "7:30pm" is "19:30"
+    ("Book a 30 minute sync next Monday 7 December at 3pm", call("cal_add", start="2026-12-07T15:00:00+01:00")),
+    ("A table for four on Saturday at 7:30pm", call("reserve", date="2026-12-12", time="19:30", party_size=4)),
+    ("Dentist on 14 March 2025 at 9:30", call("cal_add", start="2025-03-14T09:30:00", duration_min=45)),
 ])
 def test_no_mismatch_without_evidence(request_, response):
     assert target_mismatch(request_, response) is None

@@ -99,6 +99,19 @@ CASES = [
      "  File \"m.py\", line 3\nKeyError: 'id'", 'shell({"cmd": "python migrate.py"})', -1),
     ("Found 3 files\nsrc/a.py\nsrc/b.py\nfind: 'src/c': Permission denied", 'shell({"cmd": "find src"})', -1),
     ("1. Login fails with Permission denied\n2. Dark mode\n3. Crash on start", 'shell({"cmd": "gh issue list"})', 1),
+    # a document that was read: the failures it names are its content (the model decides)
+    ("2026-12-03 02:14:07 INFO job 41 started\n2026-12-03 02:14:09 ERROR job 41 failed\n"
+     "Traceback (most recent call last):\n  File \"w.py\", line 9\nKeyError: 'id'", 'read_file({"path": "w.log"})', None),
+    ("# Postmortem\n\nFor 42 minutes, 31% of checkout requests failed with HTTP 500.\nRoot cause: a config push.",
+     'read_document({"doc_id": "pm-11"})', None),
+    ("Permission denied", 'read_file({"path": "/etc/shadow"})', -1),  # the read itself failed
+    # the shell's "command not found" in other locales; terraform's boxed errors; an envelope object
+    ("bash: kubctl : commande introuvable", 'shell({"cmd": "kubctl get pods"})', -1),
+    ("zsh: Befehl nicht gefunden: pyhton", 'shell({"cmd": "pyhton a.py"})', -1),
+    ("╷\n│ Error: Reference to undeclared resource\n│\n│   on main.tf line 31", 'shell({"cmd": "terraform plan"})', -1),
+    ("ERROR: (gcloud.compute.instances.create) The service is currently unavailable.", "", 0),
+    ('{"reservation": {"code": "CO-58", "status": "CONFIRMED"}}', "", 1),
+    ('{"result": {"status": "failed", "reason": "card expired"}}', "", -1),
     # ... but a search that found nothing did not succeed at finding: no results (0), not a listing
     ("No results found for 'flange bracket 77'", 'web_search({"query": "flange bracket 77"})', 0),
     ("We couldn't find anything for \"Chez Plume\".", 'kb_lookup({"q": "Chez Plume"})', 0),

@@ -31,6 +31,11 @@ _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 _HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
 _TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # "3,200" -> "3200"
+_MON = r"(?:[Jj]an|[Ff]eb|[Mm]ar|[Aa]pr|May|[Jj]un|[Jj]ul|[Aa]ug|[Ss]ep|[Oo]ct|[Nn]ov|[Dd]ec)[a-z]*"  # ("may": a verb)
+_DATETIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ][\d:.]+(?:Z|[+-]\d{2}:?\d{2})?)?|\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?"
+                       rf"|\b\d{{1,2}}\s?[AaPp][Mm]\b|\b\d{{1,2}}(?:st|nd|rd|th)?(?:\s+of)?\s+{_MON}\b(?:,?\s+\d{{4}})?"
+                       rf"|\b{_MON}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?\b(?:,?\s+\d{{4}})?")
 _NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}\b")  # a capitalised word inside a sentence
 _IDENT = re.compile(r"(?<![\w@#/.-])(?=[\w-]*[a-z])[a-z0-9]+(?:[-_/:.][a-z0-9]+)+(?![\w-])", re.I)
 _ENV = re.compile(r"\b(?:prod|production|staging|stage|dev|development|qa|sandbox|preview|live|main|master|develop|"
@@ -89,6 +94,12 @@ def _call_args(calls: str) -> list[str]:
     return [v for _, v in _call_items(calls)]
 
 
+def _number(n: str) -> str:
+    """One spelling per value: "007" -> "7", "2300.0" -> "2300", "84.20" -> "84.2"."""
+    n = n.lstrip("0") or "0"
+    return (n.rstrip("0").rstrip(".") or "0") if "." in n else n
+
+
 def _things(text: str) -> dict[str, set[str]]:
     """The specific things a text names, by kind, normalised to lower case."""
     found: dict[str, set[str]] = {}
@@ -104,7 +115,8 @@ def _things(text: str) -> dict[str, set[str]]:
     add("file", [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)])
     add("handle", _HANDLE.findall(without_emails))
     add("ticket", _TICKET.findall(text))
-    add("number", [n.lstrip("0") or "0" for n in _NUMBER.findall(_FILE.sub(" ", without_emails))])
+    plain = _DATETIME.sub(" ", _FILE.sub(" ", without_emails))  # (dates and times are no counts or amounts)
+    add("number", [_number(n) for n in _NUMBER.findall(_THOUSANDS.sub("", plain))])
     add("name", [n for n in _NAME.findall(" " + without_emails) if not (_WEEKDAY.fullmatch(n) or _MONTH.fullmatch(n))]
         + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
                                                         if len(p) >= 3])
@@ -361,12 +373,25 @@ def reversed_direction(request: str, response: str) -> str | None:
             continue
         if src and dst and a in dst and b in src and a not in src and b not in dst:
             return f"the request goes {a} to {b}, the call {b} to {a}"
-    for fa, fb in _RENAME.findall(request or ""):
+    moves = _RENAME.findall(request or "") + [(a, b) for a, b in _FROM_TO.findall(request or "")
+                                              if all("/" in x or _FILE.fullmatch(x.strip(".,")) for x in (a, b))]
+    for fa, fb in moves:
         for _, v in items:
-            mm = re.search(r"\b(?:mv|cp)\s+(?:-\w+\s+)*(\S+)\s+(\S+)", v)
-            if mm and mm.group(1).endswith(fb.strip(".,")) and mm.group(2).endswith(fa.strip(".,")):
-                return f"the request renames {fa} to {fb}, the call the other way"
+            mm = _COPY_CMD.search(v)
+            if mm and _same_path(mm.group(1), fb) and _same_path(mm.group(2), fa):
+                return f"the request moves {fa} to {fb}, the call the other way"
     return None
+
+
+_FROM_TO = re.compile(r"\bfrom\s+(\S+)\s+(?:\S+\s+){0,3}?(?:to|into)\s+(\S+)", re.I)  # "download X from A into B"
+_COPY_CMD = re.compile(r"\b(?:mv|cp|scp|rsync|s3 cp|gsutil cp)\s+(?:-\S+\s+)*(\S+)\s+(\S+)")
+
+
+def _same_path(p: str, q: str) -> bool:
+    """``p`` names ``q`` or a file inside it (``./reports/q3.csv`` and ``reports``), quotes,
+    ``./`` and a closing full stop aside."""
+    p, q = (x.strip("'\".,").removeprefix("./").rstrip("/") for x in (p, q))
+    return bool(p and q) and (p.endswith(q) or p.startswith(q + "/"))
 
 
 _LANGUAGE = {  # language names (English and native, a few other spellings) -> ISO 639-1
@@ -503,7 +528,9 @@ def other_day(request: str, response: str) -> str | None:
         except ValueError:  # 29 February of a common year
             pass
     gap = min(gaps, default=0)
-    if gap > 1:
+    days = {w.lower() for w in _WEEKDAY.findall(request or "")}  # "Tuesday 9 February": the call's day must be one
+    other_weekday = len(days) == 1 and called.strftime("%A").lower() not in days
+    if gap > 1 or (gap == 1 and other_weekday):
         return f"date: the request names {wm:02d}-{wd:02d}, the call {year}-{mo:02d}-{d:02d}"
     return None
 

@@ -82,10 +82,13 @@ _SILENT_OK = re.compile(
 _ERROR = re.compile("|".join([  # decide at any length: these do not occur in ordinary data
     r"Traceback \(most recent call last\)",
     r"^\s*(?:[\w.$]+\.)?[A-Z]\w*(?:Error|Exception|Fault)\b\s*(?::|$)",
-    r"^\s*(?:error|fatal|fatal error|panic|critical|err!?)\s*(?:\[[\w\d]+\])?\s*:",
+    r"^[\s│|]*(?:error|fatal|fatal error|panic|critical|err!?)\s*(?:\[[\w\d]+\])?\s*:",  # (│: terraform's box)
     r"^[\w./-]+:\d+(?::\d+)?:\s*(?:fatal )?error\b",
     r"^\s*E\s*:\s+\S", r"^\s*\[(?:error|fatal|err)\]", r"^\s*npm ERR!", r"^\s*ERROR\b",
-    r"\bcommand not found\b", r"\bis not recognized as (?:an internal|the name)", r"\bNo such file or directory\b",
+    r"\bcommand not found\b", r"\bcommande introuvable\b", r"\bBefehl nicht gefunden\b",
+    r"\bcomando no encontrado\b", r"\bcomando non trovato\b", r"\bcomando não encontrado\b",
+    r"\bopdracht niet gevonden\b", r"\bnie znaleziono polecenia\b", r"команда не найдена",
+    r"コマンドが見つかりません", r"未找到命令", r"명령을 찾을 수 없습니다", r"\bis not recognized as (?:an internal|the name)", r"\bNo such file or directory\b",
     r"\bPermission denied\b", r"\bOperation not permitted\b", r"\bSegmentation fault\b", r"\bcore dumped\b",
     r"\bOOMKilled\b", r"\b(?:CrashLoopBackOff|ImagePullBackOff|ErrImagePull|CreateContainerConfigError)\b", r"\bConnection (?:refused|reset by peer)\b", r"\bCould not resolve host\b",
     r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
@@ -170,7 +173,7 @@ _TRANSIENT_CODES = {429, 502, 503, 504}
 _TRANSIENT = re.compile(
     r"\brate[ -]?limit(?:ed)?\b|\btoo many requests\b|\btemporar(?:y|ily) (?:unavailable|failure|error|down)\b"
     r"|\b(?:try|retry|please retry) (?:again )?(?:later|in \d+|after)\b|\bretry[- ]after\b|\bunder maintenance\b"
-    r"|\bservice (?:is )?(?:temporarily )?unavailable\b|\bserver (?:is )?(?:overloaded|busy)\b|\bquota (?:exceeded|reached)\b"
+    r"|\bservice (?:is )?(?:temporarily |currently )?unavailable\b|\bserver (?:is )?(?:overloaded|busy)\b|\bquota (?:exceeded|reached)\b"
     r"|\bbad gateway\b|\bgateway time-?out\b", re.I)
 # the action did not (fully) happen or its outcome is not known: dry runs, partial or truncated
 # output, flaky tests that passed only on a retry
@@ -384,6 +387,8 @@ def _json(o: _Output) -> ToolReading | None:
         return None
     if isinstance(obj, list) and not obj:
         return ToolReading(0, "empty JSON list")
+    if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), dict):
+        obj = next(iter(obj.values()))  # an envelope ({"reservation": {...}}): its object's fields decide
     if isinstance(obj, dict):
         low = {str(k).lower(): v for k, v in obj.items()}
         reading = _json_transient(low) or _json_fields(low, o.call) or _json_shape(low)
@@ -417,6 +422,15 @@ def _pending(o: _Output) -> ToolReading | None:
     return None
 
 
+def _document(o: _Output) -> ToolReading | None:
+    """A document that was read (a file, a log, a page): the failures it names are its content,
+    not the read's outcome (None: the model decides, +1 or abstain)."""
+    if o.document and (o.error or any(r is not None and r.label == -1 for r in (
+            _tests(o.s), _exit_status(o), _http_status(o)))):
+        return ToolReading(None, "a document read (the failures it names are content)")
+    return None
+
+
 def _when(pattern: re.Pattern, label: int | None, reason: str, attr: str = "s"):
     """A rule that decides ``label`` when ``pattern`` occurs in the output (``attr``: raw or cleaned text)."""
     return lambda o: ToolReading(label, reason) if pattern.search(getattr(o, attr)) else None
@@ -430,6 +444,7 @@ RULES = (
     ("collection_error", lambda o: ToolReading(-1, "test collection error (no test could run)")
      if _COLLECTION_ERROR.search(o.s) and not o.searched and not o.listing else None),
     ("unsettled", _when(_UNSETTLED, 0, "not settled (dry run, partial, truncated or flaky)")),
+    ("document", _document),
     ("test_summary", lambda o: _tests(o.s)),
     ("transient", _when(_TRANSIENT, 0, "transient failure of the environment (rate limit, overload)")),
     ("exit_status", _exit_status),
