@@ -102,6 +102,8 @@ def test_another_day_abstains(request_, bad, good):
     ("Call with Tokyo on March 5 at 8am their time", call("book", start="2025-03-04T23:00Z")),  # UTC: a day off
     ("Remind me on June 2 about the June 9 deadline", call("remind", at="2025-06-02T08:00")),  # two days named
     ("New Year call on January 1", call("book", start="2025-12-31T23:30")),  # across the year
+    ("Book the dentist Tuesday 9 February 11:30pm PST", call("book", start="2027-02-10T07:30:00Z")),  # UTC
+    ("Remind me the day before Tuesday 9 February", call("remind", at="2027-02-08")),  # derived
 ])
 def test_no_other_day_without_evidence(request_, response):
     assert other_day(request_, response) is None
@@ -144,6 +146,21 @@ def test_a_call_on_another_named_target(request_, bad, good, kind):
     ("Book a 30 minute sync next Monday 7 December at 3pm", call("cal_add", start="2026-12-07T15:00:00+01:00")),
     ("A table for four on Saturday at 7:30pm", call("reserve", date="2026-12-12", time="19:30", party_size=4)),
     ("Dentist on 14 March 2025 at 9:30", call("cal_add", start="2025-03-14T09:30:00", duration_min=45)),
+    # a correct copy whose destination comes first; the day before a named weekday; a time in UTC
+    ("Copy q3.csv from downloads/q3.csv into reports/", call("shell", cmd="cp -t reports/ downloads/q3.csv")),
 ])
 def test_no_mismatch_without_evidence(request_, response):
     assert target_mismatch(request_, response) is None
+    assert wrong_action(request_, response) is None
+
+
+@pytest.mark.parametrize("request_,bad,good", [
+    # words that begin like a month are no dates: their numbers are counts
+    ("Mark 3 emails as read", call("mark_read", count=5), call("mark_read", count=3)),
+    ("Round the totals to 2 decimals", call("fmt", places=3), call("fmt", places=2)),
+    ("Install Python 3.10", call("shell", cmd="uv python install 3.1"), call("shell", cmd="uv python install 3.10")),
+])
+def test_another_number_is_a_mismatch(request_, bad, good):
+    why = target_mismatch(request_, bad)
+    assert why and why.startswith("number"), why
+    assert target_mismatch(request_, good) is None

@@ -97,14 +97,25 @@ CASES = [
     ("1. fetch sources\n2. compile\n3. link\nerror: ld returned 1 exit status", 'shell({"cmd": "make"})', -1),
     ("1) migrate users\n2) migrate orders\n3) migrate invoices\nTraceback (most recent call last):\n"
      "  File \"m.py\", line 3\nKeyError: 'id'", 'shell({"cmd": "python migrate.py"})', -1),
-    ("Found 3 files\nsrc/a.py\nsrc/b.py\nfind: 'src/c': Permission denied", 'shell({"cmd": "find src"})', -1),
     ("1. Login fails with Permission denied\n2. Dark mode\n3. Crash on start", 'shell({"cmd": "gh issue list"})', 1),
+    # ... only a line after the last item, not indented: titles above links and items' details are content
+    ("Error handling guide\nhttps://docs.example.com/errors\nRetry policy\nhttps://docs.example.com/retry",
+     "list_bookmarks({})", 1),
+    ("1. Fix build\n   Traceback (most recent call last): seen in CI\n2. Docs\n3. Release", "gh_issues({})", 1),
+    ("1. INC-12 checkout down\n   Error: payment gateway unreachable\n2. INC-13 slow search\n3. INC-14 logins",
+     "list_incidents({})", 1),
     # a document that was read: the failures it names are its content (the model decides)
     ("2026-12-03 02:14:07 INFO job 41 started\n2026-12-03 02:14:09 ERROR job 41 failed\n"
      "Traceback (most recent call last):\n  File \"w.py\", line 9\nKeyError: 'id'", 'read_file({"path": "w.log"})', None),
     ("# Postmortem\n\nFor 42 minutes, 31% of checkout requests failed with HTTP 500.\nRoot cause: a config push.",
      'read_document({"doc_id": "pm-11"})', None),
-    ("Permission denied", 'read_file({"path": "/etc/shadow"})', -1),  # the read itself failed
+    ("Permission denied", 'read_file({"path": "/etc/shadow"})', -1),  # the read itself failed ...
+    ("Error: ENOENT: no such file or directory, open 'w.log'\n    at Object.openSync (fs.js:1)\n    at read (r.js:2)",
+     'read_file({"path": "w.log"})', -1),  # ... and says so on its first line
+    ("Traceback (most recent call last):\n  File \"r.py\", line 2\nFileNotFoundError: [Errno 2] w.log",
+     'read_file({"path": "w.log"})', -1),
+    ("HTTP 404 Not Found\nThe requested document does not exist.\nCheck the id.", 'read_document({"id": "x"})', -1),
+    ("## Build\ncompiling main.c\nerror: ld returned 1 exit status\n", 'shell({"cmd": "make"})', -1),  # not a read
     # the shell's "command not found" in other locales; terraform's boxed errors; an envelope object
     ("bash: kubctl : commande introuvable", 'shell({"cmd": "kubctl get pods"})', -1),
     ("zsh: Befehl nicht gefunden: pyhton", 'shell({"cmd": "pyhton a.py"})', -1),
@@ -112,6 +123,9 @@ CASES = [
     ("ERROR: (gcloud.compute.instances.create) The service is currently unavailable.", "", 0),
     ('{"reservation": {"code": "CO-58", "status": "CONFIRMED"}}', "", 1),
     ('{"result": {"status": "failed", "reason": "card expired"}}', "", -1),
+    ('{"error": {"status": "PERMISSION_DENIED", "message": "no"}}', "", -1),  # a failure's envelope stays one
+    ('{"fault": {"faultstring": "Invalid ApiKey"}}', "", -1),
+    ('{"failed": {"id": 3}}', "", -1),
     # ... but a search that found nothing did not succeed at finding: no results (0), not a listing
     ("No results found for 'flange bracket 77'", 'web_search({"query": "flange bracket 77"})', 0),
     ("We couldn't find anything for \"Chez Plume\".", 'kb_lookup({"q": "Chez Plume"})', 0),

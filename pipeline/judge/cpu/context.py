@@ -32,7 +32,8 @@ _HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
 _TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # "3,200" -> "3200"
-_MON = r"(?:[Jj]an|[Ff]eb|[Mm]ar|[Aa]pr|May|[Jj]un|[Jj]ul|[Aa]ug|[Ss]ep|[Oo]ct|[Nn]ov|[Dd]ec)[a-z]*"  # ("may": a verb)
+_MON = (r"(?:[Jj]an(?:uary)?|[Ff]eb(?:ruary)?|[Mm]ar(?:ch)?|[Aa]pr(?:il)?|May|[Jj]une?|[Jj]uly?|[Aa]ug(?:ust)?|"
+        r"[Ss]ept?(?:ember)?|[Oo]ct(?:ober)?|[Nn]ov(?:ember)?|[Dd]ec(?:ember)?)\b")  # ("may": a verb)
 _DATETIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ][\d:.]+(?:Z|[+-]\d{2}:?\d{2})?)?|\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?"
                        rf"|\b\d{{1,2}}\s?[AaPp][Mm]\b|\b\d{{1,2}}(?:st|nd|rd|th)?(?:\s+of)?\s+{_MON}\b(?:,?\s+\d{{4}})?"
                        rf"|\b{_MON}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?\b(?:,?\s+\d{{4}})?")
@@ -95,9 +96,10 @@ def _call_args(calls: str) -> list[str]:
 
 
 def _number(n: str) -> str:
-    """One spelling per value: "007" -> "7", "2300.0" -> "2300", "84.20" -> "84.2"."""
+    """One spelling per whole value: "007" -> "7", "2300.0" -> "2300" ("3.10" stays: a version)."""
     n = n.lstrip("0") or "0"
-    return (n.rstrip("0").rstrip(".") or "0") if "." in n else n
+    whole, _, frac = n.partition(".")
+    return (whole or "0") if frac and not frac.strip("0") else n
 
 
 def _things(text: str) -> dict[str, set[str]]:
@@ -378,12 +380,13 @@ def reversed_direction(request: str, response: str) -> str | None:
     for fa, fb in moves:
         for _, v in items:
             mm = _COPY_CMD.search(v)
-            if mm and _same_path(mm.group(1), fb) and _same_path(mm.group(2), fa):
+            if mm and not _TARGET_FIRST.search(v) and _same_path(mm.group(1), fb) and _same_path(mm.group(2), fa):
                 return f"the request moves {fa} to {fb}, the call the other way"
     return None
 
 
 _FROM_TO = re.compile(r"\bfrom\s+(\S+)\s+(?:\S+\s+){0,3}?(?:to|into)\s+(\S+)", re.I)  # "download X from A into B"
+_TARGET_FIRST = re.compile(r"\s(?:-t|--target-directory)\b")  # cp -t DIR FILE: the destination first
 _COPY_CMD = re.compile(r"\b(?:mv|cp|scp|rsync|s3 cp|gsutil cp)\s+(?:-\S+\s+)*(\S+)\s+(\S+)")
 
 
@@ -498,11 +501,17 @@ def _month_index(name: str) -> int:
     return [m[:3] for m in _MONTHS].index(name.lower()[:3]) + 1
 
 
+_DERIVED = re.compile(r"\b(?:before|after|prior|following|next day|eve)\b", re.I)  # "the day before Tuesday 9 Feb"
+_ZONED = re.compile(r"\d{2}:\d{2}(?::\d{2})?(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})")  # a time moved to UTC or an offset
+
+
 def other_day(request: str, response: str) -> str | None:
     """The request names one calendar day ("Tuesday 10 June", "June 10th", "2025-06-10") and the
-    call passes one date (ISO ``YYYY-MM-DD``) more than a day away from it. The judge abstains on
-    it rather than scoring -1: a date can be derived from the request ("the day before", "due in 7
-    days"), a range query passes two, a time converted to UTC moves a day."""
+    call passes one date (ISO ``YYYY-MM-DD``) more than a day away from it, or a day away and on
+    another weekday than the one the request names (not for a time with a zone, which UTC can
+    move a day, nor for a day the request derives: "the day before"). The judge abstains on it
+    rather than scoring -1: a date can be derived from the request ("due in 7 days"), a range
+    query passes two, a time converted to UTC moves a day."""
     calls = call_text(response)
     if not calls:
         return None
@@ -529,7 +538,8 @@ def other_day(request: str, response: str) -> str | None:
             pass
     gap = min(gaps, default=0)
     days = {w.lower() for w in _WEEKDAY.findall(request or "")}  # "Tuesday 9 February": the call's day must be one
-    other_weekday = len(days) == 1 and called.strftime("%A").lower() not in days
+    other_weekday = len(days) == 1 and called.strftime("%A").lower() not in days and not _DERIVED.search(
+        request or "") and not any(_ZONED.search(v) for _, v in _call_items(calls))
     if gap > 1 or (gap == 1 and other_weekday):
         return f"date: the request names {wm:02d}-{wd:02d}, the call {year}-{mo:02d}-{d:02d}"
     return None

@@ -360,9 +360,11 @@ class _Output:
             self.cleaned = _QUOTED_SPAN.sub(" ", self.cleaned)
         short = len(s) <= SHORT_CHARS and s.count("\n") < SHORT_LINES and not self.searched and not self.document
         self.no_results = bool(_NO_RESULTS.search(self.cleaned))
-        if self.listing:  # the items of a listing are content; an error line beside them is the tool's own
-            self.error = None if self.searched else _ERROR.search("\n".join(
-                line for line in self.cleaned.splitlines() if not (_NUMBERED.match(line) or _URL.search(line))))
+        if self.listing:  # the items of a listing are content; an error line after them is the tool's own
+            lines = self.cleaned.splitlines()
+            last = max((i for i, line in enumerate(lines) if _NUMBERED.match(line) or _URL.search(line)), default=-1)
+            self.error = None if self.searched else _ERROR.search(
+                "\n".join(line for line in lines[last + 1:] if not line[:1].isspace()))
         else:
             self.error = _ERROR.search(self.cleaned) or (  # (a WARN line's words are no failure)
                 _WEAK_ERROR.search(_WARN_LINE.sub(" ", self.cleaned)) if short and not self.no_results else None)
@@ -387,8 +389,10 @@ def _json(o: _Output) -> ToolReading | None:
         return None
     if isinstance(obj, list) and not obj:
         return ToolReading(0, "empty JSON list")
-    if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), dict):
-        obj = next(iter(obj.values()))  # an envelope ({"reservation": {...}}): its object's fields decide
+    if isinstance(obj, dict) and len(obj) == 1 and isinstance(inner := next(iter(obj.values())), dict):
+        key = str(next(iter(obj))).lower()  # an envelope ({"reservation": {...}}): its object's fields decide,
+        if not ("error" in key or key in _JSON_FAIL or key in ("fault", "failure", "exception")):  # not a failure's
+            obj = inner
     if isinstance(obj, dict):
         low = {str(k).lower(): v for k, v in obj.items()}
         reading = _json_transient(low) or _json_fields(low, o.call) or _json_shape(low)
@@ -423,10 +427,15 @@ def _pending(o: _Output) -> ToolReading | None:
 
 
 def _document(o: _Output) -> ToolReading | None:
-    """A document that was read (a file, a log, a page): the failures it names are its content,
-    not the read's outcome (None: the model decides, +1 or abstain)."""
-    if o.document and (o.error or any(r is not None and r.label == -1 for r in (
-            _tests(o.s), _exit_status(o), _http_status(o)))):
+    """A body that a read tool returned (a file, a log, a page): the failures it names are its
+    content, not the read's outcome (None: the model decides, +1 or abstain). A read that failed
+    says so on its first line (``Error: ENOENT``, a traceback, ``HTTP 404``): that still decides."""
+    if not (o.document and _READ_CALL.search(o.call)):
+        return None
+    first = next((line for line in o.s.splitlines() if line.strip()), "")
+    if _ERROR.search(first) or _HTTP.search(first) or _WEAK_ERROR.search(first):
+        return None
+    if o.error or any(r is not None and r.label == -1 for r in (_tests(o.s), _exit_status(o), _http_status(o))):
         return ToolReading(None, "a document read (the failures it names are content)")
     return None
 
