@@ -128,6 +128,10 @@ def test_no_other_day_without_evidence(request_, response):
     ("Switch to release/3.1.", call("shell", cmd="git switch release/3.0"),
      call("shell", cmd="git switch release/3.1"), "branch"),
 
+    # the same name with another number: "Budget 2026" for "Budget 2027", sprint 15 for sprint 14
+    ("In the 'Budget 2027' sheet, set B7 to 18,500", call("sheets", range="'Budget 2026'!B7", values=[[18500]]),
+     call("sheets", range="'Budget 2027'!B7", values=[[18500]]), "numbered"),
+    ("Move the card to sprint 14", call("board", sprint="Sprint 15"), call("board", sprint="sprint 14"), "numbered"),
     # an amount written with a thousands separator is one number; 2300.0 is not 3,200
     ("Send Greyfield their invoice for $3,200", call("send_invoice", customer="Greyfield", amount=2300.0),
      call("send_invoice", customer="Greyfield", amount=3200.0), "number"),
@@ -148,6 +152,7 @@ def test_a_call_on_another_named_target(request_, bad, good, kind):
     ("Dentist on 14 March 2025 at 9:30", call("cal_add", start="2025-03-14T09:30:00", duration_min=45)),
     # a correct copy whose destination comes first; the day before a named weekday; a time in UTC
     ("Copy q3.csv from downloads/q3.csv into reports/", call("shell", cmd="cp -t reports/ downloads/q3.csv")),
+    ("Show page 2 of the results for invoice 7781", call("search", q="invoice 7781", page=2)),  # other names
 ])
 def test_no_mismatch_without_evidence(request_, response):
     assert target_mismatch(request_, response) is None

@@ -130,6 +130,8 @@ def _things(text: str) -> dict[str, set[str]]:
     add("ampm", [a.replace(" ", "") for a in _AMPM.findall(text)])
     add("branch", [b.rstrip(".,;:") for b in _BRANCHLIKE.findall(without_emails)])  # not a sentence's full stop
     add("ident", [i for i in _IDENT.findall(without_emails) if not _ISODATE.fullmatch(i) and not _CLOCK.fullmatch(i)])
+    add("numbered", [f"{w} {_number(n)}" for w, n in _NUMBERED_NAME.findall(_DATETIME.sub(" ", without_emails))
+                     if len(w) >= 3 and w.lower() not in _NOT_NAMES])
     return found
 
 
@@ -148,7 +150,22 @@ def _call_things(calls: str) -> dict[str, set[str]]:
 
 
 KINDS = ("email", "file", "handle", "ticket", "branch", "name", "env", "weekday", "month", "isodate", "clock", "ampm",
-         "ident", "number")
+         "ident", "numbered", "number")
+_NUMBERED_NAME = re.compile(r"\b([^\W\d_]+)[ _-](\d+(?:\.\d+)?)(?![\w.])")  # "Budget 2027", "sprint 14", "room-204"
+_NOT_NAMES = {"for", "and", "the", "with", "from", "than", "about", "over", "under", "only", "last", "next", "top",
+              "first", "all", "every", "each", "per", "via", "into", "onto", "out", "off", "are", "was", "were"}
+
+
+def _same_name_other_number(want: set[str], got: set[str]) -> bool:
+    """A name the request numbers ("budget 2027") carries only other numbers in the call ("budget 2026")."""
+    def by_name(values: set[str]) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for v in values:
+            name, _, n = v.rpartition(" ")
+            out.setdefault(name, set()).add(n)
+        return out
+    asked, called = by_name(want), by_name(got)
+    return any(not asked[name] & called[name] for name in asked.keys() & called.keys())
 
 
 def target_mismatch(request: str, response: str) -> str | None:
@@ -171,7 +188,10 @@ def target_mismatch(request: str, response: str) -> str | None:
         want, got = asked.get(kind), called.get(kind)
         if not want or not got:
             continue
-        if kind in ("name", "env"):  # a name matches when it appears anywhere in the call
+        if kind == "numbered":  # only the same name with another number counts
+            if not _same_name_other_number(want, got):
+                continue
+        elif kind in ("name", "env"):  # a name matches when it appears anywhere in the call
             if any(re.search(r"(?<![^\W_])" + re.escape(w), called_text) for w in want):
                 continue
         elif want & got or any(w in called_text for w in want):
