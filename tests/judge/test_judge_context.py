@@ -36,6 +36,8 @@ def call(name: str, **args) -> str:
     (narrower_scope, "run all tests", call("shell", cmd="go test ./... -run TestLogin"),
      call("shell", cmd="go test ./...")),
     (wrong_count, "Reserve seats for three of us tonight", call("reserve", seats=2), call("reserve", seats=3)),
+    # the day of a date is no count: "June 7" does not make guests=7 a number the request states
+    (wrong_count, "A table for 4 on June 7, please", call("book", guests=7), call("book", guests=4)),
     (reversed_direction, "How many dollars is 80 euros?", call("fx", **{"from": "USD", "to": "EUR", "amount": 80}),
      call("fx", **{"from": "EUR", "to": "USD", "amount": 80})),
     (reversed_direction, "how much yen for 20 pounds", call("fx", **{"from": "JPY", "to": "GBP", "amount": 20}),

@@ -32,8 +32,10 @@ _HANDLE = re.compile(r"(?<![\w])[@#][\w-]+(?:\.[\w-]+)*")
 _TICKET = re.compile(r"\b[A-Z]{2,}-\d+\b")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # "3,200" -> "3200"
-_MON = (r"(?:[Jj]an(?:uary)?|[Ff]eb(?:ruary)?|[Mm]ar(?:ch)?|[Aa]pr(?:il)?|May|[Jj]une?|[Jj]uly?|[Aa]ug(?:ust)?|"
-        r"[Ss]ept?(?:ember)?|[Oo]ct(?:ober)?|[Nn]ov(?:ember)?|[Dd]ec(?:ember)?)\b")  # ("may": a verb)
+_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
+           "november", "december")
+_MON = "(?:" + "|".join("May" if m == "may" else f"[{m[0].upper()}{m[0]}]{m[1:3]}(?:{m[3:]})?"
+                         for m in _MONTHS) + r")\b"  # a month's name or its first three letters ("may": a verb)
 _DATETIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ][\d:.]+(?:Z|[+-]\d{2}:?\d{2})?)?|\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?"
                        rf"|\b\d{{1,2}}\s?[AaPp][Mm]\b|\b\d{{1,2}}(?:st|nd|rd|th)?(?:\s+of)?\s+{_MON}\b(?:,?\s+\d{{4}})?"
                        rf"|\b{_MON}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?\b(?:,?\s+\d{{4}})?")
@@ -102,6 +104,12 @@ def _number(n: str) -> str:
     return (whole or "0") if frac and not frac.strip("0") else n
 
 
+def _numbers(text: str) -> list[str]:
+    """The numbers a text states (:func:`_number` spellings; "3,200" is one), not those of its
+    dates and times ("7 December at 3pm", "2026-12-07T15:00" state no count or amount)."""
+    return [_number(n) for n in _NUMBER.findall(_THOUSANDS.sub("", _DATETIME.sub(" ", text)))]
+
+
 def _things(text: str) -> dict[str, set[str]]:
     """The specific things a text names, by kind, normalised to lower case."""
     found: dict[str, set[str]] = {}
@@ -117,8 +125,7 @@ def _things(text: str) -> dict[str, set[str]]:
     add("file", [f.rsplit("/", 1)[-1] for f in _FILE.findall(without_emails) if not re.fullmatch(r"[\d.]+", f)])
     add("handle", _HANDLE.findall(without_emails))
     add("ticket", _TICKET.findall(text))
-    plain = _DATETIME.sub(" ", _FILE.sub(" ", without_emails))  # (dates and times are no counts or amounts)
-    add("number", [_number(n) for n in _NUMBER.findall(_THOUSANDS.sub("", plain))])
+    add("number", _numbers(_FILE.sub(" ", without_emails)))
     add("name", [n for n in _NAME.findall(" " + without_emails) if not (_WEEKDAY.fullmatch(n) or _MONTH.fullmatch(n))]
         + [p for e in emails for p in re.split(r"[._+-]", e.split("@")[0])
                                                         if len(p) >= 3])
@@ -507,8 +514,6 @@ def wrong_conversion_target(request: str, response: str) -> str | None:
     return None
 
 
-_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-           "november", "december")
 _DAY_MONTH = re.compile(r"\b(\d{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+(" + "|".join(_MONTHS) + r"|"
                         + "|".join(m[:3] for m in _MONTHS) + r")\b", re.I)
 _MONTH_DAY = re.compile(r"\b(" + "|".join(_MONTHS) + r"|" + "|".join(m[:3] for m in _MONTHS)
@@ -593,14 +598,14 @@ def wrong_count(request: str, response: str) -> str | None:
     calls = call_text(response)
     if not calls:
         return None
-    said = {n.lstrip("0") or "0" for n in _NUMBER.findall(request or "")}
+    said = set(_numbers(request or ""))
     words = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8",
              "nine": "9", "ten": "10", "twelve": "12"}
     said |= {n for w, n in words.items() if re.search(rf"\b{w}\b", request or "", re.I)}
     if not said:
         return None
     for key, v in _call_items(calls):
-        if key in _COUNT_KEYS and re.fullmatch(r"\d+", v.strip()) and (v.strip().lstrip("0") or "0") not in said:
+        if key in _COUNT_KEYS and re.fullmatch(r"\d+", v.strip()) and _number(v.strip()) not in said:
             return f"{key}={v.strip()}, the request says {', '.join(sorted(said))[:30]}"
     return None
 

@@ -85,10 +85,7 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"^[\s│|]*(?:error|fatal|fatal error|panic|critical|err!?)\s*(?:\[[\w\d]+\])?\s*:",  # (│: terraform's box)
     r"^[\w./-]+:\d+(?::\d+)?:\s*(?:fatal )?error\b",
     r"^\s*E\s*:\s+\S", r"^\s*\[(?:error|fatal|err)\]", r"^\s*npm ERR!", r"^\s*ERROR\b",
-    r"\bcommand not found\b", r"\bcommande introuvable\b", r"\bBefehl nicht gefunden\b",
-    r"\bcomando no encontrado\b", r"\bcomando non trovato\b", r"\bcomando não encontrado\b",
-    r"\bopdracht niet gevonden\b", r"\bnie znaleziono polecenia\b", r"команда не найдена",
-    r"コマンドが見つかりません", r"未找到命令", r"명령을 찾을 수 없습니다", r"\bis not recognized as (?:an internal|the name)", r"\bNo such file or directory\b",
+    r"\bcommand not found\b", r"\bis not recognized as (?:an internal|the name)", r"\bNo such file or directory\b",
     r"\bPermission denied\b", r"\bOperation not permitted\b", r"\bSegmentation fault\b", r"\bcore dumped\b",
     r"\bOOMKilled\b", r"\b(?:CrashLoopBackOff|ImagePullBackOff|ErrImagePull|CreateContainerConfigError)\b", r"\bConnection (?:refused|reset by peer)\b", r"\bCould not resolve host\b",
     r"\bName or service not known\b", r"\btemporary failure in name resolution\b", r"\bBUILD FAILED\b",
@@ -96,7 +93,11 @@ _ERROR = re.compile("|".join([  # decide at any length: these do not occur in or
     r"! \[rejected\]", r"\bFAILED\b", r"\bFAILURES!", r"\bmax retries exceeded\b", r"\bNewConnectionError\b",
     r"^[\w./\\-]+:\d+:\d+: (?:[A-Z]{1,3}\d{2,4}\b|error\b)", r"^\s*\d+:\d+\s+error\s", r"^[\w.-]+: \*\*\* ",
     r"\bNo rule to make target\b",
-    # the same OS errors as printed in other locales (permission denied, no such file, access denied)
+    # the same OS errors as printed in other locales (permission denied, no such file, access denied,
+    # command not found)
+    r"\bcommande introuvable\b", r"\bBefehl nicht gefunden\b", r"\bcomando no encontrado\b",
+    r"\bcomando non trovato\b", r"\bcomando não encontrado\b", r"\bopdracht niet gevonden\b",
+    r"\bnie znaleziono polecenia\b", r"команда не найдена", r"コマンドが見つかりません", r"未找到命令", r"명령을 찾을 수 없습니다",
     r"\bKeine Berechtigung\b", r"\bDatei oder Verzeichnis nicht gefunden\b", r"\bZugriff verweigert\b",
     r"\bPermission non accordée\b", r"\bAucun fichier ou dossier de ce (?:type|nom)\b", r"\bAccès refusé\b",
     r"\bPermiso denegado\b", r"\bNo existe el (?:archivo|fichero)", r"\bAcceso denegado\b",
@@ -217,6 +218,7 @@ _LIST_KEYS = ("results", "items", "data", "hits", "rows", "records", "matches", 
               "values", "list", "events", "messages")
 _DONE_FLAGS = ("confirmed", "completed", "done", "created", "sent", "saved", "deleted", "booked", "paid", "delivered",
                "approved", "published", "merged", "deployed", "updated", "scheduled")
+_FAIL_KEYS = ("exception", "fault", "failure")  # besides any key with "error" in it: a failure object
 _CODE_KEYS = ("code", "status", "status_code", "statuscode", "http_status", "http_code")
 _EXIT_KEYS = ("exit_code", "exitcode", "returncode", "return_code", "exit_status", "rc")
 
@@ -260,7 +262,7 @@ def _json_command(low: dict, key: str, call: str) -> ToolReading:
 def _json_fields(low: dict, call: str) -> ToolReading | None:
     """The outcome fields of a JSON object, most specific first."""
     for key, err in low.items():
-        if ("error" in key or key in ("exception", "fault", "failure")) and "count" not in key \
+        if ("error" in key or key in _FAIL_KEYS) and "count" not in key \
                 and err not in (None, False, "", [], {}, 0, "none", "null"):
             return ToolReading(-1, f"JSON {key} field")
     for key in ("ok", "success", "succeeded"):
@@ -391,7 +393,7 @@ def _json(o: _Output) -> ToolReading | None:
         return ToolReading(0, "empty JSON list")
     if isinstance(obj, dict) and len(obj) == 1 and isinstance(inner := next(iter(obj.values())), dict):
         key = str(next(iter(obj))).lower()  # an envelope ({"reservation": {...}}): its object's fields decide,
-        if not ("error" in key or key in _JSON_FAIL or key in ("fault", "failure", "exception")):  # not a failure's
+        if not ("error" in key or key in _JSON_FAIL or key in _FAIL_KEYS):  # not a failure's
             obj = inner
     if isinstance(obj, dict):
         low = {str(k).lower(): v for k, v in obj.items()}
