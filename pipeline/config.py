@@ -131,6 +131,11 @@ class EngineConfig(Section):
     """The policy inference engine (our CPU server, or SGLang) and how clients reach it."""
 
     url: str = _d("http://127.0.0.1:30000", "base URL of the policy engine (SGLang or `pipeline engine`)")
+    kind: Literal["native", "sglang", "vllm"] = _d(
+        "native", "server family of the policy engine: native (`pipeline engine`), sglang or vllm "
+        "(docs/vllm.md); `pipeline engine` with vllm starts vLLM's own server")
+    teacher_kind: Literal["native", "sglang", "vllm"] | None = _d(None, "server family of the OPD teacher "
+                                                                    "(None: engine.kind)")
     host: str = _d("127.0.0.1", "`pipeline engine`: listen address")
     port: int = _d(30000, "`pipeline engine`: listen port (0: any free port)", ge=0, le=65535)
     model: str = _d("smollm2-135m", "`pipeline engine`: smollm2-135m, tiny-random or a HF folder")

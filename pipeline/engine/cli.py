@@ -22,6 +22,9 @@ HELP = "CPU inference server speaking SGLang's HTTP API (/generate, /v1/chat/com
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help="smollm2-135m | tiny-random | path of an HF folder (engine.model)")
+    parser.add_argument("--kind", choices=("native", "vllm"),
+                        help="native: this package's CPU server; vllm: vLLM's OpenAI server from its own venv "
+                             "(deploy/install-vllm.sh; docs/vllm.md) (engine.kind)")
     parser.add_argument("--host", help="bind address (engine.host)")
     parser.add_argument("--port", type=int, help="port, 0 = any free port (engine.port)")
     parser.add_argument("--threads", type=int, help="torch threads (engine.threads; default all cores)")
@@ -81,9 +84,12 @@ def run(args, config) -> int:
                  "lora_paths": lora_paths, "model": args.model, "host": args.host, "port": args.port, "threads": args.threads,
                  "weight_version": args.weight_version, "context_length": args.context_length,
                  "max_batch_size": args.max_batch_size, "served_model_name": args.served_model_name,
-                 "cache_dir": args.cache_dir, "seed": args.seed, "prefix_cache_bytes": args.prefix_cache_bytes}
+                 "cache_dir": args.cache_dir, "seed": args.seed, "prefix_cache_bytes": args.prefix_cache_bytes,
+                 "kind": args.kind}
     config = config.replace(engine={k: v for k, v in overrides.items() if v is not None})
     e = config.engine
+    if e.kind == "vllm":
+        return exec_vllm(config)
     log = logging.getLogger("pipeline.engine")
     try:
         state = build_state(e.model, cache_dir=e.cache_dir, context_length=e.context_length,
@@ -115,3 +121,29 @@ def run(args, config) -> int:
     serve(state, e.host, port, api_key=api_key, sock=sock, log_level=config.log_level.lower()
           if config.log_level.upper() == "DEBUG" else "warning")
     return 0
+
+
+def exec_vllm(config) -> int:
+    """Replace this process with vLLM's OpenAI server over ``engine.model`` (its HF folder), with
+    the engine section's port, LoRA and length settings (:func:`pipeline.engine_api.vllm.serve_command`).
+    Returns 2 (with a message) when vLLM is not installed or the model cannot be found."""
+    import os
+
+    from pipeline.engine_api.vllm import find_python, serve_command, serve_env
+    from pipeline.models import ModelNotFound, resolve_model
+    from pipeline.procutil import free_port
+
+    e = config.engine
+    try:
+        python, folder = find_python(e.cache_dir), resolve_model(e.model, e.cache_dir)
+    except (FileNotFoundError, ModelNotFound) as exc:
+        print(f"pipeline engine --kind vllm: {exc}", file=sys.stderr)
+        return 2
+    port = e.port or free_port()
+    api_key = e.api_key.get_secret_value() if e.api_key is not None else None
+    cmd = serve_command(python, folder, port, host=e.host, served_model_name=e.served_model_name or e.model,
+                        max_model_len=e.context_length, enable_lora=e.enable_lora or bool(e.lora_paths),
+                        max_lora_rank=e.max_lora_rank, max_loras=e.max_loras_per_batch, api_key=api_key)
+    print(f"ENGINE READY http://{e.host}:{port} (vLLM; answers once /health does)", flush=True)
+    os.execve(cmd[0], cmd, dict(os.environ, **serve_env(e.threads)))
+    return 0  # not reached

@@ -56,7 +56,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.backend import engine_client
 from pipeline.engine_api.errors import EngineError, retried
 from pipeline.engine_api.render import ChatRenderer, ChatTemplateError, PromptSpec, load_tokenizer
 from pipeline.errors import PipelineError
@@ -72,7 +72,9 @@ class TeacherUnsupported(PipelineError):
 
     ``reason``: ``prompt_mismatch`` (the student's prompt cannot be reproduced),
     ``logprob_processors`` (the rollout log-probs were shaped by options a prefill cannot apply)
-    or ``teacher_version`` (a live-policy teacher now serves other weights than the turn's).
+    ``teacher_version`` (a live-policy teacher now serves other weights than the turn's) or
+    ``temperature`` (the turn's log-probs are at a temperature the teacher engine cannot score at:
+    vLLM scores prompt tokens at temperature 1 only).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -177,7 +179,11 @@ class Teacher:
                 "weights change at every sync (a turn would be scored by weights that did not generate it): set "
                 "engine.teacher_url to a frozen teacher engine (pipeline up starts one), or judge.live_policy_"
                 "teacher=true to score each turn only with the policy version that generated it")
-        self.client = EngineClient(self.url, self.config.judge.teacher_timeout_s)
+        e = self.config.engine
+        self.client = engine_client(e.teacher_kind or e.kind, self.url, self.config.judge.teacher_timeout_s,
+                                    initial_version=e.weight_version)
+        #: the teacher engine scores at any temperature (vLLM: at 1 only; other turns get no OPD term)
+        self.scales = getattr(self.client, "scores_temperature", True)
         self._check_lock = asyncio.Lock()
 
     async def check_at_start(self) -> None:
@@ -229,6 +235,10 @@ class Teacher:
         """
         ids = self.tokenizer.encode(SELF_CHECK_TEXT, add_special_tokens=False)[:32]
         one = await self.client.score_result(ids, 1, temperature=1.0, top_logprobs_num=SELF_CHECK_TOP_K)
+        if not self.scales:  # it says so itself: only turns at temperature 1 are scored (check())
+            log.info("OPD teacher at %s scores at temperature 1 only: turns at another temperature get no OPD "
+                     "term (counted as 'temperature')", self.url)
+            return
         half = await self.client.score_result(ids, 1, temperature=0.5, top_logprobs_num=SELF_CHECK_TOP_K)
         ratio, spread = temperature_ratio(one, half)
         fix = (f"the OPD teacher at {self.url} does not compute its log-probs at the requested temperature, so a "
@@ -273,6 +283,9 @@ class Teacher:
         if turn.logprob_processors:
             raise TeacherUnsupported("logprob_processors",
                                      f"the rollout log-probs were shaped by {', '.join(turn.logprob_processors)}")
+        if not self.scales and abs(rollout_temperature(turn) - 1.0) > 1e-9:
+            raise TeacherUnsupported("temperature", f"the rollout log-probs are at temperature "
+                                     f"{rollout_temperature(turn)}, the teacher engine scores at 1 only")
 
     async def log_probs(self, turn, hint: str | None) -> TeacherOutput:
         """Teacher log-probs ``[R]`` (nats) of ``turn.response_token_ids`` under the hinted prompt

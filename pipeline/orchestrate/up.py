@@ -98,6 +98,9 @@ def add_arguments(parser) -> None:
                              "durable log in <run-dir>/broker")
     parser.add_argument("--engine-url", help="use a running engine (e.g. SGLang) instead of starting one")
     parser.add_argument("--model", help="policy model: smollm2-135m (default), tiny-random or an HF folder")
+    parser.add_argument("--engine", choices=("native", "vllm"), dest="engine_kind",
+                        help="the engines to start (engine.kind): native (this package's CPU server, default) or "
+                             "vllm (vLLM's OpenAI server from deploy/install-vllm.sh's venv; docs/vllm.md)")
     parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], help="judge.mode")
     parser.add_argument("--no-trainer", action="store_true", help="serve and judge only (collect data)")
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
@@ -152,6 +155,8 @@ def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
     engine: dict = {"model": args.model} if args.model else {}
     if args.engine_url:
         engine["url"] = args.engine_url
+    if getattr(args, "engine_kind", None):
+        engine["kind"] = args.engine_kind
     return config.replace(
         engine=engine, judge={"mode": args.judge_mode} if args.judge_mode else {},
         trainer={**({"model": args.model} if args.model else {}), "checkpoint_dir": str(run_dir / "checkpoints"),
@@ -389,10 +394,12 @@ def _engine_stages(stage: Callable[..., PlannedStage], config: Config, ports: _P
     several engines, their front (round robin; a request that failed before its answer started
     is tried on the next engine; an engine is in rotation while its syncer's ``/readyz`` says
     it serves the published weights, or, with no such syncer, while its ``/health`` answers)."""
-    out = [stage(name, ["engine", "--model", config.engine.model, "--port", str(port)], "/health", port)
+    e = config.engine
+    kind, teacher = ("vllm" if k == "vllm" else "native" for k in (e.kind, e.teacher_kind or e.kind))
+    out = [stage(name, ["engine", "--kind", kind, "--model", e.model, "--port", str(port)], "/health", port)
            for name, port in ports.engines.items()]
     if ports.teacher is not None:
-        out.append(stage("teacher", ["engine", "--model", config.engine.model, "--port", str(ports.teacher)],
+        out.append(stage("teacher", ["engine", "--kind", teacher, "--model", e.model, "--port", str(ports.teacher)],
                          "/health", ports.teacher))
     if ports.engine_front is not None:
         probe = {name: _local(ports.syncer_ready[name], "/readyz") if name in ports.syncer_ready

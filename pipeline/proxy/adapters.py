@@ -27,14 +27,16 @@ _SHOWN: contextvars.ContextVar[tuple[bytes, bytes] | None] = contextvars.Context
                                                                                     default=None)
 
 
-def route_to(req: dict, adapter: dict | None) -> None:
+def route_to(req: dict, adapter: dict | None, model_of=None) -> None:
     """Point the chat body ``req`` at ``adapter`` (None: the base model, ``req`` unchanged) and
-    remember, for this request's task, how to show the model back to the client."""
+    remember, for this request's task, how to show the model back to the client. ``model_of(base,
+    name)``: the engine's model naming the adapter (default ``"<base>:<name>"``; vLLM: the name,
+    :func:`pipeline.engine_api.backend.adapter_model`)."""
     if adapter is None:
         _SHOWN.set(None)
         return
     base = req.get("model") if isinstance(req.get("model"), str) else "default"
-    req["model"] = f"{base}:{adapter['name']}"
+    req["model"] = model_of(base, adapter["name"]) if model_of else f"{base}:{adapter['name']}"
     _SHOWN.set((f'"model":"{req["model"]}"'.encode(), f'"model":"{base}"'.encode()))
 
 

@@ -55,12 +55,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline import events
 from pipeline.config import Config
+from pipeline.engine_api.backend import adapter_model, engine_client
 from pipeline.engine_api.client import EngineClient
 from pipeline.engine_api.errors import EngineError
 from pipeline.engine_api.render import chat_options
 from pipeline.engine_api.sglang import generate_path_refusal
 from pipeline.engine_api.tokenbytes import TokenBytesError, load_token_bytes
 from pipeline.engine_api.transport import Transport, sse_batches
+from pipeline.engine_api.vllm import RECORDED_SAMPLING
 from pipeline.models import ModelNotFound, resolve_model
 from pipeline.proxy import metrics as M
 from pipeline.proxy.adapters import route_to, shown, wrong_adapter
@@ -113,6 +115,7 @@ class _Route:
     mt: MainTurn | None = None
     admitted: bool = False
     adapter: dict | None = None  # the tenant's adapter the request was routed to (None: the base model)
+    version_before: str | None = None  # vLLM: its weight version read just before the request was sent
 
     @property
     def key(self) -> str:
@@ -203,6 +206,10 @@ class ProxyApp:
         self._seq = 0
         self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
         self._client = None  # EngineClient for the SGLang streaming path, created on first use
+        self.kind = config.engine.kind
+        # vLLM: its answers carry no weight version: read before each recorded request and after its answer
+        self._vllm = engine_client("vllm", self.upstream.base_url, pc.engine_timeout_s, transport=self.upstream,
+                                   initial_version=config.engine.weight_version) if self.kind == "vllm" else None
         self.api = self._build_api()
         self.doors = {"/v1/responses": ResponsesDoor(self), "/v1/messages": MessagesDoor(self)}  # same turns
 
@@ -483,16 +490,19 @@ class ProxyApp:
             req["temperature"] = self.pc.default_temperature  # the log-probs refer to it: make it explicit
         user_view = {"messages": req["messages"], "tools": req.get("tools"), "model": req.get("model"),
                      "sampling": {k: req[k] for k in SAMPLING_KEYS if k in req}, "chat_options": chat_options(req)}
-        route_to(req, adapter)  # the engine's model becomes "<base>:<adapter>"; the turn keeps the user's
+        route_to(req, adapter, lambda base, name: adapter_model(self.kind, base, name))  # the turn keeps the user's
         if record:  # exact ids and log-probs (return_token_ids also gives prompt_token_ids)
             req["logprobs"] = True
             req["return_token_ids"] = True
         if record and meta.done:  # published before the response completes
             send.before_final = lambda: self._end(route.sid, "header", route.tenant)
         admit = (lambda: self._admit(route)) if record else _nothing
+        if record and self._vllm is not None:
+            route.version_before = await self._vllm_version()
         try:
             if stream:
                 async def recorded(rec: Recorded, cause: str | None = None) -> None:
+                    await self._settle_version(rec, route)
                     self._record(rec, meta, route, turn_index, user_view, cause, await self._defaults_for(rec))
 
                 on_done = recorded if record else None
@@ -514,6 +524,27 @@ class ProxyApp:
         self._unadmit(route, str(status))
         send.run_before_final()  # the response did not complete (client gone): end the session anyway
         return status
+
+    async def _vllm_version(self) -> str | None:
+        """vLLM's weight version now (None: it could not be read)."""
+        try:
+            return await self._vllm.weight_version()
+        except EngineError as e:
+            log.warning("vLLM's /weight_info failed (%s): the turn's version is unknown", e)
+            return None
+
+    async def _settle_version(self, rec: Recorded, route: _Route) -> None:
+        """vLLM: the answer was served by the version read before it was sent when the engine still
+        reports it (:meth:`pipeline.engine_api.vllm.VllmClient.bracket`), else by an unknown one
+        (``rec.weight_version`` None, ``rec.version_unknown``: recorded without ids); its log-probs
+        are raw (:data:`pipeline.engine_api.vllm.RECORDED_SAMPLING`)."""
+        if self._vllm is None:
+            return
+        rec.sampling_params = dict(RECORDED_SAMPLING)
+        after = await self._vllm_version()
+        same = route.version_before is not None and after == route.version_before
+        rec.weight_version = route.version_before if same else None
+        rec.version_unknown = not same
 
     async def _hold(self, rid: str, tenant: str | None = None) -> None:
         """Wait out a full-weight sync, or a sync of ``tenant``'s adapter, announced on ``control``
@@ -582,6 +613,11 @@ class ProxyApp:
             log.warning("request %s: the engine reported no sampling parameters and the model's generation_config "
                         "is unreadable: recorded without token ids and log-probs (unknown distribution)", route.rid)
             token_ids, logprobs = [], []
+        elif rec.version_unknown:
+            M.TURNS_WITHOUT_IDS.inc()
+            log.warning("request %s: a weight sync happened while the engine answered it: the version that "
+                        "served it is unknown, recorded without token ids and log-probs", route.rid)
+            token_ids, logprobs = [], []
         elif not rec.complete:
             M.TURNS_WITHOUT_IDS.inc()
             log.warning("request %s: engine answer lacks token ids or log-probs (%d ids, %d log-probs, prompt %s);"
@@ -636,6 +672,7 @@ class ProxyApp:
                 raise upstream_error("the engine returned no 'choices'")
             rec = from_response(resp)
             if record:
+                await self._settle_version(rec, route)
                 self._record(rec, meta, route, turn_index, user_view, None, await self._defaults_for(rec))
             elif rec.finish_reason == "abort":
                 M.UNFINISHED.labels("engine_abort").inc()
@@ -652,6 +689,8 @@ class ProxyApp:
         """``(streams token ids on chat, sends raw log-prob bytes)`` of the engine, from its
         ``/server_info`` (``chat_stream_token_ids``, ``logprob_token_bytes``: our engine's; SGLang
         has neither). Cached once answered; an engine without ``/server_info`` counts as both."""
+        if self._caps is None and self._vllm is not None:  # streams ids on chat; bytes of decoded text
+            self._caps = (self._vllm.chat_stream_token_ids, self._vllm.logprob_token_bytes)
         if self._caps is None:
             status, data = await self._call("GET", "/server_info")
             if status != 200:  # unknown: try the native way (our engine, vLLM); ask again unless there is none

@@ -58,7 +58,7 @@ class Recorded:
     """The parts of one engine answer a turn needs (filled by the functions below)."""
 
     __slots__ = ("prompt_ids", "token_ids", "logprobs", "response", "finish_reason", "weight_version", "model",
-                 "sampling_params", "lora_reported", "lora_name", "lora_sha256")
+                 "sampling_params", "lora_reported", "lora_name", "lora_sha256", "version_unknown")
 
     def __init__(self) -> None:
         self.prompt_ids: list[int] | None = None
@@ -67,6 +67,7 @@ class Recorded:
         self.response: dict = {"content": None, "reasoning_content": None, "tool_calls": None}
         self.finish_reason: str | None = None
         self.weight_version: Any = None
+        self.version_unknown = False  # a weight sync happened while it was served (vLLM's bracket)
         self.model: str = ""
         self.sampling_params: dict | None = None  # the engine's effective parameters, when it reports them
         # which LoRA adapter served it (our engine's metadata/meta_info ``lora_name``; None: the base

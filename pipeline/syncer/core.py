@@ -60,7 +60,7 @@ from typing import Any, Awaitable, Callable
 
 from pipeline import events
 from pipeline.config import Config
-from pipeline.engine_api.client import EngineClient
+from pipeline.engine_api.backend import engine_client
 from pipeline.engine_api.errors import EngineError
 from pipeline.errors import PipelineError
 from pipeline.syncer.adapters import AdapterSync, backoff_s
@@ -117,7 +117,8 @@ class Syncer(AdapterSync):
             self._loop = asyncio.new_event_loop()
         if self._engine is None:
             api_key = self.config.engine.api_key.get_secret_value() if self.config.engine.api_key else None
-            self._engine = EngineClient(self.url, timeout_s=10.0, api_key=api_key)
+            self._engine = engine_client(self.config.engine.kind, self.url, timeout_s=10.0, api_key=api_key,
+                                         initial_version=self.config.engine.weight_version)
         return self._loop.run_until_complete(call(self._engine))
 
     def close(self) -> None:
