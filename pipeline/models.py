@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN = ("smollm2-135m", "tiny-random")
+BUILTIN = ("smollm2-135m", "tiny-random", "tiny-random-64")
 
 
 class ModelNotFound(PipelineError, FileNotFoundError):
@@ -77,7 +77,13 @@ def _convert_smollm2(target: Path) -> Path:
     return _atomic_save(target, save)
 
 
-def _make_tiny(target: Path, smollm2_dir: Path, seed: int = 0) -> Path:
+#: the tiny random models: name -> (folder, hidden size, attention heads, kv heads); ``tiny-random-64``
+#: has 64-wide heads, the narrowest vLLM's CPU attention kernels take (tiny-random's 16 are refused)
+TINY = {"tiny-random": ("tiny-random-llama", 64, 4, 2), "tiny-random-64": ("tiny-random-64-llama", 128, 2, 1)}
+
+
+def _make_tiny(target: Path, smollm2_dir: Path, seed: int = 0, hidden: int = 64, heads: int = 4,
+               kv_heads: int = 2) -> Path:
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -85,8 +91,8 @@ def _make_tiny(target: Path, smollm2_dir: Path, seed: int = 0) -> Path:
         tok = AutoTokenizer.from_pretrained(smollm2_dir)
         base = AutoConfig.from_pretrained(smollm2_dir)
         cfg = LlamaConfig(
-            vocab_size=base.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            vocab_size=base.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
             rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=base.bos_token_id,
             eos_token_id=base.eos_token_id, pad_token_id=getattr(base, "pad_token_id", None),
             rope_theta=10000.0,
@@ -109,11 +115,13 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path
     if name == "smollm2-135m":
         target = root / "smollm2-135m-instruct-hf"
         return target if (target / "model.safetensors").exists() else _convert_smollm2(target)
-    if name == "tiny-random":
-        target = root / "tiny-random-llama"
+    if name in TINY:
+        folder, hidden, heads, kv_heads = TINY[name]
+        target = root / folder
         if (target / "model.safetensors").exists():
             return target
-        return _make_tiny(target, resolve_model("smollm2-135m", cache_dir))
+        return _make_tiny(target, resolve_model("smollm2-135m", cache_dir), hidden=hidden, heads=heads,
+                          kv_heads=kv_heads)
     path = Path(os.path.expanduser(name))
     if (path / "config.json").exists():
         return path
