@@ -246,6 +246,8 @@ def compare_engines(args) -> int:
     for kind in kinds:
         print(f"{kind}: starting on {model} ...", flush=True)
         results[kind] = ec.run_engine(kind, model, args)
+        print(f"{kind}: samples " + "; ".join(f"{k} " + " ".join(f"{x:.3g}" for x in results[kind][k])
+                                              for k in ec.FIGURES), flush=True)
     print(f"\n{model}, fp32, {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), no GPU, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; ours: torch threads "
           f"{args.threads or 'all'}, vLLM: OMP_NUM_THREADS={args.vllm_threads}; LoRA on (rank {args.rank}) on both; "

@@ -17,8 +17,9 @@ the cores), with LoRA enabled (rank ``--rank``), and is spoken to through
   that is VllmClient's folder check + pause + reload + prefix-cache reset + version + resume;
 - ``adapter load``: ``load_lora_adapter`` of a new rank-``--rank`` PEFT adapter (the trainer's
   export layout, :func:`pipeline.testing.lora.export_tenant_adapter`, versioned name), and
-  ``adapter 1st``: the time to the first token of a short request on it right after the load
-  (what a tenant waits for when the engine loads lazily). Each adapter is unloaded afterwards.
+  the time to the first token of a short request on it right after the load (what a tenant
+  waits for when the engine loads lazily), beside the same request on the base model just
+  before the load. Each adapter is unloaded afterwards.
 
 Every figure is ``--repeats`` samples, printed as median (min-max); vLLM / ours ratios are of the
 medians. Nothing here asserts a speed.
@@ -30,7 +31,6 @@ import asyncio
 import contextlib
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
@@ -45,55 +45,27 @@ FIGURES = {
     "clients": ("clients aggregate", "tok/s", True),
     "full": ("full-weight sync", "s", False),
     "adapter": ("adapter load", "s", False),
-    "adapter_first": ("first request on the new adapter (TTFT)", "ms", False),
+    "base_first": ("short request on the base model (TTFT)", "ms", False),
+    "adapter_first": ("the same request on the new adapter (TTFT)", "ms", False),
 }
 
 
 def vllm_missing() -> str | None:
     """None when vLLM's venv is installed, else the reason (with how to install it)."""
-    from pipeline.engine_api.vllm import find_python
+    from pipeline.testing.vllm import vllm_missing as missing
 
-    try:
-        find_python()
-    except FileNotFoundError as e:
-        return str(e)
-    return None
+    return missing()
 
 
 @contextlib.contextmanager
-def vllm_server(model: str, threads: int, rank: int, log_dir: Path, start_timeout_s: float = 300.0) -> Iterator[str]:
-    """vLLM's OpenAI server over ``model`` (``serve_command`` / ``serve_env``, LoRA on), as a child
-    process group; yields its URL once ``/health`` answers; stopped (SIGTERM, then SIGKILL) on exit."""
-    import httpx
+def vllm_server(model: str, threads: int, rank: int, log_dir: Path) -> Iterator[str]:
+    """vLLM's OpenAI server over ``model`` (:func:`pipeline.testing.vllm.running_vllm`: ``serve_command``
+    / ``serve_env``, LoRA on), waited for on ``/health``, stopped with its engine core on exit."""
+    from pipeline.testing.vllm import running_vllm
 
-    from pipeline.engine_api.vllm import find_python, serve_command, serve_env
-    from pipeline.models import resolve_model
-    from pipeline.procutil import die_with_parent, free_port, stop_group
-
-    port = free_port()
-    cmd = serve_command(find_python(), resolve_model(model), port, served_model_name=model, max_model_len=4096,
-                        enable_lora=True, max_lora_rank=rank, max_loras=4)
-    log = open(log_dir / "vllm.log", "w")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **serve_env(threads)), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=die_with_parent)
-    url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode} before /health; see {log_dir / 'vllm.log'}")
-            if time.monotonic() - t0 > start_timeout_s:
-                raise RuntimeError(f"vLLM not healthy after {start_timeout_s:.0f} s; see {log_dir / 'vllm.log'}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        print(f"vllm: healthy after {time.monotonic() - t0:.0f} s (OMP_NUM_THREADS={threads})", flush=True)
+    with running_vllm(model, max_model_len=4096, max_lora_rank=rank, threads=threads,
+                      log_path=log_dir / "vllm.log") as url:
         yield url
-    finally:
-        stop_group(proc, 30)
-        log.close()
 
 
 @contextlib.contextmanager
@@ -140,7 +112,8 @@ async def _generation(c, model: str, tokenizer, args, out: dict) -> None:
     """decode, prefill, reuse and clients (``out[key]`` gets one sample per repeat)."""
     gen = {"model": model, "max_tokens": args.tokens, "ignore_eos": True, "temperature": 1.0}
     hello = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-    await _stream(c, dict(gen, messages=hello, max_tokens=4))  # warm-up
+    await _stream(c, dict(gen, messages=hello, max_tokens=8))  # warm-up: first allocations of both paths
+    await _stream(c, dict(gen, messages=long_messages(tokenizer, args.prefill_tokens, "warm-up"), max_tokens=2))
     for r in range(args.repeats):
         first, last, n, _ = await _stream(c, dict(gen, messages=hello))
         out["decode"].append((n - 1) / (last - first))
@@ -165,12 +138,13 @@ async def _syncs(kind: str, c, model: str, served: str, args, tmp: Path, out: di
         folder, adapter = export_tenant_adapter(tmp / "export", "bench-tenant", model, r=args.rank,
                                                 alpha=2.0 * args.rank, seed=100 + r)
         name = adapter["name"]  # versioned, as the syncer loads it
+        body = {"model": served, "max_tokens": 2, "temperature": 1.0,
+                "messages": [{"role": "user", "content": f"Hi {r}"}]}
+        out["base_first"].append(1000 * (await _stream(c, body))[0])
         t0 = time.perf_counter()
         await c.load_lora_adapter(name, str(folder))
         out["adapter"].append(time.perf_counter() - t0)
-        body = {"model": adapter_model(kind, served, name), "max_tokens": 2, "temperature": 1.0,
-                "messages": [{"role": "user", "content": "Hi"}]}
-        first, _, _, _ = await _stream(c, body)
+        first, _, _, _ = await _stream(c, dict(body, model=adapter_model(kind, served, name)))
         out["adapter_first"].append(1000 * first)
         await c.unload_lora_adapter(name)
     for r in range(args.repeats):
@@ -205,11 +179,11 @@ def run_engine(kind: str, model: str, args) -> dict:
             server = vllm_server(model, args.vllm_threads, args.rank, Path(tmp))
         else:
             server = native_server(model, args.threads, args.rank, args.concurrency)
-        t0 = time.monotonic()
+        t0, load0 = time.monotonic(), os.getloadavg()[0]
         with server as url:
             started = time.monotonic() - t0
             out = asyncio.run(measure(kind, url, model, args, Path(tmp)))
-        out["start_s"] = started
+        out["start_s"], out["load"] = started, (load0, os.getloadavg()[0])
         return out
 
 
@@ -230,7 +204,7 @@ def table(results: dict[str, dict], args) -> list[str]:
         if key == "clients":
             label = f"{args.concurrency} {label}"
         if key == "prefill":
-            label = label.replace("~2k", f"{results[kinds[0]].get('prompt_tokens', '?')}")
+            label = label.replace("~2k", "/".join(str(results[k].get("prompt_tokens", "?")) for k in kinds))
         n = min(len(results[k][key]) for k in kinds)
         cells = [_cell(results[k][key], unit) for k in kinds]
         ratio = ""
@@ -238,5 +212,7 @@ def table(results: dict[str, dict], args) -> list[str]:
             ratio = f" {statistics.median(results['vllm'][key]) / statistics.median(results['native'][key]):.2f}x |"
         rows.append(f"| {label} | {unit} | {n} | " + " | ".join(cells) + " |" + ratio)
     starts = ", ".join(f"{names[k]} {results[k]['start_s']:.0f} s" for k in kinds)
-    rows.append(f"\nstart to healthy: {starts}")
+    loads = ", ".join(f"{names[k]} {results[k]['load'][0]:.1f} -> {results[k]['load'][1]:.1f}" for k in kinds)
+    rows.append(f"\nstart to healthy: {starts}; 1-min load average at start -> end (other work on the "
+                f"machine): {loads}")
     return rows

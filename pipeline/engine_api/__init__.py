@@ -1,4 +1,4 @@
-"""Everything that speaks to a model server (SGLang, this package's CPU engine, an
+"""Everything that speaks to a model server (SGLang, vLLM, this package's CPU engine, an
 OpenAI-compatible judge) over HTTP; no other package opens a connection to one.
 
 =====================  ========================================================================
@@ -10,6 +10,12 @@ module                 what it holds
                        ``/v1/tokenize`` + ``/generate``; the chat-field -> ``sampling_params``
                        mapping (``chat_sampling_params``, ``response_format_schema``) and
                        ``generate_path_refusal``
+``vllm.py``            :class:`VllmClient`: the same calls against vLLM's OpenAI server (raw
+                       log-probs recorded as temperature 1, the weight version bracketed by
+                       ``/weight_info``, scoring through ``prompt_logprobs``, full-weight reload
+                       with the folder checked first, LoRA); how vLLM is started
+``backend.py``         ``engine_client(kind, url)``: the client of a server family
+                       (``engine.kind``: native, sglang, vllm); ``adapter_model``
 ``transport.py``       :class:`Transport`, the one aiohttp connection pool (the proxy forwards
                        through it, every client here sends through it); ``sse_batches``
 ``errors.py``          :class:`EngineError` (``status``: HTTP code or None), :class:`EngineTimeout`,

@@ -198,6 +198,8 @@ class VllmClient(EngineClient):
     logprob_token_bytes = False
     #: prompt log-probs are at temperature 1 only
     scores_temperature = False
+    #: :meth:`tokenize` renders chat messages exactly as the chat path does (the OPD teacher's prompts)
+    renders_chat = True
 
     def __init__(self, base_url: str, timeout_s: float = 300.0, api_key: str | None = None, *,
                  initial_version: str = "0", reference_dir: str | os.PathLike | None = None, **kw: Any) -> None:
@@ -236,11 +238,21 @@ class VllmClient(EngineClient):
         return before if before is not None and after == before else None
 
     # ---- chat -------------------------------------------------------------------------------------
+    @staticmethod
+    def shape(body: dict) -> dict:
+        """``body`` (in place) as vLLM takes it: ``continue_final_message`` without
+        ``add_generation_prompt`` gets ``add_generation_prompt: false`` (vLLM refuses the two
+        together, and its default for the second is true; SGLang and our engine infer it)."""
+        if body.get("continue_final_message") is True and "add_generation_prompt" not in body:
+            body["add_generation_prompt"] = False
+        return body
+
     async def chat(self, body: dict) -> dict:
         """Non-streaming chat with ids and log-probs; ``metadata`` gets the weight version (bracketed)
         and :data:`RECORDED_SAMPLING`."""
         before = await self.weight_version()
-        out = await self._request("POST", "/v1/chat/completions", dict(body, stream=False, return_token_ids=True))
+        out = await self._request("POST", "/v1/chat/completions",
+                                  self.shape(dict(body, stream=False, return_token_ids=True)))
         out["metadata"] = {"weight_version": await self.bracket(before), "sampling_params": dict(RECORDED_SAMPLING)}
         return out
 
@@ -248,7 +260,8 @@ class VllmClient(EngineClient):
         """Streaming chat (vLLM streams ``token_ids`` natively); the last chunk gets ``metadata``
         as :meth:`chat`."""
         before = await self.weight_version()
-        async for chunk in self._sse("/v1/chat/completions", dict(body, stream=True, return_token_ids=token_ids)):
+        async for chunk in self._sse("/v1/chat/completions", self.shape(dict(body, stream=True,
+                                                                             return_token_ids=token_ids))):
             yield chunk
         yield {"choices": [], "metadata": {"weight_version": await self.bracket(before),
                                            "sampling_params": dict(RECORDED_SAMPLING)}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pipeline.engine_api.render import content_text
+from pipeline.engine_api.render import TEXT_PARTS, content_text
 from pipeline.judge.parse import HINT_END, HINT_START
 
 MAX_CHARS = 4000  # per part; long tool outputs are cut in the middle
@@ -143,7 +143,9 @@ def hint_messages(inp: JudgeInput) -> list[dict]:
 def inject_hint(messages: list, hint: str) -> list:
     """A copy of ``messages`` with ``hint`` appended to the last user message (OPD teacher prompt).
 
-    Without a user message, a user message carrying the hint is appended. The hint is marked so
+    A content given as parts gets the hint at the end of its last text part (a new text part
+    when the last part is not text). Without a user message, a user message carrying the hint is
+    appended. The hint is marked so
     the teacher reads it as guidance: ``\\n\\n[Hint] <hint>``.
     """
     out = [dict(m) if isinstance(m, dict) else m for m in messages]
@@ -151,8 +153,14 @@ def inject_hint(messages: list, hint: str) -> list:
     for m in reversed(out):
         if isinstance(m, dict) and m.get("role") == "user":
             c = m.get("content")
-            if isinstance(c, list):
-                m["content"] = list(c) + [{"type": "text", "text": suffix}]
+            if isinstance(c, list):  # extend the last part when it is text: every engine's joining of
+                # parts (nothing, a newline) then gives the same text as for a string content
+                last = c[-1] if c else None
+                text_part = isinstance(last, dict) and last.get("type", "text") in TEXT_PARTS
+                if text_part and isinstance(last.get("text"), str):
+                    m["content"] = list(c[:-1]) + [dict(last, text=last["text"] + suffix)]
+                else:
+                    m["content"] = list(c) + [{"type": "text", "text": suffix}]
             else:
                 m["content"] = content_text(c) + suffix
             return out

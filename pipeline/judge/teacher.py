@@ -277,6 +277,41 @@ class Teacher:
             return student
         return self.renderer.render_spec(spec.with_messages(inject_hint(spec.messages, hint)))
 
+    async def hinted_prompt(self, turn, hint: str | None) -> list[int]:
+        """:meth:`prompt_ids`, rendered by whoever reproduces the student's recorded prompt: the
+        teacher engine's own chat rendering first when it has one (vLLM's ``/tokenize``: its
+        template, content parts joined by a newline, tools only as its template shows them), else
+        this package's renderer (the CPU engine, SGLang, ``pipeline import``).
+
+        Raises:
+            TeacherUnsupported: neither reproduces ``turn.prompt_token_ids``.
+        """
+        if getattr(self.client, "renders_chat", False):
+            try:
+                return await self.engine_prompt_ids(turn, hint)
+            except TeacherUnsupported:
+                pass  # rendered elsewhere (an import, another engine): the package's renderer may match
+        return await asyncio.to_thread(self.prompt_ids, turn, hint)
+
+    async def engine_prompt_ids(self, turn, hint: str | None) -> list[int]:
+        """:meth:`prompt_ids` from the teacher engine's ``tokenize`` of the turn's messages (and of
+        the hinted ones). Raises :class:`TeacherUnsupported` when it does not give the turn's prompt."""
+        spec = PromptSpec.from_turn(turn)
+        kw: dict = {"add_generation_prompt": spec.add_generation_prompt and not spec.continue_final_message}
+        if spec.continue_final_message:
+            kw["continue_final_message"] = True
+        if spec.chat_template_kwargs:
+            kw["chat_template_kwargs"] = spec.chat_template_kwargs
+        try:
+            student = await self.client.tokenize(spec.messages, spec.tools, **kw)
+        except EngineError as e:
+            raise TeacherUnsupported("prompt_mismatch", f"the teacher engine cannot render the turn: {e}") from None
+        if student != list(turn.prompt_token_ids):
+            raise TeacherUnsupported("prompt_mismatch", "the teacher engine renders the turn's messages to other ids")
+        if hint is None:
+            return student
+        return await self.client.tokenize(inject_hint(spec.messages, hint), spec.tools, **kw)
+
     def check(self, turn) -> None:
         """Raise :class:`TeacherUnsupported` when the rollout log-probs were shaped by options a
         scoring pass cannot re-apply (``turn.logprob_processors``)."""
@@ -298,7 +333,7 @@ class Teacher:
         """
         self.check(turn)
         await self._ensure_checked()
-        prompt = await asyncio.to_thread(self.prompt_ids, turn, hint)
+        prompt = await self.hinted_prompt(turn, hint)
         out = await self.score(prompt, list(turn.response_token_ids), rollout_temperature(turn))
         out.model = self.model
         if self.live and out.log_probs and out.version != str(turn.policy_version):

@@ -399,7 +399,10 @@ def _engine_stages(stage: Callable[..., PlannedStage], config: Config, ports: _P
     out = [stage(name, ["engine", "--kind", kind, "--model", e.model, "--port", str(port)], "/health", port)
            for name, port in ports.engines.items()]
     if ports.teacher is not None:
-        out.append(stage("teacher", ["engine", "--kind", teacher, "--model", e.model, "--port", str(ports.teacher)],
+        # the teacher is the frozen base model: never LoRA (vLLM 0.32's CPU build with LoRA on crashed
+        # scoring prompt log-probs beside other requests; docs/vllm.md)
+        out.append(stage("teacher", ["engine", "--kind", teacher, "--model", e.model, "--port", str(ports.teacher),
+                                     "--set", "engine.enable_lora=false", "--set", "engine.lora_paths={}"],
                          "/health", ports.teacher))
     if ports.engine_front is not None:
         probe = {name: _local(ports.syncer_ready[name], "/readyz") if name in ports.syncer_ready

@@ -497,8 +497,10 @@ class ProxyApp:
         if record and meta.done:  # published before the response completes
             send.before_final = lambda: self._end(route.sid, "header", route.tenant)
         admit = (lambda: self._admit(route)) if record else _nothing
-        if record and self._vllm is not None:
-            route.version_before = await self._vllm_version()
+        if self._vllm is not None:
+            self._vllm.shape(req)
+            if record:
+                route.version_before = await self._vllm_version()
         try:
             if stream:
                 async def recorded(rec: Recorded, cause: str | None = None) -> None:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from dataclasses import dataclass
 
@@ -111,8 +112,9 @@ class Fixture:
 
     def temperature_on(self, path: str) -> float:
         """:attr:`effective_temperature` on ``path``: on ``sglang`` the served model's
-        generation_config says 0.6, which the engine samples an unset temperature at."""
-        if self.imported or self.temperature == 0:
+        generation_config says 0.6, which the engine samples an unset temperature at; on ``vllm``
+        the recorded log-probs are vLLM's raw ones (temperature 1) whatever the request's."""
+        if self.imported or self.temperature == 0 or path == "vllm":
             return 1.0
         if self.temperature is None:
             return GENERATION_CONFIG["temperature"] if path == "sglang" else 1.0
@@ -287,9 +289,18 @@ def hinted_prompt_ids(tokenizer, prompt_ids: list[int], hint: str) -> list[int]:
     return tokenizer.encode(text[:end] + f"\n\n[Hint] {hint}" + text[end:], add_special_tokens=False)
 
 
-def score(engine_url: str, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+def score(engine_url: str, prompt: list[int], response: list[int], temperature: float, path: str = "native"
+          ) -> list[float]:
     """log softmax(logits / T) of each response token after ``prompt``, from the engine's
-    ``/generate`` prefill (prompt log-probs from position len(prompt))."""
+    ``/generate`` prefill (prompt log-probs from position len(prompt)); on ``vllm`` from its
+    ``/v1/completions`` prompt log-probs (temperature 1 only)."""
+    if path == "vllm":
+        assert temperature == 1.0
+        body = {"model": VLLM_MODEL, "prompt": prompt + response, "max_tokens": 1, "prompt_logprobs": 0}
+        r = httpx.post(engine_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        rows = r.json()["choices"][0]["prompt_logprobs"][len(prompt):]
+        return [float(row[str(t)]["logprob"]) for row, t in zip(rows, response, strict=True)]
     body = {"input_ids": prompt + response, "return_logprob": True, "logprob_start_len": len(prompt) - 1,
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
     r = httpx.post(engine_url + "/generate", json=body, timeout=60)
@@ -342,7 +353,18 @@ def _engine_path(path: str, tmp_path_factory):
     from pipeline.testing.engine import running_engine
     from pipeline.testing.servers import serve_app
     from pipeline.testing.sglang_style import SglangStyleEngine
+    from pipeline.testing.vllm import running_vllm, vllm_missing
 
+    if path == "vllm":
+        why = vllm_missing()
+        if why:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must run the vLLM tests: {why}")
+            pytest.skip(why)
+        # no LoRA: vLLM 0.32 (CPU) with LoRA on crashed scoring prompt log-probs beside generation
+        with running_vllm(VLLM_MODEL, max_model_len=1024, enable_lora=False) as url:
+            yield url, url, VLLM_MODEL
+        return
     model = "tiny-random"
     if path == "sglang":
         folder = tmp_path_factory.mktemp("gen-config") / "model"
@@ -358,7 +380,11 @@ def _engine_path(path: str, tmp_path_factory):
             yield sglang, eng, model
 
 
-@pytest.fixture(scope="module", params=["native", "sglang"])
+#: the vllm path's model (vLLM's CPU attention refuses tiny-random's 16-wide heads)
+VLLM_MODEL = "tiny-random-64"
+
+
+@pytest.fixture(scope="module", params=["native", "sglang", "vllm"])
 def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
     """Everything up to the trainer's batch, once per engine path: one judge per mode (own
     consumer group) on the same ``turns``, all writing to ``samples``."""
@@ -381,6 +407,8 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
         # one stand-in judge per mode: each answers its own calls in the scripted order
         servers = {mode: up.enter_context(StandInJudge()) for mode in MODES}
         front, eng, served = up.enter_context(_engine_path(path, tmp_path_factory))
+        kind = {"engine": {"kind": "vllm"}} if path == "vllm" else {}
+        c = c.replace(**kind)
         url, app = up.enter_context(running_proxy(c.replace(engine={"model": served}), front))
         for sid in dict.fromkeys(fx.session for fx in PROXIED):
             _drive(url, [fx for fx in PROXIED if fx.session == sid], path)
@@ -392,7 +420,7 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
             if isinstance(e, events.Turn)}
         c = c.replace(judge={"backend": "llm", "vote_timeout_s": 10.0, "retries": 0, "retry_backoff_s": 0.05,
                              "votes": 3, "hint_min_chars": HINT_MIN_CHARS},
-                      engine={"model": "tiny-random", "teacher_url": front})
+                      engine={"model": served if path == "vllm" else "tiny-random", "teacher_url": front})
         total = sum(len(w) for w in want.values())
         with contextlib.ExitStack() as judges:
             for mode in MODES:
@@ -405,13 +433,13 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
         for fx in FIXTURES:
             t = turns[(fx.session, fx.turn_index)]
             unhinted[fx.session, fx.turn_index] = score(eng, list(t.prompt_token_ids), list(t.response_token_ids),
-                                                        fx.temperature_on(path))
+                                                        fx.temperature_on(path), path)
             if fx.hint_accepted:
                 teacher[fx.session, fx.turn_index] = score(
                     eng, hinted_prompt_ids(tokenizer, list(t.prompt_token_ids), fx.accepted_hint),
-                    list(t.response_token_ids), fx.temperature_on(path))
+                    list(t.response_token_ids), fx.temperature_on(path), path)
     # read them as the trainer does: its source, one batch of every trainable sample
-    c = c.replace(trainer={"model": "tiny-random",
+    c = c.replace(trainer={"model": served if path == "vllm" else "tiny-random",
                            "rollout_batch_size": sum(e[2] for w in want.values() for e in w.values())})
     source = SampleSource(c)
     stop = threading.Event()
@@ -511,8 +539,9 @@ def test_every_token_advantage_matches_the_reference(run, runtime, name):
     from pipeline.models import resolve_model
     from pipeline.trainer.policy import PolicyTrainer
 
-    cfg = load_config(None, trainer=dict(model="tiny-random", micro_batch_size=4, **CONFIGS[name])).trainer
-    pt = PolicyTrainer(cfg, resolve_model("tiny-random"), runtime)
+    model = VLLM_MODEL if run.path == "vllm" else "tiny-random"  # the engine's model
+    cfg = load_config(None, trainer=dict(model=model, micro_batch_size=4, **CONFIGS[name])).trainer
+    pt = PolicyTrainer(cfg, resolve_model(model), runtime)
     report = []
     for mode in MODES:
         samples, weights = run.batch[mode]

@@ -86,6 +86,11 @@ def test_inject_hint_into_last_user_message():
     assert out[0]["content"] == "first"
     parts = inject_hint([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "Be concise.")
     assert parts[0]["content"][-1]["text"].endswith("Be concise.")
+    # the hint ends the last text part, so any joining of parts (nothing: ours; a newline: vLLM) reads
+    # it as the end of the message's text
+    two = inject_hint([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                      "Be concise.")[0]["content"]
+    assert [p["text"] for p in two] == ["a", "b\n\n[Hint] Be concise."]
     assert inject_hint([{"role": "system", "content": "s"}], "Be concise.")[-1]["role"] == "user"
 
 

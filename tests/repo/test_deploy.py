@@ -225,3 +225,148 @@ def test_every_sglang_engine_reports_temperature_scaled_log_probs():
         assert env.get("SGLANG_TEMP_SCALED_LOGPROBS") == "1", where
     config = load_config(DEPLOY / "config" / "production.yaml")
     assert config.engine.teacher_url and config.engine.teacher_url != config.engine.url  # a frozen, named teacher
+
+
+# ---- vLLM as the engine (docs/vllm.md): compose profile `vllm`, k8s engines-vllm.yaml, production-vllm.yaml
+
+VLLM_CONFIG = DEPLOY / "config" / "production-vllm.yaml"
+VLLM_ENTRYPOINTS = (["python3", "-m", "vllm.entrypoints.openai.api_server"], ["vllm", "serve"])
+
+
+def _vllm_engines(compose: dict, k8s_docs: list[dict]) -> dict:
+    """``{(where, name): {"argv", "env", "ports", "profiles"}}`` of every container running the vLLM image
+    in a compose document and a list of Kubernetes manifests (argv: entrypoint/command + command/args)."""
+    out = {}
+    for name, svc in compose["services"].items():
+        if str(svc.get("image", "")).startswith("vllm/"):
+            entry, cmd = svc.get("entrypoint") or [], svc.get("command") or []
+            argv = (entry.split() if isinstance(entry, str) else list(entry)) + (
+                cmd.split() if isinstance(cmd, str) else list(cmd))
+            out["compose", name] = {"argv": [str(a) for a in argv], "profiles": svc.get("profiles") or [],
+                                    "env": {str(k): str(v) for k, v in (svc.get("environment") or {}).items()}}
+    for doc in k8s_docs:
+        for c in ((doc or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []):
+            if c.get("image", "").startswith("vllm/"):
+                out["k8s", doc["metadata"]["name"]] = {
+                    "argv": [str(a) for a in (c.get("command") or []) + (c.get("args") or [])],
+                    "env": {e["name"]: str(e.get("value")) for e in c.get("env") or []},
+                    "ports": [p["containerPort"] for p in c.get("ports") or []]}
+    return out
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value after ``name`` in ``argv`` ("" for a flag without one), None when absent."""
+    if name not in argv:
+        return None
+    i = argv.index(name)
+    return argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+
+
+def _vllm_engine_problems(engines: dict) -> list[str]:
+    """What is wrong with the vLLM engines: the image's server module (or ``vllm serve``), the dev
+    endpoints the syncer and VllmClient need, runtime LoRA on the policy, raw log-probs (recorded as
+    temperature 1), an explicit dtype (``auto`` serves an fp32 model in fp16)."""
+    problems = []
+    for where, e in engines.items():
+        argv, env = e["argv"], e["env"]
+        if not any(argv[:len(p)] == p for p in VLLM_ENTRYPOINTS):
+            problems.append(f"{where}: runs {argv[:3]}, not the api_server module or `vllm serve`")
+        if env.get("VLLM_SERVER_DEV_MODE") != "1":
+            problems.append(f"{where}: VLLM_SERVER_DEV_MODE=1 missing (/weight_info, weight reload, pause)")
+        if _flag(argv, "--logprobs-mode") != "raw_logprobs":
+            problems.append(f"{where}: --logprobs-mode is not raw_logprobs (VllmClient records raw log-probs)")
+        if _flag(argv, "--dtype") in (None, "", "auto"):
+            problems.append(f"{where}: no explicit --dtype")
+        if "policy" in where[1] and (env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") != "True"
+                                     or _flag(argv, "--enable-lora") != "" or not _flag(argv, "--max-lora-rank")):
+            problems.append(f"{where}: runtime LoRA loading is not enabled (tenants' adapters)")
+    return problems
+
+
+def _k8s_docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
+
+
+def test_vllm_engines_run_the_server_with_the_endpoints_the_client_needs():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    engines = _vllm_engines(compose, _k8s_docs("engines-vllm.yaml"))
+    assert {("compose", "vllm-policy"), ("compose", "vllm-teacher"), ("k8s", "vllm-policy"),
+            ("k8s", "vllm-teacher")} <= set(engines)
+    assert _vllm_engine_problems(engines) == []
+    broken = copy.deepcopy(compose)
+    broken["services"]["vllm-policy"]["environment"].pop("VLLM_SERVER_DEV_MODE")
+    broken["services"]["vllm-teacher"]["entrypoint"] = ["vllm"]  # the console script the CPU build lacks
+    problems = _vllm_engine_problems(_vllm_engines(broken, []))
+    assert any("vllm-policy" in p and "DEV_MODE" in p for p in problems), problems
+    assert any("vllm-teacher" in p and "api_server" in p for p in problems), problems
+
+
+def test_vllm_image_is_pinned_to_the_version_the_client_was_measured_on():
+    from pipeline.engine_api.vllm import VLLM_VERSION
+
+    vllm = [(where, img) for where, img in _images() if img.startswith("vllm/")]
+    vllm += [(f"engines-vllm.yaml:{c['name']}", c["image"]) for d in _k8s_docs("engines-vllm.yaml")
+             for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+             if c["image"].startswith("vllm/")]
+    assert len(vllm) >= 4
+    for where, img in vllm:
+        assert img == f"vllm/vllm-openai:v{VLLM_VERSION}", f"{where}: {img} is not vllm-openai v{VLLM_VERSION}"
+
+
+def _vllm_wiring_problems(config, compose: dict, k8s_docs: list[dict]) -> list[str]:
+    """Where production-vllm.yaml's URLs miss the vLLM engines: each URL's host must be a vLLM compose
+    service listening (``--port``) on the URL's port and a Kubernetes Service of that port; the
+    judge's model must be the teacher's served name."""
+    from urllib.parse import urlsplit
+
+    engines = _vllm_engines(compose, k8s_docs)
+    services = {d["metadata"]["name"]: [p["port"] for p in d["spec"]["ports"]] for d in k8s_docs
+                if d["kind"] == "Service"}
+    problems = []
+    for key, url in (("engine.url", config.engine.url), ("engine.teacher_url", config.engine.teacher_url),
+                     ("judge.url", config.judge.url), ("syncer.engine_url", config.syncer.engine_url)):
+        u = urlsplit(url)
+        e = engines.get(("compose", u.hostname))
+        if e is None or _flag(e["argv"], "--port") != str(u.port):
+            problems.append(f"{key} {url}: no vLLM compose service {u.hostname} on port {u.port}")
+        if u.port not in services.get(u.hostname, []) or u.port not in engines.get(("k8s", u.hostname), {}).get(
+                "ports", []):
+            problems.append(f"{key} {url}: no Kubernetes Service/container {u.hostname} on port {u.port}")
+    teacher = engines.get(("compose", urlsplit(config.judge.url).hostname), {"argv": []})
+    if _flag(teacher["argv"], "--served-model-name") != config.judge.model:
+        problems.append(f"judge.model {config.judge.model} is not the teacher's --served-model-name")
+    return problems
+
+
+def test_vllm_config_reaches_the_vllm_engines():
+    config = load_config(str(VLLM_CONFIG))
+    assert config.engine.kind == "vllm" and (config.engine.teacher_kind or config.engine.kind) == "vllm"
+    assert config.judge.backend == "llm" and config.engine.teacher_url != config.engine.url  # a frozen teacher
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    docs = _k8s_docs("engines-vllm.yaml")
+    assert _vllm_wiring_problems(config, compose, docs) == []
+    broken = copy.deepcopy(compose)
+    broken["services"]["vllm-policy"]["command"] = [
+        "8001" if a == "8000" else a for a in broken["services"]["vllm-policy"]["command"]]
+    problems = _vllm_wiring_problems(config, broken, docs)
+    assert any(p.startswith("engine.url") for p in problems) and any(p.startswith("syncer.engine_url")
+                                                                     for p in problems), problems
+
+
+def test_vllm_variant_is_opt_in_and_the_stages_can_switch_to_it():
+    """Plain ``docker compose up`` stays SGLang: the vLLM services only run under the ``vllm``
+    profile; every stage mounts production-vllm.yaml and reads the file PIPELINE_CONFIG_FILE names
+    (default production.yaml); the syncer takes its engine from that config, not a fixed flag."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, svc in services.items():
+        image = str(svc.get("image", ""))
+        assert (svc.get("profiles") == ["vllm"]) == image.startswith("vllm/"), name
+    for name in ("proxy", "judge", "trainer", "syncer", "dashboard"):
+        svc = services[name]
+        assert svc["environment"]["PIPELINE_CONFIG"] == "/etc/pipeline/${PIPELINE_CONFIG_FILE:-production.yaml}"
+        assert "./config/production-vllm.yaml:/etc/pipeline/production-vllm.yaml:ro" in svc["volumes"], name
+    assert "--engine" not in services["syncer"]["command"]
+    k = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert "engines.yaml" in k["resources"] and "engines-vllm.yaml" not in k["resources"]  # one engine family
+    assert "engines-vllm.yaml" in (DEPLOY / "k8s" / "kustomization.yaml").read_text()  # the swap is documented
