@@ -5,7 +5,8 @@ vLLM's answers do not say which adapter served them, so the proof is the log-pro
 turn's log-probs are those of its tenant's adapter (the engine's own scoring of the same tokens
 under that adapter) and not those of the other tenant's adapter or of the base model. A second
 version of alice's adapter replaces the first on the engine (versioned names: vLLM can reuse
-stale prefix-cache blocks of a same-name reload) and leaves bob's untouched.
+stale prefix-cache blocks of a same-name reload) and leaves bob's untouched; a third unloads the
+first.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def test_two_tenants_adapters_on_vllm(kafka_config, tmp_path):
     ad = {t: export_tenant_adapter(tmp_path / "weights", t, model=MODEL, seed=s, std=0.3)
           for t, s in (("alice", 1), ("bob", 2))}
     a2_dir, a2 = export_tenant_adapter(tmp_path / "weights", "alice", model=MODEL, seed=3, std=0.3)
+    a3_dir, a3 = export_tenant_adapter(tmp_path / "weights", "alice", model=MODEL, seed=4, std=0.3)
     with running_vllm(MODEL, max_lora_rank=16) as eng:
         cfg = cfg.replace(syncer={"engine_url": eng})
         with running(new_syncer(cfg)), \
@@ -84,7 +86,9 @@ def test_two_tenants_adapters_on_vllm(kafka_config, tmp_path):
             def cards() -> set:
                 return {m.id for m in openai.OpenAI(base_url=eng + "/v1", api_key="x").models.list().data}
 
-            # the syncer unloads alice's v1 once her v2's resume is read (after the proxy may route to v2)
+            # a resume keeps the tenant's current adapter and the one before it (requests in flight):
+            # alice's v3 unloads her v1
+            _sync(cfg, "alice", a3, a3_dir, 4)
             wait_for(lambda: ad["alice"][1]["name"] not in cards(), what="alice's v1 to be unloaded")
             loaded = cards()
             served_by = {s: {name: _score(eng, turns[s], name) for name in (a2["name"], ad["bob"][1]["name"], None)}
@@ -102,5 +106,5 @@ def test_two_tenants_adapters_on_vllm(kafka_config, tmp_path):
                 assert list(turns[s].response_logprobs) != pytest.approx(served_by[s][other], abs=1e-3)
     for s in first:  # served by an adapter, not by the base model
         assert list(turns[s].response_logprobs) != pytest.approx(first[s], abs=1e-3)
-    # alice's v1 was unloaded when v2 took over; bob's adapter was left as it was
-    assert a2["name"] in loaded and ad["bob"][1]["name"] in loaded
+    # alice's v1 was unloaded when v3 took over; her v2 and bob's adapter were left as they were
+    assert {a3["name"], a2["name"], ad["bob"][1]["name"]} <= loaded
