@@ -243,7 +243,8 @@ class JudgeConfig(Section):
                                                "teacher log-probs) or combine (both)")
     backend: str = _d("embedding", "llm, choice, embedding, constant, or your class as module:Class")
     url: str | None = _d(None, "judge endpoint of the llm/choice backends (None: engine.url)")
-    model: str = _d("default", "model name sent to the judge endpoint")
+    model: str = _d("default", "model name sent to the judge endpoint (default: the first model its "
+                    "/v1/models lists)")
     votes: int = _d(3, "PRM votes per turn (majority decides)", ge=1, le=64)
     temperature: float = _d(0.6, "sampling temperature of the votes", ge=0, le=10)
     max_tokens: int = _d(512, "longest vote or hint reply (tokens)", ge=1)

@@ -86,12 +86,21 @@ class LLMBackend(Backend):
         super().__init__(config)
         self.jc = config.judge
         self.http: HttpJudge | None = None
+        self.model = self.jc.model  # the model the votes name (start() reads "default" from /v1/models)
 
     async def start(self) -> None:
         key = self.jc.api_key.get_secret_value() if self.jc.api_key else None
         self.http = HttpJudge(judge_url(self.config), self.jc.vote_timeout_s, self.jc.retries,
                               self.jc.retry_backoff_s, api_key=key,
                               max_connections=max(16, self.jc.max_in_flight * max(1, self.jc.votes) * 2))
+        self.model = self.jc.model
+        if self.model == "default":  # vLLM answers 404 for a model it does not serve: name its first one
+            try:
+                cards = (await self.http.client.models()).get("data") or []
+                self.model = str(cards[0]["id"]) if cards and cards[0].get("id") else self.model
+            except (EngineError, KeyError, TypeError, AttributeError) as e:
+                log.info("judge: /v1/models of %s not read (%s): votes name model %r", judge_url(self.config), e,
+                         self.model)
 
     async def aclose(self) -> None:
         if self.http is not None:
@@ -106,7 +115,7 @@ class LLMBackend(Backend):
 
     async def _votes(self, messages: list[dict]) -> list[str | None]:
         n = max(1, self.jc.votes)
-        body = orjson.dumps({"model": self.jc.model, "messages": messages, "temperature": self.jc.temperature,
+        body = orjson.dumps({"model": self.model, "messages": messages, "temperature": self.jc.temperature,
                              "max_tokens": self.jc.max_tokens, "stream": False})
         return list(await asyncio.gather(*(self._sample(body) for _ in range(n))))
 
