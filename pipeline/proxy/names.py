@@ -25,6 +25,7 @@ names are then taken on trust (the engine itself decides).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -70,8 +71,22 @@ class ServedModels:
         self.served: list[str] = []
         self.adapters: set[str] = set()  # the adapter names the engine listed at the last read
         self._read_at: float | None = None
+        self._reading: asyncio.Future | None = None  # the read in flight: concurrent requests share it
 
     async def _refresh(self) -> None:
+        """Read ``/v1/models`` once for every request that asks meanwhile (a request that came
+        while the first read was in flight used to go on with no served ids: vLLM refuses the
+        ``default`` it was then sent with)."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+        reading = self._reading
+        try:
+            await asyncio.shield(reading)
+        finally:
+            if self._reading is reading and reading.done():
+                self._reading = None
+
+    async def _read(self) -> None:
         self._read_at = time.monotonic()
         try:
             status, data = await self._fetch()
@@ -97,6 +112,8 @@ class ServedModels:
             raise ProxyError(400, f"'model' must be a string, got {type(name).__name__}", param="model",
                              code="invalid_type")
         known = name in (None, self.default) or name in self.served or name in self.aliases
+        if self._reading is not None:
+            await asyncio.shield(self._reading)
         if self._read_at is None or (not (self.served and known) and time.monotonic() - self._read_at >= REFRESH_S):
             await self._refresh()
         if isinstance(name, str) and name not in self.aliases and name not in self.served and (

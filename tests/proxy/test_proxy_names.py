@@ -149,3 +149,21 @@ def test_base_cards_leave_out_adapters():
     body = {"data": [{"id": "m"}, {"id": "m:a", "parent": "m"}, "junk"]}
     assert base_cards(body) == [{"id": "m"}]
     assert base_cards(None) == [] and base_cards({"data": None}) == []
+
+
+def test_requests_that_arrive_during_the_first_read_wait_for_it():
+    """Two requests at once before the served ids are known: both get the served id (the second
+    used to go on with none, and vLLM refuses the ``default`` it was then sent with); one read."""
+    class SlowModels(FakeModels):
+        async def __call__(self):
+            await asyncio.sleep(0.05)  # the read is still in flight when the second request asks
+            return await super().__call__()
+
+    fetch = SlowModels(["tiny-random-64"])
+    m = ServedModels(fetch)
+
+    async def both():
+        return await asyncio.gather(m.resolve("default"), m.resolve(None))
+
+    assert asyncio.run(both()) == ["tiny-random-64", "tiny-random-64"]
+    assert fetch.calls == 1
