@@ -209,6 +209,9 @@ class ProxyConfig(Section):
         "and recorded as the served id, never the name sent) or reject it (404 model_not_found)")
     responses_store_bytes: int = _d(64 << 20, "/v1/responses: memory (bytes) of the conversations kept for "
                                     "previous_response_id (least recently used dropped first; 0: none kept)", ge=0)
+    feedback_index_max: int = _d(200_000, "POST /v1/feedback: recorded main turns this proxy can resolve by "
+                                 "response id or session + turn index (least recent dropped first; kept in "
+                                 "buffer_dir/turn-index.jsonl across restarts)", ge=1)
     tenants: dict[str, str] = _d(dict, "API key -> tenant: {sha256 hex of the key: tenant id} (keys are never "
                                  "stored in clear); set: every request needs a mapped key (or one of api_keys: "
                                  "no tenant) and an X-Tenant-Id that disagrees is refused (403); empty: the "
