@@ -270,6 +270,21 @@ class JudgeConfig(Section):
     max_uncommitted_records: int = _d(200_000, "the consumer pauses its partitions above this many records "
                                       "read but not committed", ge=1)
     drain_timeout_s: float = _d(30.0, "at shutdown, wait this long (s) for judge jobs in flight", ge=0)
+    reward_rule: Literal["precedence", "weighted"] = _d(
+        "precedence", "how a turn's reward sources (judge votes, explicit feedback, session outcome) combine: "
+        "precedence (the first present in reward_order) or weighted (weighted mean of the present ones; "
+        "docs/feedback.md)")
+    reward_order: list[Literal["judge", "feedback", "outcome"]] = _d(
+        lambda: ["feedback", "outcome", "judge"], "precedence rule: the sources in order (the first present decides)")
+    reward_weights: dict[Literal["judge", "feedback", "outcome"], float] = _d(
+        dict, "weighted rule: weight of each source (default 1; 0: never counts)")
+    feedback_grace_s: float = _d(0.0, "a judged turn is decided only once its partition's event time is this far "
+                                 "(s) past its next state, so feedback sent meanwhile is used (0: decided at the "
+                                 "next state; later feedback is counted as late)", ge=0)
+    outcome_hold: bool = _d(False, "every turn of a session waits for its end, so the session outcome is credited "
+                            "to all of them (off: to the turns still undecided at the end)")
+    outcome_discount: float = _d(1.0, "the outcome's credit to the turn k turns before the last is "
+                                 "outcome * outcome_discount**k", ge=0, le=1)
     # Tansu answers a fetch that reads its durable storage only within this wait: at 10 ms a judge
     # after a broker restart read about one record per second (docs/environment.md §6).
     fetch_max_wait_ms: int = _d(100, "how long (ms) the broker may hold an empty fetch; below "
