@@ -294,6 +294,8 @@ async function renderSession(id, tenant) {
     ];
     if (data.tenant !== null) rows.push(["adapter", t.adapter ? t.adapter.name : "none (base model)"]);
     if (t.turn_type === "main") {
+      if (t.feedback && t.feedback.length) rows.push(["feedback", h("div", {}, ...t.feedback.map((f) => h("div", { class: "feedback" },
+        `${num(f.score, 2)} from ${f.source}${f.comment !== undefined && f.comment !== null ? ` · “${f.comment}”` : f.comment_chars ? ` · comment ${f.comment_chars} chars` : ""}`)))]);
       rows.push(["next state", t.next_states.length ? t.next_states.map((n) => messages(n.messages, showText)) : h("span", { class: "muted" }, data.end ? "none (session ended)" : "waiting")]);
       for (const s of t.samples) {
         rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "", trainedStep: s.trained_step ?? "" } },
@@ -301,7 +303,10 @@ async function renderSession(id, tenant) {
             ["majority", s.majority === null ? "n/a" : num(s.majority)],
             ["hint", s.has_hint ? (showText && s.hint !== undefined ? h("div", { class: "text" }, s.hint) : `${s.hint_chars} chars`) : "none"],
             ["hint votes", s.hint_votes.length ? voteBadges(s.hint_votes) : "–"],
-            ["reward", num(s.reward, 2)], ["loss mask", num(s.loss_mask)],
+            ["reward", num(s.reward, 2)],
+            ["reward source", s.reward_source ? `${s.reward_source} (${s.reward_rule})${s.feedback_score !== null && s.feedback_score !== undefined ? ` · feedback ${num(s.feedback_score, 2)}` : ""}${s.outcome_reward !== null && s.outcome_reward !== undefined ? ` · outcome ${num(s.outcome_reward, 2)}` : ""}` : "–"],
+            ["hint source", s.hint_source || "–"],
+            ["loss mask", num(s.loss_mask)],
             ["mean advantage", s.mean_advantage === null ? "n/a" : num(s.mean_advantage, 4)],
             ["trained", s.trained ? h("span", { class: "pill ok" }, `step ${s.trained_step} → policy version ${s.trained_into_version}`)
               : h("span", { class: "pill no" }, s.loss_mask ? "not yet" : "no (masked)")],
