@@ -1018,7 +1018,7 @@ class ProxyApp:
                                   param="session_id", code="invalid_session_id")
             self._end(meta.session_id, "api", tenant, outcome)
             await self.publisher.durable()
-            return {"session_id": meta.session_id, "ended": True, "outcome": outcome}
+            return {"session_id": meta.session_id, "ended": True, **({} if outcome is None else {"outcome": outcome})}
 
         @api.get("/healthz")
         async def healthz():
