@@ -431,6 +431,9 @@ class DashboardConfig(Section):
     push_interval_s: float = _d(1.0, "live-update period (s) of the browser stream", gt=0)
     max_sessions: int = _d(10_000, "sessions kept for the browser (oldest dropped)", ge=1)
     max_errors: int = _d(50, "latest dead letters kept per DLQ topic", ge=1)
+    review: bool = _d(False, "let a reviewer thumb a turn up or down (with a correction) on the session page: "
+                      "posted to the proxy's POST /v1/feedback with the reviewer's key (off: read-only)")
+    proxy_url: str | None = _d(None, "the proxy reviews are posted to (None: http://<proxy.host>:<proxy.port>)")
 
 
 class Config(BaseSettings):

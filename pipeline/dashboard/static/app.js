@@ -296,6 +296,7 @@ async function renderSession(id, tenant) {
     if (t.turn_type === "main") {
       if (t.feedback && t.feedback.length) rows.push(["feedback", h("div", {}, ...t.feedback.map((f) => h("div", { class: "feedback" },
         `${num(f.score, 2)} from ${f.source}${f.comment !== undefined && f.comment !== null ? ` · “${f.comment}”` : f.comment_chars ? ` · comment ${f.comment_chars} chars` : ""}`)))]);
+      if (S.cfg && S.cfg.review) rows.push(["review", reviewForm(data, t)]);
       rows.push(["next state", t.next_states.length ? t.next_states.map((n) => messages(n.messages, showText)) : h("span", { class: "muted" }, data.end ? "none (session ended)" : "waiting")]);
       for (const s of t.samples) {
         rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "", trainedStep: s.trained_step ?? "" } },
@@ -319,6 +320,28 @@ async function renderSession(id, tenant) {
         h("span", { class: "muted" }, `${when(t.created_at)} · request ${t.request_id || "–"} · ${t.model || ""}`)),
       kv(rows)));
   }
+}
+
+// A reviewer's thumb on a turn (dashboard.review): posted to /api/feedback, which forwards it to the
+// proxy's POST /v1/feedback with the key typed here (the tenant's; default: the dashboard's key).
+function reviewForm(data, t) {
+  const note = h("input", { type: "text", class: "review-comment", placeholder: "correction (optional)", maxlength: "8000" });
+  const key = h("input", { type: "password", class: "review-key", placeholder: "proxy key (default: this page's)" });
+  const result = h("span", { class: "review-result muted" });
+  const send = async (score) => {
+    const hdrs = { "Content-Type": "application/json" };
+    const k = key.value.trim() || S.key;
+    if (k) hdrs.Authorization = `Bearer ${k}`;
+    if (data.tenant !== null) hdrs["X-Tenant-Id"] = data.tenant;
+    const body = { session_id: data.session_id, turn_index: t.turn_index, score };
+    if (note.value.trim()) body.comment = note.value.trim();
+    const r = await fetch("/api/feedback", { method: "POST", headers: hdrs, body: JSON.stringify(body) });
+    const j = await r.json().catch(() => ({}));
+    result.textContent = r.ok ? `sent: ${num(j.score, 0)} (${j.id})` : `refused (${r.status}): ${(j.error && j.error.message) || ""}`;
+  };
+  return h("div", { class: "review", dataset: { turnIndex: t.turn_index } },
+    h("button", { type: "button", class: "thumb-up", onclick: () => send(1) }, "👍"),
+    h("button", { type: "button", class: "thumb-down", onclick: () => send(-1) }, "👎"), note, key, result);
 }
 
 // ---------------------------------------------------------------- routing and live updates
