@@ -629,7 +629,7 @@ class ProxyApp:
                 content = prefix + (content if isinstance(content, str) else "")
             self.convs.record(route.chain.with_answer(content, calls), sid, route.rid)
         self._publish(turn, route.key)
-        if turn_index is not None:  # POST /v1/feedback finds it by its response id or its index
+        if finished and turn_index is not None:  # POST /v1/feedback finds it (an unfinished one was never answered)
             self.turn_index.add(IndexedTurn(route.tenant, sid, turn_index, route.rid, turn.response_id))
         M.TURNS.labels(meta.turn_type).inc()
 
@@ -933,9 +933,9 @@ class ProxyApp:
     async def _json_request(self, request: Request, headers: dict, empty_ok: bool = False) -> dict:
         """The JSON object body of a FastAPI request (400/413/415 as on chat; ``{}`` for an empty
         body when ``empty_ok``)."""
-        if not content_type_ok(headers.get(b"content-type")):
-            raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
         raw = await request.body()
+        if (raw.strip() or not empty_ok) and not content_type_ok(headers.get(b"content-type")):
+            raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
         if len(raw) > self.pc.max_body_bytes:
             raise ProxyError(413, f"request body exceeds the limit of {self.pc.max_body_bytes} bytes",
                              code="request_too_large")
