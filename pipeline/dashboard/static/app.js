@@ -119,7 +119,9 @@ function buildOverview() {
     card("Judge votes", "PRM votes on the samples (+1 good, 0 unsure, −1 bad, failed = no valid answer); the majority is the Binary-RL reward. Hint acceptance: OPD hint votes that produced a usable hint.",
       [h("div", { id: "votes" }), h("div", { class: "tiles" }, tile("n-hint-votes", "hint votes accepted"),
         tile("n-hint-samples", "distillation samples with a hint"), tile("n-judge-dropped", "turns dropped by the judge"),
-        tile("n-judge-unjudged", "turns ended without a judgement, by reason"))]),
+        tile("n-judge-unjudged", "turns ended without a judgement, by reason"),
+        tile("n-reward-sources", "rewards by source (judge, feedback, outcome)"),
+        tile("n-late-feedback", "feedback and outcomes not used: their turn was already decided, by reason"))]),
     card("Samples", "Scored training samples on the samples topic, by kind; masked samples (loss mask 0) are kept for accounting but not trained.",
       h("div", { class: "tiles" }, tile("n-samples", "samples"), tile("n-kind-rl", "rl"), tile("n-kind-opd", "opd"),
         tile("n-kind-opdrl", "opd+rl"), tile("n-masked-share", "masked share"), tile("n-trained", "trained"),
@@ -170,6 +172,10 @@ function renderOverview(o) {
   const hv = j.hint_votes, hvTotal = hv.accepted + hv.rejected + hv.failed;
   setText("n-hint-votes", hvTotal ? `${hv.accepted}/${hvTotal} (${pct(hv.accepted, hvTotal)})` : "–");
   setText("n-hint-samples", j.hint_samples ? `${j.hint_samples_with_hint}/${j.hint_samples}` : "–");
+  for (const [id, key] of [["n-reward-sources", "judge_reward_sources"], ["n-late-feedback", "judge_late_feedback"]]) {
+    const m = live[key] || {};
+    setText(id, Object.keys(m).length ? Object.entries(m).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
+  }
   const dropped = live.judge_dropped || {};
   setText("n-judge-dropped", Object.keys(dropped).length ? Object.entries(dropped).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
   const unjudged = live.judge_unjudged || {};
