@@ -76,3 +76,42 @@ def test_the_session_page_shows_feedback_and_reward_sources():
     (s,) = t["samples"]
     assert (s["reward_source"], s["reward_rule"], s["feedback_score"], s["hint_source"]) == (
         "feedback", "precedence", -1.0, "feedback")
+
+
+def test_review_buttons_in_headless_chromium(kafka_config):
+    """The session page of a tenant's turn in a real browser: with Bob's key the thumb is refused
+    (403 from the proxy: the page names the session's tenant, Bob's key is another's; shown on the page), with Alice's key a thumbs-down with a correction
+    reaches ``turns`` as a reviewer's feedback and the page then lists it under the turn."""
+    import pytest
+
+    from tests.dashboard.dashboard_helpers import Browser, DashboardServer, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip("no chromium binary: deploy/install.sh installs Debian's chromium where apt-get is available")
+    with stack(kafka_config, lambda req: Reply(content="an answer"), tenants=TENANTS) as (url, app, up):
+        alice = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0,
+                              default_headers={"X-Session-Id": "rv-b"})
+        alice.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        cfg = kafka_config.replace(dashboard={"review": True, "proxy_url": url, "push_interval_s": 0.2})
+        with DashboardServer(cfg) as d, Browser() as b:
+            d.wait(lambda o: o["traffic"]["turns_main"] >= 1 if "turns_main" in o["traffic"] else
+                   httpx.get(f"{d.url}/api/sessions/rv-b", params={"tenant": "alice"}).is_success)
+            b.goto(f"{d.url}#/session/rv-b?tenant=alice")
+            b.wait("document.querySelector('.review .thumb-down') !== null")
+
+            def thumb(key: str) -> None:
+                b.eval(f"""(() => {{ const f = document.querySelector('.review');
+                    f.querySelector('.review-comment').value = 'Greet the user by name.';
+                    f.querySelector('.review-key').value = {key!r};
+                    f.querySelector('.thumb-down').click(); return true; }})()""")
+
+            thumb(KEY_B)
+            assert "refused (403)" in b.wait("(document.querySelector('.review-result') || {}).textContent")
+            thumb(KEY_A)
+            assert app.publisher.wait_idle(10)
+            recs = read_records(kafka_config, kafka_config.topics.name("turns"),
+                                lambda evs: any(e.TYPE == "feedback" for e in evs))
+            shown = b.wait("[...document.querySelectorAll('.feedback')].map(e => e.textContent).join('|')")
+    (fb,) = [r.event for r in recs if r.event.TYPE == "feedback"]
+    assert (fb.tenant, fb.score, fb.source, fb.comment) == ("alice", -1.0, "reviewer", "Greet the user by name.")
+    assert shown.startswith("-1 from reviewer")

@@ -328,6 +328,11 @@ async function renderSession(id, tenant) {
   }
 }
 
+// A review form in use (focused, or holding a typed correction or key): the live refresh waits for it.
+function reviewing() {
+  return [...document.querySelectorAll(".review input")].some((el) => el === document.activeElement || el.value);
+}
+
 // A reviewer's thumb on a turn (dashboard.review): posted to /api/feedback, which forwards it to the
 // proxy's POST /v1/feedback with the key typed here (the tenant's; default: the dashboard's key).
 function reviewForm(data, t) {
@@ -344,6 +349,7 @@ function reviewForm(data, t) {
     const r = await fetch("/api/feedback", { method: "POST", headers: hdrs, body: JSON.stringify(body) });
     const j = await r.json().catch(() => ({}));
     result.textContent = r.ok ? `sent: ${num(j.score, 0)} (${j.id})` : `refused (${r.status}): ${(j.error && j.error.message) || ""}`;
+    if (r.ok) { note.value = ""; key.value = ""; }  // the live refresh then shows it among the turn's feedback
   };
   return h("div", { class: "review", dataset: { turnIndex: t.turn_index } },
     h("button", { type: "button", class: "thumb-up", onclick: () => send(1) }, "👍"),
@@ -378,7 +384,7 @@ function onOverview(o) {
   if (hash === "#/" || hash === "") renderOverview(o);
   else if (Date.now() - S.lastRefresh > 2000) {  // browser pages refresh on change, at most every 2 s
     S.lastRefresh = Date.now();
-    if (hash.startsWith("#/session/")) showSessionOf(hash);  // the live refresh keeps the tenant
+    if (hash.startsWith("#/session/")) { if (!reviewing()) showSessionOf(hash); }  // keeps the tenant; never under a reviewer's typing
     else refreshSessions().catch(() => {});
   }
 }
