@@ -275,10 +275,11 @@ function messages(list, showText) {
 }
 function kv(pairs) { return h("div", { class: "kv" }, pairs.map(([k, v]) => [h("div", { class: "k" }, k), h("div", {}, v)])); }
 
-async function renderSession(id, tenant) {
+async function renderSession(id, tenant, live = false) {
   S.charts = {}; S.built = false;
   const of = tenant === null ? "" : `?tenant=${encodeURIComponent(tenant)}`;
   const data = await api(`/api/sessions/${encodeURIComponent(id)}${of}`).catch((e) => ({ error: e.message }));
+  if (live && reviewing()) return;  // a reviewer started typing while it loaded: keep the page as it is
   const view = $("view");
   view.textContent = "";
   if (data.error) { view.appendChild(card(`Session ${id}`, data.error, h("a", { href: "#/sessions" }, "back to sessions"), true)); return; }
@@ -330,7 +331,8 @@ async function renderSession(id, tenant) {
 
 // A review form in use (focused, or holding a typed correction or key): the live refresh waits for it.
 function reviewing() {
-  return [...document.querySelectorAll(".review input")].some((el) => el === document.activeElement || el.value);
+  return S.reviewsInFlight > 0 ||
+    [...document.querySelectorAll(".review input")].some((el) => el === document.activeElement || el.value);
 }
 
 // A reviewer's thumb on a turn (dashboard.review): posted to /api/feedback, which forwards it to the
@@ -346,8 +348,15 @@ function reviewForm(data, t) {
     if (data.tenant !== null) hdrs["X-Tenant-Id"] = data.tenant;
     const body = { session_id: data.session_id, turn_index: t.turn_index, score };
     if (note.value.trim()) body.comment = note.value.trim();
-    const r = await fetch("/api/feedback", { method: "POST", headers: hdrs, body: JSON.stringify(body) });
-    const j = await r.json().catch(() => ({}));
+    S.reviewsInFlight = (S.reviewsInFlight || 0) + 1;
+    let r, j;
+    try {
+      r = await fetch("/api/feedback", { method: "POST", headers: hdrs, body: JSON.stringify(body) });
+      j = await r.json().catch(() => ({}));
+    } catch (e) {
+      result.textContent = `not sent: ${e.message}`;
+      return;
+    } finally { S.reviewsInFlight -= 1; }
     result.textContent = r.ok ? `sent: ${num(j.score, 0)} (${j.id})` : `refused (${r.status}): ${(j.error && j.error.message) || ""}`;
     if (r.ok) { note.value = ""; key.value = ""; }  // the live refresh then shows it among the turn's feedback
   };
@@ -357,9 +366,9 @@ function reviewForm(data, t) {
 }
 
 // ---------------------------------------------------------------- routing and live updates
-function showSessionOf(hash) {  // "#/session/<id>?tenant=<t>": the session page of (tenant, id)
+function showSessionOf(hash, live = false) {  // "#/session/<id>?tenant=<t>": the session page of (tenant, id)
   const [path, query] = hash.slice("#/session/".length).split("?");
-  return renderSession(decodeURIComponent(path), new URLSearchParams(query || "").get("tenant"));
+  return renderSession(decodeURIComponent(path), new URLSearchParams(query || "").get("tenant"), live);
 }
 
 function route() {
@@ -384,7 +393,7 @@ function onOverview(o) {
   if (hash === "#/" || hash === "") renderOverview(o);
   else if (Date.now() - S.lastRefresh > 2000) {  // browser pages refresh on change, at most every 2 s
     S.lastRefresh = Date.now();
-    if (hash.startsWith("#/session/")) { if (!reviewing()) showSessionOf(hash); }  // keeps the tenant; never under a reviewer's typing
+    if (hash.startsWith("#/session/")) { if (!reviewing()) showSessionOf(hash, true); }  // keeps the tenant; never under a reviewer's typing
     else refreshSessions().catch(() => {});
   }
 }
