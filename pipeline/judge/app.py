@@ -22,7 +22,9 @@ Idle sessions: every tick, sessions whose latest record is ``judge.idle_timeout_
 behind their partition's newest record, on partitions this member has read to the end, get a
 ``SessionEnd(reason="idle_timeout", turn_index=...)`` published to ``turns`` (keyed by the
 session id, so it lands in the session's partition after everything already there); the session
-is closed when that record is read back (:mod:`pipeline.judge.join`). Samples are functions of
+is closed when that record is read back (:mod:`pipeline.judge.join`). Explicit feedback and
+session outcomes join their turns there too; :mod:`pipeline.judge.feedback` decides which source
+gives a turn's reward (``reward_source`` on every sample). Samples are functions of
 the records alone (:mod:`pipeline.judge.samples`). Every main turn that ends without a judgement
 is counted in ``pipeline_judge_unjudged_turns_total{reason}``.
 """

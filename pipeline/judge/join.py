@@ -47,6 +47,19 @@ judges in a group, decides the same:
   bounded by the horizon (the waiting turns of the last ``idle_timeout_s`` of event time) and by
   :data:`MAX_SESSIONS` remembered sessions.
 
+Explicit signals (``docs/feedback.md``):
+
+- ``Feedback``: attached to its turn (named by ``turn_request_id``, else ``turn_index``) while
+  the turn is undecided, the last one read winning; read after the turn was decided it is
+  counted in :attr:`Joiner.late` by reason, never attached. Acknowledged at once: its turn's
+  record is not acknowledged before the turn is decided, so a restart re-reads both.
+- With ``feedback_grace_s`` a judged turn is held until its partition's event time is that far
+  past its next state (or its session ends); a session's later jobs wait behind it, in order.
+- ``SessionEnd.outcome`` is credited to the turns decided at the end (:meth:`Joiner._credit`);
+  with ``outcome_hold`` every turn of the conversation waits for its end.
+- A feedback whose turn the :class:`pipeline.judge.reorder.Reorderer` still holds (records of
+  several proxies out of order) passes it and is counted as ``unknown_turn``.
+
 At-least-one rule (Binary RL; OpenClaw-RL: a turn that would not be trained, that *has* a next
 state and was scored 0 by the PRM, is trained with reward 0 when its session has no trained
 sample yet):
