@@ -57,8 +57,8 @@ Explicit signals (``docs/feedback.md``):
   past its next state (or its session ends); a session's later jobs wait behind it, in order.
 - ``SessionEnd.outcome`` is credited to the turns decided at the end (:meth:`Joiner._credit`);
   with ``outcome_hold`` every turn of the conversation waits for its end.
-- A feedback whose turn the :class:`pipeline.judge.reorder.Reorderer` still holds (records of
-  several proxies out of order) passes it and is counted as ``unknown_turn``.
+- A feedback waits in the :class:`pipeline.judge.reorder.Reorderer` behind whatever its session
+  holds there (records of several proxies out of order), so it never overtakes its turn.
 
 At-least-one rule (Binary RL; OpenClaw-RL: a turn that would not be trained, that *has* a next
 state and was scored 0 by the PRM, is trained with reward 0 when its session has no trained

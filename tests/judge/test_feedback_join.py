@@ -139,3 +139,18 @@ def test_weighted_mean_of_the_present_sources_only():
         RewardPolicy(order=("feedback", "judge"))
     with pytest.raises(ValueError):
         RewardPolicy("weighted", weights={"votes": 1.0})
+
+
+def test_a_feedback_never_overtakes_its_turn_held_by_the_reorderer():
+    """Several proxies: turn 1's next state and turn 2 arrive before turn 1 (another proxy's);
+    turn 2's feedback, read before turn 1 too, waits behind turn 2 and reaches it undecided."""
+    from pipeline.judge.reorder import Reorderer
+
+    ro, j, s = Reorderer(lateness_s=60), Joiner(300, at_least_one=False), Stream()
+    jobs = []
+    for ev in (turn("a", 0), ns("a", 0), ns("a", 1), turn("a", 2), fb("a", 2, -1.0), turn("a", 1), ns("a", 2)):
+        for r in ro.on_record(s.rec(ev)):
+            jobs += j.on_record(r)[1]
+    assert [(x.kind, x.turn.turn_index, x.feedback and x.feedback.score) for x in jobs] == [
+        (JUDGE, 0, None), (JUDGE, 1, None), (JUDGE, 2, -1.0)]
+    assert not j.late
