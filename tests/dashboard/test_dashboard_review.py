@@ -115,3 +115,19 @@ def test_review_buttons_in_headless_chromium(kafka_config):
     (fb,) = [r.event for r in recs if r.event.TYPE == "feedback"]
     assert (fb.tenant, fb.score, fb.source, fb.comment) == ("alice", -1.0, "reviewer", "Greet the user by name.")
     assert shown.startswith("-1 from reviewer")
+
+
+def test_pipeline_tail_prints_where_a_reward_came_from():
+    from pipeline.dashboard.tail import line
+
+    sample = events.Sample(sample_id="s:0:combine:r0", session_id="s", turn_index=0, tokens=[2, 1], response_length=1,
+                           kind="opd+rl", reward=-1.0, reward_source="feedback", reward_rule="precedence",
+                           feedback_score=-1.0, teacher_log_probs=[-0.5], rollout_log_probs=[-1.0],
+                           hint="Use metres.", hint_source="feedback")
+    fb = events.Feedback(session_id="s", turn_index=0, score=-1.0, feedback_id="f", comment="Use metres.")
+    out = line(Record("samples", 0, 7, "s", sample, 0))["event"]
+    assert (out["reward"], out["reward_source"], out["reward_rule"], out["hint_source"], out["has_teacher"]) == (
+        -1.0, "feedback", "precedence", "feedback", True)
+    shown = line(Record("turns", 0, 8, "s", fb, 0), text=True)["event"]
+    hidden = line(Record("turns", 0, 8, "s", fb, 0))["event"]
+    assert shown["type"] == "feedback" and shown["comment"] == "Use metres." and "comment" not in hidden
