@@ -429,13 +429,13 @@ class JudgeApp:
         if hint is None and self.mode != "rl" and inp is not None:
             hv = await self._hint(inp)
             hint, hint_source, hint_votes = hv.hint, "judge", list(hv.votes)
-        reward, source = self.policy.decide(judged if self.mode != "opd" else None, fb_score, job.outcome)
+        reward, source = self.policy.decide(judged, fb_score, job.outcome)
         teacher = await self._hinted_teacher(turn, hint) if hint else None
-        votes = list(verdict.votes) if verdict is not None else []
+        prm = list(verdict.votes) if verdict is not None else []
+        votes = {"rl": prm, "opd": hint_votes}.get(self.mode, [prm, hint_votes])  # each mode's shape (samples.py)
         s = explicit_sample(turn, self.mode, reward=reward, source=source, rule=self.policy.rule, feedback=fb,
-                            outcome=job.outcome, hint=hint, hint_source=hint_source, teacher=teacher,
-                            votes=votes if self.mode == "rl" else [votes, hint_votes], judge=self.judge_name,
-                            decided_at=job.decided_at)
+                            outcome=job.outcome, hint=hint, hint_source=hint_source, teacher=teacher, votes=votes,
+                            judge=self.judge_name, decided_at=job.decided_at)
         if s is None:
             return None
         if prev is not None and not prev.sent.done():  # the conversation's order (at-least-one rule)
