@@ -214,6 +214,9 @@ class ProxyConfig(Section):
         "and recorded as the served id, never the name sent) or reject it (404 model_not_found)")
     responses_store_bytes: int = _d(64 << 20, "/v1/responses: memory (bytes) of the conversations kept for "
                                     "previous_response_id (least recently used dropped first; 0: none kept)", ge=0)
+    feedback_index_max: int = _d(200_000, "POST /v1/feedback: recorded main turns this proxy can resolve by "
+                                 "response id or session + turn index (least recent dropped first; kept in "
+                                 "buffer_dir/turn-index.jsonl across restarts)", ge=1)
     tenants: dict[str, str] = _d(dict, "API key -> tenant: {sha256 hex of the key: tenant id} (keys are never "
                                  "stored in clear); set: every request needs a mapped key (or one of api_keys: "
                                  "no tenant) and an X-Tenant-Id that disagrees is refused (403); empty: the "
@@ -273,6 +276,21 @@ class JudgeConfig(Section):
     max_uncommitted_records: int = _d(200_000, "the consumer pauses its partitions above this many records "
                                       "read but not committed", ge=1)
     drain_timeout_s: float = _d(30.0, "at shutdown, wait this long (s) for judge jobs in flight", ge=0)
+    reward_rule: Literal["precedence", "weighted"] = _d(
+        "precedence", "how a turn's reward sources (judge votes, explicit feedback, session outcome) combine: "
+        "precedence (the first present in reward_order) or weighted (weighted mean of the present ones; "
+        "docs/feedback.md)")
+    reward_order: list[Literal["judge", "feedback", "outcome"]] = _d(
+        lambda: ["feedback", "outcome", "judge"], "precedence rule: the sources in order (the first present decides)")
+    reward_weights: dict[Literal["judge", "feedback", "outcome"], float] = _d(
+        dict, "weighted rule: weight of each source (default 1; 0: never counts)")
+    feedback_grace_s: float = _d(0.0, "a judged turn is decided only once its partition's event time is this far "
+                                 "(s) past its next state, so feedback sent meanwhile is used (0: decided at the "
+                                 "next state; later feedback is counted as late)", ge=0)
+    outcome_hold: bool = _d(False, "every turn of a session waits for its end, so the session outcome is credited "
+                            "to all of them (off: to the turns still undecided at the end)")
+    outcome_discount: float = _d(1.0, "the outcome's credit to the turn k turns before the last is "
+                                 "outcome * outcome_discount**k", ge=0, le=1)
     # Tansu answers a fetch that reads its durable storage only within this wait: at 10 ms a judge
     # after a broker restart read about one record per second (docs/environment.md §6).
     fetch_max_wait_ms: int = _d(100, "how long (ms) the broker may hold an empty fetch; below "
@@ -419,6 +437,9 @@ class DashboardConfig(Section):
     push_interval_s: float = _d(1.0, "live-update period (s) of the browser stream", gt=0)
     max_sessions: int = _d(10_000, "sessions kept for the browser (oldest dropped)", ge=1)
     max_errors: int = _d(50, "latest dead letters kept per DLQ topic", ge=1)
+    review: bool = _d(False, "let a reviewer thumb a turn up or down (with a correction) on the session page: "
+                      "posted to the proxy's POST /v1/feedback with the reviewer's key (off: read-only)")
+    proxy_url: str | None = _d(None, "the proxy reviews are posted to (None: http://<proxy.host>:<proxy.port>)")
 
 
 class Config(BaseSettings):

@@ -323,6 +323,11 @@ class Turn(Event):
     A session is ``(tenant, session_id)``: two tenants reusing a session id are two sessions.
     ``adapter``: the LoRA adapter that served the turn (``{name, version, sha256}``, see
     :func:`_adapter`), None for the base model's full weights.
+
+    ``response_id``: the id of the answer as the client received it (``chatcmpl-...`` from chat
+    completions, ``resp_...`` from ``/v1/responses``, ``msg_...`` from ``/v1/messages``): what a
+    ``feedback`` refers to (``docs/feedback.md``); None for imported turns, turns whose engine
+    gave no id and records written before this field.
     """
 
     TYPE: ClassVar[str] = "turn"
@@ -349,6 +354,7 @@ class Turn(Event):
     session_source: str | None = _f("str", None, optional=True)
     tenant: str | None = _f("str", None, optional=True, domain=_ident)
     adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
+    response_id: str | None = _f("str", None, optional=True, domain=_short)
 
     def validate(self) -> None:
         if self.session_source is not None and self.session_source not in SESSION_SOURCES:
@@ -403,6 +409,9 @@ class SessionEnd(Event):
     (the judge publishes ``idle_timeout`` ends naming the turn it found idle, and ignores an end
     that a newer record of the session overtook). None: the session ends whatever came before.
     ``tenant``: the session's tenant (as on :class:`Turn`; None: none).
+    ``outcome``: the session's result as its client reported it (``X-Session-Outcome`` or the
+    body of ``POST /v1/sessions/{id}/end``), a score in [-1, 1] the judge credits to the
+    session's main turns (``docs/feedback.md``); None: no outcome reported (no signal).
     """
 
     TYPE: ClassVar[str] = "session_end"
@@ -411,9 +420,78 @@ class SessionEnd(Event):
     created_at: int = _f("int", 0, domain=_time_ms)
     turn_index: int | None = _f("int", None, optional=True, domain=_index)
     tenant: str | None = _f("str", None, optional=True, domain=_ident)
+    outcome: float | None = _f("float", None, optional=True, domain=_vote)
+
+
+#: who gave a feedback (:class:`Feedback`): the user of the app, a reviewer reading the
+#: conversation later, or the app itself (a CI run, a ticket marked solved)
+FEEDBACK_SOURCES = ("user", "reviewer", "app")
+#: longest feedback comment (characters): a correction is a hint of a few sentences
+MAX_COMMENT_CHARS = 8000
+
+
+def _feedback_source(v: str) -> str | None:
+    return None if v in FEEDBACK_SOURCES else f"must be one of {'|'.join(FEEDBACK_SOURCES)}, got {v[:40]!r}"
+
+
+def _comment(v: str) -> str | None:
+    if not v.strip():
+        return "must not be blank (omit it: no comment)"
+    return None if len(v) <= MAX_COMMENT_CHARS else f"must be at most {MAX_COMMENT_CHARS} characters (has {len(v)})"
+
+
+#: the domain of each text field a client sends in a feedback (the proxy answers 400 with it)
+FEEDBACK_CHECKS = {"comment": _comment, "source": _feedback_source, "response_id": _ident, "session_id": _ident}
+
+
+@dataclass
+class Feedback(Event):
+    """An explicit judgement of one main turn, sent by a client (``POST /v1/feedback``).
+
+    ``turn_index`` and ``turn_request_id`` name the turn (its ``request_id``: the turn's
+    identity, so a session id reused by a later conversation never takes another turn's
+    feedback); ``response_id`` is the id the client referred to, when it used one. ``score``
+    in [-1, 1] (thumbs are +-1) is the reward the judge gives the turn (explicit feedback takes
+    precedence by default); ``comment``, a correction, is the turn's OPD hint (None: no
+    comment). ``source``: :data:`FEEDBACK_SOURCES`. ``feedback_id``: unique per request (the
+    proxy's request id). Keyed like the turn (:func:`session_key`), so the judge reads it after
+    the turn, in the session's order.
+    """
+
+    TYPE: ClassVar[str] = "feedback"
+    session_id: str = _f("str", domain=_ident)
+    turn_index: int = _f("int", domain=_index)
+    score: float = _f("float", domain=_vote)
+    feedback_id: str = _f("str", domain=_ident)
+    turn_request_id: str | None = _f("str", None, optional=True, domain=_short)
+    response_id: str | None = _f("str", None, optional=True, domain=_short)
+    comment: str | None = _f("str", None, optional=True, domain=_comment)
+    source: str = _f("str", "user", domain=_feedback_source)
+    created_at: int = _f("int", 0, domain=_time_ms)
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
 
 
 SAMPLE_KINDS = ("rl", "opd", "opd+rl")
+#: where a sample's reward came from: the judge's votes, explicit feedback, the session's outcome;
+#: ``Sample.reward_source`` is one of them or several joined by ``+`` in this order
+REWARD_SOURCES = ("judge", "feedback", "outcome")
+#: the rules that decide a reward from its sources (``judge.reward.rule``; docs/feedback.md)
+REWARD_RULES = ("precedence", "weighted")
+#: where a sample's hint came from: the judge's hint votes, or a feedback comment
+HINT_SOURCES = ("judge", "feedback")
+
+
+def _reward_source(v: str) -> str | None:
+    parts = v.split("+")
+    if parts and all(p in REWARD_SOURCES for p in parts) and parts == sorted(set(parts), key=REWARD_SOURCES.index):
+        return None
+    return f"must be one or more of {'|'.join(REWARD_SOURCES)} joined by '+' in that order, got {v[:60]!r}"
+
+
+def _one_of(values: tuple):
+    def check(v: str) -> str | None:
+        return None if v in values else f"must be one of {'|'.join(values)}, got {v[:40]!r}"
+    return check
 
 
 def sample_kind(has_reward: bool, has_teacher: bool) -> str | None:
@@ -465,6 +543,14 @@ class Sample(Event):
     same id. ``tenant`` and ``adapter`` are copied from the turn (None: no tenant, the base
     model).
 
+    Where the reward came from (``docs/feedback.md``): ``reward_source`` (:data:`REWARD_SOURCES`,
+    several joined by ``+``) and ``reward_rule`` (:data:`REWARD_RULES`) that combined them,
+    ``feedback_score`` (the turn's explicit feedback, None: none) and ``outcome_reward`` (the
+    session outcome's discounted credit to this turn, None: none); ``hint_source``: whether
+    ``hint`` came from the judge or from a feedback comment. All None in records written before
+    these fields and on samples without a reward (``reward_source``) or hint (``hint_source``):
+    a reward without a ``reward_source`` is the judge's.
+
     Version 1 records (which wrote 0 for a missing reward, the rollout log-probs in place of a
     missing teacher, zeros for missing rollout log-probs and the requested temperature of greedy
     turns) are read by :func:`_sample_from_v1`.
@@ -497,6 +583,11 @@ class Sample(Event):
     teacher_version: str | None = _f("str", None, optional=True, domain=_short)
     tenant: str | None = _f("str", None, optional=True, domain=_ident)
     adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
+    reward_source: str | None = _f("str", None, optional=True, domain=_reward_source)
+    reward_rule: str | None = _f("str", None, optional=True, domain=_one_of(REWARD_RULES))
+    feedback_score: float | None = _f("float", None, optional=True, domain=_vote)
+    outcome_reward: float | None = _f("float", None, optional=True, domain=_vote)
+    hint_source: str | None = _f("str", None, optional=True, domain=_one_of(HINT_SOURCES))
 
     @property
     def has_reward(self) -> bool:
@@ -549,6 +640,10 @@ class Sample(Event):
             raise MalformedEvent("sample.teacher_topk_* given without teacher_log_probs")
         if (self.teacher_model is not None or self.teacher_version is not None) and not self.has_teacher:
             raise MalformedEvent("sample.teacher_model / teacher_version given without teacher_log_probs")
+        if self.reward_source is not None and self.reward is None:
+            raise MalformedEvent("sample.reward_source given without a reward")
+        if self.hint_source is not None and self.hint is None:
+            raise MalformedEvent("sample.hint_source given without a hint")
         if self.tenant is not None and not self.sample_id.startswith(self.tenant + "/"):
             raise MalformedEvent(f"sample.sample_id must start with its tenant's '{self.tenant}/' (one id space "
                                  f"per tenant), got {self.sample_id[:80]!r}")
@@ -713,7 +808,7 @@ class Evaluation(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    c.TYPE: c for c in (Turn, NextState, SessionEnd, Sample, Control, DeadLetter, TrainStep, Evaluation)
+    c.TYPE: c for c in (Turn, NextState, SessionEnd, Feedback, Sample, Control, DeadLetter, TrainStep, Evaluation)
 }
 _FIELDS = {t: [(f.name, f.metadata["kind"], f.metadata["optional"],
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)

@@ -8,6 +8,11 @@ when ``proxy.api_keys`` is set, the same keys as the proxy):
 - ``GET /api/overview``: counters, timelines, trainer steps, syncs, lag, dead letters;
 - ``GET /api/sessions?q=&limit=``: recent sessions, optionally filtered by id;
 - ``GET /api/sessions/{id}[?tenant=T]``: one session's turns, next states, samples and training outcome;
+- ``POST /api/feedback``: a reviewer's thumb on a turn (``{"session_id", "turn_index", "score",
+  "comment"}``), forwarded to the proxy's ``POST /v1/feedback`` with the request's own
+  ``Authorization`` (the reviewer's key: the proxy checks it and its tenant, not this dashboard)
+  and ``X-Tenant-Id``, ``source`` set to ``reviewer``; the proxy's answer is returned as it is.
+  403 unless ``dashboard.review`` is on (the dashboard is read-only by default);
 - ``GET /api/stream``: server-sent events: an ``overview`` event after each change of the
   topics' state (at most one per ``dashboard.push_interval_s``), and at least one per
   ``dashboard.scrape_interval_s`` for the live Prometheus numbers;
@@ -32,6 +37,8 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from pipeline.config import Config
+from pipeline.engine_api.errors import EngineError
+from pipeline.engine_api.transport import Transport
 from pipeline.dashboard.sources import Scraper, TopicFollower
 from pipeline.dashboard.state import DashboardState
 
@@ -70,6 +77,14 @@ class Dashboard:
     keys: list[bytes]
     push_s: float
     refresh_s: float
+    proxy: Transport | None = None  # the proxy reviews go to (dashboard.review), opened on first use
+
+    def proxy_transport(self) -> Transport:
+        """The pool to the proxy reviews are posted to (``dashboard.proxy_url``)."""
+        if self.proxy is None:
+            pc = self.config.proxy
+            self.proxy = Transport(self.config.dashboard.proxy_url or f"http://{pc.host}:{pc.port}", 30.0, 8)
+        return self.proxy
 
     @classmethod
     def of(cls, config: Config, state: DashboardState, follower: TopicFollower | None,
@@ -120,7 +135,28 @@ async def healthz(d: Dashboard = Depends(dashboard)) -> Response:
 @router.get("/api/config")
 async def api_config(d: Dashboard = Depends(dashboard)) -> Response:
     """What the page needs to start (no key needed)."""
-    return _json({"auth": bool(d.keys), "show_text": d.state.text})
+    return _json({"auth": bool(d.keys), "show_text": d.state.text, "review": d.config.dashboard.review})
+
+
+@router.post("/api/feedback")
+async def api_feedback(request: Request, d: Dashboard = Depends(dashboard)) -> Response:
+    """A reviewer's thumb, forwarded to the proxy (see the module docstring)."""
+    if not d.config.dashboard.review:
+        return _error(403, "reviews are off: this dashboard is read-only (start it with dashboard.review=true)",
+                      "permission_error")
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        return _error(400, "the body is not JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object", "invalid_request_error")
+    body["source"] = "reviewer"
+    headers = {k: request.headers[k] for k in ("authorization", "x-tenant-id") if k in request.headers}
+    try:
+        status, data, _ = await d.proxy_transport().call("POST", "/v1/feedback", orjson.dumps(body), headers=headers)
+    except EngineError as e:
+        return _error(502, f"the proxy did not answer: {e}", "upstream_error")
+    return Response(data, status_code=status, media_type="application/json")
 
 
 @router.get("/api/overview")
@@ -171,8 +207,9 @@ async def _overview_events(request: Request, d: Dashboard) -> AsyncIterator[byte
 
 
 async def _require_key(request: Request, call_next):
-    """Middleware: 401 for an ``/api/*`` request (but ``/api/config``) without an accepted key."""
-    if (request.url.path.startswith("/api/") and request.url.path != "/api/config"
+    """Middleware: 401 for an ``/api/*`` request (but ``/api/config``, and ``/api/feedback``, whose key the
+    proxy checks) without an accepted key."""
+    if (request.url.path.startswith("/api/") and request.url.path not in ("/api/config", "/api/feedback")
             and not request.app.state.dashboard.authorized(request)):
         return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (one of proxy.api_keys)",
                       "authentication_error")
@@ -202,4 +239,10 @@ def create_app(config: Config, state: DashboardState, follower: TopicFollower | 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_exception_handler(RequestValidationError, _bad_request)
     app.add_exception_handler(404, _not_found)
+
+    async def close_proxy_pool() -> None:
+        if app.state.dashboard.proxy is not None:
+            await app.state.dashboard.proxy.close()
+
+    app.router.on_shutdown.append(close_proxy_pool)
     return app

@@ -193,6 +193,8 @@ class Scraper:
             "judge_votes": by_label(j, "pipeline_judge_votes_total", "value"),
             "judge_dropped": by_label(j, "pipeline_judge_dropped_total", "reason"),
             "judge_unjudged": by_label(j, "pipeline_judge_unjudged_turns_total", "reason"),
+            "judge_reward_sources": by_label(j, "pipeline_judge_reward_source_total", "source"),
+            "judge_late_feedback": by_label(j, "pipeline_judge_late_feedback_total", "reason"),
             "trainer_policy_version": total(t, "pipeline_trainer_policy_version"),
             "trainer_steps": total(t, "pipeline_trainer_steps_total"),
             "engine_weight_version": total(e, "pipeline_engine_weight_version"),

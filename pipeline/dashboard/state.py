@@ -43,6 +43,7 @@ class SessionView:
     turns: list[dict] = field(default_factory=list)  # turn views in topic order (main and side)
     next_states: dict[int, list[dict]] = field(default_factory=dict)  # after_turn_index -> views
     samples: dict[int, dict[str, dict]] = field(default_factory=dict)  # turn_index -> sample_id -> view
+    feedback: dict[int, list[dict]] = field(default_factory=dict)  # turn_index -> feedback views, in topic order
     end: dict | None = None
 
     def touch(self, ms: int) -> None:
@@ -125,7 +126,7 @@ class DashboardState:
             self._dead_letter(rec.topic, ev)
             return
         fold = {events.Turn: self._turn, events.NextState: self._next_state, events.SessionEnd: self._session_end,
-                events.Sample: self._sample, events.Control: self._control, events.TrainStep: self._train_step,
+                events.Feedback: self._feedback, events.Sample: self._sample, events.Control: self._control, events.TrainStep: self._train_step,
                 events.Evaluation: self._evaluation}.get(type(ev))
         if fold is not None:
             fold(ev, rec.timestamp_ms)
@@ -167,7 +168,13 @@ class DashboardState:
     def _session_end(self, e: events.SessionEnd, ts: int) -> None:
         self.counts["session_ends"] += 1
         self.ended.add(events.session_of(e))
-        self._session(e, e.created_at or ts).end = {"reason": e.reason, "created_at": e.created_at or ts}
+        self._session(e, e.created_at or ts).end = {"reason": e.reason, "created_at": e.created_at or ts,
+                                                    "outcome": e.outcome}
+
+    def _feedback(self, f: events.Feedback, ts: int) -> None:
+        self.counts["feedback"] += 1
+        self._session(f, f.created_at or ts).feedback.setdefault(f.turn_index, []).append(
+            views.event_view(f, text=self.text))
 
     def _sample(self, s: events.Sample, ts: int) -> None:
         view = views.sample_view(s, text=self.text)
@@ -178,7 +185,7 @@ class DashboardState:
             self._trim(self.sample_buckets)
         self.samples[s.sample_id] = {k: view[k] for k in (
             "kind", "reward", "loss_mask", "prm_votes", "hint_votes", "has_hint", "policy_version", "session_id",
-            "turn_index")}
+            "turn_index", "reward_source")}
         sess = self._session(s, s.created_at or ts)
         sess.samples.setdefault(s.turn_index, {})[s.sample_id] = view
 
@@ -335,6 +342,7 @@ class DashboardState:
                 row = dict(t)
                 if t["turn_type"] == "main":
                     row["next_states"] = list(s.next_states.get(i, []))
+                    row["feedback"] = list(s.feedback.get(i, []))
                     samples = []
                     for sid, v in s.samples.get(i, {}).items():
                         v = dict(v)

@@ -110,6 +110,9 @@ def sample_view(s: events.Sample, text: bool = False, arrays: bool = False) -> d
         "tenant": getattr(s, "tenant", None), "adapter": getattr(s, "adapter", None),
         "policy_version": getattr(s, "policy_version", None), "kind": getattr(s, "kind", None),
         "reward": getattr(s, "reward", None), "loss_mask": getattr(s, "loss_mask", None),
+        "reward_source": getattr(s, "reward_source", None), "reward_rule": getattr(s, "reward_rule", None),
+        "feedback_score": getattr(s, "feedback_score", None), "outcome_reward": getattr(s, "outcome_reward", None),
+        "hint_source": getattr(s, "hint_source", None),
         "prm_votes": prm, "majority": majority(prm), "hint_votes": hint_votes,
         "hint_chars": len(hint) if hint else 0, "has_hint": bool(hint),
         "has_teacher": bool(teacher), "prompt_length": max(0, len(tokens) - r), "response_length": r,
@@ -135,7 +138,8 @@ def turn_view(t: events.Turn, text: bool = False, arrays: bool = False) -> dict:
     out: dict[str, Any] = {
         "session_id": t.session_id, "tenant": getattr(t, "tenant", None), "adapter": getattr(t, "adapter", None),
         "turn_type": t.turn_type, "turn_index": t.turn_index,
-        "request_id": t.request_id, "session_source": t.session_source, "created_at": t.created_at,
+        "request_id": t.request_id, "response_id": getattr(t, "response_id", None),
+        "session_source": t.session_source, "created_at": t.created_at,
         "policy_version": t.policy_version,
         "model": t.model, "source": t.source, "engine_id": t.engine_id, "finish_reason": t.finish_reason,
         "sampling": t.sampling, "messages": [message_view(m, text) for m in t.messages or []],
@@ -167,6 +171,14 @@ def event_view(ev: events.Event, text: bool = False, arrays: bool = False) -> di
         body = {"session_id": ev.session_id, "tenant": getattr(ev, "tenant", None),
                 "after_turn_index": ev.after_turn_index, "request_id": ev.request_id,
                 "created_at": ev.created_at, "messages": [message_view(m, text) for m in ev.messages or []]}
+    elif isinstance(ev, events.Feedback):  # the comment is conversation text: its length unless text
+        body = ev.to_dict()
+        body.pop("type", None)
+        body.pop("v", None)
+        comment = body.pop("comment")
+        body["comment_chars"] = len(comment) if comment else 0
+        if text:
+            body["comment"] = comment
     elif isinstance(ev, events.DeadLetter):
         key = ev.key.decode("utf-8", "replace") if isinstance(ev.key, (bytes, bytearray)) else ev.key
         body = {"source_topic": ev.source_topic, "partition": ev.partition, "offset": ev.offset, "error": ev.error,

@@ -22,7 +22,9 @@ Idle sessions: every tick, sessions whose latest record is ``judge.idle_timeout_
 behind their partition's newest record, on partitions this member has read to the end, get a
 ``SessionEnd(reason="idle_timeout", turn_index=...)`` published to ``turns`` (keyed by the
 session id, so it lands in the session's partition after everything already there); the session
-is closed when that record is read back (:mod:`pipeline.judge.join`). Samples are functions of
+is closed when that record is read back (:mod:`pipeline.judge.join`). Explicit feedback and
+session outcomes join their turns there too; :mod:`pipeline.judge.feedback` decides which source
+gives a turn's reward (``reward_source`` on every sample). Samples are functions of
 the records alone (:mod:`pipeline.judge.samples`). Every main turn that ends without a judgement
 is counted in ``pipeline_judge_unjudged_turns_total{reason}``.
 """
@@ -40,6 +42,7 @@ from pipeline.bus import NOT_QUEUED, ConsumerApp, EventProducer
 from pipeline.engine_api.errors import EngineError
 from pipeline.judge import metrics
 from pipeline.judge.backends import Backend, HintVerdict, Verdict, make_backend
+from pipeline.judge.feedback import RewardPolicy, explicit_sample
 from pipeline.judge.join import FLUSH, RELEASE, Job, Joiner, split_session
 from pipeline.judge.prompts import JudgeInput
 from pipeline.judge.published import published_rl_decisions
@@ -93,7 +96,10 @@ class JudgeApp:
         self.consumer = ConsumerApp(config, group_id=group_id or jc.group_id, topics=[config.topics.name("turns")],
                                     name=name, max_in_flight=jc.max_uncommitted_records, producer=self.producer,
                                     fetch_max_wait_ms=jc.fetch_max_wait_ms)
-        self.joiner = Joiner(jc.idle_timeout_s, at_least_one=(self.mode == "rl"))
+        self.policy = RewardPolicy.of(jc)  # judge votes, explicit feedback, session outcomes (docs/feedback.md)
+        self.joiner = Joiner(jc.idle_timeout_s, at_least_one=(self.mode == "rl"), feedback_grace_s=jc.feedback_grace_s,
+                             outcome_hold=jc.outcome_hold, outcome_discount=jc.outcome_discount,
+                             on_late=lambda reason: metrics.LATE_SIGNALS.labels(reason).inc())
         # records of one session from several proxies: restore the protocol order before the join
         self.reorder = Reorderer(lateness_s=jc.reorder_lateness_s, max_wait_s=max(jc.reorder_lateness_s,
                                                                                    jc.idle_timeout_s))
@@ -337,6 +343,10 @@ class JudgeApp:
                 job.conversation.trained = True
             metrics.REUSED.inc()
             return []  # decided before a restart: the published sample stands
+        if job.feedback is not None or job.outcome is not None:
+            explicit = await self._explicit(job, prev)
+            if explicit is not None:
+                return explicit
         if job.kind == FLUSH:
             metrics.FLUSHED.labels(job.reason).inc()
             metrics.UNJUDGED.labels(job.reason).inc()
@@ -405,8 +415,55 @@ class JudgeApp:
             metrics.PROMOTED.inc()
         return s
 
+    async def _explicit(self, job: Job, prev: _Link | None) -> list[tuple[str, events.Event]] | None:
+        """The sample of a turn with explicit feedback or a session outcome (:mod:`pipeline.judge.feedback`):
+        the judge votes only when they can change the reward, a feedback comment is the hint (no hint
+        judge), the turn is trained (loss_mask 1). None: it carries no signal (the usual path decides)."""
+        turn, fb = job.turn, job.feedback
+        inp = JudgeInput.from_turn(turn, job.next_state) if job.kind != FLUSH else None
+        fb_score = None if fb is None else fb.score
+        ask = inp is not None and self.mode != "opd" and self.policy.needs_judge(fb_score, job.outcome)
+        verdict = await self._score(inp) if ask else None
+        judged = None if verdict is None or (self.mode == "combine" and verdict.score not in (1, -1)) else verdict.score
+        hint, hint_source, hint_votes = (fb.comment, "feedback", []) if fb is not None and fb.comment else (None, None, [])
+        if hint is None and self.mode != "rl" and inp is not None:
+            hv = await self._hint(inp)
+            hint, hint_source, hint_votes = hv.hint, "judge", list(hv.votes)
+        reward, source = self.policy.decide(judged, fb_score, job.outcome)
+        teacher = await self._hinted_teacher(turn, hint) if hint else None
+        prm = list(verdict.votes) if verdict is not None else []
+        votes = {"rl": prm, "opd": hint_votes}.get(self.mode, [prm, hint_votes])  # each mode's shape (samples.py)
+        s = explicit_sample(turn, self.mode, reward=reward, source=source, rule=self.policy.rule, feedback=fb,
+                            outcome=job.outcome, hint=hint, hint_source=hint_source, teacher=teacher, votes=votes,
+                            judge=self.judge_name, decided_at=job.decided_at)
+        if s is None:
+            return None
+        if prev is not None and not prev.sent.done():  # the conversation's order (at-least-one rule)
+            await asyncio.shield(prev.sent)
+        if job.conversation is not None:
+            job.conversation.trained = True
+        return self._samples([s])
+
+    async def _hinted_teacher(self, turn: events.Turn, hint: str):
+        """The teacher's log-probs of ``turn`` under ``hint``, or None (no teacher in ``rl`` mode,
+        or it cannot or did not score this turn: the sample then carries no OPD term)."""
+        if self.teacher is None:
+            return None
+        try:
+            return await self.teacher.log_probs(turn, hint)
+        except TeacherUnsupported as e:
+            metrics.TEACHER_UNSUPPORTED.labels(e.reason).inc()
+        except (TeacherMisconfigured, EngineError) as e:
+            metrics.TEACHER_FAILURES.inc()
+            log.warning("%s: teacher failed for %s turn %s: %s", self.name, turn.session_id, turn.turn_index, e)
+        return None
+
     def _samples(self, samples) -> list[tuple[str, events.Event]]:
         for s in samples:
+            if s.reward is not None and s.reward_source is None:  # the judge's votes alone
+                s.reward_source, s.reward_rule = "judge", self.policy.rule
+            if s.reward_source is not None:
+                metrics.REWARD_SOURCE.labels(s.reward_source).inc()
             metrics.SAMPLES.labels(s.kind).inc()
         return [(self.samples_topic, s) for s in samples]
 

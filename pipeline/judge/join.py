@@ -47,6 +47,19 @@ judges in a group, decides the same:
   bounded by the horizon (the waiting turns of the last ``idle_timeout_s`` of event time) and by
   :data:`MAX_SESSIONS` remembered sessions.
 
+Explicit signals (``docs/feedback.md``):
+
+- ``Feedback``: attached to its turn (named by ``turn_request_id``, else ``turn_index``) while
+  the turn is undecided, the last one read winning; read after the turn was decided it is
+  counted in :attr:`Joiner.late` by reason, never attached. Acknowledged at once: its turn's
+  record is not acknowledged before the turn is decided, so a restart re-reads both.
+- With ``feedback_grace_s`` a judged turn is held until its partition's event time is that far
+  past its next state (or its session ends); a session's later jobs wait behind it, in order.
+- ``SessionEnd.outcome`` is credited to the turns decided at the end (:meth:`Joiner._credit`);
+  with ``outcome_hold`` every turn of the conversation waits for its end.
+- A feedback waits in the :class:`pipeline.judge.reorder.Reorderer` behind whatever its session
+  holds there (records of several proxies out of order), so it never overtakes its turn.
+
 At-least-one rule (Binary RL; OpenClaw-RL: a turn that would not be trained, that *has* a next
 state and was scored 0 by the PRM, is trained with reward 0 when its session has no trained
 sample yet):
@@ -83,7 +96,7 @@ The cost: in ``rl`` mode a restart re-reads the records since the oldest open co
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from pipeline import events
@@ -143,6 +156,8 @@ class Job:
     decided_at: int = 0
     joined_at: float = 0.0
     conversation: Conversation | None = None
+    feedback: events.Feedback | None = None  # the turn's latest explicit feedback read before it was decided
+    outcome: float | None = None  # the session outcome's credit to this turn (discounted; None: none)
 
     @property
     def tenant(self) -> str | None:
@@ -169,6 +184,8 @@ class _Session:
     idle_proposed: bool = False  # an idle end was published for the current state
     conversation: Conversation = field(default_factory=Conversation)
     anchor: object = None  # the conversation's first turn record, acknowledged when it ends (rl)
+    feedback: object = None  # the latest Feedback of the waiting turn (last wins until it is decided)
+    held: list = field(default_factory=list)  # [due (ms; None: the end), job]: decided later, in order
 
 
 class Joiner:
@@ -178,9 +195,18 @@ class Joiner:
         idle_timeout_s: the idle horizon (event-time seconds; <= 0: never).
         at_least_one: apply the at-least-one rule (Binary RL only).
         clock: monotonic clock (seconds), injectable for tests; only for the latency metric.
+        feedback_grace_s: a judged turn is decided only once its partition's event time is this
+            far past its next state (or its session ends), so feedback read meanwhile is used
+            (0: decided at its next state; :mod:`pipeline.judge.feedback`).
+        outcome_hold: every turn of a conversation waits for its end, where the session's
+            outcome is credited to all of them (off: only to the turns still undecided then).
+        outcome_discount: the outcome's credit to the turn k main turns before the last is
+            ``outcome * outcome_discount ** k``.
     """
 
-    def __init__(self, idle_timeout_s: float, at_least_one: bool, clock=time.monotonic) -> None:
+    def __init__(self, idle_timeout_s: float, at_least_one: bool, clock=time.monotonic, *,
+                 feedback_grace_s: float = 0.0, outcome_hold: bool = False, outcome_discount: float = 1.0,
+                 on_late=None) -> None:
         self.idle_s = idle_timeout_s
         self.idle_ms = int(idle_timeout_s * 1000)
         self.at_least_one = at_least_one
@@ -192,18 +218,32 @@ class Joiner:
         self.duplicates = 0
         self.stale = 0
         self.conversations = 0  # new conversations of a known session (indices restarted)
+        self.grace_ms = int(feedback_grace_s * 1000)
+        self.outcome_hold = outcome_hold
+        self.discount = outcome_discount
+        self.late: Counter = Counter()  # feedback and outcomes that came after their turn was decided, by reason
+        self.on_late = on_late or (lambda reason: None)  # called with each reason counted in late
+        self._holding: dict[tuple, set] = {}  # partition -> sessions holding jobs with a due time
 
     # ---- records ---------------------------------------------------------------------------
     def on_record(self, rec) -> tuple[bool, list[Job]]:
         """Process one record; returns ``(ack_now, jobs)``."""
         ev = rec.event
-        if not isinstance(ev, (events.Turn, events.NextState, events.SessionEnd)):
+        if not isinstance(ev, (events.Turn, events.NextState, events.SessionEnd, events.Feedback)):
             return True, []
         if isinstance(ev, events.Turn) and ev.turn_type != "main":
             return True, []
         at = event_time(rec)
         if at > self.watermark.get(rec.tp, -1):
             self.watermark[rec.tp] = at
+        due = self._due(rec.tp) if self._holding.get(rec.tp) else []
+        if isinstance(ev, events.Feedback):
+            self._on_feedback(ev)
+            return True, due  # a restart re-reads it: its turn's record is not acknowledged before it is decided
+        ack, jobs = self._on_record(rec, ev, at)
+        return ack, due + jobs
+
+    def _on_record(self, rec, ev, at: int) -> tuple[bool, list[Job]]:
         if isinstance(ev, events.Turn):
             return self._on_turn(rec, ev, at)
         sid = session_of(ev)
@@ -215,7 +255,8 @@ class Joiner:
         if isinstance(ev, events.SessionEnd):
             if ev.turn_index is not None and ev.turn_index != st.last_index:
                 return True, []  # overtaken by a newer turn of the session
-            return True, self._close(sid, ev.reason if ev.reason == "idle_timeout" else "session_end", now, at)
+            return True, self._close(sid, ev.reason if ev.reason == "idle_timeout" else "session_end", now, at,
+                                     ev.outcome)
         if st.waiting is None:
             return True, []
         wrec, turn = st.waiting
@@ -225,9 +266,11 @@ class Joiner:
             return True, [self._flush(sid, st, "empty_next_state", now, at)]
         st.waiting = None
         self.waiting -= 1
-        return True, [Job(JUDGE, sid, st.tp, turn=turn, record=wrec, next_state=list(ev.messages),
-                          candidate=self.at_least_one, acks=self._acks(st, wrec), decided_at=at, joined_at=now,
-                          conversation=st.conversation)]
+        job = Job(JUDGE, sid, st.tp, turn=turn, record=wrec, next_state=list(ev.messages),
+                  candidate=self.at_least_one, acks=self._acks(st, wrec), decided_at=at, joined_at=now,
+                  conversation=st.conversation, feedback=self._take_feedback(st))
+        due = None if self.outcome_hold else at + self.grace_ms if self.grace_ms > 0 else -1
+        return True, self._hold(sid, st, [job], due)
 
     def _on_turn(self, rec, ev: events.Turn, at: int) -> tuple[bool, list[Job]]:
         sid = session_of(ev)
@@ -251,8 +294,10 @@ class Joiner:
         # the indices restarted, or a turn at the index of one already settled: a new conversation
         restarted = index < st.last_index or (index == st.last_index and st.waiting is None)
         if st.waiting is not None:
-            jobs.append(self._flush(sid, st, "no_next_state", now, at))
-        if restarted:
+            jobs += self._hold(sid, st, [self._flush(sid, st, "no_next_state", now, at)],
+                               None if self.outcome_hold else -1)
+        if restarted:  # the conversation ended: what it held is decided now, without an outcome
+            jobs += self._unhold(sid, st)
             jobs += self._release(sid, st, now, at)
             st.conversation = Conversation()
             self.conversations += 1
@@ -263,7 +308,7 @@ class Joiner:
         self.waiting += 1
         self._touch(sid, st, at)
         if not finished(ev):
-            jobs.append(self._flush(sid, st, "unfinished", now, at))
+            jobs += self._hold(sid, st, [self._flush(sid, st, "unfinished", now, at)], -1)
         return False, jobs
 
     def idle_sessions(self, ready=lambda tp: True) -> list[tuple[str | tuple, tuple, int, int]]:
@@ -281,7 +326,7 @@ class Joiner:
             return []
         out = []
         for sid, st in self.sessions.items():
-            if st.idle_proposed or (st.waiting is None and st.anchor is None):
+            if st.idle_proposed or (st.waiting is None and st.anchor is None and not st.held):
                 continue
             mark = self.watermark.get(st.tp, -1)
             if mark - st.last_ts < self.idle_ms or not ready(st.tp):
@@ -301,6 +346,7 @@ class Joiner:
             del self.turns_seen[key]  # their records will be re-delivered: not duplicates
         for tp in tps:
             self.watermark.pop(tp, None)
+            self._holding.pop(tp, None)
         return len(gone)
 
     # ---- internals ---------------------------------------------------------------------------
@@ -316,7 +362,7 @@ class Joiner:
         :data:`MAX_SESSIONS` (their anchors are released: a later turn starts a new conversation)."""
         jobs: list[Job] = []
         while len(self.sessions) > MAX_SESSIONS:
-            old = next((k for k, st in self.sessions.items() if st.waiting is None), None)
+            old = next((k for k, st in self.sessions.items() if st.waiting is None and not st.held), None)
             if old is None:
                 break  # every remembered session waits: the idle horizon bounds them
             jobs += self._release(old, self.sessions.pop(old), now, at)
@@ -340,14 +386,107 @@ class Joiner:
         st.waiting = None
         self.waiting -= 1
         return Job(FLUSH, sid, st.tp, turn=turn, record=wrec, reason=reason, acks=self._acks(st, wrec),
-                   decided_at=at, joined_at=now)
+                   decided_at=at, joined_at=now, feedback=self._take_feedback(st))
 
     @staticmethod
     def _acks(st: _Session, rec) -> list:
         """What settling ``rec`` acknowledges: nothing while it is its conversation's anchor."""
         return [] if rec is st.anchor else [rec]
 
-    def _close(self, sid: str, reason: str, now: float, at: int) -> list[Job]:
+    def _close(self, sid: str, reason: str, now: float, at: int, outcome: float | None = None) -> list[Job]:
+        """The session ended: its held jobs and its waiting turn are decided now, the outcome
+        (when given) credited to them (:meth:`_credit`), then the conversation's anchor released."""
         st = self.sessions.pop(sid)
-        jobs = [self._flush(sid, st, reason, now, at)] if st.waiting is not None else []
+        jobs = self._unhold(sid, st)
+        if st.waiting is not None:
+            jobs.append(self._flush(sid, st, reason, now, at))
+        self._credit(jobs, outcome)
         return jobs + self._release(sid, st, now, at)
+
+    # ---- feedback, outcomes, held jobs (docs/feedback.md) ----------------------------------------
+    def _credit(self, jobs: list[Job], outcome: float | None) -> None:
+        """Credit a session's ``outcome`` to the main turns decided at its end (``jobs``, in turn
+        order; unfinished and out-of-order turns are never trained): the last gets ``outcome``,
+        the one k turns before it ``outcome * discount ** k``. None: nothing to credit."""
+        if outcome is None:
+            return
+        turns = [j for j in jobs if j.kind in (JUDGE, FLUSH) and j.reason not in ("unfinished", "out_of_order")]
+        if not turns:
+            self._late("outcome_after_decision")
+            return
+        for k, job in enumerate(reversed(turns)):
+            job.outcome = outcome * self.discount ** k
+
+    @staticmethod
+    def _names(fb: events.Feedback, turn: events.Turn) -> bool:
+        """``fb`` is about ``turn``: its request id when the feedback names one, else its index."""
+        if fb.turn_request_id is not None and turn.request_id:
+            return fb.turn_request_id == turn.request_id
+        return fb.turn_index == turn.turn_index
+
+    def _on_feedback(self, fb: events.Feedback) -> None:
+        """Attach ``fb`` to its turn if that turn is still undecided (the last one read wins), else
+        count it in :attr:`late` by reason (``after_decision``: its turn was decided before;
+        ``unfinished``: its turn's generation did not finish, it never trains; ``unknown_turn``:
+        this judge holds no record of its turn)."""
+        sid = session_of(fb)
+        st = self.sessions.get(sid)
+        if st is not None and st.waiting is not None and self._names(fb, st.waiting[1]):
+            st.feedback = fb
+            return
+        for _due, job in st.held if st is not None else ():
+            if job.turn is not None and job.kind in (JUDGE, FLUSH) and self._names(fb, job.turn):
+                if job.reason in ("unfinished", "out_of_order"):
+                    self._late("unfinished")
+                    return
+                job.feedback = fb
+                return
+        seen = fb.turn_request_id is not None and (sid, fb.turn_request_id) in self.turns_seen
+        self._late("after_decision" if seen else "unknown_turn")
+
+    def _late(self, reason: str) -> None:
+        self.late[reason] += 1
+        self.on_late(reason)
+
+    @staticmethod
+    def _take_feedback(st: _Session):
+        fb, st.feedback = st.feedback, None
+        return fb
+
+    def _hold(self, sid, st: _Session, jobs: list[Job], due: int | None) -> list[Job]:
+        """Jobs of a session leave in its order: with ``due`` -1 and nothing held they leave now;
+        else they are held until the partition's event time reaches ``due`` (ms) or, for None,
+        until the conversation ends, and behind every job held before them."""
+        if due == -1 and not st.held:
+            return jobs
+        st.held.extend([due, j] for j in jobs)
+        if due is not None and due >= 0:
+            self._holding.setdefault(st.tp, {})[sid] = None
+        return self._release_due(sid, st)
+
+    def _release_due(self, sid, st: _Session) -> list[Job]:
+        mark = self.watermark.get(st.tp, -1)
+        out = []
+        while st.held and st.held[0][0] is not None and st.held[0][0] <= mark:
+            out.append(st.held.pop(0)[1])
+        if not any(d is not None and d >= 0 for d, _j in st.held):
+            self._holding.get(st.tp, {}).pop(sid, None)
+        return out
+
+    def _due(self, tp: tuple) -> list[Job]:
+        """The held jobs of ``tp``'s sessions whose grace window its event time has passed."""
+        out: list[Job] = []
+        for sid in list(self._holding.get(tp, {})):
+            st = self.sessions.get(sid)
+            if st is None:
+                self._holding[tp].pop(sid, None)
+                continue
+            out += self._release_due(sid, st)
+        return out
+
+    def _unhold(self, sid, st: _Session) -> list[Job]:
+        """Every job ``st`` holds, now (its conversation ended)."""
+        jobs = [j for _d, j in st.held]
+        st.held = []
+        self._holding.get(st.tp, {}).pop(sid, None)
+        return jobs

@@ -7,6 +7,14 @@ import threading
 from prometheus_client import Counter, Gauge, Histogram
 
 TURNS = Counter("pipeline_judge_turns_total", "Main turns consumed by the judge")
+REWARD_SOURCE = Counter("pipeline_judge_reward_source_total",
+                        "Samples with a reward, by where it came from (judge, feedback, outcome, or several joined "
+                        "by +)", ["source"])
+LATE_SIGNALS = Counter("pipeline_judge_late_feedback_total",
+                       "Feedback and session outcomes not used because their turn was already decided, by reason: "
+                       "after_decision (feedback read after its turn's sample was decided), unknown_turn (this "
+                       "judge holds no record of the turn), unfinished (the turn never trains), "
+                       "outcome_after_decision (a session outcome with no undecided turn left)", ["reason"])
 SAMPLES = Counter("pipeline_judge_samples_total", "Samples produced", ["kind"])
 VOTES = Counter("pipeline_judge_votes_total", "Judge votes by value (1, 0, -1, failed)", ["value"])
 PARSE_FAILURES = Counter("pipeline_judge_parse_failures_total", "Judge outputs without a valid \\boxed{} answer")

@@ -17,7 +17,8 @@ session, using only what the records say (so a replay decides the same):
   exists and is on its way.
 - ``Turn(j)`` (main) is held while a held next state names a turn ``i < j``: the record of turn
   i must reach the join first.
-- ``SessionEnd`` is held while anything of its session is held.
+- ``SessionEnd`` and ``Feedback`` are held while anything of their session is held (a feedback is
+  published after its turn, so the turn it names reaches the join first).
 - Whatever a record releases is passed on in arrival order, repeatedly, until nothing more moves.
 
 Held records are not acknowledged (the app acknowledges them only when the join has settled
@@ -93,7 +94,7 @@ class Reorderer:
         """Take one record; returns the records to pass to the join now, in order (maybe none)."""
         ev = rec.event
         out = self._advance(rec)
-        if not isinstance(ev, (events.Turn, events.NextState, events.SessionEnd)) or \
+        if not isinstance(ev, (events.Turn, events.NextState, events.SessionEnd, events.Feedback)) or \
                 (isinstance(ev, events.Turn) and ev.turn_type != "main"):
             return out + [rec]
         sid = session_of(ev)  # (tenant, session id): tenants never share a buffer
@@ -183,7 +184,7 @@ class Reorderer:
             return k is not None and k not in st.seen and (not st.seen or k > min(st.seen))
         if isinstance(ev, events.Turn):
             return any(i < ev.turn_index for i in self._awaited(st))
-        return bool(st.held)  # SessionEnd
+        return bool(st.held)  # SessionEnd, Feedback: behind whatever the session holds (its turn among them)
 
     def _pass(self, st: _State, rec):
         ev = rec.event

@@ -59,6 +59,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="policy model (default: engine.model, smollm2-135m)")
     parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], default="combine",
                         help="combine (default: Binary RL + OPD with the hinted frozen policy as teacher), rl or opd")
+    parser.add_argument("--reward", choices=["judge", "feedback"], default="judge",
+                        help="judge: the judge reads each reply's next state; feedback: the simulated users also "
+                             "thumb each reply through POST /v1/feedback and the thumb is the reward (explicit "
+                             "feedback takes precedence over the judge; docs/feedback.md)")
     parser.add_argument("--batch-size", type=int, default=16, help="trainer.rollout_batch_size (default 16)")
     parser.add_argument("--lr", type=float, default=5e-5, help="trainer.lr (default 5e-5, as measured)")
     parser.add_argument("--concurrency", type=int, default=16, help="simulated sessions in flight (default 16)")
@@ -109,7 +113,8 @@ class Simulator:
                 "--proxy-url", stack.proxy_url, "--concurrency", str(args.concurrency), "--max-tokens",
                 str(args.max_tokens), "--log", str(self.log_path), "--no-progress", "--seed", str(seed),
                 "--repeat", str(args.repeat), "--max-turns", str(args.max_turns), "--feedback", feedback,
-                "--config", str(run_dir / "config.yaml")] + (["--tenant", tenant] if tenant is not None else [])
+                "--config", str(run_dir / "config.yaml")] + (["--tenant", tenant] if tenant is not None else []) + (
+                    ["--thumbs"] if getattr(args, "reward", "judge") == "feedback" else [])
         self.out = open(run_dir / "logs" / f"{name}.log", "ab")
         self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=die_with_parent)

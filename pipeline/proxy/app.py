@@ -70,6 +70,7 @@ from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, error_body, generation_aborted,
                                    upstream_error)
+from pipeline.proxy.feedback import IndexedTurn, TurnIndex, answer, feedback_event, not_found, parse_feedback
 from pipeline.proxy.identity import Chain, Conversations, Tenants, claim, prompt_chain
 from pipeline.proxy.messages import MessagesDoor
 from pipeline.proxy.names import ServedModels, base_cards
@@ -79,7 +80,7 @@ from pipeline.proxy.record import (Recorded, StreamRecorder, from_response, poli
 from pipeline.proxy.responses import ResponsesDoor
 from pipeline.proxy.sessions import MainTurn, SessionTable
 from pipeline.proxy.validate import SAMPLING_KEYS, SessionMeta, check_request, content_type_ok, session_meta
-from pipeline.proxy.validate import json_body
+from pipeline.proxy.validate import json_body, parse_outcome
 from pipeline.sampling import (CHAT_DEFAULTED, effective_temperature, generation_defaults, logprob_processors,
                                with_generation_defaults)
 
@@ -116,6 +117,7 @@ class _Route:
     admitted: bool = False
     adapter: dict | None = None  # the tenant's adapter the request was routed to (None: the base model)
     version_before: str | None = None  # vLLM: its weight version read just before the request was sent
+    response_prefix: str = "chatcmpl-"  # the answer's id is <prefix><rid> (a front door's: resp_, msg_)
 
     @property
     def key(self) -> str:
@@ -192,6 +194,9 @@ class ProxyApp:
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
         self.tenants = Tenants(pc.tenants, self._keys)
+        # response id / (session, turn index) -> turn, for POST /v1/feedback (kept beside a durable buffer)
+        self.turn_index = TurnIndex(pc.feedback_index_max,
+                                    pc.buffer_dir if pc.buffer_dir and self.publisher.durable_enabled else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)
@@ -271,6 +276,7 @@ class ProxyApp:
         if self._client is not None:
             await self._client.aclose()
         await asyncio.to_thread(self.publisher.close, self.pc.shutdown_flush_s)
+        self.turn_index.close()
         log.info("proxy stopped: %s", self.publisher.stats())
 
     async def _housekeeping(self) -> None:
@@ -393,7 +399,8 @@ class ProxyApp:
             if served is not None:
                 req["model"] = served  # what the turn records: the id the engine serves
             stream = req.get("stream") is True
-            status = await self._serve(req, meta, rid, created, t0, stream, receive, send, tenant)
+            status = await self._serve(req, meta, rid, created, t0, stream, receive, send, tenant,
+                                       scope.get("response_prefix") or "chatcmpl-")
         except ProxyError as e:
             status = e.status
             extra = [(b"x-request-id", rid.encode())]
@@ -462,9 +469,11 @@ class ProxyApp:
             M.REFUSED.labels(why).inc()
 
     async def _serve(self, req: dict, meta: SessionMeta, rid: str, created: int, t0: float, stream: bool,
-                     receive, send, tenant: str | None = None) -> int:
+                     receive, send, tenant: str | None = None, response_prefix: str = "chatcmpl-") -> int:
         route, warnings = self._route(req, meta, rid, created, tenant)
         record = route is not None
+        if record:
+            route.response_prefix = response_prefix
         await self._hold(rid, tenant)
         adapter = self.gate.adapter_of(tenant)  # after the hold: what the tenant's sync resumed with
         if record:
@@ -495,7 +504,7 @@ class ProxyApp:
             req["logprobs"] = True
             req["return_token_ids"] = True
         if record and meta.done:  # published before the response completes
-            send.before_final = lambda: self._end(route.sid, "header", route.tenant)
+            send.before_final = lambda: self._end(route.sid, "header", route.tenant, meta.outcome)
         admit = (lambda: self._admit(route)) if record else _nothing
         if self._vllm is not None:
             self._vllm.shape(req)
@@ -508,7 +517,8 @@ class ProxyApp:
                     self._record(rec, meta, route, turn_index, user_view, cause, await self._defaults_for(rec))
 
                 on_done = recorded if record else None
-                status = await self._stream(req, keep, extra, t0, receive, send, on_done, admit)
+                status = await self._stream(req, keep, extra, t0, receive, send, on_done, admit,
+                                            f"chatcmpl-{rid}" if record else None)
             else:
                 repair = keep[0] and not (await self._engine_caps())[1]
                 if repair:  # SGLang's log-prob bytes: the ids let the proxy give each token's raw bytes
@@ -562,8 +572,9 @@ class ProxyApp:
             if held:
                 M.SYNC_HOLD.observe(held)
 
-    def _end(self, sid: str, reason: str, tenant: str | None = None) -> None:
-        self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms(), tenant=tenant),
+    def _end(self, sid: str, reason: str, tenant: str | None = None, outcome: float | None = None) -> None:
+        self._publish(events.SessionEnd(session_id=sid, reason=reason, created_at=events.now_ms(), tenant=tenant,
+                                        outcome=outcome),
                       events.session_key(tenant, sid))
         self.sessions.end(sid, tenant)
 
@@ -646,7 +657,8 @@ class ProxyApp:
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
             logprob_temperature=temperature if logprobs else None, logprob_processors=processors,
-            session_source=route.source, tenant=route.tenant, adapter=adapter)
+            session_source=route.source, tenant=route.tenant, adapter=adapter,
+            response_id=route.response_prefix + route.rid)
         if finished and turn_index is not None:
             content, calls, prefix = rec.response.get("content"), rec.response.get("tool_calls"), _continued_prefix(user_view)
             self.sessions.complete(sid, turn_index, content, calls, prefix=prefix, request_id=route.rid,
@@ -655,6 +667,8 @@ class ProxyApp:
                 content = prefix + (content if isinstance(content, str) else "")
             self.convs.record(route.chain.with_answer(content, calls), sid, route.rid)
         self._publish(turn, route.key)
+        if finished and turn_index is not None:  # POST /v1/feedback finds it (an unfinished one was never answered)
+            self.turn_index.add(IndexedTurn(route.tenant, sid, turn_index, route.rid, turn.response_id))
         M.TURNS.labels(meta.turn_type).inc()
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
@@ -683,6 +697,8 @@ class ProxyApp:
             if repair:
                 repair_logprob_bytes(resp, (await self._served_model())[0])
             strip_response(resp, *keep)
+            if record:  # the proxy's id of the answer (what POST /v1/feedback resolves)
+                resp["id"] = f"chatcmpl-{route.rid}"
             data = orjson.dumps(resp)
         await self._send_json(send, status, data, extra)
         return status
@@ -744,7 +760,8 @@ class ProxyApp:
                 self._gen_defaults, self._gen_unreadable = {}, True
         return self._gen_defaults
 
-    async def _stream(self, req: dict, keep: tuple, extra: list, t0: float, receive, send, on_done, admit) -> int:
+    async def _stream(self, req: dict, keep: tuple, extra: list, t0: float, receive, send, on_done, admit,
+                      answer_id: str | None = None) -> int:
         """Forward a stream chunk by chunk; ``on_done(record)`` (a coroutine; None: not recorded) runs before ``[DONE]``
         is forwarded (so the turn is queued and the session updated before the client can send its next
         request). Against an engine that cannot stream token ids on chat, a recorded turn or one whose
@@ -752,7 +769,7 @@ class ProxyApp:
         if on_done is not None or keep[0]:
             native, raw = await self._engine_caps()
             if not native and (on_done is not None or not raw):
-                return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit)
+                return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit, answer_id)
         try:
             resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
         except EngineError as e:
@@ -761,7 +778,7 @@ class ProxyApp:
         try:
             await self._check_stream(resp)
             admit()
-            recorder = StreamRecorder(*keep[:3]) if on_done is not None else None
+            recorder = StreamRecorder(*keep[:3], answer_id) if on_done is not None else None
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HDRS + extra})
             gone = asyncio.Event()
             watcher = asyncio.ensure_future(_watch_disconnect(receive, gone, resp.close))
@@ -862,7 +879,7 @@ class ProxyApp:
         await send({"type": "http.response.body", "body": b""})
 
     async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, receive, send,
-                                 on_done, admit) -> int:
+                                 on_done, admit, answer_id: str | None = None) -> int:
         """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
         ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``. A chat field
         that path cannot serve as the engine's own chat path would is refused (400 naming it).
@@ -877,7 +894,7 @@ class ProxyApp:
             self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s,
                                         transport=self.upstream)
         self._client.token_bytes, self._client.chat_defaults = await self._served_model()
-        recorder = StreamRecorder(*keep[:3])
+        recorder = StreamRecorder(*keep[:3], answer_id)
         gen = self._client.chat_stream(body, token_ids=True)
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
@@ -953,6 +970,45 @@ class ProxyApp:
         else:
             M.UNFINISHED.labels(cause).inc()
 
+    # ---- feedback and outcomes -------------------------------------------------------------------
+    async def _json_request(self, request: Request, headers: dict, empty_ok: bool = False) -> dict:
+        """The JSON object body of a FastAPI request (400/413/415 as on chat; ``{}`` for an empty
+        body when ``empty_ok``)."""
+        raw = await request.body()
+        if (raw.strip() or not empty_ok) and not content_type_ok(headers.get(b"content-type")):
+            raise ProxyError(415, "Content-Type must be application/json", code="unsupported_media_type")
+        if len(raw) > self.pc.max_body_bytes:
+            raise ProxyError(413, f"request body exceeds the limit of {self.pc.max_body_bytes} bytes",
+                             code="request_too_large")
+        return {} if empty_ok and not raw.strip() else json_body(raw)
+
+    async def _outcome(self, request: Request, headers: dict) -> float | None:
+        """The outcome a session end carries (body ``{"outcome": x}`` or ``X-Session-Outcome``), or None."""
+        body = await self._json_request(request, headers, empty_ok=True)
+        unknown = sorted(k for k in body if k != "outcome")
+        if unknown:
+            raise bad_request(f"unknown field {unknown[0]!r} (a session end takes 'outcome')", param=unknown[0])
+        h = headers.get(b"x-session-outcome")
+        raw = body.get("outcome") if body.get("outcome") is not None else None if h is None else h.decode("latin-1")
+        return None if raw is None else parse_outcome(raw)
+
+    async def _feedback(self, request: Request) -> dict:
+        """``POST /v1/feedback`` (:mod:`pipeline.proxy.feedback`): the turn of this tenant the body
+        names gets a ``feedback`` event, keyed like the turn."""
+        headers = {k.lower(): v for k, v in request.headers.raw}
+        tenant = self._auth(headers)
+        ref = parse_feedback(await self._json_request(request, headers))
+        turn = self.turn_index.find(tenant, ref)
+        if turn is None:
+            M.FEEDBACK.labels("not_found").inc()
+            raise not_found(ref)
+        self._seq += 1
+        ev = feedback_event(turn, ref, f"{self._rid_prefix}{self._seq:x}", events.now_ms())
+        self._publish(ev, events.session_key(turn.tenant, turn.session_id))
+        await self.publisher.durable()
+        M.FEEDBACK.labels(ev.source).inc()
+        return answer(ev)
+
     # ---- the FastAPI part -------------------------------------------------------------------------
     def _build_api(self) -> FastAPI:
         api = FastAPI(title="pipeline proxy", docs_url=None, redoc_url=None, openapi_url=None)
@@ -987,18 +1043,23 @@ class ProxyApp:
                 body["data"] = base_cards(body)  # adapters are per tenant: never listed to a client
             return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
+        @api.post("/v1/feedback")
+        async def feedback(request: Request):
+            return await self._feedback(request)
+
         @api.post("/v1/sessions/{session_id}/end")
         async def end_session(session_id: str, request: Request):
             headers = {k.lower(): v for k, v in request.headers.raw}
             tenant = self._auth(headers)
+            outcome = await self._outcome(request, headers)
             headers[b"x-session-id"] = session_id.encode("utf-8", "replace")
             meta = session_meta(headers, {}, "main")
             if meta.session_id is None:  # an unfilled template is no session to end
                 raise bad_request(f"{session_id[:60]!r} is not a session id ({meta.warnings[0][1]})",
                                   param="session_id", code="invalid_session_id")
-            self._end(meta.session_id, "api", tenant)
+            self._end(meta.session_id, "api", tenant, outcome)
             await self.publisher.durable()
-            return {"session_id": meta.session_id, "ended": True}
+            return {"session_id": meta.session_id, "ended": True, **({} if outcome is None else {"outcome": outcome})}
 
         @api.get("/healthz")
         async def healthz():

@@ -108,6 +108,8 @@ class Door:
     """
 
     api = "door"
+    #: the prefix of the answer ids this door gives (``<prefix><request id>``; the turn records it)
+    id_prefix = ""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -184,7 +186,8 @@ class Door:
                 return {"type": "http.request", "body": data, "more_body": False}
             return await receive()  # a disconnect, while a stream is served
 
-        scope = dict(scope, headers=hdrs, path="/v1/chat/completions", previous_session=call.previous_session)
+        scope = dict(scope, headers=hdrs, path="/v1/chat/completions", previous_session=call.previous_session,
+                     response_prefix=self.id_prefix)
         await self.app.chat(scope, receive_chat, relay)
         M.DOOR_REQUESTS.labels(self.api, str(relay.status)).inc()
 

@@ -219,6 +219,7 @@ class MessagesDoor(Door):
     """``POST /v1/messages`` (see the module docstring)."""
 
     api = "messages"
+    id_prefix = "msg_"
 
     def auth_headers(self, headers: dict) -> None:
         key = headers.get(b"x-api-key")

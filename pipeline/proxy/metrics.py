@@ -65,6 +65,9 @@ DOOR_REQUESTS = Counter("pipeline_proxy_door_requests_total",
                         "Requests to the Responses (/v1/responses) and Messages (/v1/messages) front doors, by "
                         "status (each also counts as a chat request once translated)", ["api", "status"])
 SESSIONS = Gauge("pipeline_proxy_sessions", "Sessions held in memory")
+FEEDBACK = Counter("pipeline_proxy_feedback_total",
+                   "POST /v1/feedback: accepted by source (user, reviewer, app), or not_found (no such turn of the "
+                   "tenant here)", ["result"])
 
 
 class _Cache:

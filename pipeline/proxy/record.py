@@ -200,10 +200,14 @@ class StreamRecorder:
     Args:
         keep_logprobs, keep_ids, keep_prompt_ids: the user asked for these (else they are removed
             from the forwarded chunks).
+        answer_id: the ``id`` every forwarded chunk gets (the proxy's id of the answer, which
+            ``POST /v1/feedback`` resolves), or None (the engine's, unchanged).
     """
 
-    def __init__(self, keep_logprobs: bool, keep_ids: bool, keep_prompt_ids: bool) -> None:
+    def __init__(self, keep_logprobs: bool, keep_ids: bool, keep_prompt_ids: bool,
+                 answer_id: str | None = None) -> None:
         self.rec = Recorded()
+        self.answer_id = answer_id
         self.keep_logprobs = keep_logprobs
         self.keep_ids = keep_ids
         self.keep_prompt_ids = keep_prompt_ids
@@ -248,6 +252,9 @@ class StreamRecorder:
         if not rec.model and isinstance(obj.get("model"), str):
             rec.model = obj["model"]
         changed = self._take_prompt_ids(obj)
+        if self.answer_id is not None and "id" in obj and obj["id"] != self.answer_id:
+            obj["id"] = self.answer_id
+            changed = True
         md = obj.get("metadata")
         if isinstance(md, dict) and md.get("weight_version") is not None:
             rec.weight_version = md["weight_version"]

@@ -264,6 +264,7 @@ class ResponsesDoor(Door):
     """``POST /v1/responses`` (see the module docstring)."""
 
     api = "responses"
+    id_prefix = "resp_"
 
     def __init__(self, app) -> None:
         super().__init__(app)

@@ -15,6 +15,7 @@ request is forwarded. A session id that is an unfilled template or empty
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from pipeline.engine_api.schema import CHAT_FIELDS, ROLES, ChatBodyError, check_
 from pipeline.proxy.errors import ProxyError, bad_request
 from pipeline.proxy.identity import SESSION_ID, unfilled
 
-SESSION_FIELDS = ("session_id", "turn_type", "session_done")
+SESSION_FIELDS = ("session_id", "turn_type", "session_done", "session_outcome")
 #: request fields recorded as the turn's sampling parameters: the table's ``recorded`` fields, and two
 #: SGLang extensions outside it (forwarded untouched) that constrain decoding (no OPD term then)
 SAMPLING_KEYS = tuple(k for k, f in CHAT_FIELDS.items() if f.recorded) + ("json_schema", "structural_tag")
@@ -45,6 +46,8 @@ class SessionMeta:
         done: the client says this request ends the session.
         source: ``header`` or ``body`` (where ``session_id`` came from), None without one.
         warnings: ``(field, reason)`` of each session id ignored (``empty``, ``template``).
+        outcome: the session's outcome score in [-1, 1] (``X-Session-Outcome`` or the body's
+            ``session_outcome``, read only with ``done``); None: none reported.
     """
 
     session_id: str | None
@@ -52,6 +55,7 @@ class SessionMeta:
     done: bool
     source: str | None = None
     warnings: list = field(default_factory=list)
+    outcome: float | None = None
 
 
 def _is_int(v: Any) -> bool:
@@ -84,6 +88,7 @@ def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str
     b_sid = body.pop("session_id", None)
     b_type = body.pop("turn_type", None)
     b_done = body.pop("session_done", None)
+    b_outcome = body.pop("session_outcome", None)
     h = headers.get(b"x-session-id")
     sid = source = None
     warnings: list = []
@@ -111,7 +116,31 @@ def session_meta(headers: dict[bytes, bytes], body: dict, default_turn_type: str
     h = headers.get(b"x-session-done")
     raw_done = h.decode("latin-1") if h is not None else b_done
     done = False if raw_done is None else _parse_bool(raw_done, "X-Session-Done")
-    return SessionMeta(sid, tt, done, source, warnings)
+    h = headers.get(b"x-session-outcome")
+    raw_outcome = h.decode("latin-1") if h is not None else b_outcome
+    outcome = None if raw_outcome is None else parse_outcome(raw_outcome, "X-Session-Outcome")
+    if outcome is not None and not done:
+        raise bad_request("X-Session-Outcome is the outcome of a session that ends: send it with X-Session-Done: "
+                          "true (or POST /v1/sessions/{id}/end)", param="X-Session-Outcome", code="invalid_outcome")
+    return SessionMeta(sid, tt, done, source, warnings, outcome)
+
+
+def parse_outcome(raw: Any, name: str = "outcome") -> float:
+    """A session outcome: a number in [-1, 1] (a JSON number, or its text in a header).
+
+    Raises:
+        ProxyError: 400 ``invalid_outcome`` naming ``name``.
+    """
+    v = raw
+    if isinstance(raw, str):
+        try:
+            v = float(raw.strip())
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -1.0 <= v <= 1.0:
+        raise bad_request(f"{name} must be a number in [-1, 1], got {str(raw)[:40]!r}", param=name,
+                          code="invalid_outcome")
+    return float(v)
 
 
 def check_request(body: Any) -> None:

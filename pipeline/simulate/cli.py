@@ -42,6 +42,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-reply-tokens", type=int, default=64, help="brevity limit in tokens (default 64)")
     parser.add_argument("--feedback", choices=POLICIES, default="brevity",
                         help="GSM8K feedback policy: brevity (default; learnable at 135M) or correctness")
+    parser.add_argument("--thumbs", action="store_true",
+                        help="GSM8K users also thumb each graded reply up (+1) or down (-1) through POST /v1/feedback, "
+                             "a correction's hint as the comment (explicit feedback: docs/feedback.md)")
     parser.add_argument("--split", choices=("train", "heldout"), default="train", help="GSM8K problems (default train)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="consecutive sessions that ask the same problem (a group of users; default 1)")
@@ -90,7 +93,7 @@ def run(args, config) -> int:
     settings = UserSettings(feedback=args.feedback, max_turns=args.max_turns, max_tokens=args.max_tokens,
                             closing_max_tokens=args.closing_max_tokens, temperature=args.temperature,
                             max_words=args.max_words, max_reply_tokens=args.max_reply_tokens,
-                            system_prompt=args.system_prompt)
+                            system_prompt=args.system_prompt, thumbs=args.thumbs)
 
     async def main() -> dict:
         stop = asyncio.Event()

@@ -30,6 +30,7 @@ from pipeline.engine_api.transport import Transport
 
 RETRY_STATUS = (429, 503)
 CHAT_PATH = "/v1/chat/completions"
+FEEDBACK_PATH = "/v1/feedback"
 VERSION_HEADERS = ("x-weight-version", "x-policy-version")
 
 
@@ -49,6 +50,7 @@ class ChatReply:
     policy_version: str | None
     latency_s: float
     headers: dict[str, str] = field(default_factory=dict)
+    id: str | None = None  # the answer's id (the proxy's: what POST /v1/feedback names)
 
 
 def policy_version_of(body: dict, headers: dict | None = None) -> str | None:
@@ -87,6 +89,7 @@ def parse_reply(body: dict, headers: dict | None = None, latency_s: float = 0.0)
         policy_version=policy_version_of(body, headers),
         latency_s=latency_s,
         headers={k.lower(): v for k, v in (headers or {}).items()},
+        id=body.get("id") if isinstance(body.get("id"), str) else None,
     )
 
 
@@ -151,6 +154,23 @@ class ChatClient:
             raise e.within(f"cannot reach {self.url}") from None
         except EngineError as e:
             raise e if e.status is not None else e.within(f"request to {self.url} failed") from None
+
+    async def feedback(self, response_id: str, score: float, comment: str | None = None,
+                       source: str = "user") -> dict:
+        """``POST /v1/feedback`` on the proxy: ``score`` in [-1, 1] for the answer ``response_id``
+        (docs/feedback.md). Raises :class:`EngineError` on an error answer (``status`` set)."""
+        body: dict[str, Any] = {"response_id": response_id, "score": score, "source": source}
+        if comment:
+            body["comment"] = comment
+
+        async def once() -> dict:
+            status, data, _ = await self._t.call("POST", FEEDBACK_PATH, orjson.dumps(body))
+            if status != 200:
+                raise EngineError(f"{self._t.base_url}{FEEDBACK_PATH} answered {status}: "
+                                  f"{data[:300].decode('utf-8', 'replace')}", status)
+            return orjson.loads(data)
+
+        return await retried(once, self.retries + 1, 0.5, retry_if=_never_served)
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -10,6 +10,11 @@ GSM8K session (OpenClaw-RL's "user gives feedback on the answer" loop):
    the previous turn, then that request's own turn, then ``session_end``. That closing turn has
    no next state (the judge masks or drops it), so its ``max_tokens`` is small by default.
 
+With ``UserSettings.thumbs`` (``--thumbs``), each graded reply also gets the user's thumb through
+``POST /v1/feedback`` before the next request: +1 when the reply had the rewarded property, -1
+otherwise, with a correction's worked step as the comment (the OPD hint). The judge then takes the
+thumb as the turn's reward (explicit feedback takes precedence: docs/feedback.md).
+
 MT-Bench session: the first question, the model's answer, then the real second-turn follow-up
 (the ``next_state`` of turn 1) sent with ``X-Session-Done: true``; turn 2 has no next state.
 """
@@ -43,6 +48,7 @@ class UserSettings:
     max_words: int = 40
     max_reply_tokens: int = 64
     system_prompt: str | None = None
+    thumbs: bool = False  # also send each graded reply's thumbs (+1 success, -1 else) to POST /v1/feedback
 
 
 @dataclass
@@ -118,6 +124,8 @@ async def gsm8k_session(client: ChatClient, session_id: str, problem: GSM8KProbl
             fb = decide(settings.feedback, grade, problem.answer, rng, max_words=settings.max_words,
                         corrections_so_far=corrections)
             corrections += fb.kind == "correction"
+            if settings.thumbs and reply.id:  # the explicit signal: a thumb, a correction's hint as its comment
+                await client.feedback(reply.id, 1.0 if fb.success else -1.0, comment=fb.hint)
             rec = TurnRecord(session_id, "gsm8k", problem.id, k, reply.policy_version, True, grade.words,
                              reply.completion_tokens, reply.finish_reason, grade.brief, grade.correct, fb.success,
                              fb.kind, fb.text, reply.content, reply.latency_s)

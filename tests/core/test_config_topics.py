@@ -55,7 +55,7 @@ def test_topics_yaml_is_valid_and_complete():
     specs = {s.name: s for s in load_topics(load_config(None).topics.file)}
     assert {"turns", "samples", "control", "turns.dlq", "samples.dlq", "control.dlq"} <= set(specs)
     assert specs["control"].partitions == 1  # total order
-    assert set(specs["turns"].values) == {"turn", "next_state", "session_end"}
+    assert set(specs["turns"].values) == {"turn", "next_state", "session_end", "feedback"}
 
 
 def test_topics_yaml_errors(tmp_path):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pipeline import events
-from pipeline.events import MalformedEvent, Sample, SessionEnd, Turn, decode, encode
+from pipeline.events import Feedback, MalformedEvent, Sample, SessionEnd, Turn, decode, encode
 
 MAX_ID = 256
 MAX_INDEX = 2**31 - 1
@@ -49,12 +49,19 @@ def valid(e) -> bool:
                 and (e.logprob_temperature is None or 0 < e.logprob_temperature <= 100))
     if isinstance(e, SessionEnd):
         return _id_ok(e.session_id) and _id_ok(e.reason) and (e.turn_index is None or _index_ok(e.turn_index)) \
-            and e.created_at >= 0
+            and e.created_at >= 0 and (e.outcome is None or -1 <= e.outcome <= 1)
+    if isinstance(e, Feedback):  # issue 40: a score in [-1, 1], a known source, a non-blank comment
+        return (_id_ok(e.session_id) and _index_ok(e.turn_index) and -1 <= e.score <= 1 and _id_ok(e.feedback_id)
+                and e.source in ("user", "reviewer", "app") and e.created_at >= 0
+                and (e.comment is None or 0 < len(e.comment.strip()) and len(e.comment) <= 8000)
+                and all(v is None or _id_ok(v) for v in (e.turn_request_id, e.response_id, e.tenant)))
     if isinstance(e, Sample):
         r = e.response_length
         ok = (_id_ok(e.sample_id, 4 * MAX_ID) and _id_ok(e.session_id) and _index_ok(e.turn_index)
               and _index_ok(e.policy_version) and 0 <= r <= len(e.tokens) and all(t >= 0 for t in e.tokens)
-              and 0 < e.rollout_temperature <= 100 and (e.reward is None or -1 <= e.reward <= 1))
+              and 0 < e.rollout_temperature <= 100 and (e.reward is None or -1 <= e.reward <= 1)
+              and (e.reward_source is None or (e.reward is not None and all(
+                  p in ("judge", "feedback", "outcome") for p in e.reward_source.split("+")))))
         for lps in (e.rollout_log_probs, e.teacher_log_probs):
             ok = ok and (lps is None or (len(lps) == r and _lps_ok(lps)))
         return ok
@@ -72,7 +79,10 @@ def base_records() -> list:
                     rollout_log_probs=[-0.5, -1.25, -3.0], rollout_temperature=0.6, reward=1.0,
                     teacher_log_probs=[-0.25, -1.0, -2.0], votes=[[1, 1, None], [1, -1, 1]], hint="h",
                     judge="llm", created_at=3_000, turn_created_at=1_000)
-    return [turn, end, sample]
+    feedback = Feedback(session_id="sess-1", turn_index=3, score=-1.0, feedback_id="fb-1", turn_request_id="req-1",
+                        response_id="chatcmpl-req-1", comment="use metres", source="reviewer", created_at=2_500)
+    sample.reward_source, sample.reward_rule, sample.feedback_score = "judge+feedback", "weighted", -1.0
+    return [turn, end, sample, feedback]
 
 
 #: (event type, field, bad value): each outside the field's domain (or of the wrong type/length)
@@ -84,12 +94,18 @@ BAD = {
              ("messages", [{"content": "no role"}]), ("logprob_temperature", 1e9), ("logprob_temperature", 0.0),
              ("turn_index", "3"), ("session_id", 5)],
     "session_end": [("session_id", ""), ("session_id", "y" * 300), ("turn_index", -1), ("turn_index", 2**40),
-                    ("reason", ""), ("created_at", -5)],
+                    ("reason", ""), ("created_at", -5), ("outcome", 1.5), ("outcome", float("nan")),
+                    ("outcome", "good")],
+    "feedback": [("session_id", ""), ("turn_index", -1), ("score", 2.0), ("score", float("nan")), ("score", None),
+                 ("score", "1"), ("source", "boss"), ("comment", " "), ("comment", "x" * 8001), ("feedback_id", ""),
+                 ("response_id", "r" * 300), ("created_at", -1)],
     "sample": [("sample_id", ""), ("session_id", ""), ("turn_index", -1), ("turn_index", 2**40),
                ("teacher_log_probs", [-3e38, -1.0, -2.0]), ("rollout_log_probs", [-1.0, 2.0, -1.0]),
                ("teacher_log_probs", [-1.0, -1.0]), ("reward", 3.0), ("reward", -1e30), ("tokens", [-1, 2, 3, 4, 5, 6]),
                ("rollout_temperature", 0.0), ("rollout_temperature", 1e6), ("votes", [[7, 1], [1]]),
-               ("policy_version", -1), ("response_length", 9)],
+               ("policy_version", -1), ("response_length", 9), ("reward_source", "votes"),
+               ("reward_source", "feedback+judge"), ("reward_rule", "max"), ("feedback_score", 1.5),
+               ("hint_source", "oracle")],
 }
 PACKED = {"prompt_token_ids": "<i4", "response_token_ids": "<i4", "tokens": "<i4", "response_logprobs": "<f4",
           "rollout_log_probs": "<f4", "teacher_log_probs": "<f4"}

@@ -149,7 +149,7 @@ def test_cross_field_validation():
 
 
 def test_every_type_registered():
-    assert set(events.EVENT_TYPES) == {"turn", "next_state", "session_end", "sample", "control", "dead_letter",
+    assert set(events.EVENT_TYPES) == {"turn", "next_state", "session_end", "feedback", "sample", "control", "dead_letter",
                                        "train_step", "evaluation"}
 
 

@@ -167,7 +167,7 @@ def test_api_keys_are_the_proxys(kafka_config, monkeypatch):
                          topics={"prefix": kafka_config.topics.prefix})
     _fill(config)
     with DashboardServer(config) as d:
-        assert httpx.get(f"{d.url}/api/config").json() == {"auth": True, "show_text": False}
+        assert httpx.get(f"{d.url}/api/config").json() == {"auth": True, "show_text": False, "review": False}
         for path in _get_routes(d.app):
             if path == "/api/config" or not path.startswith("/api/"):  # the page and /healthz hold no data
                 continue

@@ -288,3 +288,37 @@ def test_tenant_is_sent_as_x_tenant_id_on_every_request():
                              progress=False))
     assert n >= 4 and all(h.get("x-tenant-id") == "alice" for h in srv.headers[:n])
     assert len(srv.headers) > n and all("x-tenant-id" not in h for h in srv.headers[n:])
+
+
+# ---- issue 40: simulated thumbs through POST /v1/feedback -------------------------------------------
+def test_thumbs_reach_the_log_as_feedback_on_each_graded_turn(kafka_config):
+    """``--thumbs`` with the correctness policy: a wrong short reply gets a thumbs-down whose
+    comment is the correction's worked step, the right reply a thumbs-up; each feedback names its
+    turn's request id and is published before the next state it precedes."""
+    from pipeline.simulate.client import ChatClient
+    from pipeline.simulate.datasets import GSM8KProblem
+    from pipeline.simulate.grading import GSM8KAnswer
+    from pipeline.simulate.users import gsm8k_session
+    from pipeline.testing.proxy import stack
+
+    answers = iter(["It is 3.", "The answer is 42.", "ok"])
+    problem = GSM8KProblem("p1", "What is 6 times 7?", GSM8KAnswer(("Multiply 6 by 7.",), Decimal(42)))
+    settings = UserSettings(feedback="correctness", max_turns=3, thumbs=True)
+    with stack(kafka_config, lambda req: Reply(content=next(answers))) as (url, app, up):
+        async def main():
+            async with ChatClient(url) as client:
+                return await gsm8k_session(client, "thumbs-1", problem, settings)
+
+        result = asyncio.run(main())
+        assert result.error is None and [r.feedback_kind for r in result.records[:2]] == ["correction", "thanks"]
+        assert app.publisher.wait_idle(10)
+        recs = read_records(kafka_config, kafka_config.topics.name("turns"),
+                            lambda evs: sum(e.TYPE == "feedback" for e in evs) >= 2)
+    evs = [r.event for r in recs if r.key == "thumbs-1"]
+    turns = {e.turn_index: e for e in evs if e.TYPE == "turn"}
+    fbs = [e for e in evs if e.TYPE == "feedback"]
+    assert [(f.turn_index, f.score, f.comment, f.source) for f in fbs] == [
+        (0, -1.0, "Multiply 6 by 7.", "user"), (1, 1.0, None, "user")]
+    assert all(f.turn_request_id == turns[f.turn_index].request_id for f in fbs)
+    order = [(e.TYPE, getattr(e, "turn_index", getattr(e, "after_turn_index", None))) for e in evs]
+    assert order.index(("feedback", 0)) < order.index(("next_state", 0))  # read before its turn is decided

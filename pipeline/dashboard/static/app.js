@@ -119,7 +119,9 @@ function buildOverview() {
     card("Judge votes", "PRM votes on the samples (+1 good, 0 unsure, −1 bad, failed = no valid answer); the majority is the Binary-RL reward. Hint acceptance: OPD hint votes that produced a usable hint.",
       [h("div", { id: "votes" }), h("div", { class: "tiles" }, tile("n-hint-votes", "hint votes accepted"),
         tile("n-hint-samples", "distillation samples with a hint"), tile("n-judge-dropped", "turns dropped by the judge"),
-        tile("n-judge-unjudged", "turns ended without a judgement, by reason"))]),
+        tile("n-judge-unjudged", "turns ended without a judgement, by reason"),
+        tile("n-reward-sources", "rewards by source (judge, feedback, outcome)"),
+        tile("n-late-feedback", "feedback and outcomes not used: their turn was already decided, by reason"))]),
     card("Samples", "Scored training samples on the samples topic, by kind; masked samples (loss mask 0) are kept for accounting but not trained.",
       h("div", { class: "tiles" }, tile("n-samples", "samples"), tile("n-kind-rl", "rl"), tile("n-kind-opd", "opd"),
         tile("n-kind-opdrl", "opd+rl"), tile("n-masked-share", "masked share"), tile("n-trained", "trained"),
@@ -170,6 +172,10 @@ function renderOverview(o) {
   const hv = j.hint_votes, hvTotal = hv.accepted + hv.rejected + hv.failed;
   setText("n-hint-votes", hvTotal ? `${hv.accepted}/${hvTotal} (${pct(hv.accepted, hvTotal)})` : "–");
   setText("n-hint-samples", j.hint_samples ? `${j.hint_samples_with_hint}/${j.hint_samples}` : "–");
+  for (const [id, key] of [["n-reward-sources", "judge_reward_sources"], ["n-late-feedback", "judge_late_feedback"]]) {
+    const m = live[key] || {};
+    setText(id, Object.keys(m).length ? Object.entries(m).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
+  }
   const dropped = live.judge_dropped || {};
   setText("n-judge-dropped", Object.keys(dropped).length ? Object.entries(dropped).map(([k, v]) => `${k} ${num(v)}`).join(", ") : "–");
   const unjudged = live.judge_unjudged || {};
@@ -269,10 +275,11 @@ function messages(list, showText) {
 }
 function kv(pairs) { return h("div", { class: "kv" }, pairs.map(([k, v]) => [h("div", { class: "k" }, k), h("div", {}, v)])); }
 
-async function renderSession(id, tenant) {
+async function renderSession(id, tenant, live = false) {
   S.charts = {}; S.built = false;
   const of = tenant === null ? "" : `?tenant=${encodeURIComponent(tenant)}`;
   const data = await api(`/api/sessions/${encodeURIComponent(id)}${of}`).catch((e) => ({ error: e.message }));
+  if (live && reviewing()) return;  // a reviewer started typing while it loaded: keep the page as it is
   const view = $("view");
   view.textContent = "";
   if (data.error) { view.appendChild(card(`Session ${id}`, data.error, h("a", { href: "#/sessions" }, "back to sessions"), true)); return; }
@@ -294,6 +301,9 @@ async function renderSession(id, tenant) {
     ];
     if (data.tenant !== null) rows.push(["adapter", t.adapter ? t.adapter.name : "none (base model)"]);
     if (t.turn_type === "main") {
+      if (t.feedback && t.feedback.length) rows.push(["feedback", h("div", {}, ...t.feedback.map((f) => h("div", { class: "feedback" },
+        `${num(f.score, 2)} from ${f.source}${f.comment !== undefined && f.comment !== null ? ` · “${f.comment}”` : f.comment_chars ? ` · comment ${f.comment_chars} chars` : ""}`)))]);
+      if (S.cfg && S.cfg.review) rows.push(["review", reviewForm(data, t)]);
       rows.push(["next state", t.next_states.length ? t.next_states.map((n) => messages(n.messages, showText)) : h("span", { class: "muted" }, data.end ? "none (session ended)" : "waiting")]);
       for (const s of t.samples) {
         rows.push([`sample ${s.kind}`, h("div", { class: "sample", dataset: { sampleId: s.sample_id, votes: s.prm_votes.map((v) => (v === null ? "failed" : v)).join(","), majority: s.majority ?? "", reward: s.reward ?? "", trainedStep: s.trained_step ?? "" } },
@@ -301,7 +311,10 @@ async function renderSession(id, tenant) {
             ["majority", s.majority === null ? "n/a" : num(s.majority)],
             ["hint", s.has_hint ? (showText && s.hint !== undefined ? h("div", { class: "text" }, s.hint) : `${s.hint_chars} chars`) : "none"],
             ["hint votes", s.hint_votes.length ? voteBadges(s.hint_votes) : "–"],
-            ["reward", num(s.reward, 2)], ["loss mask", num(s.loss_mask)],
+            ["reward", num(s.reward, 2)],
+            ["reward source", s.reward_source ? `${s.reward_source} (${s.reward_rule})${s.feedback_score !== null && s.feedback_score !== undefined ? ` · feedback ${num(s.feedback_score, 2)}` : ""}${s.outcome_reward !== null && s.outcome_reward !== undefined ? ` · outcome ${num(s.outcome_reward, 2)}` : ""}` : "–"],
+            ["hint source", s.hint_source || "–"],
+            ["loss mask", num(s.loss_mask)],
             ["mean advantage", s.mean_advantage === null ? "n/a" : num(s.mean_advantage, 4)],
             ["trained", s.trained ? h("span", { class: "pill ok" }, `step ${s.trained_step} → policy version ${s.trained_into_version}`)
               : h("span", { class: "pill no" }, s.loss_mask ? "not yet" : "no (masked)")],
@@ -316,10 +329,46 @@ async function renderSession(id, tenant) {
   }
 }
 
+// A review form in use (focused, or holding a typed correction or key): the live refresh waits for it.
+function reviewing() {
+  return S.reviewsInFlight > 0 ||
+    [...document.querySelectorAll(".review input")].some((el) => el === document.activeElement || el.value);
+}
+
+// A reviewer's thumb on a turn (dashboard.review): posted to /api/feedback, which forwards it to the
+// proxy's POST /v1/feedback with the key typed here (the tenant's; default: the dashboard's key).
+function reviewForm(data, t) {
+  const note = h("input", { type: "text", class: "review-comment", placeholder: "correction (optional)", maxlength: "8000" });
+  const key = h("input", { type: "password", class: "review-key", placeholder: "proxy key (default: this page's)" });
+  const result = h("span", { class: "review-result muted" });
+  const send = async (score) => {
+    const hdrs = { "Content-Type": "application/json" };
+    const k = key.value.trim() || S.key;
+    if (k) hdrs.Authorization = `Bearer ${k}`;
+    if (data.tenant !== null) hdrs["X-Tenant-Id"] = data.tenant;
+    const body = { session_id: data.session_id, turn_index: t.turn_index, score };
+    if (note.value.trim()) body.comment = note.value.trim();
+    S.reviewsInFlight = (S.reviewsInFlight || 0) + 1;
+    let r, j;
+    try {
+      r = await fetch("/api/feedback", { method: "POST", headers: hdrs, body: JSON.stringify(body) });
+      j = await r.json().catch(() => ({}));
+    } catch (e) {
+      result.textContent = `not sent: ${e.message}`;
+      return;
+    } finally { S.reviewsInFlight -= 1; }
+    result.textContent = r.ok ? `sent: ${num(j.score, 0)} (${j.id})` : `refused (${r.status}): ${(j.error && j.error.message) || ""}`;
+    if (r.ok) { note.value = ""; key.value = ""; }  // the live refresh then shows it among the turn's feedback
+  };
+  return h("div", { class: "review", dataset: { turnIndex: t.turn_index } },
+    h("button", { type: "button", class: "thumb-up", onclick: () => send(1) }, "👍"),
+    h("button", { type: "button", class: "thumb-down", onclick: () => send(-1) }, "👎"), note, key, result);
+}
+
 // ---------------------------------------------------------------- routing and live updates
-function showSessionOf(hash) {  // "#/session/<id>?tenant=<t>": the session page of (tenant, id)
+function showSessionOf(hash, live = false) {  // "#/session/<id>?tenant=<t>": the session page of (tenant, id)
   const [path, query] = hash.slice("#/session/".length).split("?");
-  return renderSession(decodeURIComponent(path), new URLSearchParams(query || "").get("tenant"));
+  return renderSession(decodeURIComponent(path), new URLSearchParams(query || "").get("tenant"), live);
 }
 
 function route() {
@@ -344,7 +393,7 @@ function onOverview(o) {
   if (hash === "#/" || hash === "") renderOverview(o);
   else if (Date.now() - S.lastRefresh > 2000) {  // browser pages refresh on change, at most every 2 s
     S.lastRefresh = Date.now();
-    if (hash.startsWith("#/session/")) showSessionOf(hash);  // the live refresh keeps the tenant
+    if (hash.startsWith("#/session/")) { if (!reviewing()) showSessionOf(hash, true); }  // keeps the tenant; never under a reviewer's typing
     else refreshSessions().catch(() => {});
   }
 }
