@@ -35,7 +35,7 @@ def vllm_url():
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the vLLM tests: {why}")
         pytest.skip(why)
-    with running_vllm(MODEL) as url:
+    with running_vllm(MODEL, enable_lora=False) as url:  # the teacher scores here too: no LoRA (docs/vllm.md)
         yield url
 
 
@@ -150,3 +150,41 @@ def test_full_weight_sync_under_load(vllm_url, kafka_config, tmp_path):
         want = hf_logprobs(folders[t.policy_version], list(t.prompt_token_ids) + list(t.response_token_ids),
                            len(t.prompt_token_ids))
         assert list(t.response_logprobs) == pytest.approx(want, abs=2e-4), t.policy_version
+
+
+def test_thumbs_down_with_a_correction_trains_on_vllm(vllm_url, kafka_config):
+    """Issue 40 on the vLLM path: a client's thumbs-down with a correction on a turn vLLM served
+    gives a sample with reward -1 from the feedback and the correction as the OPD hint, its
+    teacher log-probs vLLM's own scoring of the hinted prompt (built here from the recorded ids)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.models import resolve_model
+    from pipeline.testing.judge import JudgeThread
+    from tests.e2e.test_signal_reference_e2e import hinted_prompt_ids, score
+
+    c = _config(kafka_config)
+    comment = "Answer with the name of one river only."
+    msgs = [{"role": "user", "content": "Which river flows through Paris?"}]
+    with running_proxy(c, vllm_url) as (url, app):
+        r = httpx.post(url + CHAT, json={"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 1.0},
+                       headers={"X-Session-Id": "fb-vllm"}, timeout=60)
+        assert r.status_code == 200, r.text
+        fb = httpx.post(url + "/v1/feedback", json={"response_id": r.json()["id"], "score": -1, "comment": comment},
+                        timeout=30)
+        assert fb.status_code == 200, fb.text
+        msgs += [r.json()["choices"][0]["message"], {"role": "user", "content": "No."}]
+        httpx.post(url + CHAT, json={"model": MODEL, "messages": msgs, "max_tokens": 4},
+                   headers={"X-Session-Id": "fb-vllm", "X-Session-Done": "true"}, timeout=60).raise_for_status()
+        assert app.publisher.wait_idle(10)
+    turn = next(t for t in _turns(c, 2) if t.turn_index == 0)
+    cj = c.replace(judge={"backend": "llm", "url": vllm_url, "mode": "combine", "group_id": f"{c.topics.prefix}judge",
+                          "retries": 0}, engine={"teacher_url": vllm_url})
+    with JudgeThread(cj):
+        samples = read_events(cj, "samples", lambda out: any(s.turn_index == 0 for s in out), timeout_s=120)
+    s = next(x for x in samples if x.turn_index == 0)
+    assert (s.reward, s.reward_source, s.hint, s.hint_source) == (-1.0, "feedback", comment, "feedback")
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
+    want = score(vllm_url, hinted_prompt_ids(tok, list(turn.prompt_token_ids), comment),
+                 list(turn.response_token_ids), 1.0, "vllm")
+    assert list(s.teacher_log_probs) == pytest.approx(want, abs=1e-4)
+    assert list(s.rollout_log_probs) == list(turn.response_logprobs)
