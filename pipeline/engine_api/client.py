@@ -364,15 +364,7 @@ class EngineClient:
                        prompt: str | None = None, add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """Prompt ids of chat ``messages`` (chat template + tools) or of a plain ``prompt``
         (``POST /v1/tokenize``). SGLang documents that this may differ from its chat path."""
-        body: dict[str, Any] = dict(extra)
-        if messages is not None:
-            body.update(messages=messages, add_generation_prompt=add_generation_prompt)
-            if tools:
-                body["tools"] = tools
-        elif prompt is not None:
-            body["prompt"] = prompt
-        else:
-            raise ValueError("give messages or prompt")
+        body = tokenize_body(messages, tools, prompt, add_generation_prompt, extra)
         return list((await self._request("POST", "/v1/tokenize", body))["tokens"])
 
     # ---- weights & control -----------------------------------------------------------------------
@@ -433,6 +425,22 @@ class EngineClient:
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_request`` (prefix match on ``rid`` in SGLang's scheduler and here)."""
         await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, expect_json=False)
+
+
+def tokenize_body(messages: list[dict] | None, tools: list[dict] | None, prompt: str | None,
+                  add_generation_prompt: bool, extra: dict) -> dict:
+    """The body of a tokenize call (SGLang's ``/v1/tokenize``, vLLM's ``/tokenize``): chat
+    ``messages`` (+ ``tools``) or a plain ``prompt``. Raises ValueError when neither is given."""
+    body: dict[str, Any] = dict(extra)
+    if messages is not None:
+        body.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        if tools:
+            body["tools"] = tools
+    elif prompt is not None:
+        body["prompt"] = prompt
+    else:
+        raise ValueError("give messages or prompt")
+    return body
 
 
 def ask_once(base_url: str, call: Callable[[EngineClient], Awaitable[T]], timeout_s: float = 5.0,

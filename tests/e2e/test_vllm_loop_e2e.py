@@ -7,7 +7,6 @@ syncer reloads vLLM, and the proxy records the new version from vLLM's own answe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 from pipeline import events
 from pipeline.orchestrate.demo import read_topic
 from pipeline.orchestrate.up import start_stack
-from pipeline.testing.vllm import vllm_missing
+from pipeline.testing.vllm import require_vllm
 from tests.conftest import tiny_stack_config
 
 MODEL = "tiny-random-64"
@@ -36,11 +35,7 @@ def _simulate(stack, run_dir, tmp_path, sessions: int, tag: str) -> dict:
 
 @pytest.mark.slow(seconds=150)
 def test_loop_on_vllm_serves_the_trainers_weights(tmp_path):
-    why = vllm_missing()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the vLLM tests: {why}")
-        pytest.skip(why)
+    require_vllm()
     run_dir = tmp_path / "run"
     config = tiny_stack_config(run_dir, judge={"mode": "rl", "backend": "embedding", "idle_timeout_s": 5})
     config = config.replace(engine={"kind": "vllm", "model": MODEL, "context_length": 1024},

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from pipeline.engine_api.backend import adapter_model, engine_client
 from pipeline.engine_api.errors import EngineError
 from pipeline.engine_api.vllm import WeightsFolderError, check_weights_folder, serve_command, serve_env
 from pipeline.models import resolve_model
-from pipeline.testing.vllm import running_vllm, vllm_missing
+from pipeline.testing.vllm import require_vllm, running_vllm
 from pipeline.weightsync import sha256_file
 
 MODEL = "tiny-random-64"
@@ -117,11 +116,7 @@ def ids_and_logprobs(answer: dict) -> tuple[list[int], list[int], list[float]]:
 
 @pytest.fixture(scope="module")
 def vllm_url():
-    why = vllm_missing()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the vLLM tests: {why}")
-        pytest.skip(why)
+    require_vllm()
     with running_vllm(MODEL, max_lora_rank=16) as url:
         yield url
 

@@ -10,7 +10,6 @@ message, re-encoded, scored by the engine's ``/generate``).
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ from pipeline.testing.judge import JudgeThread, make_next_state, make_turn, shor
 from pipeline.testing.topics import publish, read_events
 
 from tests import reference_method as ref
+from tests.e2e.test_signal_reference_e2e import hinted_prompt_ids, score
 
 UP = "<<score: \\boxed{1}>>"
 
@@ -99,24 +99,6 @@ def test_weighted_rule_with_a_grace_window(kafka_config, judge_server):
 
 
 # ---- a comment is the OPD hint: the exact advantage of the reference ---------------------------------
-def hinted_prompt_ids(tokenizer, prompt_ids: list[int], hint: str) -> list[int]:
-    text = tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    assert tokenizer.encode(text, add_special_tokens=False) == list(prompt_ids)
-    start = text.rindex("<|im_start|>user\n")
-    end = text.index("<|im_end|>", start)
-    return tokenizer.encode(text[:end] + f"\n\n[Hint] {hint}" + text[end:], add_special_tokens=False)
-
-
-def score(engine_url: str, prompt: list[int], response: list[int], temperature: float) -> list[float]:
-    body = {"input_ids": prompt + response, "return_logprob": True, "logprob_start_len": len(prompt) - 1,
-            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
-    r = httpx.post(engine_url + "/generate", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    entries = r.json()["meta_info"]["input_token_logprobs"][-len(response):]
-    assert [e[1] for e in entries] == list(response)
-    return [float(e[0]) for e in entries]
-
-
 @pytest.mark.parametrize("mode", ["opd", "combine"])
 def test_comment_is_the_hint_with_the_references_opd_advantage(kafka_config, judge_server, tokenizer, renderer,
                                                                 mode):

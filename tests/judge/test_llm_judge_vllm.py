@@ -10,7 +10,6 @@ parsed (``tests/reference_method.py``), a vote that vLLM answered without a box 
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -19,7 +18,7 @@ from pipeline.judge.backends.llm import LLMBackend
 from pipeline.judge.evaluate import evaluate, load_rows
 from pipeline.judge.prompts import JudgeInput
 from pipeline.judge.parse import parse_score
-from pipeline.testing.vllm import running_vllm, vllm_missing
+from pipeline.testing.vllm import require_vllm, running_vllm
 from tests import reference_method as ref
 
 pytestmark = pytest.mark.slow
@@ -28,11 +27,7 @@ ROWS = "pipeline/judge/data/tools_everyday_next_states.jsonl"
 
 @pytest.fixture(scope="module")
 def judge_url():
-    why = vllm_missing()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the vLLM tests: {why}")
-        pytest.skip(why)
+    require_vllm()
     with running_vllm("smollm2-135m", enable_lora=False, max_model_len=4096) as url:
         yield url
 

@@ -10,7 +10,6 @@ temperature 1 whatever the request's temperature.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 from pipeline import events
 from pipeline.testing.proxy import running_proxy
 from pipeline.testing.topics import read_events
-from pipeline.testing.vllm import running_vllm, vllm_missing
+from pipeline.testing.vllm import require_vllm, running_vllm
 from pipeline.weightsync import sha256_file
 from tests.engine_api.test_vllm import MODEL, hf_logprobs, perturbed_copy
 from tests.syncer.syncing import new_syncer, publish, running, syncer_config
@@ -30,11 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vllm_url():
-    why = vllm_missing()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the vLLM tests: {why}")
-        pytest.skip(why)
+    require_vllm()
     with running_vllm(MODEL, enable_lora=False) as url:  # the teacher scores here too: no LoRA (docs/vllm.md)
         yield url
 
