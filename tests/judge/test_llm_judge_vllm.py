@@ -34,7 +34,7 @@ def judge_url():
 
 def _backend(url: str, **judge):
     cfg = load_config(None, judge={"backend": "llm", "url": url, "model": "smollm2-135m", "votes": 3,
-                                   "max_tokens": 64, "retries": 0, "vote_timeout_s": 120, **judge})
+                                   "max_tokens": 48, "retries": 0, "vote_timeout_s": 120, **judge})
     return LLMBackend(cfg)
 
 
@@ -72,7 +72,7 @@ def test_votes_are_real_answers_and_the_verdict_is_their_majority(judge_url):
 
 
 def test_labelled_rows_run_to_their_figures(judge_url):
-    rows = load_rows(ROWS)[:12]
+    rows = load_rows(ROWS)[:6]
     backend = _backend(judge_url)
 
     async def go():
