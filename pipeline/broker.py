@@ -221,7 +221,7 @@ class EmbeddedBroker(LocalBroker):
                  data_dir: str | os.PathLike | None = None, stop_grace_s: float = 2.0) -> None:
         super().__init__(port=port, host=host, log_file=log_file, data_dir=data_dir)
         self.stop_grace_s = stop_grace_s
-        self.store: ObjectStore | None = None
+        self.store: ObjectStore | None = None  # started by start() when durable
 
     @property
     def storage(self) -> str:

@@ -133,7 +133,8 @@ class LocalBroker:
         log_file: append the broker's log here.
         data_dir: durable storage in this folder, ``flock``-ed while the broker runs.
 
-    Subclasses set ``kind`` and ``version`` and implement ``start``, ``alive`` and ``stop``.
+    Subclasses set ``kind`` and ``version`` and implement ``storage``, ``start``, ``alive`` and
+    ``stop``; ``store`` is the object store of a durable Tansu broker (None otherwise).
     """
 
     kind = "?"
@@ -146,6 +147,7 @@ class LocalBroker:
         self.log_file = log_file
         self.data_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
         self.proc: subprocess.Popen | None = None
+        self.store = None  # Tansu's object store when durable (pipeline.broker.ObjectStore); Kafka: none
         self.started_in_s = float("nan")
         self._lock_fd: int | None = None
         if self.data_dir is None and self.port is None:
@@ -179,6 +181,13 @@ class LocalBroker:
             return json.loads((self.data_dir / "broker.json").read_text())
         except (OSError, ValueError):
             return {}
+
+    @property
+    def storage(self) -> str:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        raise NotImplementedError
 
     def start(self, timeout_s: float = 120.0) -> "LocalBroker":
         raise NotImplementedError

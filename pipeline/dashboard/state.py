@@ -81,6 +81,7 @@ class DashboardState:
         self.session_ids: set[str | tuple[str, str]] = set()  # every session seen (also evicted ones)
         self.ended: set[str | tuple[str, str]] = set()
         self.turn_buckets: Counter = Counter()  # bucket start (s) -> main+side turns
+        self.housekeeping: Counter = Counter()  # "<agent>:<kind>" -> an agent's own upkeep calls (side turns)
         self.sample_buckets: Counter = Counter()
         # samples
         self.samples: dict[str, dict] = {}  # sample_id -> compact view (for the overview counters)
@@ -155,6 +156,10 @@ class DashboardState:
         self.counts[f"turns_{t.turn_type}"] += 1
         self.turn_buckets[ms // 1000 // BUCKET_S * BUCKET_S] += 1
         self._trim(self.turn_buckets)
+        if t.housekeeping:
+            self.housekeeping[t.housekeeping] += 1
+            if t.session_source == "housekeeping":  # named no session: counted, never listed as one
+                return
         self._session(t, ms).turns.append(views.turn_view(t, text=self.text))
 
     def _next_state(self, n: events.NextState, ts: int) -> None:
@@ -276,7 +281,8 @@ class DashboardState:
                            "positions": {f"{t}[{p}]": o for (t, p), o in sorted(self.positions.items())}},
                 "traffic": {
                     "turns": self.counts["turns"], "main_turns": self.counts["turns_main"],
-                    "side_turns": self.counts["turns_side"], "next_states": self.counts["next_states"],
+                    "side_turns": self.counts["turns_side"], "housekeeping": dict(self.housekeeping),
+                    "next_states": self.counts["next_states"],
                     "session_ends": self.counts["session_ends"], "sessions": len(self.session_ids),
                     "sessions_open": len(self.session_ids - self.ended), "waiting": self._waiting(),
                     "turns_timeline": sorted(self.turn_buckets.items()),

@@ -45,6 +45,8 @@ class SessionMeta:
         done: the client says this request ends the session.
         source: ``header`` or ``body`` (where ``session_id`` came from), None without one.
         warnings: ``(field, reason)`` of each session id ignored (``empty``, ``template``).
+        housekeeping: the agent's own upkeep the request was recognised as
+            (:mod:`pipeline.proxy.housekeeping`; then ``turn_type`` is ``side``), None otherwise.
     """
 
     session_id: str | None
@@ -52,6 +54,7 @@ class SessionMeta:
     done: bool
     source: str | None = None
     warnings: list = field(default_factory=list)
+    housekeeping: Any = None
 
 
 def _is_int(v: Any) -> bool:
