@@ -195,6 +195,8 @@ class Scraper:
             "judge_unjudged": by_label(j, "pipeline_judge_unjudged_turns_total", "reason"),
             "trainer_policy_version": total(t, "pipeline_trainer_policy_version"),
             "trainer_steps": total(t, "pipeline_trainer_steps_total"),
+            "trainer_batch_size": total(t, "pipeline_trainer_batch_size"),
+            "trainer_batch_counted": total(t, "pipeline_trainer_batch_counted"),
             "engine_weight_version": total(e, "pipeline_engine_weight_version"),
         }
         if not lag:  # the stages' own view (committed position vs high watermark)

@@ -168,8 +168,8 @@ def test_a_housekeeping_turn_must_be_side():
 
 
 def test_the_dashboard_counts_housekeeping_and_lists_no_session_for_it():
-    """A housekeeping turn that named no session is counted, never listed as a session nor as
-    open; one in a real session is a side turn of it."""
+    """A housekeeping turn is counted; it is a side turn of a session listed for its conversation,
+    never a session of its own (nor open)."""
     from pipeline.bus import Record
     from pipeline.config import load_config
     from pipeline.dashboard.state import DashboardState
@@ -179,11 +179,14 @@ def test_the_dashboard_counts_housekeeping_and_lists_no_session_for_it():
            events.Turn(session_id="housekeeping:openclaw", turn_type="side", session_source="housekeeping",
                        housekeeping="openclaw:compaction"),
            events.Turn(session_id="openclaw:a", turn_type="side", session_source="header",
-                       housekeeping="openclaw:heartbeat")]
+                       housekeeping="openclaw:heartbeat"),
+           # OpenClaw runs its memory flush in an internal session of its own: not a conversation either
+           events.Turn(session_id="openclaw:internal-session-effects-1", turn_type="side",
+                       session_source="marker:openclaw", housekeeping="openclaw:memory")]
     for i, ev in enumerate(evs):
         state.apply(Record("turns", 0, i, ev.session_id, ev, events.now_ms()))
     t = state.overview()["traffic"]
-    assert (t["sessions"], t["sessions_open"], t["main_turns"], t["side_turns"]) == (1, 1, 1, 2)
-    assert t["housekeeping"] == {"openclaw:compaction": 1, "openclaw:heartbeat": 1}
+    assert (t["sessions"], t["sessions_open"], t["main_turns"], t["side_turns"]) == (1, 1, 1, 3)
+    assert t["housekeeping"] == {"openclaw:compaction": 1, "openclaw:heartbeat": 1, "openclaw:memory": 1}
     assert [s["session_id"] for s in state.sessions_list()] == ["openclaw:a"]
     assert [x["housekeeping"] for x in state.session("openclaw:a")["turns"]] == [None, "openclaw:heartbeat"]

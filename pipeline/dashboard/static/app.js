@@ -125,7 +125,8 @@ function buildOverview() {
         tile("n-kind-opdrl", "opd+rl"), tile("n-masked-share", "masked share"), tile("n-trained", "trained"),
         tile("n-reward-mean", "reward mean (unmasked)"), tile("n-duplicates", "duplicate deliveries"))),
     card("Trainer health", "Per trainer step, from the metrics topic: loss; KL to the reference (kl) and between old and new policy (ppo_kl); entropy; PPO clip fraction; mean |train − rollout| log-prob of the sampled tokens (nats: mismatch between trainer and inference engine); step and sync time.",
-      [h("div", { class: "tiles" }, tile("n-steps", "steps"), tile("n-version", "policy version"),
+      [h("div", { class: "tiles" }, tile("n-steps", "steps"), tile("n-next-step", "next step needs (samples)"),
+        tile("n-version", "policy version"),
         tile("n-last-loss", "last loss"), tile("n-last-mismatch", "last mismatch (nats)")),
        h("div", { class: "charts" }, chart("loss", "loss", ["loss"]), chart("kl", "KL", ["kl", "ppo_kl"]),
          chart("entropy", "entropy (nats/token)", ["entropy"]), chart("clip", "clip fraction", ["pg_clipfrac"]),
@@ -148,6 +149,14 @@ function table(headersRow, rows) {
   return h("table", {}, h("tr", {}, headersRow.map((x) => h("th", {}, x))), rows.map((r) => h("tr", {}, r.map((x) => h("td", {}, x)))));
 }
 function replace(id, node) { const el = $(id); if (el) { el.textContent = ""; el.appendChild(node); } }
+
+// "3 more (13 of 16)": from the trainer's own count when it serves metrics, else from the topics
+function nextStep(tr, live) {
+  const size = live.trainer_batch_size || tr.batch_size;
+  const have = live.trainer_batch_counted !== null && live.trainer_batch_counted !== undefined && live.trainer_batch_size
+    ? live.trainer_batch_counted : Math.min(tr.waiting, size);
+  return `${num(Math.max(0, size - have))} more (${num(have)} of ${num(size)})`;
+}
 
 function renderOverview(o) {
   if (!S.built || !$("n-sessions")) buildOverview();
@@ -183,6 +192,7 @@ function renderOverview(o) {
 
   const steps = o.trainer.steps, sx = steps.map((r) => r.step), col = (k) => steps.map((r) => (r[k] === undefined ? null : r[k]));
   setText("n-steps", num(steps.length));
+  setText("n-next-step", nextStep(o.trainer, live));
   const last = steps[steps.length - 1];
   setText("n-version", num(last ? last.policy_version : live.trainer_policy_version));
   setText("n-last-loss", num(last && last.loss, 4)); setText("n-last-mismatch", num(last && last.logprob_abs_diff, 4));
