@@ -150,6 +150,9 @@ def _check_home(name: str, tenant: str | None, turns: list, samples: list) -> No
             or f"Note {name}-" in json.dumps(getattr(e, "messages", []))]
     main = [e for e in mine if isinstance(e, events.Turn) and e.turn_type == "main"]
     assert {t.session_id for t in main} == set(ids), f"{name}: proxy sessions {sorted({t.session_id for t in main})}"
+    # the plugin is active for a --local user: the proxy saw its header; without it, OpenClaw's footer
+    want_source = "header" if name == "plugin" else "marker:openclaw"
+    assert {t.session_source for t in main} == {want_source}, f"{name}: {sorted({t.session_source for t in main})}"
     by_session = defaultdict(list)
     for t in main:
         by_session[t.session_id].append(t.turn_index)
