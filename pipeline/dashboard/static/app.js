@@ -111,6 +111,7 @@ function buildOverview() {
     card("Traffic", "Turns the proxy recorded on the turns topic, sessions, and main turns still waiting for their next state (the user's reply or tool result the judge needs).",
       [h("div", { class: "tiles" }, tile("n-rps", "requests/s (proxy, live)"), tile("n-sessions", "sessions"),
         tile("n-sessions-open", "open"), tile("n-main-turns", "main turns"), tile("n-side-turns", "side turns"),
+        tile("n-housekeeping", "agent housekeeping (side, never trained)"),
         tile("n-next-states", "next states"), tile("n-session-ends", "session ends"),
         tile("n-waiting", "waiting for next state"), tile("n-judge-waiting", "judge: sessions waiting")),
        chart("traffic", "turns and samples per second", ["turns/s", "samples/s"], { time: true })], true),
@@ -164,6 +165,8 @@ function renderOverview(o) {
   setText("n-rps", num(live.requests_per_s, 2));
   setText("n-sessions", num(t.sessions)); setText("n-sessions-open", num(t.sessions_open));
   setText("n-main-turns", num(t.main_turns)); setText("n-side-turns", num(t.side_turns));
+  const hk = t.housekeeping || {};
+  setText("n-housekeeping", Object.keys(hk).length ? Object.entries(hk).map(([k, v]) => `${k.split(":").pop()} ${num(v)}`).join(", ") : "0");
   setText("n-next-states", num(t.next_states)); setText("n-session-ends", num(t.session_ends));
   setText("n-waiting", num(t.waiting)); setText("n-judge-waiting", num(live.judge_sessions_waiting));
   const bs = t.bucket_s || 10;
