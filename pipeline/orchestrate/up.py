@@ -158,22 +158,23 @@ CHAT_BATCH = 4
 #: padded tokens per micro-batch under the chat default: an agent's long prompts (OpenClaw's are
 #: ~3,200 tokens) go through the forward pass one at a time, short chats several at once
 CHAT_MICRO_TOKENS = 4096
+#: settings of the chat default besides the batch (each unless the config sets it): attention
+#: scores recomputed in the backward pass (an agent's ~3,000-token prompts otherwise need over
+#: 15 GiB for one SmolLM2 sample on the CPU; trainer.recompute_attention)
+CHAT_TRAINER = {"micro_batch_tokens": CHAT_MICRO_TOKENS, "recompute_attention": True}
 
 
 def batch_settings(config: Config, batch_size: int | None) -> dict:
     """``trainer`` settings for ``pipeline up``: ``--batch-size``, else the config's own
     ``rollout_batch_size`` when it sets one (file, ``--set`` or environment), else
-    :data:`CHAT_BATCH`; with the chat default also :data:`CHAT_MICRO_TOKENS` when the config does
-    not cap micro-batches itself."""
+    :data:`CHAT_BATCH`; with the chat default also :data:`CHAT_TRAINER`'s settings that the
+    config does not set itself."""
     given = config.trainer.model_fields_set
     if batch_size is not None:
         return {"rollout_batch_size": batch_size}
     if "rollout_batch_size" in given:
         return {}
-    out: dict = {"rollout_batch_size": CHAT_BATCH}
-    if "micro_batch_tokens" not in given:
-        out["micro_batch_tokens"] = CHAT_MICRO_TOKENS
-    return out
+    return {"rollout_batch_size": CHAT_BATCH, **{k: v for k, v in CHAT_TRAINER.items() if k not in given}}
 
 
 def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
