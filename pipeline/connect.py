@@ -13,6 +13,13 @@ as a custom OpenAI-compatible provider (see docs/openclaw.md):
   ``agents.defaults.contextInjection: never``, ``skipBootstrap: true``, ``skills: []`` — OpenClaw's
   default request is ~12.9k prompt tokens, this profile ~3.2k.
 
+It then says whether the plugin of ``integrations/openclaw`` is installed for this config
+(:func:`plugin_state`: linked in ``plugins.load.paths`` and not disabled); every ``openclaw agent
+--local`` command loads it at start (OpenClaw's "Saved for the next Gateway start" concerns a
+running Gateway only). ``--check`` proves it: one real OpenClaw turn in a fresh session, and the
+proxy's ``pipeline_proxy_session_source_total`` says whether the session id came from the
+plugin's header or from OpenClaw's prompt footer (:func:`plugin_check`).
+
 Every other setting of the file is kept. The file may be JSON5 (comments, unquoted keys): it is
 read with ``json5`` and written back as JSON (comments are not kept), after a copy of the old
 file is saved as ``<file>.bak-<first 12 hex of its sha256>`` (same content, same name).
@@ -25,6 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import httpx
 from pipeline.errors import PipelineError
@@ -32,6 +40,8 @@ from pipeline.errors import PipelineError
 HELP = "write the running stack's proxy into an agent's config (openclaw)"
 MIN_CONTEXT = 4000  # OpenClaw refuses a model whose contextWindow is smaller
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "integrations" / "openclaw"
+PLUGIN_ID = "openclaw-pipeline-rl"
+CHECK_TIMEOUT_S = 900  # one OpenClaw turn: seconds on a GPU, minutes with SmolLM2 on a busy CPU
 
 
 class ConnectError(PipelineError, RuntimeError):
@@ -53,6 +63,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-prompt-profile", action="store_true",
                         help="keep OpenClaw's own prompt settings (tools, skills, bootstrap, context injection)")
     parser.add_argument("--dry-run", action="store_true", help="print the merged config instead of writing it")
+    parser.add_argument("--check", action="store_true",
+                        help="then send one OpenClaw turn (openclaw agent --local, a fresh session, ended at once) "
+                             "and report whether the proxy saw the plugin's session header")
 
 
 def openclaw_config_path(explicit: str | None = None) -> Path:
@@ -154,6 +167,83 @@ def write_config(path: Path, data: dict, old_text: str | None) -> Path | None:
     return backup
 
 
+def plugin_state(config: dict) -> tuple[bool, str]:
+    """``(installed, one line)``: whether ``config`` links this repository's plugin (a
+    ``plugins.load.paths`` entry holding ``openclaw.plugin.json`` with id :data:`PLUGIN_ID`) and
+    does not disable it (``plugins.enabled``, ``plugins.entries.<id>.enabled``)."""
+    plugins = config.get("plugins") if isinstance(config.get("plugins"), dict) else {}
+    paths = (plugins.get("load") or {}).get("paths") if isinstance(plugins.get("load"), dict) else None
+    linked = [p for p in paths or [] if isinstance(p, str) and _is_plugin_dir(Path(p).expanduser())]
+    entry = (plugins.get("entries") or {}).get(PLUGIN_ID) if isinstance(plugins.get("entries"), dict) else None
+    disabled = plugins.get("enabled") is False or (isinstance(entry, dict) and entry.get("enabled") is False)
+    if linked and not disabled:
+        return True, (f"plugin {PLUGIN_ID}: installed ({linked[0]}); every `openclaw agent --local` command loads "
+                      "it (OpenClaw's 'Saved for the next Gateway start' is about a running Gateway); "
+                      "`pipeline connect openclaw --check` proves it with one turn")
+    if linked:
+        return False, f"plugin {PLUGIN_ID}: linked but disabled in this config (plugins.entries.{PLUGIN_ID}.enabled)"
+    return False, (f"plugin {PLUGIN_ID}: not installed (optional; the proxy reads OpenClaw's session footer "
+                   f"without it): openclaw plugins install -l {PLUGIN_DIR} --force --accept-capabilities")
+
+
+def _is_plugin_dir(path: Path) -> bool:
+    try:
+        return json.loads((path / "openclaw.plugin.json").read_text()).get("id") == PLUGIN_ID
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def session_sources(proxy_url: str, api_key: str) -> dict[str, float]:
+    """The proxy's ``pipeline_proxy_session_source_total`` by ``source`` (empty when unreadable)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{proxy_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10.0).text
+        return {s.labels.get("source", ""): s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "pipeline_proxy_session_source_total"}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def plugin_check(proxy_url: str, api_key: str, turn: Callable[[str], None]) -> tuple[bool | None, str]:
+    """Run ``turn(session_id)`` (one OpenClaw turn in a fresh session) and tell from the proxy's
+    session-source counters whether its request carried the plugin's header: ``(True, line)``
+    (``header``), ``(False, line)`` (OpenClaw's footer, ``marker:openclaw``), ``(None, line)``
+    (neither moved: another client's traffic in between, or the proxy's metrics unreadable).
+    The session is ended at the proxy afterwards (one turn with no next state: never trained)."""
+    sid = f"pipeline-connect-check-{os.urandom(4).hex()}"
+    before = session_sources(proxy_url, api_key)
+    turn(sid)
+    after = session_sources(proxy_url, api_key)
+    httpx.post(f"{proxy_url}/v1/sessions/openclaw:{sid}/end", headers={"Authorization": f"Bearer {api_key}"},
+               timeout=10.0)
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("header", "marker:openclaw")}
+    if moved["header"] > 0 and moved["marker:openclaw"] == 0:
+        return True, f"check: the proxy saw the plugin's X-Session-Id (session openclaw:{sid}): the plugin is active"
+    if moved["marker:openclaw"] > 0 and moved["header"] == 0:
+        return False, (f"check: the proxy took session openclaw:{sid} from OpenClaw's prompt footer, not from the "
+                       "plugin's header: the plugin is not active for this OpenClaw config")
+    return None, f"check: inconclusive (session-source counters moved {moved}; other traffic, or no metrics)"
+
+
+def _openclaw_turn(config_path: Path) -> Callable[[str], None]:
+    """One ``openclaw agent --local`` turn against the config at ``config_path``."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("openclaw")
+    if exe is None:
+        raise ConnectError("--check needs the openclaw command on PATH (deploy/install.sh puts it in .venv/bin)")
+
+    def turn(session_id: str) -> None:
+        env = {**os.environ, "OPENCLAW_CONFIG_PATH": str(config_path)}
+        out = subprocess.run([exe, "agent", "--local", "--session-id", session_id, "-m", "Reply with OK.", "--json"],
+                             env=env, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+        if out.returncode != 0:
+            raise ConnectError(f"--check: openclaw agent exited with {out.returncode}: {out.stderr.strip()[-300:]}")
+    return turn
+
+
 def _target(args) -> tuple[str, dict]:
     """(proxy URL, stack.json's model) from the flags or the running stack."""
     from pipeline.stack import find_stack
@@ -192,9 +282,15 @@ def connect(args) -> int:
           f"{args.provider}/{model_id} (context {window}, replies <= {args.max_tokens} tokens)"
           + ("" if args.no_prompt_profile else ", small-model prompt profile")
           + (f"; previous file saved as {backup}" if backup else ""))
-    if PLUGIN_DIR.is_dir():
-        print(f"optional, per-request session ids: openclaw plugins install -l {PLUGIN_DIR} --force "
-              "--accept-capabilities")
+    installed, line = plugin_state(merged)
+    print(line)
+    if args.check:
+        print(f"check: one OpenClaw turn through {proxy_url} (up to {CHECK_TIMEOUT_S // 60} minutes on a CPU) ...",
+              flush=True)
+        active, line = plugin_check(proxy_url, args.api_key, _openclaw_turn(path))
+        print(line)
+        if active is False and installed:
+            return 1
     print("try it: openclaw agent --local --session-id demo -m 'Hello'")
     return 0
 

@@ -287,7 +287,8 @@ class Event:
 FINISHED = ("stop", "length", "tool_calls", "function_call")
 
 #: which rule of the proxy decided a turn's session (``Turn.session_source``; docs/sessions.md)
-SESSION_SOURCES = ("header", "body", "previous_response", "marker:openclaw", "user", "continuation", "new")
+SESSION_SOURCES = ("header", "body", "previous_response", "marker:openclaw", "user", "continuation", "new",
+                   "housekeeping")
 
 
 @dataclass
@@ -328,6 +329,11 @@ class Turn(Event):
     completions, ``resp_...`` from ``/v1/responses``, ``msg_...`` from ``/v1/messages``): what a
     ``feedback`` refers to (``docs/feedback.md``); None for imported turns, turns whose engine
     gave no id and records written before this field.
+    ``housekeeping``: ``<agent>:<kind>`` when the proxy recognised the request as an agent's own
+    upkeep (``openclaw:compaction``, ``:title``, ``:memory``, ``:heartbeat``;
+    :mod:`pipeline.proxy.housekeeping`): always a ``side`` turn, never trained. Its session is the
+    one the request names, else ``housekeeping:<agent>`` (``session_source`` ``housekeeping``).
+    None for every other turn (and in records written before this field).
     """
 
     TYPE: ClassVar[str] = "turn"
@@ -355,8 +361,11 @@ class Turn(Event):
     tenant: str | None = _f("str", None, optional=True, domain=_ident)
     adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
     response_id: str | None = _f("str", None, optional=True, domain=_short)
+    housekeeping: str | None = _f("str", None, optional=True, domain=_short)
 
     def validate(self) -> None:
+        if self.housekeeping is not None and self.turn_type != "side":
+            raise MalformedEvent(f"turn.housekeeping ({self.housekeeping}) is only for side turns")
         if self.session_source is not None and self.session_source not in SESSION_SOURCES:
             raise MalformedEvent(f"turn.session_source must be one of {'|'.join(SESSION_SOURCES)}, "
                                  f"got {self.session_source!r}")

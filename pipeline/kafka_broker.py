@@ -51,7 +51,7 @@ import uuid
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.broker import BrokerError, EmbeddedBroker, _kill_leftover, _log_tail, _stop_proc, _write_pid, wait_ready
+from pipeline.local_broker import BrokerError, LocalBroker, kill_leftover, log_tail, stop_proc, wait_ready, write_pid
 from pipeline.procutil import free_port, port_free
 
 KAFKA_VERSION = "4.1.1"
@@ -215,7 +215,7 @@ def format_log_dir(log_dir: Path, java: str, classpath: str) -> None:
     os.replace(tmp_meta, meta)
 
 
-class KafkaBroker(EmbeddedBroker):
+class KafkaBroker(LocalBroker):
     """An Apache Kafka broker (single-node KRaft) subprocess on ``host:port``.
 
     Args:
@@ -230,7 +230,7 @@ class KafkaBroker(EmbeddedBroker):
         fast_start: C1-only JIT and a class-data archive (see :meth:`_start_opts`): a start
             3-4x faster on a busy 2-core machine, at some cost in peak throughput.
 
-    Same interface as :class:`pipeline.broker.EmbeddedBroker` (``bootstrap``, ``start``, ``stop``,
+    Same interface as :class:`pipeline.broker.EmbeddedBroker` (both are :class:`pipeline.local_broker.LocalBroker`) (``bootstrap``, ``start``, ``stop``,
     ``alive``, ``started_in_s``). Raises :class:`BrokerError` from :meth:`start`.
     """
 
@@ -307,7 +307,7 @@ class KafkaBroker(EmbeddedBroker):
             if self.data_dir is not None:
                 self._lock()
                 base = self.data_dir
-                _kill_leftover(base / "kafka.pid")
+                kill_leftover(base / "kafka.pid")
                 state = self._state()
             else:
                 self._tmp = tempfile.mkdtemp(prefix="pipeline-kafka-")
@@ -325,7 +325,7 @@ class KafkaBroker(EmbeddedBroker):
                 if out is not subprocess.DEVNULL:
                     out.close()
             if self.data_dir is not None:
-                _write_pid(base / "kafka.pid", self.proc, f"kafka.Kafka {props}")
+                write_pid(base / "kafka.pid", self.proc, f"kafka.Kafka {props}")
                 self._save_state()
         except BaseException:
             self.stop()
@@ -342,7 +342,7 @@ class KafkaBroker(EmbeddedBroker):
             wait_ready(self.bootstrap, timeout_s, alive=lambda: self.proc.poll() is None)
         except BrokerError as e:
             self.stop()
-            raise BrokerError(f"Apache Kafka: {e}\n{_log_tail(self.log_file)}") from None
+            raise BrokerError(f"Apache Kafka: {e}\n{log_tail(self.log_file)}") from None
         except BaseException:
             self.stop()
             raise
@@ -376,7 +376,7 @@ class KafkaBroker(EmbeddedBroker):
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM (controlled shutdown), SIGKILL after ``timeout_s`` (default ``stop_timeout_s``);
         a temporary log folder is removed."""
-        _stop_proc(self.proc, self.stop_timeout_s if timeout_s is None else timeout_s)
+        stop_proc(self.proc, self.stop_timeout_s if timeout_s is None else timeout_s)
         if self._jsa_tmp is not None:
             if self.proc is not None and self.proc.returncode in (0, 143) and self._jsa_tmp.exists():
                 os.replace(self._jsa_tmp, kafka_home() / "kafka.jsa")

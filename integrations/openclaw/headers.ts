@@ -76,3 +76,42 @@ export class RunTable {
 export function sessionEndUrl(baseUrl: string, sessionId: string): string {
   return `${baseUrl.replace(/\/+$/, "")}/sessions/${encodeURIComponent(proxySessionId(sessionId))}/end`;
 }
+
+/**
+ * Sessions whose compaction is in flight (`before_compaction` .. `after_compaction`), with the
+ * time it started. OpenClaw's summarisation calls carry no `sessionId` in their options: while
+ * exactly one compaction runs in this process, such a call is that session's (a side turn);
+ * with none or several it goes out with `X-Turn-Type: side` only, and the proxy also recognises
+ * it from its prompt. An entry older than `maxAgeMs` is ignored (a failed compaction emits no
+ * `after_compaction`).
+ */
+export class Compactions {
+  private readonly started = new Map<string, number>();
+  private readonly maxAgeMs: number;
+  private readonly now: () => number;
+
+  constructor(maxAgeMs = 15 * 60_000, now: () => number = Date.now) {
+    this.maxAgeMs = maxAgeMs;
+    this.now = now;
+  }
+
+  begin(sessionId: string | undefined): void {
+    if (sessionId) this.started.set(sessionId, this.now());
+  }
+
+  end(sessionId: string | undefined): void {
+    if (sessionId) this.started.delete(sessionId);
+  }
+
+  /** How many sessions compact now (entries past their time dropped). */
+  count(): number {
+    const now = this.now();
+    for (const [id, t] of this.started) if (now - t > this.maxAgeMs) this.started.delete(id);
+    return this.started.size;
+  }
+
+  /** The one session compacting now, or undefined (none, or several: not to be told apart). */
+  only(): string | undefined {
+    return this.count() === 1 ? this.started.keys().next().value : undefined;
+  }
+}

@@ -3,8 +3,10 @@
 // OpenClaw conversation.
 //
 //   X-Session-Id: openclaw:<sessionId>   every request (the id OpenClaw passes to the transport)
-//   X-Turn-Type: side                    requests of heartbeat, memory and cron runs, and direct
-//                                        completions outside an agent run (compaction summaries)
+//   X-Turn-Type: side                    requests of heartbeat, memory and cron runs, direct
+//                                        completions outside an agent run, and calls without a
+//                                        session id while a compaction runs (its summaries: they
+//                                        get that session's id when only one session compacts)
 //   POST <baseUrl>/sessions/openclaw:<sessionId>/end   (X-Session-Done: true) when OpenClaw ends
 //                                        or resets a session (session_end: new, reset, idle,
 //                                        daily, deleted; not shutdown, restart or compaction)
@@ -13,7 +15,7 @@
 // trigger of the run in flight in that session (RunTable, owned by this plugin instance): no
 // module-level state is shared between concurrent runs.
 
-import { ENDING_REASONS, RunTable, requestHeaders, sessionEndUrl } from "./headers.ts";
+import { Compactions, ENDING_REASONS, RunTable, requestHeaders, sessionEndUrl } from "./headers.ts";
 
 type Options = { sessionId?: string; headers?: Record<string, string> } & Record<string, unknown>;
 type StreamFn = (model: unknown, context: unknown, options?: Options) => unknown;
@@ -29,10 +31,15 @@ type Api = {
 };
 
 /** A stream function that adds this request's headers, then calls `inner`. */
-function labelled(inner: StreamFn, runs: RunTable, side: boolean): StreamFn {
+function labelled(inner: StreamFn, runs: RunTable, compactions: Compactions, side: boolean): StreamFn {
   return (model, context, options) => {
-    const sessionId = typeof options?.sessionId === "string" ? options.sessionId : undefined;
-    const extra = requestHeaders(sessionId, runs.trigger(sessionId), side);
+    let sessionId = typeof options?.sessionId === "string" ? options.sessionId : undefined;
+    let housekeeping = side;
+    if (sessionId === undefined && compactions.count() > 0) {
+      sessionId = compactions.only();  // a summarisation call of the compaction in flight
+      housekeeping = true;
+    }
+    const extra = requestHeaders(sessionId, runs.trigger(sessionId), housekeeping);
     if (Object.keys(extra).length === 0) return inner(model, context, options);
     return inner(model, context, { ...options, headers: { ...options?.headers, ...extra } });
   };
@@ -57,13 +64,14 @@ async function endSession(api: Api, providerId: string, sessionId: string): Prom
 export function register(api: Api): void {
   const providerId = typeof api.pluginConfig?.provider === "string" ? api.pluginConfig.provider : "pipeline";
   const runs = new RunTable();
+  const compactions = new Compactions();
   api.registerProvider({
     id: providerId,
     label: "openclaw-pipeline proxy",
     auth: [],
-    wrapStreamFn: (ctx: WrapContext) => (ctx.streamFn ? labelled(ctx.streamFn, runs, false) : undefined),
+    wrapStreamFn: (ctx: WrapContext) => (ctx.streamFn ? labelled(ctx.streamFn, runs, compactions, false) : undefined),
     wrapSimpleCompletionStreamFn: (ctx: WrapContext) =>
-      (ctx.streamFn ? labelled(ctx.streamFn, runs, true) : undefined),
+      (ctx.streamFn ? labelled(ctx.streamFn, runs, compactions, true) : undefined),
   });
   api.on("before_prompt_build", (_event: unknown, ctx: AgentContext) => {
     if (ctx?.sessionId) runs.start(ctx.sessionId, ctx.runId, ctx.trigger);
@@ -72,6 +80,8 @@ export function register(api: Api): void {
   api.on("agent_end", (event: { runId?: string }, ctx: AgentContext) => {
     runs.end(ctx?.sessionId, event?.runId ?? ctx?.runId);
   });
+  api.on("before_compaction", (_event: unknown, ctx: AgentContext) => { compactions.begin(ctx?.sessionId); });
+  api.on("after_compaction", (_event: unknown, ctx: AgentContext) => { compactions.end(ctx?.sessionId); });
   api.on("session_end", async (event: { sessionId?: string; reason?: string }) => {
     if (event?.sessionId && ENDING_REASONS.has(event.reason ?? "")) {
       await endSession(api, providerId, event.sessionId);

@@ -7,7 +7,7 @@ import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
 import { test } from "node:test";
 
-import { RunTable, requestHeaders, sessionEndUrl } from "./headers.ts";
+import { Compactions, RunTable, requestHeaders, sessionEndUrl } from "./headers.ts";
 import plugin from "./index.ts";
 
 type Handler = (event: any, ctx: any) => unknown;
@@ -67,6 +67,34 @@ test("a request without a session id goes out unchanged; direct completions are 
   provider.wrapSimpleCompletionStreamFn({ streamFn: inner })("m", "c", { sessionId: "s" });
   assert.deepEqual(seen[1].headers, { "X-Session-Id": "openclaw:s", "X-Turn-Type": "side" });
   assert.equal(provider.wrapStreamFn({}), undefined);
+});
+
+test("a call without a session id during one session's compaction is that session's side turn", async () => {
+  const { provider, seen, inner, fire } = load();
+  const stream = provider.wrapStreamFn({ streamFn: inner });
+  await fire("before_compaction", { messageCount: 9 }, { sessionId: "a" });
+  stream("m", "c", {});
+  assert.deepEqual(seen[0].headers, { "X-Session-Id": "openclaw:a", "X-Turn-Type": "side" });
+  stream("m", "c", { sessionId: "a" });  // the agent's own call keeps its id and is not side
+  assert.deepEqual(seen[1].headers, { "X-Session-Id": "openclaw:a" });
+  await fire("before_compaction", { messageCount: 9 }, { sessionId: "b" });
+  stream("m", "c", {});  // two compactions at once: no id, still side
+  assert.deepEqual(seen[2].headers, { "X-Turn-Type": "side" });
+  await fire("after_compaction", {}, { sessionId: "a" });
+  await fire("after_compaction", {}, { sessionId: "b" });
+  const opts = { temperature: 1 };
+  stream("m", "c", opts);  // no compaction: unchanged
+  assert.equal(seen[3], opts);
+});
+
+test("a compaction that never ended is forgotten after its time", () => {
+  let now = 0;
+  const c = new Compactions(1000, () => now);
+  c.begin("a");
+  assert.equal(c.only(), "a");
+  now = 1001;
+  assert.equal(c.only(), undefined);
+  assert.equal(c.count(), 0);
 });
 
 test("ending or resetting a session ends it at the proxy; a shutdown does not", async () => {

@@ -197,6 +197,8 @@ class Scraper:
             "judge_late_feedback": by_label(j, "pipeline_judge_late_feedback_total", "reason"),
             "trainer_policy_version": total(t, "pipeline_trainer_policy_version"),
             "trainer_steps": total(t, "pipeline_trainer_steps_total"),
+            "trainer_batch_size": total(t, "pipeline_trainer_batch_size"),
+            "trainer_batch_counted": total(t, "pipeline_trainer_batch_counted"),
             "engine_weight_version": total(e, "pipeline_engine_weight_version"),
         }
         if not lag:  # the stages' own view (committed position vs high watermark)

@@ -82,6 +82,7 @@ class DashboardState:
         self.session_ids: set[str | tuple[str, str]] = set()  # every session seen (also evicted ones)
         self.ended: set[str | tuple[str, str]] = set()
         self.turn_buckets: Counter = Counter()  # bucket start (s) -> main+side turns
+        self.housekeeping: Counter = Counter()  # "<agent>:<kind>" -> an agent's own upkeep calls (side turns)
         self.sample_buckets: Counter = Counter()
         # samples
         self.samples: dict[str, dict] = {}  # sample_id -> compact view (for the overview counters)
@@ -156,6 +157,10 @@ class DashboardState:
         self.counts[f"turns_{t.turn_type}"] += 1
         self.turn_buckets[ms // 1000 // BUCKET_S * BUCKET_S] += 1
         self._trim(self.turn_buckets)
+        if t.housekeeping:  # an agent's own upkeep: counted; a side turn of a session listed for its
+            self.housekeeping[t.housekeeping] += 1  # conversation, never a session of its own (OpenClaw
+            if events.session_of(t) not in self.sessions:  # runs memory flushes in internal sessions)
+                return
         self._session(t, ms).turns.append(views.turn_view(t, text=self.text))
 
     def _next_state(self, n: events.NextState, ts: int) -> None:
@@ -283,7 +288,8 @@ class DashboardState:
                            "positions": {f"{t}[{p}]": o for (t, p), o in sorted(self.positions.items())}},
                 "traffic": {
                     "turns": self.counts["turns"], "main_turns": self.counts["turns_main"],
-                    "side_turns": self.counts["turns_side"], "next_states": self.counts["next_states"],
+                    "side_turns": self.counts["turns_side"], "housekeeping": dict(self.housekeeping),
+                    "next_states": self.counts["next_states"],
                     "session_ends": self.counts["session_ends"], "sessions": len(self.session_ids),
                     "sessions_open": len(self.session_ids - self.ended), "waiting": self._waiting(),
                     "turns_timeline": sorted(self.turn_buckets.items()),
@@ -296,7 +302,7 @@ class DashboardState:
                             "masked_share": masked / len(samples) if samples else None,
                             "duplicates": self.duplicate_samples, "trained": len(self.trained),
                             "reward_mean": sum(trained_rewards) / len(trained_rewards) if trained_rewards else None},
-                "trainer": {"steps": steps},
+                "trainer": {"steps": steps, **self._next_step()},
                 "syncs": syncs,
                 "evaluations": [v for _, v in sorted(self.evaluations.items(), key=lambda kv: kv[0][1])],
                 "dlq": {"counts": {t: self.dlq_counts.get(t, 0) for t in sorted(set(self.dlq_counts) | set(
@@ -306,6 +312,17 @@ class DashboardState:
             }
         out.update(extra or {})
         return out
+
+    def _next_step(self) -> dict:
+        """How far the next trainer step is, from the topics: ``batch_size``
+        (``trainer.rollout_batch_size``), ``waiting``: trainable samples (loss mask 1; with
+        ``trainer.count_masked_samples`` every sample) no step took yet, ``needs``: how many more
+        the next step waits for. An estimate: samples the trainer drops (stale, duplicates) count
+        here; the trainer's own count is ``live.trainer_batch_counted`` when it serves metrics."""
+        tc = self.config.trainer
+        waiting = sum(1 for sid, x in self.samples.items()
+                      if (x["loss_mask"] or tc.count_masked_samples) and sid not in self.trained)
+        return {"batch_size": tc.rollout_batch_size, "waiting": waiting, "needs": max(0, tc.rollout_batch_size - waiting)}
 
     def _dlq_topics(self) -> list[str]:
         return [self.config.topics.dlq(n) for n in ("turns", "samples", "control", "metrics")]

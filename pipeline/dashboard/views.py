@@ -140,6 +140,7 @@ def turn_view(t: events.Turn, text: bool = False, arrays: bool = False) -> dict:
         "turn_type": t.turn_type, "turn_index": t.turn_index,
         "request_id": t.request_id, "response_id": getattr(t, "response_id", None),
         "session_source": t.session_source, "created_at": t.created_at,
+        "housekeeping": getattr(t, "housekeeping", None),
         "policy_version": t.policy_version,
         "model": t.model, "source": t.source, "engine_id": t.engine_id, "finish_reason": t.finish_reason,
         "sampling": t.sampling, "messages": [message_view(m, text) for m in t.messages or []],

@@ -15,17 +15,15 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import orjson
 
+from pipeline.engine_api.calls import EngineCalls
 from pipeline.engine_api.errors import EngineError
 from pipeline.engine_api.schema import CHAT_FIELDS, fields_with
 from pipeline.engine_api.tools import ToolStreamParser
 from pipeline.sampling import with_generation_defaults
-
-if TYPE_CHECKING:
-    from pipeline.engine_api.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class GenerateChatStream:
         info: the engine's ``/server_info``.
     """
 
-    def __init__(self, client: EngineClient, body: dict, info: dict) -> None:
+    def __init__(self, client: EngineCalls, body: dict, info: dict) -> None:
         self.client, self.body, self.info = client, body, info
         self.tools = chat_tools(body)
         self.want_lp = bool(body.get("logprobs"))

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.engine_api.errors import EngineError
-from pipeline.orchestrate.demo import (Simulator, signal_all, demo_config, engine_version, read_topic, shut_down,
-                                       summarize_topics, trainer_steps, trainer_summary)
+from pipeline.orchestrate.demo_common import (Simulator, demo_config, engine_version, read_topic, shut_down, signal_all,
+                                              summarize_topics, trainer_steps, trainer_summary)
 from pipeline.orchestrate.tenant_report import USERS, curves, summary_lines, tenant_verdicts
 from pipeline.orchestrate.up import Stack, start_or_status, start_stack
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.orchestrate.demo import wilson_interval
+from pipeline.orchestrate.demo_common import wilson_interval
 
 
 @dataclass(frozen=True)

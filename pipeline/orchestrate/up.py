@@ -103,6 +103,10 @@ def add_arguments(parser) -> None:
                              "vllm (vLLM's OpenAI server from deploy/install-vllm.sh's venv; docs/vllm.md)")
     parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], help="judge.mode")
     parser.add_argument("--no-trainer", action="store_true", help="serve and judge only (collect data)")
+    parser.add_argument("--batch-size", type=int, metavar="N",
+                        help=f"samples per trainer step (trainer.rollout_batch_size); default {CHAT_BATCH} unless the "
+                             "config sets it: one person's chat of ten turns gives two steps (a bigger batch gives "
+                             "steadier updates and needs more traffic)")
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the web dashboard")
     parser.add_argument("--dashboard-port", type=int, help="port of the web dashboard (default: a free one)")
     parser.add_argument("--proxy-port", type=int, help="port of the proxy URL clients use (default: a free one); "
@@ -150,6 +154,32 @@ def replica_names(stage: str, n: int) -> list[str]:
     return [stage] if n == 1 else [f"{stage}-{i}" for i in range(n)]
 
 
+#: ``pipeline up``'s samples per trainer step when neither ``--batch-size`` nor the config says: a
+#: person chatting with their agent sees a step within a few turns (each turn is judged when the
+#: next one arrives), where ``trainer.rollout_batch_size``'s default of 16 needs 17 turns
+CHAT_BATCH = 4
+#: padded tokens per micro-batch under the chat default: an agent's long prompts (OpenClaw's are
+#: ~3,200 tokens) go through the forward pass one at a time, short chats several at once
+CHAT_MICRO_TOKENS = 4096
+#: settings of the chat default besides the batch (each unless the config sets it): attention
+#: scores recomputed in the backward pass (an agent's ~3,000-token prompts otherwise need over
+#: 15 GiB for one SmolLM2 sample on the CPU; trainer.recompute_attention)
+CHAT_TRAINER = {"micro_batch_tokens": CHAT_MICRO_TOKENS, "recompute_attention": True}
+
+
+def batch_settings(config: Config, batch_size: int | None) -> dict:
+    """``trainer`` settings for ``pipeline up``: ``--batch-size``, else the config's own
+    ``rollout_batch_size`` when it sets one (file, ``--set`` or environment), else
+    :data:`CHAT_BATCH`; with the chat default also :data:`CHAT_TRAINER`'s settings that the
+    config does not set itself."""
+    given = config.trainer.model_fields_set
+    if batch_size is not None:
+        return {"rollout_batch_size": batch_size}
+    if "rollout_batch_size" in given:
+        return {}
+    return {"rollout_batch_size": CHAT_BATCH, **{k: v for k, v in CHAT_TRAINER.items() if k not in given}}
+
+
 def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
     """``config`` with ``pipeline up``'s flags and the run folder's paths (a validated copy)."""
     engine: dict = {"model": args.model} if args.model else {}
@@ -159,7 +189,8 @@ def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
         engine["kind"] = args.engine_kind
     return config.replace(
         engine=engine, judge={"mode": args.judge_mode} if args.judge_mode else {},
-        trainer={**({"model": args.model} if args.model else {}), "checkpoint_dir": str(run_dir / "checkpoints"),
+        trainer={**({"model": args.model} if args.model else {}), **batch_settings(config, getattr(args, "batch_size", None)),
+                 "checkpoint_dir": str(run_dir / "checkpoints"),
                  "export_dir": str(run_dir / "weights"), "metrics_file": str(run_dir / "trainer_metrics.jsonl")})
 
 
@@ -618,9 +649,20 @@ def status_line(stack: Stack) -> str:
             f" | requests {total('proxy', 'pipeline_proxy_requests_total')}"
             f" | samples {total('judge', 'pipeline_judge_samples_total')}"
             f" | trainer steps {total('trainer', 'pipeline_trainer_steps_total')}"
-            f" | policy version {total('trainer', 'pipeline_trainer_policy_version')}"
+            + _next_step_part(stack)
+            + f" | policy version {total('trainer', 'pipeline_trainer_policy_version')}"
             + (f" | syncs failed {failed}" if (failed := syncs_failed(stack)) else "")
             + f" | restarts {sum(stack.supervisor.restarts().values())}")
+
+
+def _next_step_part(stack: Stack) -> str:
+    """`` (next step: 3 more samples)`` from the trainer's batch gauges; empty when it serves none."""
+    for url in _stage_urls(stack, "trainer"):
+        values = scrape(url)
+        size, counted = values.get("pipeline_trainer_batch_size"), values.get("pipeline_trainer_batch_counted")
+        if size and counted is not None:
+            return f" (next step: {max(0, size - counted):.0f} more samples)"
+    return ""
 
 
 def start_interruptibly(stop: threading.Event, start: Callable[[], Stack]) -> Stack:
@@ -698,6 +740,10 @@ def run(args, config: Config) -> int:
     model = json.loads(stack_file.read_text()).get("model") or {}
     print(f"stack: {stack_file} (model {model.get('id')}, context {model.get('context_window')} tokens); "
           "`pipeline tail`, `pipeline connect openclaw` ... find it there", flush=True)
+    if not args.no_trainer:
+        print(f"trainer: one step per {config.trainer.rollout_batch_size} judged samples (--batch-size); a turn is "
+              "judged when the next one arrives; the status line and the dashboard say how many the next step "
+              "still needs", flush=True)
     print("point an OpenAI client at the proxy (headers X-Session-Id, X-Turn-Type, X-Session-Done); Ctrl-C stops",
           flush=True)
     fatal: list[StageFailed] = []

@@ -25,6 +25,10 @@ no session id                  derived (``docs/sessions.md``, :mod:`pipeline.pro
                                (default, as above), ``skip`` (served, not recorded) or
                                ``reject`` (400); counted in
                                ``pipeline_proxy_requests_without_session_total``
+an agent's own housekeeping    OpenClaw's compaction, title, memory-flush or heartbeat prompt
+                               (:mod:`pipeline.proxy.housekeeping`): a side turn marked
+                               ``housekeeping``, whatever ``X-Turn-Type`` says; without a
+                               claimed id its session is ``housekeeping:<agent>``
 an unfilled id (``${VAR}``)    ignored with an ``x-session-warning`` header; the next rule decides
 ``X-Tenant-Id: <tenant>``      the request's tenant when ``proxy.tenants`` (API key -> tenant)
                                is empty; with a key map the key decides and a header that

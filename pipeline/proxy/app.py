@@ -71,6 +71,7 @@ from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, error_body, generation_aborted,
                                    upstream_error)
 from pipeline.proxy.feedback import IndexedTurn, TurnIndex, answer, feedback_event, not_found, parse_feedback
+from pipeline.proxy.housekeeping import recognise
 from pipeline.proxy.identity import Chain, Conversations, Tenants, claim, prompt_chain
 from pipeline.proxy.messages import MessagesDoor
 from pipeline.proxy.names import ServedModels, base_cards
@@ -95,6 +96,15 @@ _DONE = b"data: [DONE]\n\n"
 
 def _nothing() -> None:
     pass
+
+
+def _mark_housekeeping(meta: SessionMeta, messages: list) -> None:
+    """An agent's own housekeeping call (:mod:`pipeline.proxy.housekeeping`) is a side turn
+    whatever the client said: ``meta`` says so, and it is counted."""
+    hk = recognise(messages)
+    if hk is not None:
+        meta.housekeeping, meta.turn_type = hk, "side"
+        M.HOUSEKEEPING.labels(hk.agent, hk.kind).inc()
 
 
 @dataclass(slots=True)
@@ -395,6 +405,7 @@ class ProxyApp:
             req = json_body(await self._read_body(headers, receive))
             meta = session_meta(headers, req, self.pc.default_turn_type, scope.get("previous_session"))
             check_request(req)
+            _mark_housekeeping(meta, req["messages"])
             served = await self.names.resolve(req.get("model"))  # 404 model_not_found for other names
             if served is not None:
                 req["model"] = served  # what the turn records: the id the engine serves
@@ -428,6 +439,10 @@ class ProxyApp:
         claimed, source = claim(meta.session_id, meta.source, req["messages"], req.get("user"), warnings)
         for f, why in warnings:
             M.SESSION_IDS_IGNORED.labels(f, why).inc()
+        if claimed is None and meta.housekeeping is not None:  # never a conversation of its own
+            if self.pc.anonymous == "skip":
+                return None, warnings
+            claimed, source = meta.housekeeping.session_id, "housekeeping"
         if claimed is None:
             M.WITHOUT_SESSION.inc()
             if self.pc.anonymous == "reject":
@@ -658,7 +673,8 @@ class ProxyApp:
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
             logprob_temperature=temperature if logprobs else None, logprob_processors=processors,
             session_source=route.source, tenant=route.tenant, adapter=adapter,
-            response_id=route.response_prefix + route.rid)
+            response_id=route.response_prefix + route.rid,
+            housekeeping=meta.housekeeping.label if meta.housekeeping is not None else None)
         if finished and turn_index is not None:
             content, calls, prefix = rec.response.get("content"), rec.response.get("tool_calls"), _continued_prefix(user_view)
             self.sessions.complete(sid, turn_index, content, calls, prefix=prefix, request_id=route.rid,

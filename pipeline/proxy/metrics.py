@@ -23,7 +23,11 @@ WITHOUT_SESSION = Counter("pipeline_proxy_requests_without_session_total",
                           "user field): sessions derived by continuation, or skipped/rejected per proxy.anonymous")
 SESSION_SOURCE = Counter("pipeline_proxy_session_source_total",
                          "Recorded requests by the rule that decided their session: header, body, marker:<agent>, "
-                         "user, continuation, new", ["source"])
+                         "user, continuation, new, housekeeping", ["source"])
+HOUSEKEEPING = Counter("pipeline_proxy_housekeeping_total",
+                       "Requests recognised as an agent's own housekeeping (compaction, title, memory flush, "
+                       "heartbeat; pipeline.proxy.housekeeping): recorded as side turns, never trained",
+                       ["agent", "kind"])
 SESSION_IDS_IGNORED = Counter("pipeline_proxy_session_ids_ignored_total",
                               "Session values that are not ids (unfilled template, empty, invalid), by field; the "
                               "request is served under the next rule and the response says so in x-session-warning",

@@ -48,6 +48,8 @@ class SessionMeta:
         warnings: ``(field, reason)`` of each session id ignored (``empty``, ``template``).
         outcome: the session's outcome score in [-1, 1] (``X-Session-Outcome`` or the body's
             ``session_outcome``, read only with ``done``); None: none reported.
+        housekeeping: the agent's own upkeep the request was recognised as
+            (:mod:`pipeline.proxy.housekeeping`; then ``turn_type`` is ``side``), None otherwise.
     """
 
     session_id: str | None
@@ -56,6 +58,7 @@ class SessionMeta:
     source: str | None = None
     warnings: list = field(default_factory=list)
     outcome: float | None = None
+    housekeeping: Any = None
 
 
 def _is_int(v: Any) -> bool:

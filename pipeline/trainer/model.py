@@ -155,7 +155,8 @@ def _skip_init(tensor: torch.Tensor) -> None:
     """
 
 
-def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, cuda: bool = False):
+def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, cuda: bool = False,
+                       recompute_attention: bool = False):
     """Megatron ``TransformerConfig`` for ``arch``.
 
     CPU (``cuda=False``): fp32, every fusion off, CPU initialisation (docs/environment.md §3). GPU: the
@@ -164,7 +165,10 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
     the masked-softmax fusion stays off because it needs Megatron's compiled kernels, which a
     plain ``pip install megatron-core`` lacks. ``dtype`` bf16 enables Megatron's mixed-precision
     path. Dropout is 0 (RL
-    fine-tuning). Sequence parallel stays off (it does not run on the CPU).
+    fine-tuning). Sequence parallel stays off (it does not run on the CPU). ``recompute_attention``:
+    Megatron's selective recompute of core attention (``trainer.recompute_attention``): the
+    attention scores are recomputed in the backward pass instead of kept, the same gradients with
+    far less memory for long sequences (the scores are quadratic in the length).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -182,11 +186,12 @@ def transformer_config(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda, apply_rope_fusion=te, persist_layer_norm=False,
         cuda_graph_scope=[],  # no CUDA graphs; the default "full" is deprecated and warns
+        **({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]} if recompute_attention else {}),
     )
 
 
 def build_model(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                local_spec: bool = False):
+                local_spec: bool = False, recompute_attention: bool = False):
     """An uninitialised Megatron ``GPTModel`` of shape ``arch`` (load weights with :func:`load_hf_weights`).
 
     Call :func:`pipeline.trainer.dist.init` first. Uses the Transformer Engine layer spec on CUDA
@@ -203,7 +208,7 @@ def build_model(arch: Arch, tp: int = 1, dtype: torch.dtype = torch.float32, dev
     arch.check_tp(tp)
     device = device or torch.device("cpu")
     cuda = device.type == "cuda"
-    cfg = transformer_config(arch, tp, dtype, cuda)
+    cfg = transformer_config(arch, tp, dtype, cuda, recompute_attention)
     if cuda and have_transformer_engine() and not local_spec:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:

@@ -226,7 +226,8 @@ class PolicyTrainer:
         self.arch = M.Arch.from_hf(self.hf_dir)
         self.dtype = resolve_dtype(cfg.dtype, par.device)
         t0 = time.perf_counter()
-        self.model = M.build_model(self.arch, par.tp, self.dtype, par.device, local_spec=cfg.lora is not None)
+        self.model = M.build_model(self.arch, par.tp, self.dtype, par.device, local_spec=cfg.lora is not None,
+                                   recompute_attention=cfg.recompute_attention)
         M.load_hf_weights(self.model, self.hf_dir, self.arch)
         #: what an optimizer step can update: ``None`` -> the whole model (full fine-tuning), or
         #: adapter name -> that adapter (``trainer.lora``); ``_unit`` is the one being trained

@@ -14,6 +14,10 @@ SKIPPED = Counter("pipeline_trainer_skipped_steps_total", "Steps that changed no
 POLICY_VERSION = Gauge("pipeline_trainer_policy_version", "Policy version of the trainer's weights (syncs so far)")
 SAMPLES = Counter("pipeline_trainer_samples_total", "Samples consumed, by outcome",
                   ["outcome"])  # trained, masked, duplicate, stale_dropped, dead_letter, no_tenant, frozen, unknown_adapter
+BATCH_SIZE = Gauge("pipeline_trainer_batch_size", "Samples a step needs (trainer.rollout_batch_size)")
+BATCH_COUNTED = Gauge("pipeline_trainer_batch_counted",
+                      "Samples counted toward the next step so far (one shared batch; not set with "
+                      "trainer.per_tenant)")
 LOSS = Gauge("pipeline_trainer_loss", "Loss of the last step (NaN: no trainable sample)")
 REWARD = Gauge("pipeline_trainer_reward_mean", "Mean reward of the last batch's trained samples with a reward "
                "(NaN: none)")

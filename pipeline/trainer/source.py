@@ -40,6 +40,7 @@ from pipeline.bus import DeadLetterError, Offset, TopicReader
 from pipeline.config import Config
 from pipeline.trainer import batch as B
 from pipeline.trainer import loss as L
+from pipeline.trainer import prom
 from pipeline.trainer.buffers import Held, TenantBuffers
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,8 @@ class SampleSource:
         if self.tenants is not None:
             return self._next_tenant_batch(trainer_version, stop, idle)
         t0 = time.perf_counter()
+        prom.BATCH_SIZE.set(self.cfg.rollout_batch_size)
+        prom.BATCH_COUNTED.set(0)
         samples: list[events.Sample] = []
         weights: list[float] = []
         staleness: list[int] = []
@@ -227,6 +230,7 @@ class SampleSource:
                 continue
             seen_now.add(got[0].sample_id)
             samples.append(got[0])
+            prom.BATCH_COUNTED.set(len(samples))
             weights.append(got[1])
             if got[2] is not None:
                 staleness.append(got[2])

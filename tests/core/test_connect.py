@@ -113,3 +113,50 @@ def test_config_path_follows_openclaw_variables(tmp_path, monkeypatch):
     assert openclaw_config_path() == tmp_path / "c.json"
     assert openclaw_config_path(str(tmp_path / "x.json")) == tmp_path / "x.json"
     assert os.environ["HOME"] == str(tmp_path)
+
+
+def test_the_plugin_state_is_read_from_the_config(tmp_path):
+    """Installed = a plugins.load.paths folder holding this plugin's manifest, not disabled."""
+    from pipeline.connect import PLUGIN_DIR, PLUGIN_ID, plugin_state
+
+    assert plugin_state({})[0] is False and "openclaw plugins install -l" in plugin_state({})[1]
+    linked = {"plugins": {"load": {"paths": [str(PLUGIN_DIR)]}, "entries": {PLUGIN_ID: {"enabled": True}}}}
+    ok, line = plugin_state(linked)
+    assert ok and "installed" in line and "--local" in line
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "openclaw.plugin.json").write_text(json.dumps({"id": "someone-else"}))
+    assert plugin_state({"plugins": {"load": {"paths": [str(other)]}}})[0] is False
+    off = {"plugins": {"load": {"paths": [str(PLUGIN_DIR)]}, "entries": {PLUGIN_ID: {"enabled": False}}}}
+    assert plugin_state(off) == (False, plugin_state(off)[1]) and "disabled" in plugin_state(off)[1]
+    assert plugin_state({"plugins": {"enabled": False, "load": {"paths": [str(PLUGIN_DIR)]}}})[0] is False
+
+
+def test_the_check_tells_the_plugins_header_from_the_footer(kafka_config):
+    """``plugin_check`` against the real proxy: a turn sent as the plugin sends it (header) is
+    ``True``, one with only OpenClaw's footer ``False``; the check's session is ended."""
+    import httpx
+
+    from pipeline.connect import plugin_check
+    from pipeline.testing.proxy import stack
+
+    footer = "Runtime: agent=main | session=agent:main:main | sessionId={} | model=pipeline/m"
+
+    def turn(with_header: bool):
+        def send(sid: str) -> None:
+            msgs = [{"role": "user", "content": "Reply with OK.\n\n" + footer.format(sid)}]
+            headers = {"X-Session-Id": f"openclaw:{sid}"} if with_header else {}
+            assert httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": msgs}, headers=headers,
+                              timeout=30).status_code == 200
+        return send
+
+    with stack(kafka_config) as (url, app, _up):
+        active, line = plugin_check(url, "k", turn(True))
+        assert active is True and "plugin is active" in line
+        active, line = plugin_check(url, "k", turn(False))
+        assert active is False and "footer" in line
+        assert app.publisher.wait_idle(10)
+    from pipeline.testing.topics import read_events
+
+    ends = [e for e in read_events(kafka_config, "turns", 6, timeout_s=15) if e.TYPE == "session_end"]
+    assert len(ends) == 2 and all(e.session_id.startswith("openclaw:pipeline-connect-check-") for e in ends)

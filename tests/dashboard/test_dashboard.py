@@ -537,3 +537,26 @@ def test_a_finished_run_is_served_from_its_durable_broker_log(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
     assert not kafka_answers(bootstrap), "the broker it started stops with it"
+
+
+def test_the_overview_says_how_many_samples_the_next_step_still_needs():
+    """Trainable samples no step took yet count toward ``trainer.rollout_batch_size``; a masked one
+    does not (unless ``trainer.count_masked_samples``); a trained one no longer waits."""
+    from pipeline.bus import Record
+    from pipeline.config import load_config
+    from pipeline.dashboard.state import DashboardState
+
+    def fill(state):
+        for i, mask in enumerate((1, 1, 1, 0)):
+            s = events.Sample(sample_id=f"s:{i}:rl", session_id="s", turn_index=i, tokens=[1], response_length=1,
+                              rollout_log_probs=[-1.0], loss_mask=mask, reward=1.0 if mask else None)
+            state.apply(Record("samples", 0, i, "s", s, events.now_ms()))
+        return state.overview()["trainer"]
+
+    state = DashboardState(load_config(None, trainer={"rollout_batch_size": 4}))
+    assert {k: fill(state)[k] for k in ("batch_size", "waiting", "needs")} == {"batch_size": 4, "waiting": 3, "needs": 1}
+    state.apply(Record("metrics", 0, 9, None, events.TrainStep(step=1, trained={"s:0:rl": 0.5, "s:1:rl": -0.5},
+                                                                sample_ids=["s:0:rl", "s:1:rl"]), events.now_ms()))
+    assert (state.overview()["trainer"]["waiting"], state.overview()["trainer"]["needs"]) == (1, 3)
+    masked_count = DashboardState(load_config(None, trainer={"rollout_batch_size": 4, "count_masked_samples": True}))
+    assert fill(masked_count)["needs"] == 0

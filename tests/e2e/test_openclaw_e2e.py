@@ -16,6 +16,14 @@ turn trained; every turn, next state and sample of the tenant's session carries 
 sample ids start with ``alice/``), every record of the other two carries no tenant. The policy
 is the tiny random model with an 8,192-token window (OpenClaw refuses models under 4,000):
 plumbing, not quality; the judge is the real CPU embedding judge.
+
+Compaction is forced on in the plugin and plain homes (``agents.defaults.compaction`` with a
+small ``maxActiveTranscriptBytes``, ``keepRecentTokens`` and memory-flush threshold, and long
+enough messages): OpenClaw then sends its own summarisation calls (no session id) and runs
+memory flushes (in internal sessions of its own). Every such call must be a ``side`` turn marked
+``housekeeping``, no request the proxy recognises as housekeeping may be a main turn, no turn of
+these homes may be a main turn of a session other than the three conversations, and the
+dashboard's fold of the ``turns`` topic must list exactly those three sessions (issue 41).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from pipeline.models import resolve_model
 from pipeline.orchestrate.demo import read_topic
 from pipeline.orchestrate.up import start_stack
 from pipeline.procutil import free_port
+from pipeline.proxy.housekeeping import recognise
 
 ROOT = Path(__file__).resolve().parents[2]
 TURNS = 3
@@ -50,6 +59,12 @@ SESSIONS = ("alpha",)
 TENANT = "alice"
 #: each OpenClaw home and the tenant of its key (None: a key of ``proxy.api_keys``, no tenant)
 HOMES = {"plugin": None, "plain": None, "tenant": TENANT}
+#: homes with compaction forced on, and the settings (measured: with these and the messages'
+#: filler, a three-turn session compacts once and flushes memory twice)
+COMPACTING = ("plugin", "plain")
+COMPACTION = {"maxActiveTranscriptBytes": 2000, "keepRecentTokens": 200,
+              "memoryFlush": {"enabled": True, "forceFlushTranscriptBytes": 1500}}
+FILLER = " ".join(["Some background for the record, kept verbatim."] * 25)
 
 
 def _openclaw_dir() -> Path | None:
@@ -91,7 +106,15 @@ def _tiny_8k(tmp_path: Path) -> Path:
 
 
 def _message(home: str, session: str, k: int) -> str:
-    return f"Note {home}-{session}-{k}: please answer in a few words."
+    return f"Note {home}-{session}-{k}: please answer in a few words. {FILLER}"
+
+
+def _force_compaction(home: Path) -> None:
+    """``agents.defaults.compaction`` = :data:`COMPACTION` in the home's OpenClaw config (written by connect)."""
+    path = home / ".openclaw" / "openclaw.json"
+    cfg = json.loads(path.read_text())
+    cfg["agents"]["defaults"]["compaction"] = COMPACTION
+    path.write_text(json.dumps(cfg, indent=1))
 
 
 def _chat_round(homes: dict[str, dict], k: int) -> None:
@@ -127,6 +150,9 @@ def _check_home(name: str, tenant: str | None, turns: list, samples: list) -> No
             or f"Note {name}-" in json.dumps(getattr(e, "messages", []))]
     main = [e for e in mine if isinstance(e, events.Turn) and e.turn_type == "main"]
     assert {t.session_id for t in main} == set(ids), f"{name}: proxy sessions {sorted({t.session_id for t in main})}"
+    # the plugin is active for a --local user: the proxy saw its header; without it, OpenClaw's footer
+    want_source = "header" if name == "plugin" else "marker:openclaw"
+    assert {t.session_source for t in main} == {want_source}, f"{name}: {sorted({t.session_source for t in main})}"
     by_session = defaultdict(list)
     for t in main:
         by_session[t.session_id].append(t.turn_index)
@@ -153,6 +179,32 @@ def _check_home(name: str, tenant: str | None, turns: list, samples: list) -> No
     # every sample of these sessions is of a main turn: side turns (housekeeping) are never trained
     trained = {(s.session_id, s.turn_index) for s in mine_samples}
     assert trained <= {(t.session_id, t.turn_index) for t in main}, sorted(trained)
+
+
+def _check_housekeeping(turns: list) -> dict:
+    """OpenClaw's own calls (forced compaction, memory flushes) are side turns marked housekeeping,
+    never main turns nor sessions the dashboard lists; returns the housekeeping counts."""
+    all_turns = [e for e in turns if isinstance(e, events.Turn)]
+    kinds = defaultdict(int)
+    for t in all_turns:
+        hk = recognise(t.messages)
+        if hk is not None or t.housekeeping is not None:
+            assert hk is not None and t.turn_type == "side" and t.housekeeping == hk.label, \
+                (t.session_id, t.turn_type, t.housekeeping, hk)
+            kinds[t.housekeeping] += 1
+    assert kinds.get("openclaw:compaction", 0) >= 1, f"compaction was forced on but not seen: {dict(kinds)}"
+    main_sessions = {t.session_id for t in all_turns if t.turn_type == "main"}
+    want = {f"openclaw:{h}-{s}" for h in HOMES for s in SESSIONS}
+    assert main_sessions == want, sorted(main_sessions - want)
+    from pipeline.bus import Record
+    from pipeline.dashboard.state import DashboardState
+
+    state = DashboardState(load_config(None))
+    for i, ev in enumerate(turns):
+        state.apply(Record("turns", 0, i, getattr(ev, "session_id", None), ev, events.now_ms()))
+    listed = {s["session_id"] for s in state.sessions_list(limit=1000)}
+    assert listed == want, f"the dashboard lists {sorted(listed - want)} besides the conversations"
+    return dict(kinds)
 
 
 def _refused(proxy_url: str, key: str) -> None:
@@ -200,6 +252,8 @@ def test_openclaw_plugin_plain_and_tenant_homes_on_one_stack(tmp_path, monkeypat
             out = _run([sys.executable, "-m", "pipeline", "connect", "openclaw", "--max-tokens", "16",
                         "--api-key", key], env, 120)
             assert f"{stack.proxy_url}/v1" in out.stdout and "using the stack of" in out.stderr
+            if name in COMPACTING:
+                _force_compaction(tmp_path / name)
         with ThreadPoolExecutor(len(homes)) as pool:
             for done in [pool.submit(_run, ["openclaw", "config", "validate"], env, 120) for env in homes.values()]:
                 done.result()
@@ -213,6 +267,9 @@ def test_openclaw_plugin_plain_and_tenant_homes_on_one_stack(tmp_path, monkeypat
         stack.stop()
     for name, tenant in HOMES.items():
         _check_home(name, tenant, turns, samples)
+    housekeeping = _check_housekeeping(turns)
+    where = sorted({(t.session_id, t.housekeeping) for t in turns if isinstance(t, events.Turn) and t.housekeeping})
+    print(f"housekeeping calls: {housekeeping}; sessions: {where}")
     print(f"OpenClaw end to end: {time.monotonic() - t0:.0f} s (stack, plugin install, connect, validate "
           f"{t_chat - t0:.0f} s, {TURNS * len(SESSIONS) * len(homes)} agent turns {t_judged - t_chat:.0f} s, "
           f"judged {time.monotonic() - t_judged:.0f} s)")

@@ -234,3 +234,25 @@ def test_status_line_counts_failed_syncs_only_when_there_are_some(tmp_path):
         for server, thread in servers:
             server.shutdown()
             thread.join(timeout=5)
+
+
+def test_status_line_says_how_many_samples_the_next_step_still_needs(tmp_path):
+    """From the trainer's ``pipeline_trainer_batch_size`` and ``_batch_counted`` (issue 41);
+    nothing when the trainer serves neither."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    reg = CollectorRegistry()
+    size = Gauge("pipeline_trainer_batch_size", "x", registry=reg)
+    counted = Gauge("pipeline_trainer_batch_counted", "x", registry=reg)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=reg)
+    sup = Supervisor(tmp_path / "logs", policy=RestartPolicy(backoff_s=0.1, stable_s=0.5))
+    stack = Stack(config=None, run_dir=tmp_path, supervisor=sup, metrics={"trainer": f"http://127.0.0.1:{port}/metrics"})
+    try:
+        assert "next step" not in status_line(stack)  # batch size 0: not reading a batch yet
+        size.set(4)
+        counted.set(3)
+        assert "(next step: 1 more samples)" in status_line(stack)
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)

@@ -111,6 +111,7 @@ function buildOverview() {
     card("Traffic", "Turns the proxy recorded on the turns topic, sessions, and main turns still waiting for their next state (the user's reply or tool result the judge needs).",
       [h("div", { class: "tiles" }, tile("n-rps", "requests/s (proxy, live)"), tile("n-sessions", "sessions"),
         tile("n-sessions-open", "open"), tile("n-main-turns", "main turns"), tile("n-side-turns", "side turns"),
+        tile("n-housekeeping", "agent housekeeping (side, never trained)"),
         tile("n-next-states", "next states"), tile("n-session-ends", "session ends"),
         tile("n-waiting", "waiting for next state"), tile("n-judge-waiting", "judge: sessions waiting")),
        chart("traffic", "turns and samples per second", ["turns/s", "samples/s"], { time: true })], true),
@@ -127,7 +128,8 @@ function buildOverview() {
         tile("n-kind-opdrl", "opd+rl"), tile("n-masked-share", "masked share"), tile("n-trained", "trained"),
         tile("n-reward-mean", "reward mean (unmasked)"), tile("n-duplicates", "duplicate deliveries"))),
     card("Trainer health", "Per trainer step, from the metrics topic: loss; KL to the reference (kl) and between old and new policy (ppo_kl); entropy; PPO clip fraction; mean |train − rollout| log-prob of the sampled tokens (nats: mismatch between trainer and inference engine); step and sync time.",
-      [h("div", { class: "tiles" }, tile("n-steps", "steps"), tile("n-version", "policy version"),
+      [h("div", { class: "tiles" }, tile("n-steps", "steps"), tile("n-next-step", "next step needs (samples)"),
+        tile("n-version", "policy version"),
         tile("n-last-loss", "last loss"), tile("n-last-mismatch", "last mismatch (nats)")),
        h("div", { class: "charts" }, chart("loss", "loss", ["loss"]), chart("kl", "KL", ["kl", "ppo_kl"]),
          chart("entropy", "entropy (nats/token)", ["entropy"]), chart("clip", "clip fraction", ["pg_clipfrac"]),
@@ -151,12 +153,22 @@ function table(headersRow, rows) {
 }
 function replace(id, node) { const el = $(id); if (el) { el.textContent = ""; el.appendChild(node); } }
 
+// "3 more (13 of 16)": from the trainer's own count when it serves metrics, else from the topics
+function nextStep(tr, live) {
+  const size = live.trainer_batch_size || tr.batch_size;
+  const have = live.trainer_batch_counted !== null && live.trainer_batch_counted !== undefined && live.trainer_batch_size
+    ? live.trainer_batch_counted : Math.min(tr.waiting, size);
+  return `${num(Math.max(0, size - have))} more (${num(have)} of ${num(size)})`;
+}
+
 function renderOverview(o) {
   if (!S.built || !$("n-sessions")) buildOverview();
   const t = o.traffic, live = o.live || {}, j = o.judge, s = o.samples;
   setText("n-rps", num(live.requests_per_s, 2));
   setText("n-sessions", num(t.sessions)); setText("n-sessions-open", num(t.sessions_open));
   setText("n-main-turns", num(t.main_turns)); setText("n-side-turns", num(t.side_turns));
+  const hk = t.housekeeping || {};
+  setText("n-housekeeping", Object.keys(hk).length ? Object.entries(hk).map(([k, v]) => `${k.split(":").pop()} ${num(v)}`).join(", ") : "0");
   setText("n-next-states", num(t.next_states)); setText("n-session-ends", num(t.session_ends));
   setText("n-waiting", num(t.waiting)); setText("n-judge-waiting", num(live.judge_sessions_waiting));
   const bs = t.bucket_s || 10;
@@ -189,6 +201,7 @@ function renderOverview(o) {
 
   const steps = o.trainer.steps, sx = steps.map((r) => r.step), col = (k) => steps.map((r) => (r[k] === undefined ? null : r[k]));
   setText("n-steps", num(steps.length));
+  setText("n-next-step", nextStep(o.trainer, live));
   const last = steps[steps.length - 1];
   setText("n-version", num(last ? last.policy_version : live.trainer_policy_version));
   setText("n-last-loss", num(last && last.loss, 4)); setText("n-last-mismatch", num(last && last.logprob_abs_diff, 4));
