@@ -63,8 +63,8 @@ def vllm_server(model: str, threads: int, rank: int, log_dir: Path) -> Iterator[
     / ``serve_env``, LoRA on), waited for on ``/health``, stopped with its engine core on exit."""
     from pipeline.testing.vllm import running_vllm
 
-    with running_vllm(model, max_model_len=4096, max_lora_rank=rank, threads=threads,
-                      log_path=log_dir / "vllm.log") as url:
+    with running_vllm(model, max_model_len=4096, max_lora_rank=rank, threads=threads, start_timeout_s=600,
+                      log_path=log_dir / "vllm.log") as url:  # 600 s: once over 300 s on a busy 2-core machine
         yield url
 
 
