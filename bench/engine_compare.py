@@ -21,6 +21,9 @@ the cores), with LoRA enabled (rank ``--rank``), and is spoken to through
   waits for when the engine loads lazily), beside the same request on the base model just
   before the load. Each adapter is unloaded afterwards.
 
+vLLM's request figures include what VllmClient adds to every call, as in the proxy: a ``GET
+/weight_info`` before the request and one after its answer (the version bracket).
+
 Every figure is ``--repeats`` samples, printed as median (min-max); vLLM / ours ratios are of the
 medians. Nothing here asserts a speed.
 """

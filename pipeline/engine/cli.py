@@ -143,7 +143,8 @@ def exec_vllm(config) -> int:
     api_key = e.api_key.get_secret_value() if e.api_key is not None else None
     cmd = serve_command(python, folder, port, host=e.host, served_model_name=e.served_model_name or e.model,
                         max_model_len=e.context_length, enable_lora=e.enable_lora or bool(e.lora_paths),
-                        max_lora_rank=e.max_lora_rank, max_loras=e.max_loras_per_batch, api_key=api_key)
+                        max_lora_rank=e.max_lora_rank, max_loras=e.max_loras_per_batch, api_key=api_key,
+                        lora_modules=e.lora_paths or None)
     print(f"ENGINE READY http://{e.host}:{port} (vLLM; answers once /health does)", flush=True)
     os.execve(cmd[0], cmd, dict(os.environ, **serve_env(e.threads)))
     return 0  # not reached

@@ -84,12 +84,14 @@ def find_python(cache_dir: str | os.PathLike | None = None) -> Path:
 def serve_command(python: str | os.PathLike, model_dir: str | os.PathLike, port: int, *, host: str = "127.0.0.1",
                   served_model_name: str | None = None, max_model_len: int | None = None,
                   enable_lora: bool = False, max_lora_rank: int = 64, max_loras: int = 8,
-                  dtype: str = "float32", api_key: str | None = None) -> list[str]:
+                  dtype: str = "float32", api_key: str | None = None,
+                  lora_modules: dict[str, str] | None = None) -> list[str]:
     """The command line of one vLLM OpenAI server over the HF folder ``model_dir``.
 
     float32 by default: log-probs are compared with the trainer's (bf16 on a CPU is 0.2 nats off).
     ``--enable-auto-tool-choice --tool-call-parser hermes``: tool calls of SmolLM2's and Qwen's
-    templates (``tool_choice: "required"`` is refused without them).
+    templates (``tool_choice: "required"`` is refused without them). ``lora_modules``: adapters
+    loaded at start, name -> folder (``--lora-modules``).
     """
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", host, "--port", str(port), "--dtype", dtype,
@@ -98,8 +100,10 @@ def serve_command(python: str | os.PathLike, model_dir: str | os.PathLike, port:
         cmd += ["--served-model-name", served_model_name]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
-    if enable_lora:
+    if enable_lora or lora_modules:
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras)]
+    if lora_modules:  # adapters loaded at start (engine.lora_paths)
+        cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
@@ -136,7 +140,8 @@ def check_weights_folder(folder: str | os.PathLike, reference: str | os.PathLike
                          sha256: str | None = None) -> None:
     """Refuse a weights folder before vLLM sees it: ``model.safetensors``'s sha256 when given
     (:func:`pipeline.weightsync.verify_folder`), and, when ``reference`` (the served model's
-    folder) is readable here, the same tensor names, shapes and dtypes.
+    folder) is readable here, the same tensor names and shapes (not dtypes: an fp32 export of a
+    bf16 model is cast by vLLM as it loads).
 
     Raises:
         WeightsFolderError: missing, torn, another checksum, or tensors that do not fit.
@@ -159,11 +164,11 @@ def check_weights_folder(folder: str | os.PathLike, reference: str | os.PathLike
     if missing or extra:
         raise WeightsFolderError(f"{path}: tensors differ from the served model's (missing {missing[:3]}, "
                                  f"unexpected {extra[:3]})")
-    bad = [k for k in ref if ref[k] != new[k]]
+    bad = [k for k in ref if ref[k][0] != new[k][0]]  # the dtype may differ: vLLM casts on load
     if bad:
         k = bad[0]
-        raise WeightsFolderError(f"{path}: {len(bad)} tensors have another shape or dtype than the served "
-                                 f"model's, e.g. {k}: {new[k]} instead of {ref[k]}")
+        raise WeightsFolderError(f"{path}: {len(bad)} tensors have another shape than the served model's, "
+                                 f"e.g. {k}: {new[k][0]} instead of {ref[k][0]}")
 
 
 def _prompt_entry(entry: Any, token: int) -> tuple[float, list[tuple[int, float]]]:

@@ -131,6 +131,9 @@ def base() -> Path:
 
 def test_serve_command_has_what_the_client_needs(tmp_path):
     cmd = serve_command("/py", tmp_path, 1234, enable_lora=True, max_lora_rank=16, served_model_name="m")
+    with_adapters = serve_command("/py", tmp_path, 1, lora_modules={"alice@ab": "/a", "bob@cd": "/b"})
+    assert with_adapters[with_adapters.index("--lora-modules") + 1:][:2] == ["alice@ab=/a", "bob@cd=/b"]
+    assert "--enable-lora" in with_adapters
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     for flag in ("--enable-lora", "--enable-auto-tool-choice", "--served-model-name"):
         assert flag in cmd
@@ -160,7 +163,7 @@ def test_weights_folder_checks(tmp_path, base):
     sd = load_file(good / "model.safetensors")
     for name, change in (("missing", lambda d, k: d.pop(k)),
                          ("shape", lambda d, k: d.__setitem__(k, d[k][:-1])),
-                         ("dtype", lambda d, k: d.__setitem__(k, d[k].to(torch.float16)))):
+                         ("extra", lambda d, k: d.__setitem__(k + ".extra", d[k]))):
         bad = tmp_path / name
         shutil.copytree(good, bad)
         d = dict(sd)
@@ -168,6 +171,10 @@ def test_weights_folder_checks(tmp_path, base):
         save_file(d, bad / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(WeightsFolderError):
             check_weights_folder(bad, base)
+    half = tmp_path / "half"  # another dtype is no refusal: vLLM casts what it loads
+    shutil.copytree(good, half)
+    save_file({k: v.to(torch.float16) for k, v in sd.items()}, half / "model.safetensors", metadata={"format": "pt"})
+    check_weights_folder(half, base)
     torn = tmp_path / "torn"
     shutil.copytree(good, torn)
     (torn / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])
