@@ -163,7 +163,7 @@ def test_weights_folder_checks(tmp_path, base):
     sd = load_file(good / "model.safetensors")
     for name, change in (("missing", lambda d, k: d.pop(k)),
                          ("shape", lambda d, k: d.__setitem__(k, d[k][:-1])),
-                         ("extra", lambda d, k: d.__setitem__(k + ".extra", d[k]))):
+                         ("extra", lambda d, k: d.__setitem__(k + ".extra", d[k].clone()))):
         bad = tmp_path / name
         shutil.copytree(good, bad)
         d = dict(sd)
