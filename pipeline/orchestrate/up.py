@@ -346,8 +346,16 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
     (:func:`choose_broker`; None: ``config``'s external one), ``new_port()`` gives every other
     port (:func:`pipeline.procutil.free_port`: a free one per call). The stack's own engines serve
     the trainer's adapters when it trains them (:func:`serving_lora`).
+
+    Raises:
+        ValueError: several vLLM engines (not supported: the version bracket needs one engine).
     """
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
+    if config.engine.kind == "vllm" and reps["engine"] > 1:
+        # the proxy reads vLLM's version around each request: behind a round-robin front the reads
+        # and the request could reach different engines (docs/vllm.md)
+        raise ValueError("--engine vllm serves from one engine: several vLLM engines behind one front are not "
+                         "supported yet (drop engine=N from --replicas)")
     if engine_url is None:
         config = serving_lora(config)
     broker_stage = None

@@ -485,6 +485,12 @@ class ProxyApp:
 
     async def _serve(self, req: dict, meta: SessionMeta, rid: str, created: int, t0: float, stream: bool,
                      receive, send, tenant: str | None = None, response_prefix: str = "chatcmpl-") -> int:
+        if self._vllm is not None:
+            ignored = self._vllm.ignored(req)
+            if ignored:  # vLLM would answer 200 without applying them: never recorded as applied
+                raise bad_request(f"'{ignored[0]}' is not supported by the engine (vLLM ignores it); use "
+                                  "response_format / structured outputs instead", param=ignored[0],
+                                  code="unsupported_field")
         route, warnings = self._route(req, meta, rid, created, tenant)
         record = route is not None
         if record:

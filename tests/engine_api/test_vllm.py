@@ -175,6 +175,17 @@ def test_weights_folder_checks(tmp_path, base):
     shutil.copytree(good, half)
     save_file({k: v.to(torch.float16) for k, v in sd.items()}, half / "model.safetensors", metadata={"format": "pt"})
     check_weights_folder(half, base)
+    # weights vLLM would read that the sha256 does not cover: an index naming other shards, another shard
+    for extra, text in (("model.safetensors.index.json", '{"weight_map": {"model.embed_tokens.weight": '
+                         '"model-00001-of-00002.safetensors"}}'), ("model-extra.safetensors", None)):
+        folder = tmp_path / f"with-{extra}"
+        shutil.copytree(good, folder)
+        if text is None:
+            save_file({"a.weight": torch.zeros(2)}, folder / extra)
+        else:
+            (folder / extra).write_text(text)
+        with pytest.raises(WeightsFolderError, match="besides model.safetensors"):
+            check_weights_folder(folder, base, sha256_file(folder / "model.safetensors"))
     torn = tmp_path / "torn"
     shutil.copytree(good, torn)
     (torn / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])
@@ -284,3 +295,30 @@ def test_lora_adapter_load_serve_unload(vllm_url, base, tmp_path):
     with pytest.raises(EngineError) as e:
         ask(vllm_url, lambda c: c.unload_lora_adapter(name))
     assert e.value.status == 400
+
+
+def test_a_reload_that_fails_half_way_leaves_no_version_and_generation_resumed(vllm_url, base, tmp_path,
+                                                                               monkeypatch):
+    """The version vLLM reports while its weights change is no version: if the reload fails after
+    the weights moved (here: setting the new version fails), turns served afterwards are of an
+    unknown version (None), never labelled with the old one; generation is resumed either way."""
+    from pipeline.engine_api.vllm import VllmClient
+
+    new = perturbed_copy(base, tmp_path / "half", factor=2.0)
+    real = VllmClient._set_version
+
+    async def failing(self, version, timeout_s):
+        if not version.startswith("reloading:"):
+            raise EngineError("update_weight_version failed (test)", 504, None)
+        await real(self, version, timeout_s)
+
+    monkeypatch.setattr(VllmClient, "_set_version", failing)
+    with pytest.raises(EngineError):
+        ask(vllm_url, lambda c: c.update_weights_from_disk(str(new), 11))
+    monkeypatch.setattr(VllmClient, "_set_version", real)
+    assert ask(vllm_url, lambda c: c.weight_version()) is None
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4, "logprobs": True}
+    answer = ask(vllm_url, lambda c: c.chat(body))  # resumed: it answers, as of no known version
+    assert answer["metadata"]["weight_version"] is None
+    ask(vllm_url, lambda c: c.update_weights_from_disk(str(base), 12))
+    assert ask(vllm_url, lambda c: c.weight_version()) == "12"

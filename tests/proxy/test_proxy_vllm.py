@@ -83,6 +83,16 @@ def test_recorded_turns_are_what_vllm_returned(vllm_url, kafka_config):
         assert list(t.response_logprobs) == pytest.approx(want, abs=2e-4)
 
 
+def test_fields_vllm_would_ignore_are_refused(vllm_url, kafka_config):
+    """SGLang's ``regex`` / ``ebnf`` reach vLLM as fields it ignores with a 200: refused with a 400
+    naming the field, so no turn claims a constraint that never applied."""
+    with running_proxy(_config(kafka_config), vllm_url) as (url, _app):
+        for field, value in (("regex", "[0-9]{8}"), ("ebnf", 'root ::= "a"')):
+            r = httpx.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                             field: value, "max_tokens": 4}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_client_leaving_the_stream_is_an_abort(vllm_url, kafka_config):
     c = _config(kafka_config)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
