@@ -101,6 +101,8 @@ class RolloutFold:
             version = ev.policy_version if scope is None else (ev.adapter or {}).get("version")
             if state.canary is not None and state.canary.candidate == version:
                 self._decided(state, ev.action)
+            # else: this fold already made it (the record of its own decision), or the candidate
+            # was superseded: nothing to apply
 
     def _decided(self, state: ScopeState, action: str) -> None:
         cand = state.canary.candidate
@@ -148,6 +150,18 @@ class RolloutFold:
 
 def replay(records, config: RolloutConfig, run_id: str = "default") -> list[events.Control]:
     """The decisions a :class:`RolloutFold` makes over ``records`` (events, in log order) that the
-    records do not already hold; decisions read from the records are applied, not repeated."""
+    records do not already hold: a decision equal to one recorded later in ``records`` (the
+    record a live decider published right after the sample that triggered it) is not new, so a
+    replay of a log with its decisions returns ``[]`` and one without them returns them all."""
+    records = list(records)
+    recorded = [r for r in records if isinstance(r, events.Control) and r.action in events.ROLLOUT_DECISIONS]
     fold = RolloutFold(config, run_id)
-    return [d for d in map(fold.apply, records) if d is not None]
+    out = []
+    for d in map(fold.apply, records):
+        if d is None:
+            continue
+        if d in recorded:
+            recorded.remove(d)
+        else:
+            out.append(d)
+    return out
