@@ -7,7 +7,9 @@ the first incumbent is the base model: None). A record belongs to a tenant's sco
 an adapter, or its tenant has had an adapter order on ``control``; every other record to the full
 weights' scope.
 
-A canary opens at a ``weights`` order of its scope; its arms count from then on (the incumbent's
+A canary opens at a ``weights`` order of its scope (not of its incumbent, of a version it
+rolled back, nor again of its open candidate: a re-published order changes nothing); its arms
+count from then on (the incumbent's
 earlier samples are not counted: both arms see the same period's users). A newer ``weights``
 while a canary is open supersedes its candidate (dropped undecided, never served to new sessions;
 the incumbent stays). After each judged sample (``reward`` not None; success: ``reward > 0``) and
@@ -15,7 +17,8 @@ each evaluation of an arm, :func:`pipeline.rollout.rule.decide` runs; a ``promot
 becomes a :class:`~pipeline.events.Control` with its evidence, applied at once, and its
 ``created_at`` is the triggering record's (so a replay builds the identical record). A decision
 read on ``control`` (published earlier, or by another instance before a restart) is applied as
-it is and never made again. Guards come from :class:`~pipeline.events.Evaluation` records of the
+it is and never made again. A tenant's ``reset``/``delete`` closes its canary (the base model
+serves it). Guards come from :class:`~pipeline.events.Evaluation` records of the
 full weights (``metrics[name]`` a rate over ``n``); tenants' adapters have live reward only.
 """
 
@@ -95,8 +98,11 @@ class RolloutFold:
         state = self.scopes.setdefault(scope, ScopeState(incumbent=None if scope is not None else 0))
         if ev.action == "weights":
             version = ev.policy_version if scope is None else ev.adapter["version"]
-            if version != state.incumbent:
+            open_same = state.canary is not None and state.canary.candidate == version
+            if version != state.incumbent and version not in state.rolled_back and not open_same:
                 state.canary = Canary(version, state.incumbent, ev.epoch, ev.policy_version, ev.adapter)
+        elif ev.action in ("reset", "delete"):  # the tenant's adapters are gone: served by the base
+            state.canary, state.incumbent = None, None
         elif ev.action in events.ROLLOUT_DECISIONS:
             version = ev.policy_version if scope is None else (ev.adapter or {}).get("version")
             if state.canary is not None and state.canary.candidate == version:

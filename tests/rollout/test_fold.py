@@ -127,3 +127,44 @@ def test_alices_rollback_leaves_bob_untouched():
     bob = fold.scopes["bob"]
     assert bob.canary is not None and bob.canary.candidate == bob1["version"] and not bob.rolled_back
     assert fold.scopes[None].canary is None and fold.scopes[None].incumbent == 0
+
+
+def test_a_republished_order_neither_restarts_a_canary_nor_revives_a_rolled_back_version():
+    log = []
+    fold, _, _ = _run({0: 0.5, 1: 0.05}, log, sessions=600)
+    assert 1 in fold.scopes[None].rolled_back and fold.scopes[None].canary is None
+    fold.apply(_weights(1))  # the trainer re-publishes version 1 (a restart): no canary again
+    assert fold.scopes[None].canary is None
+    fold.apply(_weights(2))
+    canary = fold.scopes[None].canary
+    canary.reward["candidate"] = canary.reward["candidate"].add(True)
+    fold.apply(_weights(2))
+    assert fold.scopes[None].canary is canary and canary.reward["candidate"].n == 1
+    adapter = _adapter("carol", "d")
+    fold.apply(_weights(1, "carol", adapter))
+    assert fold.scopes["carol"].canary is not None
+    fold.apply(Control(action="reset", epoch=1, tenant="carol"))
+    assert fold.scopes["carol"].canary is None and fold.scopes["carol"].incumbent is None
+
+
+def test_reward_hacking_through_the_records_a_fallen_guard_is_never_promoted():
+    """The demo's case: brevity (the judged reward) learned, accuracy (the eval-set guard) lost.
+    Without the eval set's results the candidate waits however high its reward; with them it is
+    rolled back."""
+    config = RolloutConfig(enabled=True, guards=("accuracy",))
+    fold = RolloutFold(config)
+    fold.apply(_weights(1))
+    rng = random.Random(5)
+    for i in range(6000):  # 600 judged candidate turns: past min_n, reward 0.9 vs 0.5
+        version = 1 if i % 10 == 0 else 0
+        assert fold.apply(Sample(sample_id=f"s{i}:0", session_id=f"s{i}", turn_index=0, policy_version=version,
+                                 kind="rl", tokens=[1, 2], response_length=1, rollout_log_probs=[-0.1],
+                                 reward=1.0 if rng.random() < (0.9 if version else 0.5) else -1.0,
+                                 created_at=i)) is None
+    assert fold.apply(events.Evaluation(policy_version=0, n=200, metrics={"accuracy": 0.5})) is None
+    d = decode(encode(fold.apply(events.Evaluation(policy_version=1, n=200, metrics={"accuracy": 0.2}))))
+    assert (d.action, d.evidence["reason"]) == ("rollback", "guard_fell:accuracy")
+    ev = d.evidence
+    assert ev["arms"]["candidate"]["accuracy"] == [40, 200] and ev["arms"]["incumbent"]["accuracy"] == [100, 200]
+    assert ev["bounds"]["reward"][0] > 0  # the reward rose, significantly
+    assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
