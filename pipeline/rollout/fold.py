@@ -19,7 +19,8 @@ becomes a :class:`~pipeline.events.Control` with its evidence, applied at once, 
 read on ``control`` (published earlier, or by another instance before a restart) is applied as
 it is and never made again. A tenant's ``reset``/``delete`` closes its canary (the base model
 serves it). Guards come from :class:`~pipeline.events.Evaluation` records of the
-full weights (``metrics[name]`` a rate over ``n``); tenants' adapters have live reward only.
+full weights (``metrics[name]`` a rate over ``metrics[name + '_n']``, else ``n``;
+:mod:`pipeline.rollout.evalset` writes them); tenants' adapters have live reward only.
 """
 
 from __future__ import annotations
@@ -130,9 +131,9 @@ class RolloutFold:
             canary.reward[arm] = canary.reward[arm].add(reward)
         else:
             for name in self.config.guards:
-                rate = evaluation.metrics.get(name)
-                if isinstance(rate, (int, float)) and 0 <= rate <= 1:
-                    canary.guards[arm][name] = Counts(round(rate * evaluation.n), evaluation.n)
+                rate, n = evaluation.metrics.get(name), evaluation.metrics.get(f"{name}_n", evaluation.n)
+                if isinstance(rate, (int, float)) and 0 <= rate <= 1 and isinstance(n, int) and n >= 0:
+                    canary.guards[arm][name] = Counts(round(rate * n), n)
         return self._maybe_decide(scope, state, created_at)
 
     def _maybe_decide(self, scope, state: ScopeState, created_at: int) -> events.Control | None:
