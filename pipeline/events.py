@@ -286,6 +286,13 @@ class Event:
 #: none) means it did not finish and is never trained as an answer
 FINISHED = ("stop", "length", "tool_calls", "function_call")
 
+#: the arms of a canary, as a turn records which one served it (``Turn.canary``)
+CANARY_ARMS = ("candidate", "incumbent")
+
+def _canary(v: str) -> str | None:
+    return None if v in CANARY_ARMS else f"must be one of {'|'.join(CANARY_ARMS)}, got {v[:40]!r}"
+
+
 #: which rule of the proxy decided a turn's session (``Turn.session_source``; docs/sessions.md)
 SESSION_SOURCES = ("header", "body", "previous_response", "marker:openclaw", "user", "continuation", "new",
                    "housekeeping")
@@ -334,6 +341,10 @@ class Turn(Event):
     :mod:`pipeline.proxy.housekeeping`): always a ``side`` turn, never trained. Its session is the
     one the request names, else ``housekeeping:<agent>`` (``session_source`` ``housekeeping``).
     None for every other turn (and in records written before this field).
+
+    ``canary``: which arm of a canary rollout served the turn (:data:`CANARY_ARMS`; sticky per
+    session, :func:`pipeline.rollout.assign.assign_arm`); None when no canary ran (the default,
+    and records written before this field).
     """
 
     TYPE: ClassVar[str] = "turn"
@@ -362,6 +373,7 @@ class Turn(Event):
     adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
     response_id: str | None = _f("str", None, optional=True, domain=_short)
     housekeeping: str | None = _f("str", None, optional=True, domain=_short)
+    canary: str | None = _f("str", None, optional=True, domain=_canary)
 
     def validate(self) -> None:
         if self.housekeeping is not None and self.turn_type != "side":
@@ -691,6 +703,61 @@ def _sample_from_v1(s: Sample) -> Sample:
 
 
 CONTROL_ACTIONS = ("pause", "weights", "applied", "resume", "failed")
+#: a canary's outcome (issue 39, docs/rollout.md): the candidate (``policy_version``, or the
+#: tenant's ``adapter``) becomes the incumbent, or never serves a new session again
+ROLLOUT_DECISIONS = ("promote", "rollback")
+#: the keys of a decision's ``evidence`` (:func:`_evidence`)
+EVIDENCE_KEYS = ("rule", "reason", "config", "incumbent", "arms", "bounds")
+
+
+def _counts_error(v) -> str | None:
+    ok = (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+          and 0 <= v[0] <= v[1] <= MAX_INDEX)
+    return None if ok else f"must be [successes, n] with 0 <= successes <= n, got {str(v)[:60]}"
+
+
+def _bound_error(v) -> str | None:
+    ok = (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                      and math.isfinite(x) and -1 <= x <= 1 for x in v)
+          and v[0] <= v[1])
+    return None if ok else f"must be [low, high] with -1 <= low <= high <= 1, got {str(v)[:60]}"
+
+
+def _evidence(v: dict) -> str | None:
+    """A decision's evidence (:data:`EVIDENCE_KEYS`, no other key): ``rule`` and ``reason``
+    (ids), ``config`` (the rule's parameters by name: numbers, booleans, lists of names),
+    ``incumbent`` (the version compared against: a policy version, an adapter version, or null
+    for the base model), ``arms`` (``candidate``/``incumbent`` -> metric -> ``[successes, n]``)
+    and ``bounds`` (metric -> ``[low, high]`` on candidate - incumbent, in [-1, 1])."""
+    if set(v) != set(EVIDENCE_KEYS):
+        return f"must have exactly the keys {'|'.join(EVIDENCE_KEYS)}, got {sorted(map(str, v))}"
+    for k in ("rule", "reason"):
+        if not isinstance(v[k], str) or _ident(v[k]):
+            return f".{k} must be a non-empty id"
+    if not isinstance(v["config"], dict) or not all(isinstance(x, str) for x in v["config"]):
+        return ".config must be a map of parameter names"
+    inc = v["incumbent"]
+    if inc is not None and not ((isinstance(inc, int) and not isinstance(inc, bool) and _index(inc) is None)
+                                or (isinstance(inc, str) and _sha256(inc) is None)):
+        return ".incumbent must be a policy version, an adapter version (sha256) or null"
+    arms = v["arms"]
+    if not isinstance(arms, dict) or set(arms) != set(CANARY_ARMS):
+        return f".arms must have exactly the keys {'|'.join(CANARY_ARMS)}"
+    for arm, metrics in arms.items():
+        if not isinstance(metrics, dict):
+            return f".arms.{arm} must be a map of metric -> [successes, n]"
+        for name, c in metrics.items():
+            err = _counts_error(c)
+            if err:
+                return f".arms.{arm}.{str(name)[:40]} {err}"
+    if not isinstance(v["bounds"], dict):
+        return ".bounds must be a map of metric -> [low, high]"
+    for name, b in v["bounds"].items():
+        err = _bound_error(b)
+        if err:
+            return f".bounds.{str(name)[:40]} {err}"
+    return None
+
 #: commands about one tenant's adapter (``pipeline adapters``; ``tenant`` set, ``adapter`` absent):
 #: ``freeze`` (its samples train nothing until ``unfreeze``), ``reset`` (the adapter and its
 #: optimizer state are dropped: the tenant is served by the base until its next update) and
@@ -711,6 +778,9 @@ class Control(Event):
     ``weights`` carries the adapter's folder (``sha256`` = ``adapter.sha256``), ``applied``/
     ``failed`` answer it; :data:`ADAPTER_COMMANDS` act on the tenant's adapter. Absent (None):
     the full weights, as before these fields.
+    ``promote`` / ``rollback`` (:data:`ROLLOUT_DECISIONS`, docs/rollout.md): the canary of
+    ``policy_version`` (or of the tenant's ``adapter``) is over; ``evidence`` (:func:`_evidence`,
+    required with them and only with them) holds the counts per arm, the rule and its bounds.
     """
 
     TYPE: ClassVar[str] = "control"
@@ -725,11 +795,14 @@ class Control(Event):
     created_at: int = _f("int", 0, domain=_time_ms)
     tenant: str | None = _f("str", None, optional=True, domain=_ident)
     adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
+    evidence: dict | None = _f("dict", None, optional=True, domain=_evidence)
 
     def validate(self) -> None:
-        if self.action not in CONTROL_ACTIONS + ADAPTER_COMMANDS:
-            raise MalformedEvent(f"control.action must be one of {CONTROL_ACTIONS + ADAPTER_COMMANDS}, "
-                                 f"got {self.action!r}")
+        actions = CONTROL_ACTIONS + ADAPTER_COMMANDS + ROLLOUT_DECISIONS
+        if self.action not in actions:
+            raise MalformedEvent(f"control.action must be one of {actions}, got {self.action!r}")
+        if (self.evidence is not None) != (self.action in ROLLOUT_DECISIONS):
+            raise MalformedEvent("control.evidence is required with promote/rollback and only with them")
         if self.action in ADAPTER_COMMANDS and (self.tenant is None or self.adapter is not None):
             raise MalformedEvent(f"control '{self.action}' needs a tenant and no adapter")
         if self.adapter is not None and self.tenant is None:

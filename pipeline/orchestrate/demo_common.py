@@ -23,6 +23,7 @@ from pipeline.jsonl import read_jsonl
 from pipeline.orchestrate.supervisor import StopOutcome
 from pipeline.orchestrate.up import Stack, scrape, scrape_by_label
 from pipeline.procutil import die_with_parent, stop_group
+from pipeline.rollout.stats import wilson_interval  # noqa: F401  (re-exported: the demo reports use it)
 
 
 def demo_config(config: Config, args, run_dir: Path) -> Config:
@@ -132,24 +133,6 @@ def trainer_log(path: Path) -> list[dict]:
     from pipeline.trainer.metrics import MetricsLog  # torch-free module
 
     return MetricsLog(path).records()
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95% for ``z`` = 1.96), as ``(low, high)``.
-
-    The interval holds every p with ``|successes/n - p| <= z * sqrt(p (1 - p) / n)`` (E. B.
-    Wilson, 1927): unlike the normal approximation it stays inside [0, 1] and is not empty at
-    0 or n successes. ``n`` = 0 gives ``(0, 1)``. Raises ValueError if ``successes`` is not in [0, n].
-    """
-    if n == 0:
-        return 0.0, 1.0
-    if not 0 <= successes <= n:
-        raise ValueError(f"successes {successes} not in [0, {n}]")
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def trainer_steps(config: Config) -> list[dict]:

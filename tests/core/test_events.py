@@ -243,3 +243,36 @@ def test_v1_greedy_sample_is_read_at_temperature_one_and_bad_v1_goes_to_the_dlq(
     with pytest.raises(UnsupportedVersion, match="reads v1, v2"):
         decode(sample_v1(v=3))
     assert events.readable_versions("sample") == [1, 2] and events.readable_versions("turn") == [1]
+
+
+def _evidence(**over):
+    ev = {"rule": "newcombe-noninferiority-v1", "reason": "reward_fell", "config": {"min_n": 400},
+          "incumbent": 4, "arms": {"candidate": {"reward": [3, 60]}, "incumbent": {"reward": [30, 60]}},
+          "bounds": {"reward": [-0.6, -0.3]}}
+    ev.update(over)
+    return ev
+
+
+def test_rollout_decisions_carry_their_evidence():
+    """Issue 39: promote/rollback on control, with the evidence, its domain checked at decode."""
+    for action in ("promote", "rollback"):
+        c = Control(action=action, epoch=5, policy_version=5, evidence=_evidence())
+        assert decode(encode(c)) == c
+    with pytest.raises(MalformedEvent, match="evidence is required"):
+        encode(Control(action="rollback", epoch=5))
+    with pytest.raises(MalformedEvent, match="evidence is required"):
+        encode(Control(action="pause", epoch=5, evidence=_evidence()))
+    bad = [_evidence(bounds={"reward": [0.5, -0.5]}), _evidence(arms={"candidate": {"reward": [7, 3]},
+                                                                          "incumbent": {}}),
+           _evidence(arms={"candidate": {}}), _evidence(incumbent="v4"), _evidence(rule=""),
+           {k: v for k, v in _evidence().items() if k != "config"}]
+    for ev in bad:
+        raw = msgpack.packb({"type": "control", "v": 1, "action": "rollback", "epoch": 5, "evidence": ev},
+                            use_bin_type=True)
+        with pytest.raises(MalformedEvent, match="control.evidence"):
+            decode(raw)
+    t = Turn(session_id="s", turn_index=0, canary="candidate")
+    assert decode(encode(t)).canary == "candidate"
+    with pytest.raises(MalformedEvent, match="turn.canary"):
+        decode(msgpack.packb({"type": "turn", "v": 1, "session_id": "s", "turn_index": 0, "canary": "both"},
+                             use_bin_type=True))

@@ -1,0 +1,106 @@
+"""Eval sets and their grading (the core an ``evaluator`` stage would run per version; issue 39).
+
+An eval set is a JSONL file. An optional first line declares it: ``{"eval_set": name,
+"guards": [metric, ...]}`` (the metrics that must not fall; :class:`pipeline.rollout.rule.RolloutConfig`
+``guards``). Every other line is an item: ``{"id", "messages" (or "prompt": a user message),
+"checks": {metric: check}}`` with one check per metric, each one of:
+
+- ``{"exact": text}``: the reply, stripped, equals ``text``;
+- ``{"contains": text}``: the reply contains ``text``;
+- ``{"regex": pattern}``: :func:`re.search` finds ``pattern`` in the reply;
+- ``{"max_words": k}``: the reply has at most ``k`` whitespace-separated words (brevity).
+
+A metric's rate is its passed checks over the items that check it; :func:`evaluate` publishes
+them as an :class:`~pipeline.events.Evaluation` (``metrics[name]`` the rate, with
+``<name>_n`` and the 95% Wilson bounds ``<name>_low``/``<name>_high``). The judge as a grader is
+not built here (it needs an engine; the stage would pass it as a check function).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from pipeline import events
+from pipeline.errors import PipelineError
+from pipeline.jsonl import read_jsonl
+from pipeline.rollout.stats import wilson_interval
+
+CHECKS = ("exact", "contains", "regex", "max_words")
+
+
+class EvalSetError(PipelineError, ValueError):
+    """An eval set file or item that is not of the form of this module's docstring."""
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A named list of items (dicts as in the file, ``messages`` filled) and its guard metrics."""
+
+    name: str
+    guards: tuple
+    items: tuple
+
+
+def _item(n: int, row) -> dict:
+    if not isinstance(row, dict) or not isinstance(row.get("checks"), dict) or not row["checks"]:
+        raise EvalSetError(f"line {n}: an item needs a non-empty 'checks' object")
+    messages = row.get("messages") or ([{"role": "user", "content": row["prompt"]}]
+                                       if isinstance(row.get("prompt"), str) else None)
+    if not isinstance(messages, list) or not messages:
+        raise EvalSetError(f"line {n}: an item needs 'messages' or a 'prompt'")
+    for metric, check in row["checks"].items():
+        if not (isinstance(check, dict) and len(check) == 1 and next(iter(check)) in CHECKS):
+            raise EvalSetError(f"line {n}: check {metric!r} must be one of {'|'.join(CHECKS)}")
+        if "regex" in check:
+            try:
+                re.compile(check["regex"])
+            except re.error as e:
+                raise EvalSetError(f"line {n}: check {metric!r}: bad regex: {e}") from None
+    return {"id": str(row.get("id", n)), "messages": messages, "checks": row["checks"]}
+
+
+def load_eval_set(path) -> EvalSet:
+    """Read an eval set. Raises :class:`EvalSetError` (a bad item, a guard no item checks) or
+    :class:`pipeline.jsonl.JsonlError` (unreadable, not JSON)."""
+    rows = read_jsonl(path, numbered=True)
+    name, guards = str(path), ()
+    if rows and isinstance(rows[0][1], dict) and "eval_set" in rows[0][1]:
+        head = rows.pop(0)[1]
+        name, guards = str(head["eval_set"]), tuple(head.get("guards", ()))
+    items = tuple(_item(n, row) for n, row in rows)
+    checked = {m for it in items for m in it["checks"]}
+    missing = [g for g in guards if g not in checked]
+    if missing:
+        raise EvalSetError(f"{path}: guard(s) {missing} checked by no item")
+    return EvalSet(name, guards, items)
+
+
+def grade(checks: dict, reply: str) -> dict[str, bool]:
+    """Each metric of ``checks`` -> whether ``reply`` passes its check."""
+    out = {}
+    for metric, check in checks.items():
+        (kind, arg), = check.items()
+        out[metric] = {"exact": lambda: reply.strip() == str(arg), "contains": lambda: str(arg) in reply,
+                       "regex": lambda: re.search(arg, reply) is not None,
+                       "max_words": lambda: len(reply.split()) <= int(arg)}[kind]()
+    return out
+
+
+def evaluate(eval_set: EvalSet, ask: Callable[[list], str], policy_version: int,
+             run_id: str = "default", created_at: int = 0) -> events.Evaluation:
+    """Ask every item (``ask(messages) -> reply``, the version's engine) and grade it; ``n`` is
+    the number of items asked."""
+    passed: dict[str, list[int]] = {}
+    for item in eval_set.items:
+        for metric, ok in grade(item["checks"], ask(item["messages"])).items():
+            passed.setdefault(metric, [0, 0])
+            passed[metric][0] += ok
+            passed[metric][1] += 1
+    metrics = {}
+    for metric, (k, n) in sorted(passed.items()):
+        low, high = wilson_interval(k, n)
+        metrics.update({metric: k / n, f"{metric}_n": n, f"{metric}_low": low, f"{metric}_high": high})
+    return events.Evaluation(policy_version=policy_version, n=len(eval_set.items), name=eval_set.name[:256],
+                             run_id=run_id, created_at=created_at, metrics=metrics)

@@ -1,0 +1,174 @@
+"""Fold the ``control`` + ``turns`` + ``samples`` (+ ``metrics`` evaluations) records into canary
+state and decisions: the same records in the same order always decide the same.
+
+Scopes: the full weights (scope None, versions are ``policy_version`` ints, the first incumbent
+is version 0) and each tenant's adapter (scope = the tenant, versions are adapter content ids,
+the first incumbent is the base model: None). A record belongs to a tenant's scope when it names
+an adapter, or its tenant has had an adapter order on ``control``; every other record to the full
+weights' scope.
+
+A canary opens at a ``weights`` order of its scope (not of its incumbent, of a version it
+rolled back, nor again of its open candidate: a re-published order changes nothing); its arms
+count from then on (the incumbent's
+earlier samples are not counted: both arms see the same period's users). A newer ``weights``
+while a canary is open supersedes its candidate (dropped undecided, never served to new sessions;
+the incumbent stays). After each judged sample (``reward`` not None; success: ``reward > 0``) and
+each evaluation of an arm, :func:`pipeline.rollout.rule.decide` runs; a ``promote``/``rollback``
+becomes a :class:`~pipeline.events.Control` with its evidence, applied at once, and its
+``created_at`` is the triggering record's (so a replay builds the identical record). A decision
+read on ``control`` (published earlier, or by another instance before a restart) is applied as
+it is and never made again. A tenant's ``reset``/``delete`` closes its canary (the base model
+serves it). Guards come from :class:`~pipeline.events.Evaluation` records of the
+full weights (``metrics[name]`` a rate over ``metrics[name + '_n']``, else ``n``;
+:mod:`pipeline.rollout.evalset` writes them); tenants' adapters have live reward only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pipeline import events
+from pipeline.rollout.rule import RULE_NAME, Arm, Counts, RolloutConfig, decide
+
+
+@dataclass
+class Canary:
+    """One open canary of a scope: ``candidate`` vs ``incumbent`` (versions), the adapter and
+    epoch of the candidate's ``weights`` order, and per arm its reward counts, guard counts and
+    turns served (``turns``: ``candidate``/``incumbent`` -> count)."""
+
+    candidate: int | str
+    incumbent: int | str | None
+    epoch: int
+    policy_version: int
+    adapter: dict | None
+    reward: dict = field(default_factory=lambda: {"candidate": Counts(), "incumbent": Counts()})
+    guards: dict = field(default_factory=lambda: {"candidate": {}, "incumbent": {}})
+    turns: dict = field(default_factory=lambda: {"candidate": 0, "incumbent": 0})
+
+    def arm_of(self, version) -> str | None:
+        return "candidate" if version == self.candidate else "incumbent" if version == self.incumbent else None
+
+
+@dataclass
+class ScopeState:
+    """A scope's incumbent, its open canary (or None) and the versions it rolled back."""
+
+    incumbent: int | str | None
+    canary: Canary | None = None
+    rolled_back: set = field(default_factory=set)
+    decisions: list = field(default_factory=list)  # (action, candidate) in the order applied
+
+
+class RolloutFold:
+    """Feed records with :meth:`apply`; read :attr:`scopes`. ``run_id``: only this run's orders."""
+
+    def __init__(self, config: RolloutConfig, run_id: str = "default"):
+        self.config, self.run_id = config, run_id
+        self.scopes: dict[str | None, ScopeState] = {None: ScopeState(incumbent=0)}
+
+    def _scope(self, ev) -> tuple[str | None, int | str | None]:
+        """(scope, version) of a turn, sample or evaluation."""
+        tenant, adapter = getattr(ev, "tenant", None), getattr(ev, "adapter", None)
+        if tenant is not None and (adapter is not None or tenant in self.scopes):
+            return tenant, adapter["version"] if adapter is not None else None
+        return None, ev.policy_version
+
+    def apply(self, ev: events.Event) -> events.Control | None:
+        """Fold one record; returns the decision it triggered (already applied), or None."""
+        if isinstance(ev, events.Control):
+            if ev.run_id == self.run_id:
+                self._control(ev)
+            return None
+        if isinstance(ev, events.Turn):
+            scope, version = self._scope(ev)
+            canary = self.scopes.get(scope, ScopeState(None)).canary
+            arm = canary.arm_of(version) if canary else None
+            if arm:
+                canary.turns[arm] += 1
+            return None
+        if isinstance(ev, events.Sample) and ev.reward is not None:
+            scope, version = self._scope(ev)
+            return self._count(scope, version, ev.created_at, reward=ev.reward > 0)
+        if isinstance(ev, events.Evaluation) and ev.run_id == self.run_id:
+            return self._count(None, ev.policy_version, ev.created_at, evaluation=ev)
+        return None
+
+    def _control(self, ev: events.Control) -> None:
+        scope = None if ev.full_weights else ev.tenant
+        state = self.scopes.setdefault(scope, ScopeState(incumbent=None if scope is not None else 0))
+        if ev.action == "weights":
+            version = ev.policy_version if scope is None else ev.adapter["version"]
+            open_same = state.canary is not None and state.canary.candidate == version
+            if version != state.incumbent and version not in state.rolled_back and not open_same:
+                state.canary = Canary(version, state.incumbent, ev.epoch, ev.policy_version, ev.adapter)
+        elif ev.action in ("reset", "delete"):  # the tenant's adapters are gone: served by the base
+            state.canary, state.incumbent = None, None
+        elif ev.action in events.ROLLOUT_DECISIONS:
+            version = ev.policy_version if scope is None else (ev.adapter or {}).get("version")
+            if state.canary is not None and state.canary.candidate == version:
+                self._decided(state, ev.action)
+            # else: this fold already made it (the record of its own decision), or the candidate
+            # was superseded: nothing to apply
+
+    def _decided(self, state: ScopeState, action: str) -> None:
+        cand = state.canary.candidate
+        if action == "promote":
+            state.incumbent = cand
+        else:
+            state.rolled_back.add(cand)
+        state.decisions.append((action, cand))
+        state.canary = None
+
+    def _count(self, scope, version, created_at: int, reward: bool | None = None,
+               evaluation: events.Evaluation | None = None) -> events.Control | None:
+        state = self.scopes.get(scope)
+        canary = state.canary if state else None
+        arm = canary.arm_of(version) if canary else None
+        if arm is None:
+            return None
+        if reward is not None:
+            canary.reward[arm] = canary.reward[arm].add(reward)
+        else:
+            for name in self.config.guards:
+                rate, n = evaluation.metrics.get(name), evaluation.metrics.get(f"{name}_n", evaluation.n)
+                if isinstance(rate, (int, float)) and 0 <= rate <= 1 and isinstance(n, int) and n >= 0:
+                    canary.guards[arm][name] = Counts(round(rate * n), n)
+        return self._maybe_decide(scope, state, created_at)
+
+    def _maybe_decide(self, scope, state: ScopeState, created_at: int) -> events.Control | None:
+        canary = state.canary
+        d = decide(Arm(canary.reward["candidate"], canary.guards["candidate"]),
+                   Arm(canary.reward["incumbent"], canary.guards["incumbent"]), self.config)
+        if d.action == "wait":
+            return None
+        arms = {a: {"reward": [canary.reward[a].successes, canary.reward[a].n],
+                    "served": [canary.turns[a], canary.turns["candidate"] + canary.turns["incumbent"]],
+                    **{g: [c.successes, c.n] for g, c in canary.guards[a].items()}} for a in events.CANARY_ARMS}
+        config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
+        evidence = {"rule": RULE_NAME, "reason": d.reason, "config": config, "incumbent": canary.incumbent,
+                    "arms": arms, "bounds": d.bounds}
+        out = events.Control(action=d.action, epoch=canary.epoch, policy_version=canary.policy_version,
+                             run_id=self.run_id, created_at=created_at, tenant=scope,
+                             adapter=canary.adapter, evidence=evidence)
+        self._decided(state, d.action)
+        return out
+
+
+def replay(records, config: RolloutConfig, run_id: str = "default") -> list[events.Control]:
+    """The decisions a :class:`RolloutFold` makes over ``records`` (events, in log order) that the
+    records do not already hold: a decision equal to one recorded later in ``records`` (the
+    record a live decider published right after the sample that triggered it) is not new, so a
+    replay of a log with its decisions returns ``[]`` and one without them returns them all."""
+    records = list(records)
+    recorded = [r for r in records if isinstance(r, events.Control) and r.action in events.ROLLOUT_DECISIONS]
+    fold = RolloutFold(config, run_id)
+    out = []
+    for d in map(fold.apply, records):
+        if d is None:
+            continue
+        if d in recorded:
+            recorded.remove(d)
+        else:
+            out.append(d)
+    return out

@@ -1,0 +1,170 @@
+"""Issue 39: decisions folded from the records (pipeline/rollout/fold.py) and sticky canaries.
+
+A simulated log: live sessions routed by :class:`SessionArms` (share 10%), each turn recorded
+with the version and arm that served it, each judged sample with a Bernoulli reward of its
+version's true rate. The fold must roll a poisoned version back having served at most about the
+canary share (counted from the turns), promote an honest one, decide the same on a replay and
+after a restart mid-canary, and keep tenants apart.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pipeline import events
+from pipeline.events import Control, Sample, Turn, decode, encode
+from pipeline.rollout.assign import CANDIDATE, SessionArms
+from pipeline.rollout.fold import RolloutFold, replay
+from pipeline.rollout.rule import RolloutConfig
+
+CONFIG = RolloutConfig(enabled=True, share=0.1)
+
+
+def _adapter(tenant: str, tag: str) -> dict:
+    version = (tag * 64)[:64]
+    return {"name": events.adapter_name(tenant, version), "version": version, "sha256": "f" * 64}
+
+
+def _weights(version: int, tenant: str | None = None, adapter: dict | None = None) -> Control:
+    return Control(action="weights", epoch=version, policy_version=version, location=f"/w/{version}",
+                   sha256=adapter["sha256"] if adapter else "a" * 64, tenant=tenant, adapter=adapter)
+
+
+def _traffic(fold, rates, n_sessions, seed, tenant=None, log=None, router=None):
+    """Sessions of 3 turns each; appends turns, samples and the fold's decisions to ``log``;
+    returns ``(turns per arm while a canary ran, sessions switched incumbent->candidate)``."""
+    rng, router = random.Random(seed), router or SessionArms()
+    served, switched, t = {"candidate": 0, "incumbent": 0}, 0, 0
+    state = fold.scopes.get(tenant) or fold.scopes[None]
+    for s in range(n_sessions):
+        sid, first = f"s{seed}-{s}", None
+        for i in range(3):
+            canary = (fold.scopes.get(tenant) or state).canary
+            cand = canary.candidate if canary else None
+            inc = (fold.scopes.get(tenant) or state).incumbent
+            arm, version = router.serve(tenant, sid, inc, cand, CONFIG.share)
+            first = first or arm
+            switched += first == "incumbent" and arm == CANDIDATE
+            if canary:
+                served[arm] += 1
+            t += 1
+            adapter = _ADAPTERS.get((tenant, version)) if tenant else None
+            pv = 0 if tenant else version
+            turn = Turn(session_id=sid, turn_index=i, policy_version=pv, created_at=t, tenant=tenant,
+                        adapter=adapter, canary=arm if canary else None)
+            sample = Sample(sample_id=f"{tenant + '/' if tenant else ''}{sid}:{i}", session_id=sid, turn_index=i,
+                            policy_version=pv, kind="rl", tokens=[1, 2], response_length=1, rollout_log_probs=[-0.1],
+                            reward=1.0 if rng.random() < rates[version] else -1.0, created_at=t, tenant=tenant,
+                            adapter=adapter)
+            for ev in (turn, sample):
+                log.append(ev)
+                decision = fold.apply(ev)
+                if decision is not None:
+                    log.append(decode(encode(decision)))  # on the wire: domains checked
+    return served, switched
+
+
+_ADAPTERS: dict = {}
+
+
+def _run(rates, log, seed=1, sessions=3000):
+    fold = RolloutFold(CONFIG)
+    log.append(_weights(1))
+    fold.apply(log[-1])
+    served, switched = _traffic(fold, rates, sessions, seed, log=log)
+    return fold, served, switched
+
+
+def test_a_poisoned_version_is_rolled_back_within_the_canary_share():
+    log = []
+    fold, served, switched = _run({0: 0.5, 1: 0.05}, log)
+    decisions = [e for e in log if isinstance(e, Control) and e.action in ("promote", "rollback")]
+    assert [(d.action, d.policy_version) for d in decisions] == [("rollback", 1)]
+    ev = decisions[0].evidence
+    assert ev["reason"] == "reward_fell" and ev["incumbent"] == 0 and ev["bounds"]["reward"][1] < 0
+    assert served["candidate"] / (served["candidate"] + served["incumbent"]) <= 0.2
+    assert ev["arms"]["candidate"]["served"][0] == served["candidate"]
+    assert switched == 0 and fold.scopes[None].incumbent == 0 and 1 in fold.scopes[None].rolled_back
+    assert not any(isinstance(e, Turn) and e.policy_version == 1 and e.turn_index == 0
+                   for e in log[log.index(decisions[0]):])  # no new session on the rolled-back version
+
+
+def test_an_honest_version_is_promoted():
+    log = []
+    fold, _, switched = _run({0: 0.5, 1: 0.65}, log, sessions=6000)
+    decisions = [(e.action, e.policy_version) for e in log if isinstance(e, Control) and e.evidence]
+    assert decisions == [("promote", 1)] and fold.scopes[None].incumbent == 1 and switched == 0
+
+
+def test_replay_and_restart_decide_the_same():
+    log = []
+    _run({0: 0.5, 1: 0.45}, log, seed=7, sessions=6000)
+    made = [e for e in log if isinstance(e, Control) and e.evidence]
+    assert made, "the scenario must reach a decision"
+    without = [e for e in log if not (isinstance(e, Control) and e.evidence)]
+    assert replay(without, CONFIG) == made  # a replay of the same records decides the same
+    assert replay(log, CONFIG) == []  # decisions read back are applied, never made twice
+    cut = log.index(made[0]) // 2  # a restart mid-canary: a new fold reads the prefix, then goes on
+    fold = RolloutFold(CONFIG)
+    for ev in without[:cut]:
+        assert fold.apply(ev) is None
+    assert [d for d in map(fold.apply, without[cut:]) if d is not None] == made
+
+
+def test_alices_rollback_leaves_bob_untouched():
+    alice0, alice1, bob1 = _adapter("alice", "a"), _adapter("alice", "b"), _adapter("bob", "c")
+    _ADAPTERS.update({("alice", alice1["version"]): alice1, ("bob", bob1["version"]): bob1})
+    fold, log = RolloutFold(CONFIG), []
+    for c in (_weights(1, "alice", alice1), _weights(1, "bob", bob1)):
+        log.append(c)
+        fold.apply(c)
+    del alice0
+    _traffic(fold, {None: 0.5, alice1["version"]: 0.02}, 800, 3, tenant="alice", log=log)
+    _traffic(fold, {None: 0.5, bob1["version"]: 0.5}, 100, 4, tenant="bob", log=log)
+    decisions = [(e.action, e.tenant) for e in log if isinstance(e, Control) and e.evidence]
+    assert decisions == [("rollback", "alice")]
+    assert fold.scopes["alice"].rolled_back == {alice1["version"]} and fold.scopes["alice"].incumbent is None
+    bob = fold.scopes["bob"]
+    assert bob.canary is not None and bob.canary.candidate == bob1["version"] and not bob.rolled_back
+    assert fold.scopes[None].canary is None and fold.scopes[None].incumbent == 0
+
+
+def test_a_republished_order_neither_restarts_a_canary_nor_revives_a_rolled_back_version():
+    log = []
+    fold, _, _ = _run({0: 0.5, 1: 0.05}, log, sessions=600)
+    assert 1 in fold.scopes[None].rolled_back and fold.scopes[None].canary is None
+    fold.apply(_weights(1))  # the trainer re-publishes version 1 (a restart): no canary again
+    assert fold.scopes[None].canary is None
+    fold.apply(_weights(2))
+    canary = fold.scopes[None].canary
+    canary.reward["candidate"] = canary.reward["candidate"].add(True)
+    fold.apply(_weights(2))
+    assert fold.scopes[None].canary is canary and canary.reward["candidate"].n == 1
+    adapter = _adapter("carol", "d")
+    fold.apply(_weights(1, "carol", adapter))
+    assert fold.scopes["carol"].canary is not None
+    fold.apply(Control(action="reset", epoch=1, tenant="carol"))
+    assert fold.scopes["carol"].canary is None and fold.scopes["carol"].incumbent is None
+
+
+def test_reward_hacking_through_the_records_a_fallen_guard_is_never_promoted():
+    """The demo's case: brevity (the judged reward) learned, accuracy (the eval-set guard) lost.
+    Without the eval set's results the candidate waits however high its reward; with them it is
+    rolled back."""
+    config = RolloutConfig(enabled=True, guards=("accuracy",))
+    fold = RolloutFold(config)
+    fold.apply(_weights(1))
+    rng = random.Random(5)
+    for i in range(6000):  # 600 judged candidate turns: past min_n, reward 0.9 vs 0.5
+        version = 1 if i % 10 == 0 else 0
+        assert fold.apply(Sample(sample_id=f"s{i}:0", session_id=f"s{i}", turn_index=0, policy_version=version,
+                                 kind="rl", tokens=[1, 2], response_length=1, rollout_log_probs=[-0.1],
+                                 reward=1.0 if rng.random() < (0.9 if version else 0.5) else -1.0,
+                                 created_at=i)) is None
+    assert fold.apply(events.Evaluation(policy_version=0, n=200, metrics={"accuracy": 0.5})) is None
+    d = decode(encode(fold.apply(events.Evaluation(policy_version=1, n=200, metrics={"accuracy": 0.2}))))
+    assert (d.action, d.evidence["reason"]) == ("rollback", "guard_fell:accuracy")
+    ev = d.evidence
+    assert ev["arms"]["candidate"]["accuracy"] == [40, 200] and ev["arms"]["incumbent"]["accuracy"] == [100, 200]
+    assert ev["bounds"]["reward"][0] > 0  # the reward rose, significantly
+    assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
