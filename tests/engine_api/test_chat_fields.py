@@ -250,6 +250,10 @@ def test_field_is_honoured_or_refused_on_every_path(case, defaults_engine_url, p
                 problems.append(f"{where}: {field} must be refused as on the engine's chat path, got {got}")
             elif not refused and ref["status"] != 200:
                 problems.append(f"{where}: the engine refuses this body ({ref['message']}), the proxy answered {got}")
-            elif not refused and got != {**ref, "model": served}:  # the proxy names what served it
+            elif not refused and "id" in ref and not str(got.get("id")).startswith("chatcmpl-"):
+                problems.append(f"{where}: the answer's id must be the proxy's chatcmpl-<request id> (what "
+                                f"feedback names, docs/feedback.md), got {got.get('id')!r}")
+            elif not refused and got != {**ref, "model": served, **({"id": got["id"]} if "id" in ref else {})}:
+                # the proxy names what served it, and the answer by its own id (a client's rid is the engine's)
                 problems.append(f"{where}: differs from the engine's chat path:\n  proxy  {got}\n  engine {ref}")
     assert not problems, "\n".join(problems)
