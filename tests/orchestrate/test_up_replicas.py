@@ -39,7 +39,9 @@ def test_scaled_out_up_restarts_a_killed_proxy_and_users_are_served_meanwhile(tm
         stack = start_stack(config, tmp_path / "run", engine_url=engine_url, trainer=False, durable_broker=False,
                             dashboard=False,
                             replicas={"proxy": 2, "judge": 1, "engine": 1},
-                            restart=RestartPolicy(backoff_s=0.2, stable_s=1.0), ready_timeout_s=180)
+                            # the restart waits 3 s: the users below meet a dead proxy-0 (refused: the front
+                            # tries proxy-1), not one still starting, whose reset the front cannot retry
+                            restart=RestartPolicy(backoff_s=3.0, stable_s=1.0), ready_timeout_s=180)
         config = stack.config
         stop = threading.Event()
         watcher = threading.Thread(target=stack.supervisor.watch, kwargs=dict(stop=stop, interval_s=0.1), daemon=True)
