@@ -429,6 +429,44 @@ class SyncerConfig(Section):
                                 "version (None: off)", ge=0, le=65535)
 
 
+class RolloutSection(Section):
+    """Canary rollout of new versions, promotion and rollback decided from the records
+    (docs/rollout.md). Off by default: every new version serves everyone, as before."""
+
+    enabled: bool = _d(False, "serve a new version first to a canary share of sessions; the evaluator stage "
+                       "promotes or rolls it back from the records (docs/rollout.md)")
+    share: float = _d(0.1, "the canary's share of new sessions (sticky per session)", gt=0, lt=1)
+    min_n: int = _d(400, "judged turns in each arm before a promotion", ge=1)
+    rollback_min_n: int = _d(50, "judged turns in each arm before a rollback on live reward", ge=1)
+    max_n: int = _d(2000, "judged turns in each arm after which an undecided canary is rolled back", ge=1)
+    margin: float = _d(0.05, "non-inferiority margin of the live judged reward rate", ge=0, lt=1)
+    guard_margin: float = _d(0.10, "non-inferiority margin of each guard metric", ge=0, lt=1)
+    guard_min_n: int = _d(100, "eval-set items per arm before a guard counts", ge=1)
+    z: float = _d(1.645, "z of the one-sided bounds (1.645: 95%)", gt=0)
+    rollback_z: float = _d(2.326, "z of the live-reward rollback bound (2.326: 99%)", gt=0)
+    guards: list[str] = _d(list, "eval-set metrics that must not fall (empty: the eval set's own guards)")
+    eval_set: str | None = _d(None, "the eval set (JSONL, docs/rollout.md) the evaluator runs on every new "
+                              "version (None: live reward only)")
+    eval_max_tokens: int = _d(128, "max_tokens of each eval-set reply", ge=1)
+    eval_seed: int = _d(1234, "sampling seed of the eval-set replies (the same for every version)", ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "RolloutSection":
+        if not self.rollback_min_n <= self.min_n <= self.max_n:
+            raise ValueError("rollout needs rollback_min_n <= min_n <= max_n")
+        return self
+
+    def rule(self, guards: tuple = ()):
+        """The :class:`pipeline.rollout.rule.RolloutConfig` of these values; ``guards``: the eval
+        set's declared guards, used when ``guards`` is empty here."""
+        from pipeline.rollout.rule import RolloutConfig
+
+        return RolloutConfig(enabled=self.enabled, share=self.share, min_n=self.min_n,
+                             rollback_min_n=self.rollback_min_n, max_n=self.max_n, margin=self.margin,
+                             guard_margin=self.guard_margin, guard_min_n=self.guard_min_n, z=self.z,
+                             rollback_z=self.rollback_z, guards=tuple(self.guards) or tuple(guards))
+
+
 class DashboardConfig(Section):
     """``pipeline dashboard``: the web view of the topics and the stages' metrics."""
 
@@ -468,6 +506,7 @@ class Config(BaseSettings):
     trainer: TrainerConfig = _d(TrainerConfig, "the trainer stage")
     syncer: SyncerConfig = _d(SyncerConfig, "the weight syncer of one engine replica")
     dashboard: DashboardConfig = _d(DashboardConfig, "the web dashboard")
+    rollout: RolloutSection = _d(RolloutSection, "canary rollout, promotion and rollback (off by default)")
 
     @field_validator("log_level", mode="before")
     @classmethod
