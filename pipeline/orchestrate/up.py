@@ -103,6 +103,9 @@ def add_arguments(parser) -> None:
                              "vllm (vLLM's OpenAI server from deploy/install-vllm.sh's venv; docs/vllm.md)")
     parser.add_argument("--judge-mode", choices=["rl", "opd", "combine"], help="judge.mode")
     parser.add_argument("--no-trainer", action="store_true", help="serve and judge only (collect data)")
+    parser.add_argument("--rollout", action="store_true",
+                        help="canary rollout (rollout.enabled): a new version serves rollout.share of new sessions "
+                             "until the evaluator stage promotes or rolls it back from the records (docs/rollout.md)")
     parser.add_argument("--batch-size", type=int, metavar="N",
                         help=f"samples per trainer step (trainer.rollout_batch_size); default {CHAT_BATCH} unless the "
                              "config sets it: one person's chat of ten turns gives two steps (a bigger batch gives "
@@ -189,6 +192,7 @@ def _apply_defaults(config: Config, run_dir: Path, args) -> Config:
         engine["kind"] = args.engine_kind
     return config.replace(
         engine=engine, judge={"mode": args.judge_mode} if args.judge_mode else {},
+        rollout={"enabled": True} if getattr(args, "rollout", False) else {},
         trainer={**({"model": args.model} if args.model else {}), **batch_settings(config, getattr(args, "batch_size", None)),
                  "checkpoint_dir": str(run_dir / "checkpoints"),
                  "export_dir": str(run_dir / "weights"), "metrics_file": str(run_dir / "trainer_metrics.jsonl")})
@@ -348,7 +352,8 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
     the trainer's adapters when it trains them (:func:`serving_lora`).
 
     Raises:
-        ValueError: several vLLM engines (not supported: the version bracket needs one engine).
+        ValueError: several vLLM engines (not supported: the version bracket needs one engine);
+            ``rollout.enabled`` without ``trainer.lora`` (full-weight canaries are not built).
     """
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
     if config.engine.kind == "vllm" and reps["engine"] > 1:
@@ -356,6 +361,10 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
         # and the request could reach different engines (docs/vllm.md)
         raise ValueError("--engine vllm serves from one engine: several vLLM engines behind one front are not "
                          "supported yet (drop engine=N from --replicas)")
+    if config.rollout.enabled and trainer and config.trainer.lora is None:
+        # one full-weight engine serves one version to everyone: no canary share to route (docs/rollout.md)
+        raise ValueError("rollout.enabled canaries tenants' LoRA adapters (trainer.lora with trainer.per_tenant); "
+                         "full-weight canaries are not built yet")
     if engine_url is None:
         config = serving_lora(config)
     broker_stage = None
@@ -470,12 +479,15 @@ def _proxy_stages(stage: Callable[..., PlannedStage], config: Config, run_dir: P
 
 def _consumer_stages(stage: Callable[..., PlannedStage], config: Config, ports: _Ports, judges: list[str],
                      trainer: bool) -> list[PlannedStage]:
-    """The judges (one consumer group) and, with ``trainer``, the trainer and the syncers (one per
-    engine when there are several, each with its engine id)."""
+    """The judges (one consumer group) and, with ``trainer``, the trainer, the evaluator (with
+    ``rollout.enabled``: it decides each canary) and the syncers (one per engine when there are
+    several, each with its engine id)."""
     out = [stage(name, ["judge", "--mode", config.judge.mode]) for name in judges]
     if not trainer:
         return out
     out.append(stage("trainer", ["trainer"]))
+    if config.rollout.enabled:
+        out.append(stage("evaluator", ["evaluator"]))
     if len(ports.engines) <= 1:
         return [*out, stage("syncer", ["syncer", "--engine", config.engine.url])]
     for i, (name, port) in enumerate(ports.engines.items()):

@@ -26,3 +26,17 @@ def test_without_trainer_lora_or_with_an_external_engine_the_engine_settings_are
     assert not _plan(tmp_path).config.engine.enable_lora
     external = _plan(tmp_path, engine_url="http://127.0.0.1:1", trainer={"per_tenant": True, "lora": {"rank": 8}})
     assert not external.config.engine.enable_lora  # not ours to configure: its own flags decide
+
+
+def test_rollout_adds_the_evaluator_stage_and_needs_tenant_adapters(tmp_path):
+    import pytest
+
+    lora = {"per_tenant": True, "lora": {"rank": 8}}
+    names = [s.name for s in _plan(tmp_path, trainer=lora).stages]
+    assert "evaluator" not in names  # off by default: today's stack
+    plan = _plan(tmp_path, trainer=lora, rollout={"enabled": True})
+    names = [s.name for s in plan.stages]
+    assert names.index("trainer") < names.index("evaluator") < names.index("syncer")
+    assert plan.final_config.rollout.enabled
+    with pytest.raises(ValueError, match="full-weight canaries"):
+        _plan(tmp_path, rollout={"enabled": True})
