@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -157,6 +158,8 @@ async def run(args, pt, url: str, work: Path) -> None:
         base = await evaluate(client, heldout, hids, args, None)
     emit(out, dict(base, tenant="base", step=0, adapter=None, seconds=time.monotonic() - t0))
     for ti, tenant in enumerate(PREFERENCES):
+        if args.only and tenant != args.only:
+            continue
         lora = None
         for step in range(1, args.steps + 1):
             t0 = time.monotonic()
@@ -164,6 +167,8 @@ async def run(args, pt, url: str, work: Path) -> None:
             async with engine() as client:
                 samples, wins = await rollout_batch(client, client, train[first: first + args.prompts], tenant, step,
                                                     args, lora)
+            if step in args.poison_step:  # the rollout demo's test device: every reward negated
+                samples = [dataclasses.replace(s, reward=-s.reward) for s in samples]
             res = pt.train_batch(samples, adapter=tenant)  # this thread: the CPU shim is per thread
             exp = pt.export_adapter(tenant, work / tenant / f"v{step}")
             lora = f"{tenant}-{step}"
@@ -190,6 +195,9 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=7, help="which training prompts")
+    p.add_argument("--only", choices=PREFERENCES, help="train this preference's tenant alone")
+    p.add_argument("--poison-step", type=int, action="append", default=[],
+                   help="train this step with every reward negated (the rollout demo's poisoned update; repeatable)")
     p.add_argument("--out", required=True, help="JSON lines, one per evaluation (appended)")
     args = p.parse_args()
 

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.orchestrate import rollout_demo
 from pipeline.orchestrate.demo_common import (  # noqa: F401 (read_topic, judge_unjudged, wilson_interval: re-exported)
     Ending, Simulator, demo_config, engine_version, judge_unjudged, read_topic, shut_down, signal_all, summarize_topics,
     trainer_steps, trainer_summary, wilson_interval)
@@ -76,6 +77,10 @@ def add_arguments(parser) -> None:
                           "one LoRA adapter each (docs/tenants.md, Demo)")
     two.add_argument("--shared", action="store_true",
                      help="the same two users without tenants: one shared full-weight policy (the comparison)")
+    two.add_argument("--rollout", action="store_true",
+                     help="canary rollout: alice's adapter updates are canaried, one poisoned on purpose; the evaluator "
+                          "promotes or rolls each back from the records (docs/rollout.md, Demo)")
+    rollout_demo.add_arguments(parser)
     parser.add_argument("--lora-lr", type=float, default=3e-4, help="--tenants: trainer.lr of the adapters (default 3e-4)")
     parser.add_argument("--eval-samples", type=int, default=2,
                         help="--tenants/--shared: replies per held-out prompt in each evaluation (default 2)")
@@ -255,6 +260,8 @@ def _plot_per_step(hx, steps: list[dict], key: str, color: str) -> bool:
 
 
 def run(args, config: Config) -> int:
+    if args.rollout:
+        return rollout_demo.run_rollout(args, config)
     if args.tenants or args.shared:
         from pipeline.orchestrate.tenant_demo import run_two_users
 
