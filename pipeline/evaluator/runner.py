@@ -62,6 +62,8 @@ class EvalRunner:
     Attributes:
         published: the evaluations this process published, in order.
         done: ``(scope, version)`` evaluated with this eval set (read back or published).
+        idle: set while the runner has read ``control`` and ``metrics`` to their end and nothing
+            is left to evaluate (cleared when something is).
     """
 
     def __init__(self, config: Config, eval_set: EvalSet, stop: threading.Event | None = None,
@@ -72,6 +74,7 @@ class EvalRunner:
         self.view = ServingView(self.run_id)
         self.done: set = set()
         self.published: list[events.Evaluation] = []
+        self.idle = threading.Event()
         self._retry: dict[tuple, tuple[float, float]] = {}  # (scope, version) -> (next try, back-off)
         self._thread = threading.Thread(target=self.run, name="evaluator-evals", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,6 +133,7 @@ class EvalRunner:
 
     def _follow(self) -> None:
         self.view, self.done = ServingView(self.run_id), set()
+        self.idle.clear()
         topics = [self.config.topics.name("control"), self.config.topics.name("metrics")]
         with TopicReader(self.config, topics, Offset(0), name="evaluator-evals", stop=self.stop, wait_s=10.0) as r:
             caught_up = False
@@ -142,7 +146,9 @@ class EvalRunner:
 
     def _evaluate_wanted(self) -> None:
         now = time.monotonic()
-        for scope, version, adapter in self.wanted():
+        wanted = self.wanted()
+        (self.idle.clear if wanted else self.idle.set)()
+        for scope, version, adapter in wanted:
             key = (scope, version)
             if self._retry.get(key, (0.0, 0.0))[0] > now or self.stop.is_set():
                 continue
