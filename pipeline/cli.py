@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "judge": ("pipeline.judge.cli", "pair turns with next states and emit scored samples"),
     "trainer": ("pipeline.trainer.cli", "Megatron-core policy updates from sample batches"),
     "syncer": ("pipeline.syncer", "apply published weights to one engine replica"),
+    "evaluator": ("pipeline.evaluator.cli", "decide canaries (promote/rollback) and run the eval set per version"),
     "adapters": ("pipeline.trainer.adapters_cli", "freeze / unfreeze / reset / delete / export a tenant's LoRA adapter"),
     "up": ("pipeline.orchestrate.up", "start broker, engine, proxy, judge, trainer and syncer"),
     "front": ("pipeline.orchestrate.front", "round-robin HTTP load balancer in front of replicas"),

@@ -870,10 +870,15 @@ class TrainStep(Event):
 
 @dataclass
 class Evaluation(Event):
-    """A held-out evaluation of one policy version (``metrics`` topic; written by ``pipeline demo``).
+    """A held-out evaluation of one policy version (``metrics`` topic; written by ``pipeline demo``
+    and the ``evaluator`` stage).
 
     ``metrics``: rates in [0, 1] and means by name (``success_rate``, ``accuracy``,
-    ``words_per_reply``); ``n``: replies evaluated.
+    ``words_per_reply``); ``n``: replies evaluated. ``tenant`` / ``adapter`` (optional, added
+    without a ``v`` bump: absent in older records): the evaluation is of that tenant's
+    ``adapter`` (``adapter`` None with a tenant: the base model serving the tenant); both
+    absent: of the full weights ``policy_version``. An ``adapter`` needs its ``tenant`` and is
+    that tenant's (:func:`adapter_tenant_error`).
     """
 
     TYPE: ClassVar[str] = "evaluation"
@@ -883,10 +888,14 @@ class Evaluation(Event):
     run_id: str = _f("str", "default", domain=_ident)
     created_at: int = _f("int", 0, domain=_time_ms)
     metrics: dict = _f("dict", {})
+    tenant: str | None = _f("str", None, optional=True, domain=_ident)
+    adapter: dict | None = _f("dict", None, optional=True, domain=_adapter)
 
     def validate(self) -> None:
         if self.n < 0:
             raise MalformedEvent(f"evaluation.n must be >= 0, got {self.n}")
+        if self.adapter is not None and self.tenant is None:
+            raise MalformedEvent("evaluation: an adapter needs its tenant")
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

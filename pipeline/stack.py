@@ -41,7 +41,7 @@ VERSION = 1
 COMMANDS: dict[str, Callable[[Any], bool]] = {
     "tail": lambda a: True, "archive": lambda a: True, "replay": lambda a: True, "import": lambda a: True,
     "judge": lambda a: not (getattr(a, "fit", False) or getattr(a, "eval", None)),
-    "trainer": lambda a: True, "syncer": lambda a: True, "retrain": lambda a: True, "adapters": lambda a: True,
+    "trainer": lambda a: True, "syncer": lambda a: True, "evaluator": lambda a: True, "retrain": lambda a: True, "adapters": lambda a: True,
     "dashboard": lambda a: not getattr(a, "run_dir", None),  # --run-dir: the run's own config and broker
     "simulate": lambda a: not getattr(a, "proxy_url", None),  # --proxy-url: talks to that proxy only
     "topics": lambda a: getattr(a, "action", None) != "render",

@@ -75,6 +75,7 @@ STAGE_TOPICS: dict[str, tuple[str, ...]] = {
     "judge": ("turns", "samples", "turns.dlq"),
     "trainer": ("samples", "control", "metrics", "samples.dlq", "control.dlq"),
     "syncer": ("control", "control.dlq"),
+    "evaluator": ("control", "metrics", "samples", "turns", "control.dlq", "metrics.dlq", "samples.dlq", "turns.dlq"),
     "archive": ("turns", "turns.dlq"),
     "replay": ("turns",),
     "import": ("turns",),

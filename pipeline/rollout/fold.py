@@ -17,10 +17,18 @@ each evaluation of an arm, :func:`pipeline.rollout.rule.decide` runs; a ``promot
 becomes a :class:`~pipeline.events.Control` with its evidence, applied at once, and its
 ``created_at`` is the triggering record's (so a replay builds the identical record). A decision
 read on ``control`` (published earlier, or by another instance before a restart) is applied as
-it is and never made again. A tenant's ``reset``/``delete`` closes its canary (the base model
-serves it). Guards come from :class:`~pipeline.events.Evaluation` records of the
-full weights (``metrics[name]`` a rate over ``metrics[name + '_n']``, else ``n``;
-:mod:`pipeline.rollout.evalset` writes them); tenants' adapters have live reward only.
+it is and never made again; the *first* decision recorded for a candidate is the one the
+proxy and the syncers followed (:mod:`pipeline.rollout.serving`), so when this fold already
+decided that candidate otherwise (it saw the records in another order) and nothing happened in
+the scope since, the recorded decision overrules its own. A tenant's ``reset``/``delete``
+closes its canary (the base model serves it).
+
+Guards come from :class:`~pipeline.events.Evaluation` records (``metrics[name]`` a rate over
+``metrics[name + '_n']``, else ``n``; :mod:`pipeline.rollout.evalset` writes them): of the full
+weights (no ``tenant``: version ``policy_version``) or of a tenant's scope (``tenant`` set:
+version = its ``adapter``'s, None: the base model). An evaluation is of a version, not of a
+period: the latest one of each (scope, version) is kept, and a canary that opens starts with
+its arms' kept evaluations (the incumbent is usually evaluated before its successor's canary).
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ class ScopeState:
     canary: Canary | None = None
     rolled_back: set = field(default_factory=set)
     decisions: list = field(default_factory=list)  # (action, candidate) in the order applied
+    decided: dict = field(default_factory=dict)  # candidate -> (action, the incumbent it was compared with)
+    recorded: set = field(default_factory=set)  # candidates whose decision was read on control
 
 
 class RolloutFold:
@@ -66,6 +76,7 @@ class RolloutFold:
     def __init__(self, config: RolloutConfig, run_id: str = "default"):
         self.config, self.run_id = config, run_id
         self.scopes: dict[str | None, ScopeState] = {None: ScopeState(incumbent=0)}
+        self.evaluations: dict[tuple, dict] = {}  # (scope, version) -> guard name -> Counts (latest)
 
     def _scope(self, ev) -> tuple[str | None, int | str | None]:
         """(scope, version) of a turn, sample or evaluation."""
@@ -91,8 +102,20 @@ class RolloutFold:
             scope, version = self._scope(ev)
             return self._count(scope, version, ev.created_at, reward=ev.reward > 0)
         if isinstance(ev, events.Evaluation) and ev.run_id == self.run_id:
-            return self._count(None, ev.policy_version, ev.created_at, evaluation=ev)
+            scope = ev.tenant
+            version = (ev.adapter or {}).get("version") if scope is not None else ev.policy_version
+            self.evaluations[(scope, version)] = self._guards(ev)
+            return self._count(scope, version, ev.created_at, evaluation=ev)
         return None
+
+    def _guards(self, evaluation: events.Evaluation) -> dict:
+        """The configured guards an evaluation holds, as counts (a malformed metric is left out)."""
+        out = {}
+        for name in self.config.guards:
+            rate, n = evaluation.metrics.get(name), evaluation.metrics.get(f"{name}_n", evaluation.n)
+            if isinstance(rate, (int, float)) and 0 <= rate <= 1 and isinstance(n, int) and n >= 0:
+                out[name] = Counts(round(rate * n), n)
+        return out
 
     def _control(self, ev: events.Control) -> None:
         scope = None if ev.full_weights else ev.tenant
@@ -102,23 +125,47 @@ class RolloutFold:
             open_same = state.canary is not None and state.canary.candidate == version
             if version != state.incumbent and version not in state.rolled_back and not open_same:
                 state.canary = Canary(version, state.incumbent, ev.epoch, ev.policy_version, ev.adapter)
+                for arm, v in (("candidate", version), ("incumbent", state.incumbent)):
+                    state.canary.guards[arm] = dict(self.evaluations.get((scope, v), {}))
         elif ev.action in ("reset", "delete"):  # the tenant's adapters are gone: served by the base
             state.canary, state.incumbent = None, None
         elif ev.action in events.ROLLOUT_DECISIONS:
             version = ev.policy_version if scope is None else (ev.adapter or {}).get("version")
+            first = version not in state.recorded
+            state.recorded.add(version)
             if state.canary is not None and state.canary.candidate == version:
                 self._decided(state, ev.action)
-            # else: this fold already made it (the record of its own decision), or the candidate
-            # was superseded: nothing to apply
+            elif first and version in state.decided and state.decided[version][0] != ev.action:
+                self._overrule(state, version, ev.action)
+            # else: this fold already made it (the record of its own decision), the candidate
+            # was superseded, or a later record about a decided candidate: nothing to apply
 
     def _decided(self, state: ScopeState, action: str) -> None:
         cand = state.canary.candidate
+        state.decided[cand] = (action, state.canary.incumbent)
         if action == "promote":
             state.incumbent = cand
         else:
             state.rolled_back.add(cand)
         state.decisions.append((action, cand))
         state.canary = None
+
+    @staticmethod
+    def _overrule(state: ScopeState, version, action: str) -> None:
+        """The first recorded decision about ``version`` is ``action``, not this fold's own: take
+        the record's, when nothing happened in the scope since (no canary open; after an own
+        promote, ``version`` still the incumbent). Otherwise the fold keeps its own."""
+        own, before = state.decided[version]
+        if state.canary is not None or (own == "promote" and state.incumbent != version):
+            return
+        if action == "promote":
+            state.rolled_back.discard(version)
+            state.incumbent = version
+        else:
+            state.rolled_back.add(version)
+            state.incumbent = before
+        state.decided[version] = (action, before)
+        state.decisions.append((action, version))
 
     def _count(self, scope, version, created_at: int, reward: bool | None = None,
                evaluation: events.Evaluation | None = None) -> events.Control | None:
@@ -130,10 +177,7 @@ class RolloutFold:
         if reward is not None:
             canary.reward[arm] = canary.reward[arm].add(reward)
         else:
-            for name in self.config.guards:
-                rate, n = evaluation.metrics.get(name), evaluation.metrics.get(f"{name}_n", evaluation.n)
-                if isinstance(rate, (int, float)) and 0 <= rate <= 1 and isinstance(n, int) and n >= 0:
-                    canary.guards[arm][name] = Counts(round(rate * n), n)
+            canary.guards[arm] = dict(self._guards(evaluation))
         return self._maybe_decide(scope, state, created_at)
 
     def _maybe_decide(self, scope, state: ScopeState, created_at: int) -> events.Control | None:

@@ -276,3 +276,20 @@ def test_rollout_decisions_carry_their_evidence():
     with pytest.raises(MalformedEvent, match="turn.canary"):
         decode(msgpack.packb({"type": "turn", "v": 1, "session_id": "s", "turn_index": 0, "canary": "both"},
                              use_bin_type=True))
+
+
+def test_an_evaluation_may_name_a_tenants_adapter_and_older_records_decode():
+    import msgpack
+
+    version = "c" * 64
+    ad = {"name": events.adapter_name("alice", version), "version": version, "sha256": "d" * 64}
+    ev = events.Evaluation(policy_version=0, n=3, tenant="alice", adapter=ad, metrics={"accuracy": 1.0})
+    assert events.decode(events.encode(ev)) == ev
+    old = msgpack.unpackb(events.encode(events.Evaluation(policy_version=2, n=3)), raw=False)
+    del old["tenant"], old["adapter"]  # a record written before these fields
+    back = events.decode(msgpack.packb(old, use_bin_type=True))
+    assert back.tenant is None and back.adapter is None and back.policy_version == 2
+    with pytest.raises(events.MalformedEvent, match="needs its tenant"):
+        events.encode(events.Evaluation(policy_version=0, n=3, adapter=ad))
+    with pytest.raises(events.MalformedEvent, match="not tenant 'bob'"):
+        events.decode(events.encode(events.Evaluation(policy_version=0, n=3, tenant="bob", adapter=ad)))

@@ -35,7 +35,7 @@ from pipeline.cli import COMMANDS
 
 PIPELINE = Path(__file__).resolve().parents[2] / "pipeline"
 KAFKA_CLIENTS = {"kafka", "confluent_kafka", "aiokafka"}
-STAGES = {"proxy", "engine", "judge", "trainer", "syncer", "history", "simulate", "orchestrate", "dashboard"}
+STAGES = {"proxy", "engine", "judge", "trainer", "syncer", "history", "simulate", "orchestrate", "dashboard", "evaluator"}
 LAUNCHERS = ("pipeline.orchestrate", "pipeline.testing", "pipeline.cli", "pipeline.__main__")
 COMMAND_MODULES = {module for module, _help in COMMANDS.values()}
 # imports that break the rules knowingly (none)

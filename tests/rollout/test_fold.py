@@ -168,3 +168,52 @@ def test_reward_hacking_through_the_records_a_fallen_guard_is_never_promoted():
     assert ev["arms"]["candidate"]["accuracy"] == [40, 200] and ev["arms"]["incumbent"]["accuracy"] == [100, 200]
     assert ev["bounds"]["reward"][0] > 0  # the reward rose, significantly
     assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
+
+
+def _evaluation(accuracy: float, version: int = 0, tenant=None, adapter=None, n: int = 200) -> events.Evaluation:
+    return events.Evaluation(policy_version=version, n=n, metrics={"accuracy": accuracy, "accuracy_n": n},
+                             tenant=tenant, adapter=adapter)
+
+
+def test_a_tenants_guard_counts_from_evaluations_naming_its_adapter_and_base():
+    """Scope by tenant: alice's candidate is evaluated by an Evaluation naming her adapter, her
+    incumbent (the base model) by one naming her and no adapter; bob's canary is untouched."""
+    config = RolloutConfig(enabled=True, guards=("accuracy",))
+    a1, b1 = _adapter("alice", "e"), _adapter("bob", "f")
+    fold = RolloutFold(config)
+    for c in (_weights(1, "alice", a1), _weights(1, "bob", b1)):
+        fold.apply(c)
+    assert fold.apply(_evaluation(0.5, tenant="alice")) is None  # the base model serving alice
+    assert fold.apply(_evaluation(0.5)) is None  # the full weights: another scope
+    d = decode(encode(fold.apply(_evaluation(0.2, tenant="alice", adapter=a1))))
+    assert (d.action, d.tenant, d.adapter, d.evidence["reason"]) == ("rollback", "alice", a1, "guard_fell:accuracy")
+    assert d.evidence["arms"]["incumbent"]["accuracy"] == [100, 200] and d.evidence["incumbent"] is None
+    assert fold.scopes["bob"].canary is not None and fold.scopes[None].canary is None
+
+
+def test_an_evaluation_made_before_the_canary_opened_counts_for_its_version():
+    """The incumbent is evaluated at start, before its successor's canary opens: kept per version."""
+    fold = RolloutFold(RolloutConfig(enabled=True, guards=("accuracy",)))
+    assert fold.apply(_evaluation(0.6, version=0)) is None  # no canary yet
+    fold.apply(_weights(1))
+    assert fold.scopes[None].canary.guards["incumbent"]["accuracy"].n == 200
+    d = fold.apply(_evaluation(0.1, version=1))
+    assert d is not None and d.evidence["reason"] == "guard_fell:accuracy"
+
+
+def test_the_first_recorded_decision_overrules_the_folds_own():
+    """The fold decided promote (its records came in another order); the first decision recorded
+    on control, which the proxy and the syncers followed, is a rollback: the record wins."""
+    fold = RolloutFold(RolloutConfig(enabled=True, min_n=200, rollback_min_n=1))
+    fold.apply(_weights(1))
+    own = None
+    for i, version in enumerate([0, 1] * 200):
+        own = own or fold.apply(Sample(sample_id=f"s{i}:0", session_id=f"s{i}", turn_index=0, policy_version=version,
+                                       kind="rl", tokens=[1, 2], response_length=1, rollout_log_probs=[-0.1],
+                                       reward=1.0, created_at=i))
+    assert own is not None and own.action == "promote" and fold.scopes[None].incumbent == 1
+    recorded = Control(action="rollback", epoch=1, policy_version=1, evidence=own.evidence)
+    fold.apply(recorded)
+    assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
+    fold.apply(own)  # a later record about the decided candidate changes nothing
+    assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
