@@ -1,8 +1,10 @@
 """A tenant's request served by its LoRA adapter (docs/tenants.md "Adapter sync").
 
 The adapter is the one of the tenant's last ``resume`` on ``control``
-(:meth:`pipeline.proxy.control.SyncGate.adapter_of`), read once per request, after the hold
-(a request held by its tenant's sync goes to the adapter that sync resumed with). The proxy:
+(:meth:`pipeline.proxy.control.SyncGate.adapter_of`; with ``rollout.enabled``, the incumbent or
+the live candidate by the session's canary arm, :mod:`pipeline.proxy.canary`), read once per
+request, after the hold (a request held by its tenant's sync goes to the adapter that sync
+resumed with). The proxy:
 
 - forwards the chat body with ``model: "<base>:<adapter name>"`` (SGLang's chat syntax and our
   engine's, split at the first ``:``; the ``/generate`` path of

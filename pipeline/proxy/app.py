@@ -113,7 +113,8 @@ class _Route:
     session is new for it (``fresh``), the recorded turn it continues (``hit``), its prefix
     digests (``chain``) and its ``tenant`` (the session is ``(tenant, sid)``); ``mt`` and
     ``admitted`` track its reserved index until the engine takes it; ``adapter`` is the tenant's
-    LoRA adapter it is served by (:mod:`pipeline.proxy.adapters`)."""
+    LoRA adapter it is served by (:mod:`pipeline.proxy.adapters`) and ``canary`` its arm while the
+    tenant's canary is open (:mod:`pipeline.proxy.canary`)."""
 
     sid: str
     source: str
@@ -126,6 +127,7 @@ class _Route:
     mt: MainTurn | None = None
     admitted: bool = False
     adapter: dict | None = None  # the tenant's adapter the request was routed to (None: the base model)
+    canary: str | None = None  # "candidate" / "incumbent" while the tenant's canary is open
     version_before: str | None = None  # vLLM: its weight version read just before the request was sent
     response_prefix: str = "chatcmpl-"  # the answer's id is <prefix><rid> (a front door's: resp_, msg_)
 
@@ -200,7 +202,7 @@ class ProxyApp:
             linger_s=pc.publish_linger_ms / 1000, kafka_client=pc.kafka_client)
         self.upstream = Transport(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
         self.names = ServedModels(lambda: self._call("GET", "/v1/models"), pc.model_aliases, pc.unknown_model)
-        self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s)
+        self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s, config.rollout.share, pc.max_sessions)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
         self.tenants = Tenants(pc.tenants, self._keys)
@@ -496,9 +498,6 @@ class ProxyApp:
         if record:
             route.response_prefix = response_prefix
         await self._hold(rid, tenant)
-        adapter = self.gate.adapter_of(tenant)  # after the hold: what the tenant's sync resumed with
-        if record:
-            route.adapter = adapter
         turn_index = None
         if record and meta.turn_type == "main":
             route.mt = self.sessions.begin(route.sid, req["messages"], fresh=route.fresh,
@@ -506,6 +505,10 @@ class ProxyApp:
                                            continue_final=req.get("continue_final_message") is True,
                                            tenant=tenant)
             turn_index = route.mt.turn_index
+        # after the hold: what the tenant's sync resumed with (rollout: the session's canary arm)
+        adapter, canary = self.gate.serve(tenant, route.sid if record else None, turn_index == 0)
+        if record:
+            route.adapter, route.canary = adapter, canary
         extra = [(b"x-request-id", rid.encode())]
         if record:
             extra += [(b"x-session-id", route.sid.encode()), (b"x-session-source", route.source.encode())]
@@ -678,7 +681,7 @@ class ProxyApp:
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
             logprob_temperature=temperature if logprobs else None, logprob_processors=processors,
-            session_source=route.source, tenant=route.tenant, adapter=adapter,
+            session_source=route.source, tenant=route.tenant, adapter=adapter, canary=route.canary,
             response_id=route.response_prefix + route.rid,
             housekeeping=meta.housekeeping.label if meta.housekeeping is not None else None)
         if finished and turn_index is not None:

@@ -12,6 +12,10 @@ sync learns that it is paused. State:
   tenant's requests only are held (:class:`TenantState`), every other tenant and untenanted
   traffic is served throughout; the tenant's ``resume`` names the adapter that serves it from
   then on (None: the base model), which the proxy routes its requests to and records on its turns.
+- with ``rollout.enabled`` (docs/rollout.md) a tenant's adapter is its serving view's instead
+  (:class:`pipeline.rollout.serving.ServingView`, folded from the same records, ``promote`` and
+  ``rollback`` included): its incumbent, and a live candidate for the canary share of new
+  sessions (:mod:`pipeline.proxy.canary`). Off: the last ``resume``'s adapter, as above.
 
 A pause older than ``max_pause_s`` (by its ``created_at``) is treated as over, so a trainer
 that died mid-sync cannot hold traffic for ever. Broker trouble only delays these updates; the
@@ -32,6 +36,8 @@ from typing import Callable
 from pipeline import events
 from pipeline.bus import Follower, Offset
 from pipeline.config import Config
+from pipeline.proxy.canary import Arms, CanaryRoutes, arms_of
+from pipeline.rollout.serving import ServingView
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ class ControlState:
         paused_at_ms: ``created_at`` of the pause (ms since the epoch), 0 when not paused.
         applied_version: highest policy version an engine reported as applied (-1: none seen).
         tenants: tenant -> :class:`TenantState` (immutable: a copy of the dict is a snapshot).
+        serving: tenant -> :class:`pipeline.proxy.canary.Arms` of the rollout serving view (None:
+            rollout off; immutable values: a copy of the dict is a snapshot).
     """
 
     paused: bool = False
@@ -72,10 +80,12 @@ class ControlState:
     paused_at_ms: int = 0
     applied_version: int = -1
     tenants: dict[str, TenantState] = field(default_factory=dict)
+    serving: dict[str, Arms] | None = None
 
     def copy(self) -> "ControlState":
         """A snapshot (for the event loop while the follower thread goes on)."""
-        return replace(self, tenants=dict(self.tenants))
+        return replace(self, tenants=dict(self.tenants),
+                       serving=None if self.serving is None else dict(self.serving))
 
 
 class ControlFollower:
@@ -84,7 +94,12 @@ class ControlFollower:
     Args:
         config: the process config (topic name from ``topics``, client settings from ``kafka``).
         on_change: called (from the follower thread) with a copy of the state after each poll that changed it.
+
+    Attributes:
+        view: the rollout serving view of the run's ``control`` records (None: rollout off).
     """
+
+    view: ServingView | None = None
 
     def __init__(self, config: Config, on_change: Callable[[ControlState], None]) -> None:
         self.config = config
@@ -92,6 +107,8 @@ class ControlFollower:
         self.on_change = on_change
         self.run_id = config.syncer.run_id or config.trainer.run_id  # the run whose adapter orders count
         self.state = ControlState()
+        if config.rollout.enabled:
+            self.view, self.state.serving = ServingView(self.run_id), {}
         self._changed = False
         self._follower = Follower(config, self.topic, self._record, name="proxy", start=Offset(0), partitions=[0],
                                   dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S, after_batch=self._publish,
@@ -116,7 +133,7 @@ class ControlFollower:
         if not isinstance(ev, events.Control):
             return False
         if ev.tenant is not None:
-            return self._apply_tenant(ev)
+            return self._apply_tenant(ev) | self._apply_serving(ev)
         if not ev.full_weights:
             return False
         s = self.state
@@ -147,6 +164,14 @@ class ControlFollower:
         self.state.tenants[ev.tenant] = new
         return new != t
 
+    def _apply_serving(self, ev: events.Control) -> bool:
+        """Fold a tenant's record into the rollout serving view (rollout on; the view keeps only
+        this run's records); True when a tenant's :class:`Arms` changed."""
+        if self.view is None or not self.view.apply(ev):
+            return False
+        self.state.serving = arms_of(self.view)  # a new dict: the event loop's snapshot is never touched
+        return True
+
     def _record(self, rec) -> None:
         self._changed |= self.apply(rec.event)
 
@@ -167,16 +192,23 @@ class SyncGate:
     ``resume`` that ends what holds it, or until ``hold_timeout_s`` (then the request goes
     through, or gets 503 when ``strict``).
 
+    :meth:`serve` says which adapter serves a tenant's turn (with rollout on: its canary arm,
+    :class:`pipeline.proxy.canary.CanaryRoutes`).
+
     Args:
         hold_timeout_s: the longest a request is held.
         max_pause_s: a pause older than this (from its ``created_at``) is ignored.
+        canary_share: the canary's share of new sessions (``rollout.share``; used with rollout on).
+        max_pins: the most sessions pinned to a tenant's candidate (``proxy.max_sessions``).
     """
 
-    def __init__(self, hold_timeout_s: float, max_pause_s: float) -> None:
+    def __init__(self, hold_timeout_s: float, max_pause_s: float, canary_share: float = 0.1,
+                 max_pins: int = 100_000) -> None:
         import asyncio
 
         self.hold_timeout_s = hold_timeout_s
         self.max_pause_s = max_pause_s
+        self.routes = CanaryRoutes(canary_share, max_pins)
         self._changed = asyncio.Event()  # set (and replaced) at every update: wakes the waiters
         self.state = ControlState()
 
@@ -202,6 +234,14 @@ class SyncGate:
         t = self.state.tenants.get(tenant) if tenant is not None else None
         return None if t is None else t.adapter
 
+    def serve(self, tenant: str | None, session_id: str | None, first: bool) -> tuple[dict | None, str | None]:
+        """``(adapter, canary)`` of a turn of ``tenant``'s session ``session_id`` (None: not
+        recorded); ``first``: its first turn. Rollout off (or no tenant): the tenant's
+        :meth:`adapter_of` and no canary; on: :meth:`pipeline.proxy.canary.CanaryRoutes.route`."""
+        if tenant is None or self.state.serving is None:
+            return self.adapter_of(tenant), None
+        return self.routes.route(tenant, self.state.serving.get(tenant) or Arms(), session_id, first)
+
     def _stale_in(self, tenant: str | None) -> float:
         """Seconds until every pause that holds ``tenant`` now is stale (``max_pause_s``)."""
         now = time.time() * 1000
@@ -215,6 +255,8 @@ class SyncGate:
         import asyncio
 
         self.state = state
+        if state.serving is not None:
+            self.routes.forget_closed(state.serving)
         woken, self._changed = self._changed, asyncio.Event()
         woken.set()
 

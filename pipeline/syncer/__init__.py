@@ -19,7 +19,7 @@ import threading
 
 from pipeline.config import Config
 from pipeline.syncer.core import Syncer
-from pipeline.syncer.published import TenantAdapters, last_published, scan_control
+from pipeline.syncer.published import TenantAdapters, TenantServing, last_published, scan_control
 
 HELP = "apply published weights (control topic) to one engine replica via /update_weights_from_disk"
 
@@ -53,4 +53,4 @@ def run(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-__all__ = ["HELP", "Syncer", "TenantAdapters", "add_arguments", "last_published", "run", "scan_control"]
+__all__ = ["HELP", "Syncer", "TenantAdapters", "TenantServing", "add_arguments", "last_published", "run", "scan_control"]

@@ -23,6 +23,18 @@ engine client (``_engine_call``), its retry rule (``retried``, the one of full w
   A tenant whose adapter cannot be served (folder gone or torn, its ``weights`` record aged out,
   the engine refusing it) is reported (``failed``, an error log once,
   ``pipeline_syncer_adapters_missing``) and keeps ``/readyz`` at 503 until it is served.
+
+With ``rollout.enabled`` (docs/rollout.md) what a tenant is served by is its serving view's
+(:class:`pipeline.syncer.published.TenantServing`): its incumbent and its live candidate, loaded
+side by side during a canary. Unloading runs for each tenant with a ``resume``, ``promote`` or
+``rollback`` in the drained records and keeps the incumbent, the candidate (live or still
+syncing), a ``weights`` read after the last of those records, and what served the tenant before
+it, until the tenant's next such record (in-flight requests): the incumbent a ``promote``
+replaced, the version a failed sync resumed away from. A **rolled-back candidate is never kept**:
+its ``rollback`` unloads it at once (a request the proxy routed to it just before reading the
+``rollback`` may then be refused by the engine), and reconciliation never loads it again, whatever
+a later ``resume`` names. Reconciliation loads the incumbent and a live candidate (a restarted
+engine gets both back). Rollout off: exactly the rules above.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import time
 from typing import Any
 
 from pipeline import events
-from pipeline.syncer.published import TenantAdapters
+from pipeline.syncer.published import TenantServing
 
 log = logging.getLogger("pipeline.syncer")
 
@@ -47,14 +59,14 @@ class AdapterSync:
     """Mixin of :class:`pipeline.syncer.core.Syncer`: tenants' adapters (see the module docstring).
 
     Attributes:
-        tenants: the tenant orders read from ``control`` (:class:`TenantAdapters`).
+        tenants: the tenant orders read from ``control`` (:class:`TenantServing`).
         adapters_loaded: engine adapter name -> tenant, for the adapters this syncer loaded (or,
             after a restart, found on the engine under a name of a known tenant's adapter).
         adapters_missing: tenant -> why its current adapter is not served (empty: all served).
     """
 
     def _init_adapters(self) -> None:
-        self.tenants = TenantAdapters()
+        self.tenants = TenantServing.of(self.config, self.run_id)
         self.adapters_loaded: dict[str, str] = {}
         self.adapters_missing: dict[str, str] = {}
         self._adapter_retry: dict[str, tuple[int, float]] = {}  # tenant -> (failures, monotonic retry time)
@@ -164,41 +176,52 @@ class AdapterSync:
     def handle_tenant_records(self, producer, recs: list[events.Control]) -> None:
         """Apply the tenant records of one drained poll, in log order (see the module docstring):
         each tenant's newest ``weights`` is loaded and answered, then each tenant resumed in
-        ``recs`` keeps only its current adapter, the one before it (unless resumed to the base)
+        ``recs`` (rollout on: also promoted or rolled back) keeps only what serves it now, what
+        served it before (unless it is on the base model alone now; never a rolled-back version)
         and one whose ``weights`` came later."""
+        turns = ("resume",) if self.tenants.view is None else ("resume", "promote", "rollback")
         newest: dict[str, tuple[int, events.Control]] = {}
         resumed: dict[str, int] = {}
-        before: dict[str, dict | None] = {}  # tenant -> its adapter before its last resume here
+        before: dict[str, list[dict]] = {}  # tenant -> what served it before its last turn here
         for i, ev in enumerate(recs):
-            if ev.action == "resume":
-                before[ev.tenant] = self.tenants.current.get(ev.tenant)
+            if ev.action in turns:
+                before[ev.tenant] = self.tenants.served(ev.tenant)
             self.tenants.see(ev)
             if ev.action == "weights" and ev.adapter is not None:
                 if ev.tenant in newest:
                     log.info("%s: tenant %s: adapter %s superseded by %s", self.engine_id, ev.tenant,
                              newest[ev.tenant][1].adapter["name"], ev.adapter["name"])
                 newest[ev.tenant] = (i, ev)
-            elif ev.action == "resume":
+            elif ev.action in turns:
                 resumed[ev.tenant] = i
         for _, ev in newest.values():
-            # live: T is already resumed on it (an engine the trainer does not wait for, a replay)
-            ok, msg = self.apply_adapter(ev, live=self.tenants.current.get(ev.tenant) == ev.adapter)
+            # live: T is already served by it (an engine the trainer does not wait for, a replay)
+            live = any(a["version"] == ev.adapter["version"] for a in self.tenants.served(ev.tenant))
+            ok, msg = self.apply_adapter(ev, live=live)
             self._publish(producer, "applied" if ok else "failed", ev, msg)
         for tenant, at in resumed.items():
-            cur, prev = self.tenants.current.get(tenant), before.get(tenant)
-            keep = {a["name"] for a in (cur, prev if cur is not None else None) if a is not None}
+            keep = self._kept(tenant, before.get(tenant, []))
             if tenant in newest and newest[tenant][0] > at:
                 keep.add(newest[tenant][1].adapter["name"])
             self.unload_others(tenant, keep)
         if resumed:
             self._observe_adapters()
 
+    def _kept(self, tenant: str, before: list[dict]) -> set[str]:
+        """The adapter names of ``tenant`` kept loaded after its resume / promote / rollback: what
+        it needs now (:meth:`TenantServing.needed`) and ``before`` (what served it before), unless
+        it needs nothing now (the base model alone) or a version of ``before`` was rolled back."""
+        now = self.tenants.needed(tenant)
+        grace = [a for a in before if not self.tenants.rolled_back(tenant, a)] if now else []
+        return {a["name"] for a in now + grace}
+
     # ------------------------------------------------------------ reconciliation
 
     def reconcile_adapters(self, producer) -> bool:
-        """Load every tenant's current adapter the engine lacks (see the module docstring).
-        Returns True when every tenant's current adapter is served; an engine that does not
-        answer is left for the next check."""
+        """Load every adapter serving a tenant that the engine lacks (see the module docstring;
+        rollout on: its incumbent and its live candidate) and unload rolled-back ones. Returns
+        True when every tenant's adapters are served; an engine that does not answer is left for
+        the next check."""
         listed = self.engine_adapters()
         if listed is None:
             return not self.adapters_missing
@@ -207,13 +230,27 @@ class AdapterSync:
                 self.adapters_loaded.setdefault(name, tenant)
         for name in [n for n in self.adapters_loaded if n not in listed]:
             del self.adapters_loaded[name]  # the engine restarted: loaded again below if still current
-        for tenant, adapter in sorted(self.tenants.current.items()):
-            if adapter is None or adapter["name"] in listed:
+        self._unload_rolled_back()
+        for tenant in self.tenants.known():
+            lacking = [a for a in self.tenants.served(tenant) if a["name"] not in listed]
+            if not lacking:
                 self._served_again(tenant)
                 continue
-            self._reload(producer, tenant, adapter)
+            failures, retry_at = self._adapter_retry.get(tenant, (0, 0.0))
+            if time.monotonic() < retry_at:
+                continue
+            if all([self._reload(producer, tenant, a, failures) for a in lacking]):
+                self._served_again(tenant)
         self._observe_adapters()
         return not self.adapters_missing
+
+    def _unload_rolled_back(self) -> None:
+        """Unload every rolled-back adapter still loaded (rollout on): one adopted from the engine
+        after a syncer restart, or one whose unload failed at its ``rollback``."""
+        gone = {ev.adapter["name"]: t for (t, _), ev in self.tenants.folders.items()
+                if ev.adapter["name"] in self.adapters_loaded and self.tenants.rolled_back(t, ev.adapter)}
+        for tenant in set(gone.values()):
+            self.unload_others(tenant, {n for n, t in self.adapters_loaded.items() if t == tenant and n not in gone})
 
     def _known_names(self) -> dict[str, str]:
         """Engine name -> tenant of every adapter version a ``weights`` record named."""
@@ -224,28 +261,24 @@ class AdapterSync:
             log.info("%s: tenant %s's adapter is served again", self.engine_id, tenant)
         self._adapter_retry.pop(tenant, None)
 
-    def _reload(self, producer, tenant: str, adapter: dict) -> None:
-        """Load ``tenant``'s current ``adapter`` the engine lacks; answer ``applied``/``failed``."""
+    def _reload(self, producer, tenant: str, adapter: dict, failures: int) -> bool:
+        """Load ``adapter``, serving ``tenant``, that the engine lacks; answer ``applied``/``failed``.
+        ``failures``: the tenant's consecutive failed tries before (its back-off). True when loaded."""
         from pipeline import weightsync
 
-        failures, retry_at = self._adapter_retry.get(tenant, (0, 0.0))
-        if time.monotonic() < retry_at:
-            return
-        ev = self.tenants.weights_of(tenant)
+        ev = self.tenants.folder_of(tenant, adapter)
         if ev is None:
             why = f"no weights record of its adapter {adapter['name']} on control (aged out?)"
             if self.adapters_missing.get(tenant) != why:
                 log.error("%s: tenant %s is served by adapter %s, which cannot be loaded: %s", self.engine_id,
                           tenant, adapter["name"], why)
             self.adapters_missing[tenant] = why
-            return
+            return False
         log.warning("%s: the engine lacks tenant %s's adapter %s: loading %s", self.engine_id, tenant,
                     adapter["name"], ev.location)
         weightsync.SYNCER_RECONCILES.labels(self.engine_id).inc()
         ok, msg = self.apply_adapter(ev, live=True)
-        if ok:
-            self._served_again(tenant)
-        else:
+        if not ok:
             wait = backoff_s(self.cfg.check_interval_s, failures + 1)
             self._adapter_retry[tenant] = (failures + 1, time.monotonic() + wait)
             if self.adapters_missing.get(tenant) != msg:
@@ -253,6 +286,7 @@ class AdapterSync:
                           tenant, adapter["name"], msg, wait)
             self.adapters_missing[tenant] = msg
         self._publish(producer, "applied" if ok else "failed", ev, msg if ok else f"reconcile: {msg}")
+        return ok
 
     def _observe_adapters(self) -> None:
         from pipeline import weightsync

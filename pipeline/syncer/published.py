@@ -3,18 +3,75 @@
 :func:`scan_control` reads ``control`` (one partition) from its beginning to its end once and
 returns both halves of what a (re)starting syncer must restore: the newest full-weight
 ``weights`` event of the run (:func:`last_published`, with the trainer's ``published.json``
-fallback) and every tenant's adapter state (:class:`TenantAdapters`: the ``weights`` record of
-each adapter version, and the adapter of each tenant's last ``resume``).
+fallback) and every tenant's adapter state (:class:`TenantServing`: the ``weights`` record of
+each adapter version, the adapter of each tenant's last ``resume`` and, with ``rollout.enabled``,
+the serving view: its incumbent and its canary's candidate).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from pipeline import events
 from pipeline.config import Config
+from pipeline.rollout.serving import ServingView, version_of
 from pipeline.weightsync import TenantAdapters
+
+
+@dataclass
+class TenantServing(TenantAdapters):
+    """:class:`pipeline.weightsync.TenantAdapters` and, with rollout on, the run's
+    :class:`pipeline.rollout.serving.ServingView` (``view``; None: rollout off), fed together in
+    log order by :meth:`see`. Which adapters of a tenant must be on an engine:
+
+    - rollout off: the adapter of its last ``resume`` (:attr:`current`);
+    - rollout on: its incumbent and its live candidate (both serve during a canary); a
+      rolled-back candidate is neither, whatever a later ``resume`` names.
+    """
+
+    view: ServingView | None = None
+
+    @classmethod
+    def of(cls, config: Config, run_id: str) -> "TenantServing":
+        """An empty state for ``run_id`` (with a serving view when ``config.rollout.enabled``)."""
+        return cls(view=ServingView(run_id) if config.rollout.enabled else None)
+
+    def see(self, ev: events.Control) -> None:
+        """Record a tenant's ``weights``, ``resume`` (and, rollout on, every serving change)."""
+        super().see(ev)
+        if self.view is not None and ev.tenant is not None:
+            self.view.apply(ev)
+
+    def known(self) -> list[str]:
+        """Every tenant with an order (sorted)."""
+        scoped = () if self.view is None else (t for t in self.view.scopes if t is not None)
+        return sorted(set(self.current) | set(scoped))
+
+    def served(self, tenant: str) -> list[dict]:
+        """The adapters that serve ``tenant``'s requests now (see the class docstring; empty: the
+        base model alone)."""
+        if self.view is None:
+            a = self.current.get(tenant)
+            return [] if a is None else [a]
+        s = self.view.scope(tenant)
+        both = [s.incumbent, s.candidate if s.live else None]
+        return [a for i, a in enumerate(both) if a is not None and (i == 0 or version_of(a) != version_of(both[0]))]
+
+    def needed(self, tenant: str) -> list[dict]:
+        """:meth:`served` and, rollout on, a candidate whose sync runs (not live yet)."""
+        out = self.served(tenant)
+        cand = None if self.view is None else self.view.scope(tenant).candidate
+        return out + [cand] if cand is not None and version_of(cand) not in map(version_of, out) else out
+
+    def rolled_back(self, tenant: str, adapter: dict) -> bool:
+        """``adapter`` of ``tenant`` was rolled back (never false with rollout off)."""
+        return self.view is not None and adapter["version"] in self.view.scope(tenant).rolled_back
+
+    def folder_of(self, tenant: str, adapter: dict) -> events.Control | None:
+        """The ``weights`` record of ``tenant``'s ``adapter`` (None: never seen, or aged out)."""
+        return self.folders.get((tenant, adapter["version"]))
 
 
 def _full_weights_of(ev: object, run_id: str) -> bool:
@@ -22,13 +79,12 @@ def _full_weights_of(ev: object, run_id: str) -> bool:
 
 
 def scan_control(config: Config, run_id: str, timeout_s: float = 60.0,
-                 stop: threading.Event | None = None) -> tuple[events.Control | None, TenantAdapters]:
+                 stop: threading.Event | None = None) -> tuple[events.Control | None, TenantServing]:
     """Read ``control`` from the beginning to its end (the high watermark seen after a fetch).
 
     Returns ``(last full weights, tenants)``: the newest full-weight ``weights`` event of
     ``run_id`` (:func:`last_published`'s answer without the ``published.json`` fallback) and
-    the :class:`TenantAdapters` of the run's tenant ``weights`` and ``resume`` records, in log
-    order. Bad records are passed over (an observer: the syncer's own group dead-letters them).
+    the :class:`TenantServing` of the run's tenant records, in log order. Bad records are passed over (an observer: the syncer's own group dead-letters them).
 
     Raises:
         TimeoutError: the end of ``control`` was not reached within ``timeout_s``.
@@ -36,7 +92,7 @@ def scan_control(config: Config, run_id: str, timeout_s: float = 60.0,
     from pipeline.bus import TopicReader
 
     best: events.Control | None = None
-    tenants = TenantAdapters()
+    tenants = TenantServing.of(config, run_id)
     topic = config.topics.name("control")
     with TopicReader(config, topic, "beginning", partitions=[0], name="syncer-reconcile") as reader:
         deadline = time.monotonic() + timeout_s
