@@ -125,10 +125,13 @@ def eval_view(ev: events.Evaluation) -> dict:
         if name.endswith(_SUFFIXES) or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         n = m.get(f"{name}_n")
-        low, high = m.get(f"{name}_low"), m.get(f"{name}_high")
-        if (low is None or high is None) and isinstance(n, int) and n > 0 and 0 <= value <= 1:
-            low, high = wilson_interval(round(value * n), n)
-        out.append({"metric": name, "value": value, "n": n if isinstance(n, int) else ev.n,
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+        low, high = (m.get(f"{name}_low"), m.get(f"{name}_high"))
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (low, high)):
+            low = high = None  # absent, or not numbers: no bounds recorded
+            if n and 0 <= value <= 1:
+                low, high = wilson_interval(round(value * n), n)
+        out.append({"metric": name, "value": value, "n": ev.n if n is None else n,
                     "low": low, "high": high})
     return {"name": ev.name, "n": ev.n, "created_at": ev.created_at, "metrics": out}
 

@@ -135,3 +135,12 @@ def test_memory_is_bounded_per_scope(monkeypatch):
     (scope,) = v.snapshot()
     assert len(scope["versions"]) == 3 and scope["candidate"] == "v5"
     assert [r["label"] for r in scope["versions"]] == ["v0", "v4", "v5"]  # the incumbent is kept
+
+
+def test_an_odd_metrics_map_is_shown_without_bounds():
+    ev = events.Evaluation(policy_version=3, n=7, name="odd",
+                           metrics={"a": 0.5, "a_low": "x", "a_high": None, "b": 2.0, "b_n": True, "note": "text"})
+    (row,) = _fold([ev]).snapshot()[0]["versions"]
+    (a, b) = row["evals"][0]["metrics"]
+    assert (a["metric"], a["low"], a["high"], a["n"]) == ("a", None, None, 7)
+    assert (b["metric"], b["low"], b["n"]) == ("b", None, 7)
