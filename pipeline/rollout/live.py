@@ -34,7 +34,8 @@ interleaving of the topics (each topic in its own order) and keeps, per **scope*
 - its **role** from ``control`` (:class:`pipeline.rollout.serving.ServingView`): ``incumbent``,
   ``candidate`` (``live`` once resumed), ``rolled back``, ``previous`` (an incumbent since
   replaced), ``superseded`` (a candidate dropped undecided); with rollout off (``rollout=False``,
-  today's behaviour) a version resumed is the incumbent at once. Its **decision** (the
+  today's behaviour) a version resumed is the incumbent at once, until a decision or a canary
+  turn shows that rollout is on. Its **decision** (the
   ``promote``/``rollback`` record's action and evidence: reason, bounds, counts per arm);
 - its **eval-set results**: the latest :class:`~pipeline.events.Evaluation` of each eval-set
   name for the version (``metrics[m]``, ``metrics[m + '_n']`` else ``n``, and the
@@ -136,21 +137,71 @@ def eval_view(ev: events.Evaluation) -> dict:
     return {"name": ev.name, "n": ev.n, "created_at": ev.created_at, "metrics": out}
 
 
+class Roles:
+    """Each version's role from one run's ``control`` records (:class:`ServingView`, plus the
+    versions it replaced). ``rollout``: a new version is a candidate until a ``promote``; False:
+    it is the incumbent once resumed (today's behaviour without a canary)."""
+
+    def __init__(self, run_id: str, rollout: bool):
+        self.serving, self.rollout = ServingView(run_id), rollout
+        self.previous: dict[str | None, set] = {}  # scope -> incumbents since replaced
+        self.superseded: dict[str | None, set] = {}  # scope -> candidates dropped undecided
+
+    def apply(self, ev: events.Control, scope) -> None:
+        """Fold one control record of ``scope`` (None: the full weights)."""
+        s = self.serving.scope(scope)
+        old_inc, old_cand = version_of(s.incumbent), version_of(s.candidate)
+        self.serving.apply(ev)
+        s = self.serving.scopes.get(scope, s)
+        if not self.rollout and s.candidate is not None and s.live:  # a version resumed serves everyone
+            s.incumbent, s.candidate, s.live = s.candidate, None, False
+        if old_inc != version_of(s.incumbent):
+            self.previous.setdefault(scope, set()).add(old_inc)
+        if old_cand is not None and old_cand not in (version_of(s.candidate), version_of(s.incumbent)) \
+                and old_cand not in s.rolled_back:
+            self.superseded.setdefault(scope, set()).add(old_cand)
+
+    def role(self, scope, version) -> str:
+        """``incumbent``, ``candidate``, ``rolled back``, ``previous``, ``superseded`` or ``""``
+        (served, never named by ``control``)."""
+        s = self.serving.scope(scope)
+        if version == version_of(s.candidate) and s.candidate is not None:
+            return "candidate"
+        if version == version_of(s.incumbent):
+            return "incumbent"
+        if version in s.rolled_back:
+            return "rolled back"
+        if version in self.previous.get(scope, ()):
+            return "previous"
+        return "superseded" if version in self.superseded.get(scope, ()) else ""
+
+
 class LiveVersions:
     """The fold of the module docstring.
 
     Args:
         run_id: ``control`` and ``metrics`` records of this run only (``trainer.run_id``).
         rollout: ``rollout.enabled``: a new version is a candidate until a ``promote``; False:
-            it is the incumbent once resumed (today's behaviour).
+            it is the incumbent once resumed (today's behaviour), until the records show a
+            rollout (a ``promote``/``rollback`` of this run, or a turn served by a canary arm):
+            from then on the roles are read as with ``rollout`` True (both are folded, so a view
+            whose config does not know the stack's ``rollout.enabled`` still shows the roles).
     """
 
     def __init__(self, run_id: str = "default", rollout: bool = True):
         self.run_id, self.rollout = run_id, rollout
-        self.serving = ServingView(run_id)
+        self._roles = {True: Roles(run_id, True), False: Roles(run_id, False)}
         self.versions: dict[str | None, dict] = {None: {}}  # scope -> version -> VersionCounts (first seen first)
-        self.previous: dict[str | None, set] = {}
-        self.superseded: dict[str | None, set] = {}
+
+    @property
+    def roles(self) -> Roles:
+        """The roles as the rollout setting (given or seen in the records) reads them."""
+        return self._roles[self.rollout]
+
+    @property
+    def serving(self) -> ServingView:
+        """Who serves each scope now (:attr:`roles`)."""
+        return self.roles.serving
 
     # ---- folding ---------------------------------------------------------------------------
     def apply(self, ev: events.Event) -> bool:
@@ -202,6 +253,7 @@ class LiveVersions:
         text = reply_text(t.response)
         refusal, words = is_refusal(text), len(text.split())
         unfinished = t.finish_reason not in events.FINISHED
+        self.rollout = self.rollout or t.canary is not None  # a canary served it: rollout is on
         for key in self._keys(t):
             c = self._counts(*key)
             c.turns += 1
@@ -232,39 +284,21 @@ class LiveVersions:
         this = ev.policy_version if scope is None else ev.adapter
         if this is not None and ev.action in ("weights", "resume", "promote", "rollback"):
             self._counts(scope, version_of(this), label(this))  # a version appears with its order
-        s = self.serving.scope(scope)
-        before = (s.incumbent, s.candidate)
-        self.serving.apply(ev)
-        s = self.serving.scopes.get(scope, s)
-        if not self.rollout and s.candidate is not None and s.live:  # today: a version resumed serves everyone
-            s.incumbent, s.candidate, s.live = s.candidate, None, False
+        for roles in self._roles.values():
+            roles.apply(ev, scope)
+        if ev.action in events.ROLLOUT_DECISIONS:
+            self.rollout = True
         if ev.action in events.ROLLOUT_DECISIONS and this is not None:
             e = ev.evidence or {}
             self._counts(scope, version_of(this), label(this)).decision = {
                 "action": ev.action, "reason": e.get("reason"), "rule": e.get("rule"), "bounds": e.get("bounds", {}),
                 "arms": e.get("arms", {}), "incumbent": e.get("incumbent"), "created_at": ev.created_at}
-        old_inc, old_cand = map(version_of, before)
-        if old_inc != version_of(s.incumbent):
-            self.previous.setdefault(scope, set()).add(old_inc)
-        if old_cand is not None and old_cand not in (version_of(s.candidate), version_of(s.incumbent)) \
-                and old_cand not in s.rolled_back:
-            self.superseded.setdefault(scope, set()).add(old_cand)
         return True
 
     # ---- reading ---------------------------------------------------------------------------
     def role(self, scope, version) -> str:
-        """``incumbent``, ``candidate``, ``rolled back``, ``previous``, ``superseded`` or ``""``
-        (served, never named by ``control``)."""
-        s = self.serving.scope(scope)
-        if version == version_of(s.candidate) and s.candidate is not None:
-            return "candidate"
-        if version == version_of(s.incumbent):
-            return "incumbent"
-        if version in s.rolled_back:
-            return "rolled back"
-        if version in self.previous.get(scope, ()):
-            return "previous"
-        return "superseded" if version in self.superseded.get(scope, ()) else ""
+        """A version's role now (:meth:`Roles.role`)."""
+        return self.roles.role(scope, version)
 
     def version_view(self, scope, version) -> dict:
         """One version's row (the module docstring's metrics, its role, decision and evals)."""

@@ -190,7 +190,7 @@ def test_tail_versions_prints_a_table_per_scope(kafka_config, tmp_path, capsys):
     header = next(x for x in lines if x.startswith("version"))
     assert header.split()[:5] == ["version", "role", "turns", "judged", "reward"]
 
-    (view,) = _tail(cfg, "versions", "--json", "--set", "rollout.enabled=true")
+    (view,) = _tail(cfg, "versions", "--json")  # rollout.enabled unset: the records show the rollout
     scopes = {s["scope"]: s for s in view}
     rows = {r["label"]: r for r in scopes["alice"]["versions"]}
     assert (rows[A2["name"]]["role"], rows[A2["name"]]["reward"]["n"], rows[A1["name"]]["turns"]) == (

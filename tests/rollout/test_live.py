@@ -96,6 +96,8 @@ def test_a_candidate_before_its_decision_and_rollout_off():
     full = _rows(_fold(sync(1, None, None, 0) + sync(2, None, None, 10), rollout=False).snapshot())
     assert (full[(None, "v1")]["role"], full[(None, "v2")]["role"]) == ("previous", "incumbent")
     assert (None, "v0") not in full  # a version appears with its order or its records
+    log = _in_order(canary_log())  # its decisions and canary turns show a rollout: the same roles either way
+    assert _fold(log, rollout=False).snapshot() == _fold(log).snapshot()
     other_run = _fold([ctl("weights", 1, "alice", A1, run_id="other")]).snapshot()
     assert [s["scope"] for s in other_run] == [None]  # another run's orders are not this run's versions
 
