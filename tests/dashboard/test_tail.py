@@ -197,3 +197,32 @@ def test_tail_versions_prints_a_table_per_scope(kafka_config, tmp_path, capsys):
         "rolled back", 10, 30)
     assert main(["tail", "versions", "--session", "x", "--config", cfg]) == 2
     assert "reads every record" in capsys.readouterr().err
+
+
+def test_tail_versions_follows_new_records(kafka_config, tmp_path):
+    """``--follow`` prints the view again once new records change it, until interrupted."""
+    import queue
+    import threading
+
+    from tests.rollout.live_records import B1, turn_and_sample
+
+    _publish_canary_log(kafka_config)
+    cfg = _cfg_file(kafka_config, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "tail", "versions", "--follow", "--json",
+                             "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def bob_turns(view) -> int:
+        (bob,) = [s for s in view if s["scope"] == "bob"]
+        return bob["versions"][0]["turns"]
+
+    try:
+        assert bob_turns(json.loads(lines.get(timeout=60))) == 5
+        publish(kafka_config, [turn_and_sample("b9", 0, "bob", B1, 1.0, 300)[0]], "turns")
+        assert bob_turns(json.loads(lines.get(timeout=30))) == 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err[-2000:]
