@@ -132,6 +132,7 @@ def test_dashboard_in_headless_chromium(tmp_path):
             shutil.copy(tmp_path / name, ROOT / "docs" / name)
 
 
+@pytest.mark.slow(seconds=15)
 def test_versions_view_in_headless_chromium(kafka_config, tmp_path):
     """The versions page over seeded topics (control: alice's A1 promoted, A2 canaried and rolled
     back with its evidence, bob's B1 live; turns with their canary arm; samples): alice's card puts
