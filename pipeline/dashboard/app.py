@@ -1,4 +1,4 @@
-"""The dashboard's web app: one page (overview + conversation browser) and a small JSON API.
+"""The dashboard's web app: one page (overview, conversation browser, versions) and a small JSON API.
 
 Routes (every ``/api/*`` route except ``/api/config`` needs ``Authorization: Bearer <key>``
 when ``proxy.api_keys`` is set, the same keys as the proxy):
@@ -6,6 +6,8 @@ when ``proxy.api_keys`` is set, the same keys as the proxy):
 - ``GET /``: the page (vendored front-end files under ``/static``; nothing from a CDN);
 - ``GET /api/config``: ``{"auth": bool, "show_text": bool}`` (what the page needs to start);
 - ``GET /api/overview``: counters, timelines, trainer steps, syncs, lag, dead letters;
+- ``GET /api/versions``: live metrics per version and scope (:meth:`pipeline.rollout.live.LiveVersions.snapshot`;
+  also in every overview, as ``versions``, so the versions page updates live);
 - ``GET /api/sessions?q=&limit=``: recent sessions, optionally filtered by id;
 - ``GET /api/sessions/{id}[?tenant=T]``: one session's turns, next states, samples and training outcome;
 - ``POST /api/feedback``: a reviewer's thumb on a turn (``{"session_id", "turn_index", "score",
@@ -163,6 +165,13 @@ async def api_feedback(request: Request, d: Dashboard = Depends(dashboard)) -> R
 async def api_overview(d: Dashboard = Depends(dashboard)) -> Response:
     """Counters, timelines, trainer steps, syncs, lag, dead letters."""
     return _json(d.overview())
+
+
+@router.get("/api/versions")
+async def api_versions(d: Dashboard = Depends(dashboard)) -> Response:
+    """Live metrics per version, per scope (the full weights, then each tenant)."""
+    with d.state.lock:
+        return _json({"versions": d.state.live_versions.snapshot()})
 
 
 @router.get("/api/sessions")

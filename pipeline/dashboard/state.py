@@ -3,7 +3,8 @@
 :class:`DashboardState` is fed every record the dashboard's topic reader sees (``turns``,
 ``samples``, ``control``, ``metrics`` and every dead-letter topic) and keeps compact views:
 per-session turn summaries, the samples of each turn, the trainer's steps, the weight syncs,
-evaluations and dead letters. Without ``show_text`` no conversation text is ever stored: the
+evaluations, dead letters and the live metrics per version (:mod:`pipeline.rollout.live`: the
+versions view). Without ``show_text`` no conversation text is ever stored: the
 views of :mod:`pipeline.dashboard.views` replace it with lengths at ingestion.
 
 Counts follow the topics: every record of a topic counts once (a ``turns`` record is a turn,
@@ -22,6 +23,7 @@ from pipeline import events
 from pipeline.bus import Record, Undecodable
 from pipeline.config import Config
 from pipeline.dashboard import views
+from pipeline.rollout.live import LiveVersions
 
 log = logging.getLogger(__name__)
 BUCKET_S = 10  # width of the traffic timeline's buckets (seconds)
@@ -94,6 +96,8 @@ class DashboardState:
         #: else that tenant's adapter sync (its epoch counts its own updates: two tenants' epoch 1 are two syncs)
         self.syncs: dict[tuple[str, str | None, int], dict] = {}
         self.evaluations: dict[tuple[str, int], dict] = {}
+        #: live metrics per version (the versions view), of this run's control (``trainer.run_id``)
+        self.live_versions = LiveVersions(run_id=self.config.trainer.run_id, rollout=self.config.rollout.enabled)
         # dead letters
         self.dlq_counts: Counter = Counter()
         self.dlq_latest: dict[str, deque] = {}
@@ -131,6 +135,7 @@ class DashboardState:
                 events.Evaluation: self._evaluation}.get(type(ev))
         if fold is not None:
             fold(ev, rec.timestamp_ms)
+            self.live_versions.apply(ev)
 
     def _evaluation(self, ev: events.Evaluation, ts: int) -> None:
         self.evaluations[(ev.run_id, ev.policy_version)] = {
@@ -305,6 +310,7 @@ class DashboardState:
                 "trainer": {"steps": steps, **self._next_step()},
                 "syncs": syncs,
                 "evaluations": [v for _, v in sorted(self.evaluations.items(), key=lambda kv: kv[0][1])],
+                "versions": self.live_versions.snapshot(),
                 "dlq": {"counts": {t: self.dlq_counts.get(t, 0) for t in sorted(set(self.dlq_counts) | set(
                     self._dlq_topics()))},
                         "latest": sorted((e for q in self.dlq_latest.values() for e in q),

@@ -15,6 +15,10 @@ its ``error`` instead of ``event``. Examples::
     pipeline tail samples --from=-10m --follow    # the last ten minutes (a value starting with - needs the =), then live
     pipeline tail control --from 120              # from offset 120 of every partition
     pipeline tail turns.dlq                       # dead letters with their errors
+    pipeline tail versions                        # live metrics per version, one table per scope
+
+``pipeline tail versions`` is not a topic: it folds ``turns``, ``samples``, ``control`` and
+``metrics`` into live metrics per version (:mod:`pipeline.dashboard.versions`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ HELP = "Print a topic's events decoded (follow, from an offset or a time, by ses
 
 def add_arguments(parser) -> None:
     parser.add_argument("topic", help="logical topic: turns, samples, control, metrics or <topic>.dlq "
-                                      "(topics.prefix is prepended)")
+                                      "(topics.prefix is prepended); or 'versions': live metrics per version")
     parser.add_argument("--from", dest="start", default=None, metavar="WHERE",
                         help="start: an offset for every partition (120), per partition (0:120,1:88), a time "
                              "(2026-11-01T10:00, ms:<epoch ms>, -2h, now); default: the beginning")
@@ -43,6 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--text", action="store_true", help="print conversation text (default: lengths only)")
     parser.add_argument("--arrays", action="store_true", help="print token ids and log-probs (default: lengths)")
     parser.add_argument("--pretty", action="store_true", help="indent the JSON")
+    parser.add_argument("--json", action="store_true", help="versions: print the view as JSON, not as tables")
 
 
 def _start(text: str | None):
@@ -85,6 +90,10 @@ def matches(rec, session: str | None, types: list[str] | None) -> bool:
 
 
 def run(args, config) -> int:
+    if args.topic == "versions":
+        from pipeline.dashboard import versions
+
+        return versions.run(args, config)
     from pipeline.bus import TopicReader
     from pipeline.bus.bounds import BoundError
 

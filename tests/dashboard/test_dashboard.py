@@ -560,3 +560,30 @@ def test_the_overview_says_how_many_samples_the_next_step_still_needs():
     assert (state.overview()["trainer"]["waiting"], state.overview()["trainer"]["needs"]) == (1, 3)
     masked_count = DashboardState(load_config(None, trainer={"rollout_batch_size": 4, "count_masked_samples": True}))
     assert fill(masked_count)["needs"] == 0
+
+
+def test_the_overview_carries_live_metrics_per_version():
+    """The state folds turns, samples, control and evaluations into the versions view (counts only:
+    no reply text kept) and sends it with every overview; ``/api/versions`` serves the same."""
+    from fastapi.testclient import TestClient
+
+    from pipeline.bus import Record
+    from pipeline.config import load_config
+    from pipeline.dashboard.app import create_app
+    from pipeline.dashboard.state import DashboardState
+    from tests.rollout.live_records import A2, canary_log
+
+    config = load_config(None).replace(rollout={"enabled": True})
+    state = DashboardState(config)
+    offset = 0
+    for topic, records in canary_log().items():
+        for ev in records:
+            state.apply(Record(config.topics.name(topic), 0, offset, None, ev, 0))
+            offset += 1
+    scopes = {s["scope"]: s for s in state.overview()["versions"]}
+    a2 = next(v for v in scopes["alice"]["versions"] if v["label"] == A2["name"])
+    assert (a2["role"], a2["turns"], a2["reward"]["k"], a2["reward"]["n"], a2["refusals"]["k"]) == (
+        "rolled back", 10, 2, 10, 3)
+    assert "sorry" not in json.dumps(state.overview()["versions"])  # counts, never the reply text
+    with TestClient(create_app(config, state)) as client:
+        assert client.get("/api/versions").json()["versions"] == json.loads(json.dumps(state.overview()["versions"]))

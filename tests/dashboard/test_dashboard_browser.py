@@ -130,3 +130,60 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
         if os.environ.get("PIPELINE_UPDATE_SCREENSHOTS") == "1":
             shutil.copy(tmp_path / name, ROOT / "docs" / name)
+
+
+@pytest.mark.slow(seconds=15)
+def test_versions_view_in_headless_chromium(kafka_config, tmp_path):
+    """The versions page over seeded topics (control: alice's A1 promoted, A2 canaried and rolled
+    back with its evidence, bob's B1 live; turns with their canary arm; samples): alice's card puts
+    her incumbent and the rolled-back candidate side by side with each rate's 95% Wilson interval
+    and the decision's evidence; a promotion published while the page is open shows up live."""
+    from pipeline.rollout.stats import wilson_interval
+    from pipeline.testing.topics import publish
+    from tests.dashboard.dashboard_helpers import DashboardServer
+    from tests.rollout.live_records import A1, A2, B1, PROMOTE, canary_log, ctl, turn_and_sample
+
+    if chromium_path() is None:
+        pytest.skip("no chromium binary: deploy/install.sh installs Debian's chromium where apt-get is available")
+    log = canary_log()
+    for topic, records in log.items():
+        publish(kafka_config, records, topic)
+    cfg = kafka_config.replace(rollout={"enabled": True}, dashboard={"push_interval_s": 0.2})
+    n_records = sum(len(r) for r in log.values())
+    with DashboardServer(cfg) as d, Browser() as b:
+        d.wait(lambda o: sum(o["topics"]["records"].values()) >= n_records)
+        b.goto(f"{d.url}#/versions")
+        sides = b.wait("""(() => { const c = document.querySelector('section.versions[data-scope="alice"] .compare');
+            const xs = c ? [...c.querySelectorAll('.side[data-version]')] : [];
+            return xs.length === 2 && xs.map((x) => [x.dataset.side, x.dataset.version, x.dataset.role,
+              [...x.querySelectorAll('.rate')].map((r) => [r.dataset.metric, r.dataset.n, r.dataset.low, r.dataset.high])]); })()""")
+        f = lambda x: f"{x:.2f}"  # noqa: E731 - the page's two decimals
+        (inc_side, inc, inc_role, inc_rates), (cand_side, cand, cand_role, cand_rates) = sides
+        assert (inc_side, inc, inc_role) == ("incumbent", A1["name"], "incumbent")
+        assert (cand_side, cand, cand_role) == ("candidate", A2["name"], "rolled back")
+        lo, hi = wilson_interval(2, 10)
+        assert ["reward", "10", f(lo), f(hi)] in cand_rates
+        lo, hi = wilson_interval(24, 30)
+        assert ["reward", "30", f(lo), f(hi)] in inc_rates
+        lo, hi = wilson_interval(3, 10)
+        assert ["refusals", "10", f(lo), f(hi)] in cand_rates
+        evidence = b.eval("""(() => { const e = document.querySelector('section.versions[data-scope="alice"] .evidence .decision');
+            return e && [e.dataset.action, e.dataset.reason, e.textContent]; })()""")
+        assert evidence[:2] == ["rollback", "reward_fell"] and "[-0.85, -0.25]" in evidence[2]
+        assert "reward 2/10" in evidence[2] and "reward 24/30" in evidence[2]  # the arms' counts
+        assert b.eval("document.getElementById('nav-versions').classList.contains('active')")
+        b.screenshot(tmp_path / "dashboard-versions.png")
+
+        # live: bob's candidate is promoted and serves one more turn; the page follows without a reload
+        bob_row = """(() => { const s = document.querySelector('section.versions[data-scope="bob"]');
+            const r = s && [...s.querySelectorAll('table tr')].find((tr) => tr.textContent.includes('%s'));
+            return r && [r.querySelector('.role').textContent, r.querySelector('td:nth-child(3)').textContent]; })()
+            """ % B1["name"]
+        assert b.eval(bob_row) == ["candidate (live)", "5"]
+        publish(kafka_config, [ctl("promote", 1, "bob", B1, 40, evidence=PROMOTE)], "control")
+        publish(kafka_config, [turn_and_sample("b9", 0, "bob", B1, 1.0, 200)[0]], "turns")
+        b.wait(f"JSON.stringify({bob_row}) === JSON.stringify(['incumbent', '6'])", timeout_s=20)
+    data = (tmp_path / "dashboard-versions.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("PIPELINE_UPDATE_SCREENSHOTS") == "1":
+        shutil.copy(tmp_path / "dashboard-versions.png", ROOT / "docs" / "dashboard-versions.png")

@@ -151,3 +151,78 @@ def test_session_filter_takes_the_sub_sessions_of_a_reused_id():
     assert matches(rec("conv-42"), "conv-42", None) and matches(rec("conv-42~c08ab2123b57884a"), "conv-42", None)
     assert not matches(rec("conv-420"), "conv-42", None) and not matches(rec("conv-4"), "conv-42", None)
     assert not matches(rec("conv-42~c08ab2123b57884a"), "conv-42~0000000000000000", None)
+
+
+def _publish_canary_log(config) -> None:
+    from tests.rollout.live_records import canary_log
+
+    for topic, records in canary_log().items():
+        publish(config, records, topic)
+
+
+def test_tail_versions_prints_a_table_per_scope(kafka_config, tmp_path, capsys):
+    """``pipeline tail versions`` over records published in-process: alice's rolled-back candidate
+    beside her incumbent with each rate's interval and n, the decision's evidence, bob's live
+    candidate, the full weights' eval-set result; ``--json`` is the same view as data."""
+    import contextlib
+    import io
+
+    from pipeline.cli import main
+    from pipeline.rollout.stats import wilson_interval
+    from tests.rollout.live_records import A1, A2, B1
+
+    _publish_canary_log(kafka_config)
+    cfg = _cfg_file(kafka_config, tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["tail", "versions", "--config", cfg, "--set", "rollout.enabled=true"]) == 0
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert f"tenant alice: incumbent {A1['name']}" in lines
+    assert f"tenant bob: incumbent base, candidate {B1['name']} (live)" in lines
+    a2 = next(x for x in lines if x.startswith(A2["name"]))
+    lo, hi = wilson_interval(2, 10)
+    assert "rolled back" in a2 and f"0.20 [{lo:.2f}, {hi:.2f}] n=10" in a2  # judged reward with its interval
+    assert "0.30 [" in a2 and "rollback reward_fell: reward d in [-0.85, -0.25]" in a2  # refusals, evidence
+    a1 = next(x for x in lines if x.startswith(A1["name"]))
+    assert "incumbent" in a1 and "0.80 [" in a1 and "n=30" in a1 and "promote non_inferior" in a1
+    assert "gsm8k-eval: accuracy 0.60 [0.53, 0.66] n=200" in text
+    header = next(x for x in lines if x.startswith("version"))
+    assert header.split()[:5] == ["version", "role", "turns", "judged", "reward"]
+
+    (view,) = _tail(cfg, "versions", "--json")  # rollout.enabled unset: the records show the rollout
+    scopes = {s["scope"]: s for s in view}
+    rows = {r["label"]: r for r in scopes["alice"]["versions"]}
+    assert (rows[A2["name"]]["role"], rows[A2["name"]]["reward"]["n"], rows[A1["name"]]["turns"]) == (
+        "rolled back", 10, 30)
+    assert main(["tail", "versions", "--session", "x", "--config", cfg]) == 2
+    assert "reads every record" in capsys.readouterr().err
+
+
+def test_tail_versions_follows_new_records(kafka_config, tmp_path):
+    """``--follow`` prints the view again once new records change it, until interrupted."""
+    import queue
+    import threading
+
+    from tests.rollout.live_records import B1, turn_and_sample
+
+    _publish_canary_log(kafka_config)
+    cfg = _cfg_file(kafka_config, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "tail", "versions", "--follow", "--json",
+                             "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def bob_turns(view) -> int:
+        (bob,) = [s for s in view if s["scope"] == "bob"]
+        return bob["versions"][0]["turns"]
+
+    try:
+        assert bob_turns(json.loads(lines.get(timeout=60))) == 5
+        publish(kafka_config, [turn_and_sample("b9", 0, "bob", B1, 1.0, 300)[0]], "turns")
+        assert bob_turns(json.loads(lines.get(timeout=30))) == 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err[-2000:]

@@ -1,4 +1,4 @@
-// openclaw-pipeline dashboard: overview (live over server-sent events) and conversation browser.
+// openclaw-pipeline dashboard: overview and versions (live over server-sent events), conversation browser.
 // Every value from the server is put into the page with textContent, never parsed as HTML.
 "use strict";
 
@@ -247,6 +247,90 @@ function renderOverview(o) {
       [k, h("span", { id: `records-${k}` }, num(v)), num(o.topics.undecodable[k] || 0)]))));
 }
 
+// ---------------------------------------------------------------- versions (live metrics per version)
+// From the overview's `versions` (pipeline/rollout/live.py): per scope (full weights, each tenant) every
+// version with its role, its live rates (95% Wilson intervals) and eval-set results, and the decision's
+// evidence. Side by side: the candidate and the incumbent, or else the last decided version and the
+// incumbent it was compared with.
+const RATES = [["reward", "judged reward rate"], ["feedback", "explicit feedback: positive"],
+  ["unfinished", "unfinished generations"], ["refusals", "refusals (heuristic)"]];
+function fmtRate(r) { return r.n ? `${num(r.rate, 2)} [${num(r.low, 2)}, ${num(r.high, 2)}] n=${r.n}` : "n/a"; }
+function intervalBar(lo, hi, x, min = 0, max = 1) {  // a range on [min, max] with its point estimate
+  const pos = (v) => `${(100 * (v - min) / (max - min)).toFixed(1)}%`;
+  return h("div", { class: "ival" }, h("div", { class: "range", style: `left:${pos(lo)};width:calc(${pos(hi)} - ${pos(lo)})` }),
+    x === null || x === undefined ? null : h("div", { class: "point", style: `left:${pos(x)}` }),
+    min < 0 ? h("div", { class: "zero", style: `left:${pos(0)}` }) : null);
+}
+function rateCell(metric, r) {
+  return h("div", { class: "rate", dataset: { metric, k: r.k, n: r.n, low: num(r.low, 2), high: num(r.high, 2) } },
+    h("span", {}, fmtRate(r)), r.n ? intervalBar(r.low, r.high, r.rate) : null);
+}
+function evalCells(v) {
+  if (!v.evals.length) return h("span", { class: "muted" }, "–");
+  return h("div", {}, v.evals.map((e) => h("div", { class: "eval", dataset: { name: e.name } }, h("span", { class: "muted" }, `${e.name}: `),
+    e.metrics.map((m) => h("div", { class: "rate", dataset: { metric: `eval:${m.metric}`, n: m.n, low: m.low === null ? "" : num(m.low, 2), high: m.high === null ? "" : num(m.high, 2) } },
+      `${m.metric} ${num(m.value, 2)}${m.low === null ? "" : ` [${num(m.low, 2)}, ${num(m.high, 2)}] n=${m.n}`}`,
+      m.low === null ? null : intervalBar(m.low, m.high, m.value))))));
+}
+function roleText(v) { return (v.role || "–") + (v.live ? " (live)" : ""); }
+function rolePill(v) {
+  const cls = v.role === "incumbent" ? "ok" : v.role === "rolled back" ? "no" : v.role === "candidate" ? "busy" : "";
+  return h("span", { class: `pill role ${cls}` }, roleText(v));
+}
+function decisionBox(d) {
+  if (!d) return h("span", { class: "muted" }, "no decision");
+  const arms = Object.entries(d.arms || {}).map(([arm, ms]) => h("div", {}, h("span", { class: "muted" }, `${arm}: `),
+    Object.entries(ms).map(([m, [k, n]]) => `${m} ${k}/${n}`).join(" · ")));
+  return h("div", { class: "decision", dataset: { action: d.action, reason: d.reason || "" } },
+    h("div", {}, h("b", {}, d.action), ` · ${d.reason || "?"} · ${d.rule || ""}`),
+    Object.entries(d.bounds || {}).map(([m, [lo, hi]]) => h("div", { class: "bound", dataset: { metric: m } },
+      `${m}: candidate − incumbent in [${num(lo, 2)}, ${num(hi, 2)}]`, intervalBar(lo, hi, null, -1, 1))), arms);
+}
+function comparePair(s) {
+  const rows = s.versions, by = (label) => rows.find((v) => v.label === label);
+  if (s.candidate !== null) return [by(s.incumbent), by(s.candidate), s.incumbent];
+  const decided = rows.filter((v) => v.decision).sort((a, b) => (a.decision.created_at || 0) - (b.decision.created_at || 0)).pop();
+  if (!decided) return null;
+  const was = decided.decision.incumbent;  // the version it was compared with (null: the base model)
+  const inc = rows.find((v) => v.version === was && v !== decided);
+  return [inc, decided, inc ? inc.label : was === null ? "base" : typeof was === "number" ? `v${was}` : String(was).slice(0, 16)];
+}
+function compareCard(s) {
+  const pair = comparePair(s);
+  if (!pair) return null;
+  const [inc, cand, incLabel] = pair;
+  const side = (name, v) => (v ? h("div", { class: "side", dataset: { side: name, version: v.label, role: v.role } },
+    h("h3", {}, h("span", { class: "vlabel" }, v.label), " ", rolePill(v)),
+    kv([["turns served", `${num(v.turns)}${v.canary_turns ? ` (${num(v.canary_turns)} in a canary)` : ""}`],
+      ...RATES.map(([m, label]) => [label, rateCell(m, v[m])]),
+      ["words per reply", num(v.words_per_reply, 1)], ["eval set", evalCells(v)]]))
+    : h("div", { class: "side muted", dataset: { side: name } }, `${name === "incumbent" ? incLabel : "?"}: no records of this version yet`));
+  return h("div", { class: "compare" }, side("incumbent", inc), side("candidate", cand),
+    h("div", { class: "side evidence" }, h("h3", {}, "decision"), decisionBox(cand && cand.decision)));
+}
+function renderVersions(o) {
+  S.charts = {}; S.built = false;
+  const view = $("view");
+  view.textContent = "";
+  const scopes = (o && o.versions) || [];
+  if (!scopes.length || scopes.every((s) => !s.versions.length)) {
+    view.appendChild(card("Versions", "no version has served a turn or been named on the control topic yet", h("div"), true));
+    return;
+  }
+  for (const s of scopes) {
+    if (!s.versions.length) continue;
+    const title = s.scope === null ? "Full weights" : `Tenant ${s.scope}`;
+    const what = `incumbent ${s.incumbent}${s.candidate !== null ? ` · candidate ${s.candidate} (${s.live ? "live" : "loading"})` : ""} · rates with 95% Wilson intervals; refusals are a heuristic on the reply's first words`;
+    view.appendChild(h("section", { class: "card wide versions", dataset: { scope: s.scope === null ? "" : s.scope } },
+      h("h2", {}, title), h("p", { class: "what" }, what), compareCard(s),
+      table(["version", "role", "turns", "judged reward", "feedback", "unfinished", "refusals", "words/reply", "eval", "decision"],
+        s.versions.map((v) => [h("span", { class: "vlabel" }, v.label), rolePill(v), num(v.turns), rateCell("reward", v.reward),
+          rateCell("feedback", v.feedback), rateCell("unfinished", v.unfinished), rateCell("refusals", v.refusals),
+          num(v.words_per_reply, 1), evalCells(v),
+          v.decision ? `${v.decision.action} ${v.decision.reason || ""}` : "–"]))));
+  }
+}
+
 // ---------------------------------------------------------------- sessions
 async function renderSessions(query) {
   S.charts = {}; S.built = false;
@@ -388,6 +472,8 @@ function route() {
   const hash = location.hash || "#/";
   $("nav-overview").classList.toggle("active", hash === "#/" || hash === "");
   $("nav-sessions").classList.toggle("active", hash.startsWith("#/session"));
+  $("nav-versions").classList.toggle("active", hash.startsWith("#/versions"));
+  if (hash.startsWith("#/versions")) return renderVersions(S.overview);
   if (hash.startsWith("#/session/")) return showSessionOf(hash);
   if (hash.startsWith("#/sessions")) {
     const q = new URLSearchParams(hash.split("?")[1] || "").get("q") || "";
@@ -404,6 +490,7 @@ function onOverview(o) {
   const r = o.reader || {};
   status(`live · ${r.error ? `reader: ${r.error}` : r.caught_up ? "topics caught up" : "reading topics…"} · text ${o.show_text ? "shown" : "hidden"} · ${new Date().toLocaleTimeString()}`);
   if (hash === "#/" || hash === "") renderOverview(o);
+  else if (hash.startsWith("#/versions")) renderVersions(o);  // live, like the overview
   else if (Date.now() - S.lastRefresh > 2000) {  // browser pages refresh on change, at most every 2 s
     S.lastRefresh = Date.now();
     if (hash.startsWith("#/session/")) { if (!reviewing()) showSessionOf(hash, true); }  // keeps the tenant; never under a reviewer's typing
