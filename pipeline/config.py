@@ -391,6 +391,10 @@ class TrainerConfig(Section):
     lora: LoraConfig | None = _d(None, "LoRA adapters per tenant over the frozen base (rank, alpha, targets), each "
                                  "update synced as the tenant's adapter; needs per_tenant (the stage refuses "
                                  "without it); None: full fine-tuning")
+    poison_steps: list[int] = _d(list, "test device (pipeline demo --rollout): the updates with these numbers (with "
+                                 "lora: the tenant's update count n it publishes; else the policy version it "
+                                 "produces) are trained with every sample's reward negated, logged as a WARNING "
+                                 "and marked poisoned in the step record; empty: none (never set it in production)")
     missing_checkpoint: Literal["refuse", "fresh", "newest_export"] = _d(
         "refuse", "no checkpoint although exports show this run trained before: refuse, start fresh (base "
         "model, as a new higher version) or start from the newest export")

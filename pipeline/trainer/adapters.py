@@ -66,38 +66,76 @@ def read_synced(ckpt_dir: str | os.PathLike) -> dict[str, dict]:
 
 
 class CommandReader:
-    """Rank 0's reader of adapter commands on ``control``, from ``offset`` on (one partition).
+    """Rank 0's reader of ``control``: the adapter commands from ``offset`` on (one partition) and,
+    with ``view`` (``rollout.enabled``), every record of the run folded into that
+    :class:`pipeline.rollout.serving.ServingView` and the rollout decisions.
 
-    ``poll()`` returns the commands that arrived (this run's, in log order) and stops once the
+    ``poll()`` returns the actions that arrived (this run's, in log order) and stops once the
     reader has caught up with the partition's end (or after :data:`EMPTY_POLLS` empty polls);
     :attr:`position` is the offset after the last record read. Records that do not decode are
-    passed over (the stages that act on them dead-letter them)."""
+    passed over (the stages that act on them dead-letter them).
 
-    def __init__(self, config: Config, offset: int) -> None:
+    Actions are tuples: ``(command, tenant)`` for :data:`pipeline.events.ADAPTER_COMMANDS`, and
+    with ``view`` also ``(decision, tenant, version, incumbent)`` for ``promote``/``rollback``
+    (``tenant`` None: the full weights; ``version``: the decided adapter content id, or policy
+    version; ``incumbent``: the scope's incumbent once the record is folded, an adapter dict, None
+    for the base model, or a policy version). With ``view`` the reader starts at the beginning of
+    ``control`` (the view needs the whole history: who is the incumbent) and returns only the
+    actions at or above ``offset`` (those below were applied before the checkpoint that kept it).
+    """
+
+    def __init__(self, config: Config, offset: int, view=None) -> None:
         self.run_id = config.trainer.run_id
-        self.reader = TopicReader(config, config.topics.name("control"), Offset(per_partition={0: offset}),
+        self.view = view
+        self.start = offset
+        self.reader = TopicReader(config, config.topics.name("control"),
+                                  Offset(per_partition={0: 0 if view is not None else offset}),
                                   partitions=[0], name="trainer")
         self.position = offset
 
-    def poll(self) -> list[events.Control]:
-        """The commands read since the last call, oldest first."""
-        out: list[events.Control] = []
+    def _action(self, ev: events.Control) -> tuple | None:
+        """The action ``ev`` asks of the trainer (folded into the view first), or None."""
+        if ev.run_id != self.run_id:
+            return None
+        if self.view is not None:
+            self.view.apply(ev)
+        if ev.action in events.ADAPTER_COMMANDS:
+            return ev.action, ev.tenant
+        if self.view is not None and ev.action in events.ROLLOUT_DECISIONS:
+            tenant = None if ev.full_weights else ev.tenant
+            version = ev.policy_version if tenant is None else (ev.adapter or {}).get("version")
+            return ev.action, tenant, version, self.view.scope(tenant).incumbent
+        return None
+
+    def poll(self) -> list[tuple]:
+        """The actions read since the last call, oldest first (see the class docstring)."""
+        out: list[tuple] = []
         empty = 0
         while empty < EMPTY_POLLS:
             got = self.reader.poll(timeout_ms=100)
             for rec in got:
-                self.position = max(self.position, rec.offset + 1)
                 if isinstance(rec, Undecodable):
+                    self.position = max(self.position, rec.offset + 1)
                     continue
-                ev = rec.event
-                if ev.action in events.ADAPTER_COMMANDS and ev.run_id == self.run_id:
-                    out.append(ev)
+                action = self._action(rec.event)
+                if action is not None and rec.offset >= self.start:
+                    out.append(action)
+                self.position = max(self.position, rec.offset + 1)
             if got:
                 empty = 0
             elif self.reader.caught_up():
                 break
             else:
                 empty += 1
+        return out
+
+    def catch_up(self, offset: int, stop: threading.Event | None = None) -> list[tuple]:
+        """Poll until the record at ``offset`` was read (the trainer's own ``resume``, acknowledged
+        by the broker, so the view holds what the trainer published) or ``stop`` is set; returns
+        the actions read meanwhile."""
+        out: list[tuple] = []
+        while self.position <= offset and not (stop is not None and stop.is_set()):
+            out += self.poll()
         return out
 
     def close(self) -> None:
@@ -121,6 +159,9 @@ class TenantAdapters:
         self.export_dir, self.ckpt_dir = Path(cfg.export_dir), Path(cfg.checkpoint_dir)
         self.table = TenantTable(max(64, (cfg.max_staleness or 0) + 1), meta)
         self.publisher = None  # rank 0: the stage's WeightPublisher
+        #: rank 0 with ``rollout.enabled``: the stage's :class:`pipeline.rollout.serving.ServingView`
+        #: (a sync's ``previous`` is the incumbent; the incumbent's folder is never pruned)
+        self.view = None
         if is_main:
             self._restore_synced()
 
@@ -179,6 +220,9 @@ class TenantAdapters:
         s = self.table[tenant]
         n_of = {v[:16]: n for v, n in s.versions.items()}
         keep = {s.published["version"][:16]} if s.published else set()
+        incumbent = self.view.scope(tenant).incumbent if self.view is not None else None
+        if incumbent is not None:
+            keep.add(incumbent["version"][:16])  # a rollback restores it (and engines serve it)
         folders = sorted((p for p in tdir.iterdir() if p.is_dir() and not p.name.startswith(".")),
                          key=lambda p: (n_of.get(p.name, -1), p.name)) if tdir.is_dir() else []
         for p in folders[:max(0, len(folders) - self.cfg.keep_exports)]:
@@ -188,9 +232,12 @@ class TenantAdapters:
     # ------------------------------------------------------------ sync
 
     def sync(self, tenant: str, adapter: dict, location: Path, stop: threading.Event | None):
-        """Rank 0: the adapter sync of ``tenant``'s current update; records its ``resume``."""
+        """Rank 0: the adapter sync of ``tenant``'s current update; records its ``resume``. Its
+        ``previous`` (named by ``resume`` when an engine failed) is what ``tenant``'s last ``resume``
+        named, or with ``rollout.enabled`` the scope's incumbent (the candidate is not served by all)."""
         s = self.table[tenant]
-        report = self.publisher.sync_adapter(tenant, s.updates, adapter, str(location.resolve()), s.published,
+        previous = self.view.scope(tenant).incumbent if self.view is not None else s.published
+        report = self.publisher.sync_adapter(tenant, s.updates, adapter, str(location.resolve()), previous,
                                              stop=stop)
         self.table.synced_to(tenant, s.updates, report.resumed)
         self._write_synced()
@@ -221,6 +268,44 @@ class TenantAdapters:
                         shutil.rmtree(tenant_dir(self.export_dir, tenant), ignore_errors=True)
             if self.is_main:
                 log.info("adapter command %s applied to tenant %s", action, tenant)
+
+    def rollback(self, tenant: str, version: str, incumbent: dict | None) -> bool:
+        """``rollout.enabled``: the canary of ``tenant``'s adapter ``version`` was rolled back (every
+        rank). When ``version`` is the newest this trainer exported for ``tenant`` (the head of
+        what it trains), ``tenant`` continues from ``incumbent``: its adapter is loaded from the
+        incumbent's export folder (None: the base model, a fresh adapter as ``reset`` makes),
+        its optimizer state starts fresh, the incumbent counts as the current update ``n_T``
+        (its samples are on-policy; ``n_T`` itself stays: versions never repeat) and nothing is
+        pending (the updates trained since ``version`` are dropped with its weights). Returns
+        whether it restored. A rollback of an older version (superseded, or decided twice) is
+        logged and changes nothing; so is one whose incumbent folder is gone (an error: the
+        trainer goes on from its own state)."""
+        s = self.table[tenant]
+        newest = max(s.versions, key=s.versions.__getitem__) if s.versions else None
+        if version != newest:
+            if self.is_main:
+                log.info("rollback of %s's adapter %s: not the newest it trained (%s): nothing to restore",
+                         tenant, version[:16], (newest or "none")[:16])
+            return False
+        folder = adapter_folder(self.export_dir, tenant, incumbent["version"]) if incumbent is not None else None
+        if folder is not None and not folder.is_dir():
+            log.error("rollback of %s's adapter %s: the incumbent's folder %s is gone: the trainer goes on "
+                      "from its own state", tenant, version[:16], folder)
+            return False
+        if tenant in self.policy.adapters():
+            self.policy.remove_adapter(tenant)
+        if folder is None:
+            s.base = s.updates  # the fresh adapter (B = 0) is the base model: its samples are on-policy
+        else:
+            self.policy.load_adapter(tenant, folder, incumbent["version"])
+            self.table.record(tenant, incumbent["version"])
+        s.synced, s.published = s.updates, incumbent
+        if self.is_main:
+            self._write_synced()
+            log.warning("rollback of %s's adapter %s: continuing from the incumbent %s (fresh optimizer state, "
+                        "n stays %d)", tenant, version[:16], incumbent["version"][:16] if incumbent else "(base "
+                        "model)", s.updates)
+        return True
 
     def why_not_trained(self, tenant: str | None) -> str | None:
         """Why a batch of ``tenant`` trains nothing: ``no_tenant`` (the base is frozen; untenanted

@@ -22,6 +22,39 @@ tenant's adapter over the frozen base instead, and syncs that adapter alone
     checkpoint(adapters + optimizer states, tenants' table, commands_offset, offsets)
     control: pause(T, A) -> weights(T, A) -> applied/failed -> resume(T, A or the previous one)
 
+With ``rollout.enabled`` (docs/rollout.md) rank 0 also folds every ``control`` record of its run
+into a :class:`pipeline.rollout.serving.ServingView` (the command reader reads ``control`` from
+its beginning: the view needs the history; actions below ``commands_offset`` were applied
+before the checkpoint) and reads up to the ``resume`` of each of its own syncs before it goes on,
+so the view holds the canary that sync opened. A scope (a tenant's adapter with ``trainer.lora``,
+else the full weights) whose canary is open (``canary_open``) is **held**: its batches are still
+trained (``n_T`` / the policy version counts them, the checkpoint keeps the weights, the offsets
+and ``synced < updates`` as for any unsynced update) but not exported or synced, and the step
+record says ``held: true``. Once a ``promote`` or ``rollback`` is read (applied in log order with
+the commands, while idle too with ``trainer.per_tenant``) every scope with an unsynced newest
+state and no open canary is exported and synced, the newest state being the next candidate; a
+restart does the same for what it restored, so no update is lost or synced twice. Samples keep
+counting their staleness against the trained updates: a long canary with a small
+``max_staleness`` drops the scope's samples as stale (counted as ``stale_dropped``; use
+``stale_policy: downweight`` or ``max_staleness: null`` with long canaries).
+
+After a ``rollback`` of a tenant's candidate (the newest version the trainer exported for it)
+the tenant continues from the incumbent: its adapter is loaded from the incumbent's export folder
+(``<export_dir>/adapters/<slug>/<version[:16]>/``, never pruned while it is the incumbent; the
+base model: a fresh adapter, as ``reset`` makes), its optimizer state is fresh, the updates held
+since the candidate are dropped with their weights (their samples stay consumed: trained once,
+then discarded) and ``n_T`` keeps counting, so the next update publishes a new, higher ``n``.
+A sync's ``previous`` (what its ``resume`` names when an engine failed) is the incumbent. A
+rollback of the **full weights** is not followed by the trainer (not built): it logs a warning
+and goes on from its own newest state, which is synced as the next candidate; the incumbent's
+export folder is kept for the syncers.
+
+``trainer.poison_steps`` (a test device for ``pipeline demo --rollout``): the update whose number
+is listed (with ``trainer.lora`` the tenant's ``n_T`` it makes, else the policy version it
+produces) is trained on copies of its samples with every ``reward`` negated (:func:`poison`:
+the Binary-RL advantages flip; an OPD term, teacher minus rollout log-prob, is not changed),
+logged at WARNING, and its step record (and ``TrainStep.metrics``) says ``poisoned: true``.
+
 Policy version = number of weight syncs; 0 is the initial checkpoint the engines start with.
 On restart the trainer restores the newest checkpoint and seeks every partition to its
 offsets, so no sample is trained twice or skipped (with ``checkpoint_every: 1``; with a larger
@@ -45,6 +78,7 @@ weights are checked after each step and after a restore, and non-finite ones rai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import signal
@@ -78,6 +112,13 @@ def export_versions(export_dir: str | Path) -> list[int]:
     return sorted(out)
 
 
+def poison(samples: list[events.Sample]) -> list[events.Sample]:
+    """``trainer.poison_steps``, a test device: copies of ``samples`` with every ``reward``
+    negated (None stays None). The Binary-RL advantage of each sample flips sign; the OPD term
+    (teacher - rollout log-prob) is left as it is: only the reward is poisoned."""
+    return [dataclasses.replace(s, reward=-s.reward) if s.reward is not None else s for s in samples]
+
+
 class CheckpointMissing(PipelineError, RuntimeError):
     """The checkpoint directory has no usable checkpoint although this run has trained before."""
 
@@ -100,8 +141,10 @@ class TrainerStage:
         self.step = 0
         self.version = 0
         self.source = self.publisher = self.steps_out = None
-        self.adapters = self.commands = None  # trainer.lora: pipeline.trainer.adapters
-        self._commands: list[tuple[str, str]] = []  # read while idle, not applied yet
+        self.adapters = None  # trainer.lora: pipeline.trainer.adapters
+        self.commands = None  # rank 0, trainer.lora or rollout.enabled: the control reader
+        self.view = None  # rank 0, rollout.enabled: pipeline.rollout.serving.ServingView
+        self._commands: list[tuple] = []  # actions read, not applied yet
         self._untrained_logged: set[str] = set()
         self.log = MetricsLog(None)
 
@@ -170,32 +213,94 @@ class TrainerStage:
             from pipeline.trainer.publish import StepPublisher
 
             self.steps_out = StepPublisher(self.config, self.publisher.producer)
+            self._setup_control(commands_offset)
         self.version, need_sync = dist.broadcast_object((self.version, need_sync))
         prom.POLICY_VERSION.set(self.version)
         if cfg.lora is not None:
-            self._setup_adapters(tenants_meta, commands_offset)
+            self._setup_adapters(tenants_meta)
+        elif self.config.rollout.enabled:  # need_sync is read_synced < version: _release's test
+            self._apply_actions(self._pending_actions())
+            self._release("its last version was not synced: syncing it again")
         elif need_sync:
             self._export_and_sync({})
 
-    def _setup_adapters(self, meta: dict | None, commands_offset: int) -> None:
-        """``trainer.lora``: the tenants' state from the checkpoint; rank 0 reads commands from
-        ``commands_offset`` and every rank applies those already there; then tenants whose last
-        update was not synced (and still have an adapter) are exported and synced."""
-        from pipeline.trainer.adapters import CommandReader, TenantAdapters
+    def _setup_control(self, commands_offset: int) -> None:
+        """Rank 0: the ``control`` reader (``trainer.lora``: commands; ``rollout.enabled``: the
+        serving view folded from the beginning and the decisions), from ``commands_offset``."""
+        from pipeline.trainer.adapters import CommandReader
+
+        if self.config.rollout.enabled:
+            from pipeline.rollout.serving import ServingView
+
+            self.view = ServingView(self.cfg.run_id)
+        if self.cfg.lora is not None or self.view is not None:
+            self.commands = CommandReader(self.config, commands_offset, self.view)
+
+    def _pending_actions(self) -> list[tuple]:
+        """Rank 0 reads ``control`` up to its end (commands and decisions after the checkpoint's
+        position); every rank gets the list (collective)."""
+        return dist.broadcast_object(self.commands.poll() if self.par.is_main and self.commands is not None
+                                     else None) or []
+
+    def _setup_adapters(self, meta: dict | None) -> None:
+        """``trainer.lora``: the tenants' state from the checkpoint; rank 0 reads commands (and
+        with ``rollout.enabled`` decisions) from the checkpoint's ``commands_offset`` and every rank
+        applies those already there; then tenants whose last update was not synced (and still
+        have an adapter, and no open canary) are exported and synced."""
+        from pipeline.trainer.adapters import TenantAdapters
 
         self.adapters = TenantAdapters(self.config, self.policy, self.par.is_main, meta)
         if self.par.is_main:
             self.adapters.publisher = self.publisher
+            self.adapters.view = self.view
             self.source.adapters = self.adapters.table
-            self.commands = CommandReader(self.config, commands_offset)
         # commands read after the checkpoint first: a reset or delete that followed it must not be
         # undone by re-syncing the adapter it dropped
-        pending = dist.broadcast_object([(c.action, c.tenant) for c in self.commands.poll()] if self.par.is_main
-                                        else None)
-        if pending:
-            self.adapters.apply(pending)
-        for tenant in dist.broadcast_object(self.adapters.need_sync() if self.par.is_main else None):
-            log.info("tenant %s: its last adapter update was not synced: syncing it again", tenant)
+        self._apply_actions(self._pending_actions())
+        self._release("its last adapter update was not synced: syncing it again")
+
+    def _apply_actions(self, actions: list[tuple]) -> None:
+        """Apply what ``control`` asked, in log order (every rank): adapter commands, and with
+        ``rollout.enabled`` the decisions: a ``rollback`` of a tenant's candidate restores the
+        incumbent adapter (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`); a
+        ``promote`` changes no weights (what was held is released by :meth:`_release`). A rollback
+        of the full weights is not followed: the trainer goes on from its own state (module
+        docstring)."""
+        for a in actions:
+            if len(a) == 2:
+                if self.adapters is not None:  # full weights: adapter commands are not for it
+                    self.adapters.apply([a])
+            elif a[0] == "rollback" and a[1] is not None and self.adapters is not None:
+                self.adapters.rollback(a[1], a[2], a[3])
+            elif self.par.is_main:
+                log.log(logging.WARNING if a[0] == "rollback" else logging.INFO, "%s of %s %s%s", a[0],
+                        "the full weights" if a[1] is None else f"{a[1]}'s adapter", a[2],
+                        ": the trainer goes on from its own state (a full-weight rollback does not restore "
+                        "the incumbent's weights)" if a[0] == "rollback" and a[1] is None else "")
+
+    def _held(self, scope: str | None) -> bool:
+        """Rank 0, ``rollout.enabled``: ``scope`` (a tenant, None: the full weights) gets no new sync
+        now: its canary is open, or a decision about it was read and is not applied yet."""
+        if self.view is None:
+            return False
+        return self.view.canary_open(scope) or any(len(a) == 4 and a[1] == scope for a in self._commands)
+
+    def _release(self, why: str = "its canary was decided: syncing its newest state") -> None:
+        """Export and sync every scope whose newest trained state was not synced and that is not
+        held (collective; rank 0 decides): tenants with an adapter (``trainer.lora``), else the
+        full weights. At setup: the unfinished syncs of a restart; with ``rollout.enabled`` also
+        after actions were applied (a decided canary releases what was trained meanwhile)."""
+        if self.adapters is None:
+            todo = self.par.is_main and C.read_synced(self.ckpt_dir) < self.version and not self._held(None)
+            if dist.broadcast_object(todo if self.par.is_main else None):
+                if self.par.is_main:
+                    log.info("policy v%d: %s", self.version, why)
+                self._export_and_sync({})
+            return
+        todo = [t for t in self.adapters.need_sync() if not self._held(t)] if self.par.is_main else None
+        for tenant in dist.broadcast_object(todo):
+            if self.par.is_main:
+                log.info("tenant %s: %s", tenant, why)
             self._adapter_update(tenant, {})
 
     def _plan_restore(self) -> tuple[Path | None, int | None]:
@@ -287,12 +392,23 @@ class TrainerStage:
         report = self.publisher.sync(self.version, location, sha, stop=self.stop)
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
+        self._after_sync(report)
         self._prune_exports()
 
     def _prune_exports(self) -> None:
+        """Keep the newest ``keep_exports`` folders, and with ``rollout.enabled`` the incumbent's."""
         versions = export_versions(self.export_dir)
+        incumbent = self.view.scope(None).incumbent if self.view is not None else None
         for v in versions[:max(0, len(versions) - self.cfg.keep_exports)]:
-            shutil.rmtree(self.export_dir / f"v{v:06d}", ignore_errors=True)
+            if v != incumbent:
+                shutil.rmtree(self.export_dir / f"v{v:06d}", ignore_errors=True)
+
+    def _after_sync(self, report) -> None:
+        """Rank 0, ``rollout.enabled``: read ``control`` up to the sync's own ``resume``, so the
+        serving view holds the canary it opened; the actions read meanwhile wait for the next
+        payload."""
+        if self.view is not None and report.offset is not None:
+            self._commands += self.commands.catch_up(report.offset, self.stop)
 
     # ------------------------------------------------------------ adapters (trainer.lora)
 
@@ -311,6 +427,7 @@ class TrainerStage:
         report = self.adapters.sync(tenant, exported[0], exported[1], self.stop)
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed,
                       resumed=report.resumed)
+        self._after_sync(report)
 
     def _adapter_update(self, tenant: str, record: dict) -> None:
         """Export and sync ``tenant``'s adapter at once (a restart's unfinished sync)."""
@@ -321,38 +438,58 @@ class TrainerStage:
     # ------------------------------------------------------------ loop
 
     def _commands_waiting(self) -> bool:
-        """Rank 0, idle on ``samples``: read ``control``; True when commands arrived."""
-        self._commands += [(c.action, c.tenant) for c in self.commands.poll()]
+        """Rank 0, idle on ``samples``: read ``control``; True when actions arrived."""
+        self._commands += self.commands.poll()
         return bool(self._commands)
+
+    def _poisoned(self, tenant: str | None) -> bool:
+        """Rank 0: whether the update about to be trained is in ``trainer.poison_steps`` (with
+        ``trainer.lora``: ``tenant``'s update count it makes; else the policy version)."""
+        if not self.cfg.poison_steps:
+            return False
+        k = (self.adapters.table.updates(tenant) if self.adapters is not None else self.version) + 1
+        return k in self.cfg.poison_steps
 
     def _next_payload(self):
         """Rank 0 takes the next batch and, with ``trainer.lora``, applies the commands that arrived
         and decides whether the batch trains; everything is broadcast (only rank 0's stop flag
         counts). While no sample arrives, commands are applied as they come (a payload without
         samples). Returns ``(batch or None, (samples or None, weights, stopping, tenant,
-        commands, why_not))``, or None when stopping."""
-        batch, commands, why_not = None, [], None
+        commands, why_not, poisoned))``, or None when stopping. With ``rollout.enabled`` the
+        commands include the decisions (:class:`pipeline.trainer.adapters.CommandReader`)."""
+        batch, commands, why_not, poisoned = None, [], None, False
         if self.par.is_main and not self.stop.is_set():
-            lora = self.adapters is not None
-            batch = self.source.next_batch(self.version, self.stop, idle=self._commands_waiting if lora else None)
-            if lora and (batch is not None or self._commands):
-                commands, self._commands = self._commands + [(c.action, c.tenant) for c in self.commands.poll()], []
-                self.adapters.apply(commands)
-                why_not = self.adapters.why_not_trained(batch.tenant) if batch is not None else None
+            reader = self.commands is not None
+            batch = self.source.next_batch(self.version, self.stop, idle=self._commands_waiting if reader else None)
+            if reader and (batch is not None or self._commands):
+                commands, self._commands = self._commands + self.commands.poll(), []
+                self._apply_actions(commands)
+            if self.adapters is not None and batch is not None:
+                why_not = self.adapters.why_not_trained(batch.tenant)
+            poisoned = batch is not None and why_not is None and self._poisoned(batch.tenant)
         payload = dist.broadcast_object(None if batch is None and not commands else (
             None if batch is None else batch.samples, None if batch is None else batch.weights, self.stop.is_set(),
-            None if batch is None else batch.tenant, commands, why_not))
+            None if batch is None else batch.tenant, commands, why_not, poisoned))
         if payload is None:
             return None
         if not self.par.is_main and payload[4]:
-            self.adapters.apply(payload[4])
+            self._apply_actions(payload[4])
         return batch, payload
 
-    def _train(self, samples: list, weights: list, tenant: str | None, why_not: str | None):
-        """Train the batch (or, with ``why_not``, count it untrained); returns ``(result, record)``."""
+    def _train(self, samples: list, weights: list, tenant: str | None, why_not: str | None,
+               poisoned: bool = False):
+        """Train the batch (or, with ``why_not``, count it untrained); returns ``(result, record)``.
+        ``poisoned`` (``trainer.poison_steps``, a test device): every sample's reward is negated
+        first (:func:`poison`) and the record says ``poisoned: true``."""
         from pipeline.trainer.policy import StepResult
 
         lora = self.adapters is not None
+        if poisoned:
+            samples = poison(samples)
+            if self.par.is_main:
+                log.warning("trainer.poison_steps: update %d%s is trained with every reward negated (a test "
+                            "device, never for production)", (self.adapters.table.updates(tenant) if lora else
+                                                               self.version) + 1, f" of {tenant}" if lora else "")
         if why_not is not None:
             result = StepResult({"train_samples": 0.0, "train_tokens": 0.0, f"{why_not}_samples": float(len(samples))},
                                 skipped=True)
@@ -376,6 +513,8 @@ class TrainerStage:
         record: dict = {"step": self.step, "policy_version": version, "time_ms": events.now_ms(),
                         "optimizer_steps": self.policy.optimizer_steps, "skipped": result.skipped,
                         "batch_samples": len(samples), **result.metrics}
+        if poisoned:
+            record["poisoned"] = True
         return result, record
 
     def _checkpoint(self, batch, record: dict) -> None:
@@ -386,6 +525,7 @@ class TrainerStage:
                 "resume": batch.resume if batch else None}
         if self.adapters is not None:
             meta["tenants"] = self.adapters.table.to_meta()
+        if self.adapters is not None or self.config.rollout.enabled:
             meta["commands_offset"] = self.commands.position if self.commands is not None else 0
         C.save(self.ckpt_dir, self.step, self.par, self.policy.state_dict(), meta, self.cfg.keep_checkpoints)
         if self.par.is_main:
@@ -397,11 +537,13 @@ class TrainerStage:
         got = self._next_payload()
         if got is None:
             return False
-        batch, (samples, weights, stopping, tenant, _, why_not) = got
+        batch, (samples, weights, stopping, tenant, actions, why_not, poisoned) = got
+        if actions and self.config.rollout.enabled:
+            self._release()  # a decided canary: what was trained meanwhile is the next candidate
         if samples is None:  # commands applied while no sample arrived: no step
             return not stopping
         t_batch = time.perf_counter()  # the wait for a full batch (consume_s) is not part of step_s
-        result, record = self._train(samples, weights, tenant, why_not)
+        result, record = self._train(samples, weights, tenant, why_not, poisoned)
         if batch is not None:
             record.update(batch.stats)
             if cfg.per_tenant:
@@ -410,15 +552,20 @@ class TrainerStage:
                 record["sample_ids"] = [s.sample_id for s in samples]
                 # where consumption ended: with the previous step's, which records this step consumed
                 record["offsets"] = {str(p): o for p, o in batch.offsets.items()}
-        exported = None
-        if self.adapters is not None and not result.skipped:  # exported before the checkpoint: its
-            exported = self._adapter_export(tenant, record)   # version is in the checkpoint's table
+        exported, held = None, False
+        if self.config.rollout.enabled and not result.skipped:  # its canary is open: trained, not synced
+            held = dist.broadcast_object(self._held(tenant if self.adapters is not None else None)
+                                         if self.par.is_main else None)
+            if held:
+                record["held"] = True
+        if self.adapters is not None and not result.skipped and not held:  # exported before the checkpoint:
+            exported = self._adapter_export(tenant, record)                # its version is in the checkpoint's table
         t1 = time.perf_counter()
         last = cfg.max_steps is not None and self.step >= cfg.max_steps
         if self.step % cfg.checkpoint_every == 0 or last or stopping:
             self._checkpoint(batch, record)
         record["checkpoint_s"] = time.perf_counter() - t1
-        if not result.skipped:
+        if not result.skipped and not held:
             if self.adapters is None:
                 self._export_and_sync(record)
             elif exported is not None:

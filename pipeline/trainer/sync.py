@@ -54,6 +54,8 @@ class SyncReport:
 
     ``resumed``: for an adapter sync, the adapter its ``resume`` named (the new one when every
     engine applied it, else the one the tenant was served by before; None: the base model).
+    ``offset``: where its ``resume`` record is on ``control`` (None: not acknowledged), so a
+    reader of ``control`` can wait until it has read the trainer's own records.
     """
 
     policy_version: int
@@ -61,6 +63,7 @@ class SyncReport:
     failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     resumed: dict | None = None
+    offset: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -94,8 +97,9 @@ class WeightPublisher:
         """The adapter sync of ``tenant``'s update ``n`` (docs/tenants.md, "Adapter sync"): ``pause``
         (tenant, adapter), ``weights`` (``location``, ``sha256 = adapter["sha256"]``), the engines'
         ``applied``/``failed`` for ``adapter["version"]``, ``resume`` naming ``adapter`` when
-        every engine applied it, else ``previous`` (the adapter the tenant was served by; None:
-        the base). ``epoch = policy_version = n``. Returns the report (``resumed`` set)."""
+        every engine applied it, else ``previous`` (the adapter the tenant was served by; with
+        ``rollout.enabled`` the scope's incumbent; None: the base). ``epoch = policy_version =
+        n``. Returns the report (``resumed`` set)."""
         return self._sync(n, str(location), adapter["sha256"], stop, {"tenant": tenant, "adapter": adapter},
                           previous)
 
@@ -126,9 +130,10 @@ class WeightPublisher:
             if about:
                 report.resumed = about["adapter"] if not report.failed and len(report.applied) == len(
                     dict.fromkeys(self.cfg.engines)) else previous
-                self._send(self._control("resume", version, tenant=about["tenant"], adapter=report.resumed))
+                meta = self._send(self._control("resume", version, tenant=about["tenant"], adapter=report.resumed))
             else:
-                self._send(self._control("resume", version))
+                meta = self._send(self._control("resume", version))
+            report.offset = meta.offset
         report.seconds = time.perf_counter() - t0
         if report.failed:
             log.warning("sync of %s%d: applied by %s, failed on %s", f"{about['tenant']}'s adapter n=" if about
