@@ -1,0 +1,110 @@
+"""Issue 39 (rollout): the trainer with ``rollout.enabled`` and ``trainer.lora`` on the real broker.
+
+A tenant's update is synced once and opens a canary; while it is open the tenant's next batches
+are trained but not synced (``held``), also across a restart; a ``promote`` releases the newest
+state as the next candidate; a ``rollback`` restores the incumbent adapter's exported weights
+(fresh optimizer state) and the next update is synced under a new, higher ``n``. Another tenant's
+canary is its own. The decisions are written here as the evaluator would write them; the engines
+are the stand-in syncer of ``test_tenants_trainer_stage``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import events
+from pipeline.config import load_config
+from pipeline.testing.topics import publish
+from tests.trainer.test_tenants_trainer_stage import RUN, StandInSyncer, _ctl, _publish, _run_stage, _steps, _wait
+
+
+def _config(kafka_config, tmp_path, **trainer):
+    base = kafka_config.model_dump(mode="python")
+    t = dict(model="tiny-random", rollout_batch_size=2, micro_batch_size=2, lr=1e-2, checkpoint_dir=str(tmp_path / "ckpt"),
+             export_dir=str(tmp_path / "weights"), engines=["engine-a"], sync_timeout_s=10.0, progress=False,
+             threads=1, run_id=RUN, per_tenant=True, tenant_max_wait_records=1000, max_staleness=None,
+             poll_timeout_s=0.2, lora={"rank": 4, "alpha": 8}, keep_exports=1, poison_steps=[2])
+    t.update(trainer)
+    return load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=t, rollout={"enabled": True})
+
+
+def _decide(cfg, action: str, tenant: str, adapter: dict, incumbent: dict | None) -> None:
+    evidence = {"rule": "newcombe-noninferiority-v1", "reason": "non_inferior" if action == "promote" else "reward_fell",
+                "config": {"min_n": 400}, "incumbent": incumbent["version"] if incumbent else None,
+                "arms": {"candidate": {"reward": [30, 60]}, "incumbent": {"reward": [30, 60]}},
+                "bounds": {"reward": [-0.1, 0.1]}}
+    publish(cfg, [events.Control(action=action, epoch=0, policy_version=0, run_id=RUN, tenant=tenant,
+                                 adapter=adapter, evidence=evidence)], "control", key=RUN)
+
+
+def _weights(cfg, tenant: str) -> list[tuple[int, str]]:
+    return [(c.policy_version, c.adapter["version"]) for c in _ctl(cfg, tenant) if c.action == "weights"]
+
+
+def _adapter_tensors(stage, tenant: str) -> dict:
+    return {k: v.float() for k, v in stage.policy.lora.hf_tensors(tenant).items()}
+
+
+@pytest.mark.slow(seconds=180)
+def test_a_canary_holds_the_tenants_sync_promote_releases_it_rollback_restores_the_incumbent(kafka_config, tmp_path):
+    import torch
+
+    from pipeline.trainer.adapters import adapter_folder
+    from pipeline.trainer.lora import read_adapter_folder
+
+    cfg = _config(kafka_config, tmp_path, max_steps=3)
+    syncer = StandInSyncer(cfg, lambda ev: [] if (ev.tenant, ev.policy_version) == ("alice", 4) else ["engine-a"])
+    try:
+        stage, t, errors = _run_stage(cfg)
+        _publish(cfg, ["alice", "alice"], 0)
+        _steps(stage, 1, errors)
+        _publish(cfg, ["alice", "alice", "bob", "bob"], 10)
+        t.join(300)
+        assert not t.is_alive() and not errors, errors
+        recs = stage.log.records()
+        a1 = recs[0]["adapter"]
+        assert [(r["tenant"], r["policy_version"], r.get("held"), r.get("poisoned"), "adapter" in r) for r in recs] == [
+            ("alice", 1, None, None, True),   # synced: alice's canary (A1 against the base) opens
+            ("alice", 2, True, True, False),  # trained (poisoned: n=2 is listed), not exported or synced
+            ("bob", 1, None, None, True)]     # bob's canary is his own
+        assert _weights(cfg, "alice") == [(1, a1["version"])]
+        assert stage.adapters.table["alice"].synced == 1 and stage.adapters.table["alice"].updates == 2
+
+        # a restart mid-canary: the held update is restored, still held
+        cfg2 = _config(kafka_config, tmp_path, max_steps=6)
+        stage, t, errors = _run_stage(cfg2)
+        _publish(cfg, ["bob", "bob"], 20)
+        recs = _steps(stage, 4, errors)
+        assert (recs[3]["tenant"], recs[3].get("held")) == ("bob", True)
+        assert _weights(cfg, "alice") == [(1, a1["version"])]  # no sync of alice's n=2 at the restart
+
+        _decide(cfg, "promote", "alice", a1, None)  # the idle trainer releases n=2 as the next candidate
+        _wait(lambda: stage.adapters.table["alice"].synced == 2, "alice's n=2 synced after the promote")
+        a2 = stage.adapters.table["alice"].published
+        assert _weights(cfg, "alice") == [(1, a1["version"]), (2, a2["version"])]
+        _publish(cfg, ["alice", "alice"], 30)
+        recs = _steps(stage, 5, errors)
+        assert (recs[4]["tenant"], recs[4]["policy_version"], recs[4].get("held")) == ("alice", 3, True)
+
+        _decide(cfg, "rollback", "alice", a2, a1)  # alice continues from the incumbent A1
+        _wait(lambda: stage.adapters.table["alice"].published == a1, "alice restored to A1")
+        _, exported, _ = read_adapter_folder(adapter_folder(tmp_path / "weights", "alice", a1["version"]))
+        restored = _adapter_tensors(stage, "alice")
+        assert restored.keys() == exported.keys()
+        assert all(torch.equal(restored[k], exported[k].float()) for k in exported)
+        assert stage.policy.adapter_steps("alice") == 0  # a fresh optimizer state
+        assert len(_weights(cfg, "alice")) == 2  # the restored incumbent is not synced again
+
+        _publish(cfg, ["alice", "alice"], 40)  # engine-a stays silent for n=4: resume names the incumbent
+        t.join(300)
+        assert not t.is_alive() and not errors, errors
+    finally:
+        syncer.close()
+    recs = stage.log.records()
+    assert (recs[5]["tenant"], recs[5]["policy_version"], recs[5].get("held")) == ("alice", 4, None)
+    a4 = recs[5]["adapter"]
+    assert _weights(cfg, "alice") == [(1, a1["version"]), (2, a2["version"]), (4, a4["version"])]
+    assert a4["version"] not in (a1["version"], a2["version"])
+    resume = [c for c in _ctl(cfg, "alice") if c.action == "resume"][-1]
+    assert resume.policy_version == 4 and resume.adapter == a1  # previous = the incumbent
+    assert [c.policy_version for c in _ctl(cfg, "bob") if c.action == "weights"] == [1]  # bob's canary: still open
+    assert (tmp_path / "weights" / "adapters" / "alice" / a1["version"][:16]).is_dir()  # the incumbent's folder kept
