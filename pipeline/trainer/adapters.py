@@ -23,6 +23,12 @@ kept in the checkpoint's ``commands_offset`` (every command below it was applied
 log order and broadcast with the batch: ``freeze``/``unfreeze`` set the flag; ``reset`` removes
 ``T``'s adapter and optimizer state on every rank, forgets its version table and publishes
 ``resume`` (T, None); ``delete`` is ``reset`` plus the removal of ``T``'s export folders.
+
+With ``rollout.enabled`` (docs/rollout.md) the reader also folds every ``control`` record of the
+run into the stage's :class:`pipeline.rollout.serving.ServingView` and hands over the
+``promote``/``rollback`` decisions with the commands, in log order. A ``rollback`` of ``T``'s
+newest exported version restores ``T``'s incumbent (:meth:`TenantAdapters.rollback`); a sync's
+``previous`` is ``T``'s incumbent; the incumbent's folder is never pruned.
 """
 
 from __future__ import annotations
@@ -278,19 +284,22 @@ class TenantAdapters:
         (its samples are on-policy; ``n_T`` itself stays: versions never repeat) and nothing is
         pending (the updates trained since ``version`` are dropped with its weights). Returns
         whether it restored. A rollback of an older version (superseded, or decided twice) is
-        logged and changes nothing; so is one whose incumbent folder is gone (an error: the
-        trainer goes on from its own state)."""
-        s = self.table[tenant]
-        newest = max(s.versions, key=s.versions.__getitem__) if s.versions else None
-        if version != newest:
+        logged and changes nothing; so is one whose incumbent folder is gone or does not verify
+        (an error: the trainer goes on from its own state)."""
+        s = self.table.tenants.get(tenant)
+        newest = max(s.versions, key=s.versions.__getitem__) if s is not None and s.versions else None
+        if version is None or version != newest:
             if self.is_main:
                 log.info("rollback of %s's adapter %s: not the newest it trained (%s): nothing to restore",
-                         tenant, version[:16], (newest or "none")[:16])
+                         tenant, (version or "none")[:16], (newest or "none")[:16])
             return False
         folder = adapter_folder(self.export_dir, tenant, incumbent["version"]) if incumbent is not None else None
-        if folder is not None and not folder.is_dir():
-            log.error("rollback of %s's adapter %s: the incumbent's folder %s is gone: the trainer goes on "
-                      "from its own state", tenant, version[:16], folder)
+        try:
+            if folder is not None:
+                weightsync.verify_adapter(folder, incumbent["version"])
+        except (OSError, ValueError) as e:
+            log.error("rollback of %s's adapter %s: the incumbent's folder %s cannot be loaded (%s): the trainer "
+                      "goes on from its own state", tenant, version[:16], folder, e)
             return False
         if tenant in self.policy.adapters():
             self.policy.remove_adapter(tenant)
