@@ -27,12 +27,16 @@ def _config(kafka_config, tmp_path, **trainer):
     return load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=t, rollout={"enabled": True})
 
 
-def _decide(cfg, action: str, tenant: str, adapter: dict, incumbent: dict | None) -> None:
+def _decide(cfg, action: str, tenant: str | None, adapter: dict | None, incumbent: dict | None,
+            version: int = 1) -> None:
+    """A decision as the evaluator publishes it: about ``tenant``'s ``adapter``, or with ``tenant``
+    None about the full weights' ``version``."""
     evidence = {"rule": "newcombe-noninferiority-v1", "reason": "non_inferior" if action == "promote" else "reward_fell",
                 "config": {"min_n": 400}, "incumbent": incumbent["version"] if incumbent else None,
                 "arms": {"candidate": {"reward": [30, 60]}, "incumbent": {"reward": [30, 60]}},
                 "bounds": {"reward": [-0.1, 0.1]}}
-    publish(cfg, [events.Control(action=action, epoch=0, policy_version=0, run_id=RUN, tenant=tenant,
+    v = 0 if tenant is not None else version
+    publish(cfg, [events.Control(action=action, epoch=v, policy_version=v, run_id=RUN, tenant=tenant,
                                  adapter=adapter, evidence=evidence)], "control", key=RUN)
 
 
@@ -108,3 +112,28 @@ def test_a_canary_holds_the_tenants_sync_promote_releases_it_rollback_restores_t
     assert resume.policy_version == 4 and resume.adapter == a1  # previous = the incumbent
     assert [c.policy_version for c in _ctl(cfg, "bob") if c.action == "weights"] == [1]  # bob's canary: still open
     assert (tmp_path / "weights" / "adapters" / "alice" / a1["version"][:16]).is_dir()  # the incumbent's folder kept
+
+
+@pytest.mark.slow(seconds=120)
+def test_full_weights_canary_holds_the_sync_and_a_decision_releases_the_newest_version(kafka_config, tmp_path):
+    """Without LoRA the scope is the full weights: a version's canary holds the next versions'
+    syncs; the next batch after a decision first syncs the newest version (a full-weight rollback
+    restores nothing: the trainer goes on from its own state)."""
+    cfg = _config(kafka_config, tmp_path, max_steps=4, per_tenant=False, lora=None, engines=[], poison_steps=[])
+    full = lambda: [c.policy_version for c in _ctl(cfg) if c.action == "weights" and c.full_weights]  # noqa: E731
+    stage, t, errors = _run_stage(cfg)
+    _publish(cfg, [None, None], 0)
+    _steps(stage, 1, errors)
+    _publish(cfg, [None, None], 10)
+    recs = _steps(stage, 2, errors)
+    assert [(r["policy_version"], r.get("held")) for r in recs] == [(1, None), (2, True)] and full() == [1]
+    _decide(cfg, "promote", None, None, None)
+    _publish(cfg, [None, None], 20)  # its payload carries the promote: v2 is synced, then v3 trained (held)
+    recs = _steps(stage, 3, errors)
+    assert recs[2]["policy_version"] == 3 and recs[2].get("held") and full() == [1, 2]
+    _decide(cfg, "rollback", None, None, None, version=2)
+    _publish(cfg, [None, None], 30)
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    recs = stage.log.records()
+    assert recs[3]["policy_version"] == 4 and recs[3].get("held") and full() == [1, 2, 3]
