@@ -19,10 +19,10 @@ from tests.trainer.test_tenants_trainer_stage import RUN, StandInSyncer, _ctl, _
 
 def _config(kafka_config, tmp_path, **trainer):
     base = kafka_config.model_dump(mode="python")
-    t = dict(model="tiny-random", rollout_batch_size=2, micro_batch_size=2, lr=1e-2, checkpoint_dir=str(tmp_path / "ckpt"),
-             export_dir=str(tmp_path / "weights"), engines=["engine-a"], sync_timeout_s=10.0, progress=False,
-             threads=1, run_id=RUN, per_tenant=True, tenant_max_wait_records=1000, max_staleness=None,
-             poll_timeout_s=0.2, lora={"rank": 4, "alpha": 8}, keep_exports=1, poison_steps=[2])
+    t = dict(model="tiny-random", rollout_batch_size=2, micro_batch_size=2, lr=1e-2,
+             checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "weights"), engines=["engine-a"],
+             sync_timeout_s=10.0, progress=False, threads=1, run_id=RUN, per_tenant=True, tenant_max_wait_records=1000,
+             max_staleness=None, poll_timeout_s=0.2, lora={"rank": 4, "alpha": 8}, keep_exports=1, poison_steps=[2])
     t.update(trainer)
     return load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=t, rollout={"enabled": True})
 
@@ -31,7 +31,8 @@ def _decide(cfg, action: str, tenant: str | None, adapter: dict | None, incumben
             version: int = 1) -> None:
     """A decision as the evaluator publishes it: about ``tenant``'s ``adapter``, or with ``tenant``
     None about the full weights' ``version``."""
-    evidence = {"rule": "newcombe-noninferiority-v1", "reason": "non_inferior" if action == "promote" else "reward_fell",
+    evidence = {"rule": "newcombe-noninferiority-v1",
+                "reason": "non_inferior" if action == "promote" else "reward_fell",
                 "config": {"min_n": 400}, "incumbent": incumbent["version"] if incumbent else None,
                 "arms": {"candidate": {"reward": [30, 60]}, "incumbent": {"reward": [30, 60]}},
                 "bounds": {"reward": [-0.1, 0.1]}}
