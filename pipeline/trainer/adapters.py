@@ -275,7 +275,7 @@ class TenantAdapters:
             if self.is_main:
                 log.info("adapter command %s applied to tenant %s", action, tenant)
 
-    def rollback(self, tenant: str, version: str, incumbent: dict | None) -> bool:
+    def rollback(self, tenant: str, version: str | None, incumbent: dict | None, decided: bool | None = None) -> bool:
         """``rollout.enabled``: the canary of ``tenant``'s adapter ``version`` was rolled back (every
         rank). When ``version`` is the newest this trainer exported for ``tenant`` (the head of
         what it trains), ``tenant`` continues from ``incumbent``: its adapter is loaded from the
@@ -285,7 +285,12 @@ class TenantAdapters:
         pending (the updates trained since ``version`` are dropped with its weights). Returns
         whether it restored. A rollback of an older version (superseded, or decided twice) is
         logged and changes nothing; so is one whose incumbent folder is gone or does not verify
-        (an error: the trainer goes on from its own state)."""
+        (an error: the trainer goes on from its own state). ``decided``: rank 0's verdict, which
+        the other TP ranks follow (their tables do not record the exported versions)."""
+        if decided is not None:
+            if decided:
+                self._restore(tenant, version, incumbent)
+            return decided
         s = self.table.tenants.get(tenant)
         newest = max(s.versions, key=s.versions.__getitem__) if s is not None and s.versions else None
         if version is None or version != newest:
@@ -301,6 +306,13 @@ class TenantAdapters:
             log.error("rollback of %s's adapter %s: the incumbent's folder %s cannot be loaded (%s): the trainer "
                       "goes on from its own state", tenant, version[:16], folder, e)
             return False
+        self._restore(tenant, version, incumbent)
+        return True
+
+    def _restore(self, tenant: str, version: str, incumbent: dict | None) -> None:
+        """:meth:`rollback`'s restore of ``incumbent`` as ``tenant``'s adapter (every rank)."""
+        s = self.table[tenant]
+        folder = adapter_folder(self.export_dir, tenant, incumbent["version"]) if incumbent is not None else None
         if tenant in self.policy.adapters():
             self.policy.remove_adapter(tenant)
         if folder is None:
@@ -314,7 +326,6 @@ class TenantAdapters:
             log.warning("rollback of %s's adapter %s: continuing from the incumbent %s (fresh optimizer state, "
                         "n stays %d)", tenant, version[:16], incumbent["version"][:16] if incumbent else "(base "
                         "model)", s.updates)
-        return True
 
     def why_not_trained(self, tenant: str | None) -> str | None:
         """Why a batch of ``tenant`` trains nothing: ``no_tenant`` (the base is frozen; untenanted

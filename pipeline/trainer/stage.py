@@ -219,7 +219,7 @@ class TrainerStage:
         if cfg.lora is not None:
             self._setup_adapters(tenants_meta)
         elif self.config.rollout.enabled:  # need_sync is read_synced < version: _release's test
-            self._apply_actions(self._pending_actions())
+            self._pending_actions()
             self._release("its last version was not synced: syncing it again")
         elif need_sync:
             self._export_and_sync({})
@@ -236,11 +236,16 @@ class TrainerStage:
         if self.cfg.lora is not None or self.view is not None:
             self.commands = CommandReader(self.config, commands_offset, self.view)
 
-    def _pending_actions(self) -> list[tuple]:
+    def _pending_actions(self) -> None:
         """Rank 0 reads ``control`` up to its end (commands and decisions after the checkpoint's
-        position); every rank gets the list (collective)."""
-        return dist.broadcast_object(self.commands.poll() if self.par.is_main and self.commands is not None
-                                     else None) or []
+        position) and applies them; then every other rank applies rank 0's list (collective)."""
+        actions = None
+        if self.par.is_main:
+            actions = self.commands.poll() if self.commands is not None else []
+            self._apply_actions(actions)
+        actions = dist.broadcast_object(actions)
+        if not self.par.is_main:
+            self._apply_actions(actions)
 
     def _setup_adapters(self, meta: dict | None) -> None:
         """``trainer.lora``: the tenants' state from the checkpoint; rank 0 reads commands (and
@@ -256,22 +261,27 @@ class TrainerStage:
             self.source.adapters = self.adapters.table
         # commands read after the checkpoint first: a reset or delete that followed it must not be
         # undone by re-syncing the adapter it dropped
-        self._apply_actions(self._pending_actions())
+        self._pending_actions()
         self._release("its last adapter update was not synced: syncing it again")
 
     def _apply_actions(self, actions: list[tuple]) -> None:
-        """Apply what ``control`` asked, in log order (every rank): adapter commands, and with
-        ``rollout.enabled`` the decisions: a ``rollback`` of a tenant's candidate restores the
-        incumbent adapter (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`); a
+        """Apply what ``control`` asked, in log order (rank 0 first, then the others with rank 0's
+        list): adapter commands, and with ``rollout.enabled`` the decisions: a ``rollback`` of a
+        tenant's candidate restores the incumbent adapter
+        (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`; rank 0 decides whether and
+        appends its verdict to the action in ``actions``, which the other ranks follow); a
         ``promote`` changes no weights (what was held is released by :meth:`_release`). A rollback
         of the full weights is not followed: the trainer goes on from its own state (module
         docstring)."""
-        for a in actions:
+        for i, a in enumerate(actions):
             if len(a) == 2:
                 if self.adapters is not None:  # full weights: adapter commands are not for it
                     self.adapters.apply([a])
             elif a[0] == "rollback" and a[1] is not None and self.adapters is not None:
-                self.adapters.rollback(a[1], a[2], a[3])
+                if self.par.is_main:
+                    actions[i] = (*a[:4], self.adapters.rollback(a[1], a[2], a[3]))
+                else:
+                    self.adapters.rollback(a[1], a[2], a[3], decided=a[4])
             elif self.par.is_main:
                 log.log(logging.WARNING if a[0] == "rollback" else logging.INFO, "%s of %s %s%s", a[0],
                         "the full weights" if a[1] is None else f"{a[1]}'s adapter", a[2],
@@ -283,7 +293,7 @@ class TrainerStage:
         now: its canary is open, or a decision about it was read and is not applied yet."""
         if self.view is None:
             return False
-        return self.view.canary_open(scope) or any(len(a) == 4 and a[1] == scope for a in self._commands)
+        return self.view.canary_open(scope) or any(len(a) >= 4 and a[1] == scope for a in self._commands)
 
     def _release(self, why: str = "its canary was decided: syncing its newest state") -> None:
         """Export and sync every scope whose newest trained state was not synced and that is not

@@ -76,3 +76,13 @@ def test_a_rollback_of_an_older_or_unknown_version_changes_nothing(tmp_path):
     assert not ad.rollback("alice", V3, None)
     assert not ad.rollback("carol", V3, None) and "carol" not in ad.table.tenants
     assert policy.calls == [] and ad.table["alice"].synced == 2
+
+
+def test_the_other_tp_ranks_follow_rank_0s_verdict(tmp_path):
+    """A TP rank other than 0 does not record exported versions: it restores when rank 0 did."""
+    policy = AdapterPolicy(["alice"])
+    ad = _adapters(tmp_path, policy)
+    ad.table["alice"].versions.clear()  # as on a rank other than 0
+    assert not ad.rollback("alice", V2, None, decided=False) and policy.calls == []
+    assert ad.rollback("alice", V2, None, decided=True)
+    assert policy.calls == [("remove", "alice")] and ad.table["alice"].synced == 3
