@@ -107,6 +107,8 @@ def test_a_canary_holds_the_tenants_sync_promote_releases_it_rollback_restores_t
     recs = stage.log.records()
     assert (recs[5]["tenant"], recs[5]["policy_version"], recs[5].get("held")) == ("alice", 4, None)
     a4 = recs[5]["adapter"]
+    trained = [i for r in recs for i in r["sample_ids"]]
+    assert len(trained) == len(set(trained)) == 12  # every sample once, across the restart mid-canary
     assert _weights(cfg, "alice") == [(1, a1["version"]), (2, a2["version"]), (4, a4["version"])]
     assert a4["version"] not in (a1["version"], a2["version"])
     resume = [c for c in _ctl(cfg, "alice") if c.action == "resume"][-1]
