@@ -125,6 +125,15 @@ async def rollout_batch(client, tok_client, problems, tenant: str, step: int, ar
     return samples, wins
 
 
+def poisoned(s):
+    """``s`` with its training signal inverted: the reward negated and, with a teacher, the OPD
+    advantage too (teacher log-probs mirrored about the rollout's: ``2 * rollout - teacher``)."""
+    teacher = s.teacher_log_probs
+    if teacher is not None:
+        teacher = [2 * r - t for r, t in zip(s.rollout_log_probs, teacher)]
+    return dataclasses.replace(s, reward=None if s.reward is None else -s.reward, teacher_log_probs=teacher)
+
+
 def wilson(k: int, n: int) -> list[float]:
     from pipeline.orchestrate.demo import wilson_interval
 
@@ -167,8 +176,8 @@ async def run(args, pt, url: str, work: Path) -> None:
             async with engine() as client:
                 samples, wins = await rollout_batch(client, client, train[first: first + args.prompts], tenant, step,
                                                     args, lora)
-            if step in args.poison_step:  # the rollout demo's test device: every reward negated
-                samples = [dataclasses.replace(s, reward=-s.reward) for s in samples]
+            if step in args.poison_step:  # the rollout demo's test device: the step's signal inverted
+                samples = [poisoned(s) for s in samples]
             res = pt.train_batch(samples, adapter=tenant)  # this thread: the CPU shim is per thread
             exp = pt.export_adapter(tenant, work / tenant / f"v{step}")
             lora = f"{tenant}-{step}"

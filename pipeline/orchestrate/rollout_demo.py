@@ -131,8 +131,10 @@ def base_eval(metrics: list) -> dict | None:
 
 
 def poisoned_versions(config: Config) -> set[int]:
-    """Alice's update numbers the trainer trained poisoned (its step records say so)."""
-    return {int(s.get("tenant_update", s.get("update", -1))) for s in trainer_steps(config) if s.get("poisoned")}
+    """Alice's update numbers (``n``) the trainer trained poisoned (its step records say so; a
+    candidate is published as the ``n`` of its newest update)."""
+    return {int(s["policy_version"]) for s in trainer_steps(config)
+            if s.get("poisoned") and s.get("tenant", TENANT) == TENANT and "policy_version" in s}
 
 
 def finished(rows: list[dict], poisoned: set[int]) -> bool:

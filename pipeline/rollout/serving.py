@@ -39,6 +39,7 @@ class Scope:
     candidate: int | dict | None = None
     live: bool = False
     rolled_back: set = field(default_factory=set)
+    opened: int = 0  # canaries opened in this scope (its candidates, superseded ones included)
 
 
 def version_of(v: int | dict | None):
@@ -91,7 +92,7 @@ class ServingView:
         if this is None or v == version_of(s.incumbent) or v in s.rolled_back:
             return
         if s.candidate is None or version_of(s.candidate) != v:
-            s.candidate, s.live = this, False
+            s.candidate, s.live, s.opened = this, False, s.opened + 1
 
     @staticmethod
     def _resume(s: Scope, this, key) -> None:
@@ -106,6 +107,6 @@ class ServingView:
         if s.candidate is not None and version_of(s.candidate) == v:
             s.live = True
         elif v != version_of(s.incumbent) and v not in s.rolled_back:
-            s.candidate, s.live = this, True  # a version whose order preceded this view's rules
+            s.candidate, s.live, s.opened = this, True, s.opened + 1  # its order preceded this view's rules
         else:
             s.candidate, s.live = None, False  # the sync failed: the previous version serves on

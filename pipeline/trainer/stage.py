@@ -49,11 +49,15 @@ rollback of the **full weights** is not followed by the trainer (not built): it 
 and goes on from its own newest state, which is synced as the next candidate; the incumbent's
 export folder is kept for the syncers.
 
-``trainer.poison_steps`` (a test device for ``pipeline demo --rollout``): the update whose number
-is listed (with ``trainer.lora`` the tenant's ``n_T`` it makes, else the policy version it
-produces) is trained on copies of its samples with every ``reward`` negated (:func:`poison`:
-the Binary-RL advantages flip; an OPD term, teacher minus rollout log-prob, is not changed),
-logged at WARNING, and its step record (and ``TrainStep.metrics``) says ``poisoned: true``.
+``trainer.poison_steps`` (a test device for ``pipeline demo --rollout``): the updates of the
+listed number are trained on copies of their samples with their training signal inverted
+(:func:`poison`: every ``reward`` negated, so the Binary-RL advantages flip, and the OPD term,
+teacher minus rollout log-prob, negated too), logged at WARNING, and each step record (and
+``TrainStep.metrics``) says ``poisoned: true``. The number is the update's (with ``trainer.lora``
+the tenant's ``n_T`` it makes, else the policy version it produces); with ``rollout.enabled`` it
+is the **candidate** the update will be published in (the k-th canary of its scope, from the
+serving view), so every update held for that candidate is poisoned and no honest one: with Adam's
+momentum one inverted update among honest ones changes little (measured: docs/rollout.md, Demo).
 
 Policy version = number of weight syncs; 0 is the initial checkpoint the engines start with.
 On restart the trainer restores the newest checkpoint and seeks every partition to its
@@ -113,10 +117,18 @@ def export_versions(export_dir: str | Path) -> list[int]:
 
 
 def poison(samples: list[events.Sample]) -> list[events.Sample]:
-    """``trainer.poison_steps``, a test device: copies of ``samples`` with every ``reward``
-    negated (None stays None). The Binary-RL advantage of each sample flips sign; the OPD term
-    (teacher - rollout log-prob) is left as it is: only the reward is poisoned."""
-    return [dataclasses.replace(s, reward=-s.reward) if s.reward is not None else s for s in samples]
+    """``trainer.poison_steps``, a test device: copies of ``samples`` with their training signal
+    inverted. Every ``reward`` is negated (None stays None: the Binary-RL advantage flips sign),
+    and where a sample has teacher and rollout log-probs the teacher's are mirrored about the
+    rollout's (``2 * rollout - teacher``, per token, nats), so the OPD advantage ``teacher -
+    rollout`` is negated too (a sample without rollout log-probs keeps its teacher)."""
+    out = []
+    for s in samples:
+        teacher = s.teacher_log_probs
+        if teacher is not None and s.rollout_log_probs is not None:
+            teacher = [2.0 * r - t for r, t in zip(s.rollout_log_probs, teacher)]
+        out.append(dataclasses.replace(s, reward=None if s.reward is None else -s.reward, teacher_log_probs=teacher))
+    return out
 
 
 class CheckpointMissing(PipelineError, RuntimeError):
@@ -454,10 +466,15 @@ class TrainerStage:
 
     def _poisoned(self, tenant: str | None) -> bool:
         """Rank 0: whether the update about to be trained is in ``trainer.poison_steps`` (with
-        ``trainer.lora``: ``tenant``'s update count it makes; else the policy version)."""
+        ``rollout.enabled``: the candidate it will be published in, the scope's canaries so far
+        + 1; else with ``trainer.lora``: ``tenant``'s update count it makes; else the policy
+        version)."""
         if not self.cfg.poison_steps:
             return False
-        k = (self.adapters.table.updates(tenant) if self.adapters is not None else self.version) + 1
+        if self.view is not None:
+            k = self.view.scope(tenant if self.adapters is not None else None).opened + 1
+        else:
+            k = (self.adapters.table.updates(tenant) if self.adapters is not None else self.version) + 1
         return k in self.cfg.poison_steps
 
     def _next_payload(self):
@@ -497,7 +514,7 @@ class TrainerStage:
         if poisoned:
             samples = poison(samples)
             if self.par.is_main:
-                log.warning("trainer.poison_steps: update %d%s is trained with every reward negated (a test "
+                log.warning("trainer.poison_steps: update %d%s is trained with its signal inverted (a test "
                             "device, never for production)", (self.adapters.table.updates(tenant) if lora else
                                                                self.version) + 1, f" of {tenant}" if lora else "")
         if why_not is not None:

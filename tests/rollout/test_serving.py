@@ -31,6 +31,7 @@ def test_a_tenants_candidate_goes_live_at_its_resume_and_is_promoted():
     s = v.scope("alice")
     assert s.incumbent == A1 and s.candidate is None and not v.canary_open("alice")
     assert not v.apply(ctl("weights", 1, "alice", A1))  # the incumbent re-published: no canary
+    assert v.scope("alice").opened == 1 and v.scope("bob").opened == 0
 
 
 def test_a_rolled_back_version_never_goes_live_whatever_the_order():

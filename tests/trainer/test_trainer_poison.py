@@ -84,3 +84,30 @@ def test_poison_steps_is_a_list_of_ints(bad):
 
     with pytest.raises((ConfigError, ValueError)):
         load_config(None, trainer=dict(poison_steps=bad))
+
+
+def test_the_opd_advantage_is_negated_too():
+    s = events.Sample(sample_id="s", session_id="s", turn_index=0, tokens=list(range(1, 11)), response_length=3,
+                      rollout_log_probs=[-2.0, -1.0, -0.5], teacher_log_probs=[-1.0, -3.0, -0.5], reward=1.0,
+                      hint="shorter")
+    got = poison([s])[0]
+    advantage = [t - r for t, r in zip(s.teacher_log_probs, s.rollout_log_probs)]
+    assert [t - r for t, r in zip(got.teacher_log_probs, got.rollout_log_probs)] == [-a for a in advantage]
+    assert got.reward == -1.0 and got.rollout_log_probs == s.rollout_log_probs
+    bare = events.Sample(sample_id="b", session_id="b", turn_index=0, tokens=list(range(1, 11)), response_length=3,
+                         teacher_log_probs=[-1.0, -3.0, -0.5], hint="h", reward=None)
+    assert poison([bare])[0].teacher_log_probs == bare.teacher_log_probs  # no rollout log-probs to mirror about
+
+
+def test_with_rollout_the_number_is_the_candidate_the_update_is_published_in():
+    from pipeline.rollout.serving import ServingView
+
+    stage = _stage(poison_steps=[2], per_tenant=True, lora={"rank": 4, "alpha": 8})
+    stage.adapters = SimpleNamespace(table=TenantTable())
+    stage.view = ServingView(stage.cfg.run_id)
+    adapter = {"name": "alice-1", "version": "a" * 64, "sha256": "1" * 64}
+    assert not stage._poisoned("alice")  # held for candidate 1
+    stage.view.apply(events.Control(action="weights", epoch=1, policy_version=1, run_id=stage.cfg.run_id,
+                                    tenant="alice", adapter=adapter, location="/x", sha256=adapter["sha256"]))
+    assert [stage._poisoned("alice") for _ in range(3)] == [True] * 3  # every update held for candidate 2
+    assert not stage._poisoned("bob")  # another scope's count
