@@ -78,7 +78,7 @@ def rollout_config(config: Config, args, run_dir: Path) -> Config:
     cfg = demo_config(config, args, run_dir)
     eval_set = write_eval_set(run_dir / "eval_set.jsonl", args.eval_prompts)
     return cfg.replace(
-        trainer={"max_steps": None, "lora": LORA, "per_tenant": True, "lr": args.lora_lr,
+        trainer={"max_steps": None, "lora": LORA, "per_tenant": True, "lr": args.lora_lr, "max_staleness": None,
                  "poison_steps": [args.poison_step] if args.poison_step > 0 else []},
         rollout={**DEMO_RULE, "enabled": True, "share": args.share, "eval_set": str(eval_set),
                  "guard_min_n": args.eval_prompts, "eval_max_tokens": 64, "eval_seed": args.eval_seed})
