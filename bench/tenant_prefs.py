@@ -178,6 +178,8 @@ async def run(args, pt, url: str, work: Path) -> None:
                                                     args, lora)
             if step in args.poison_step:  # the rollout demo's test device: the step's signal inverted
                 samples = [poisoned(s) for s in samples]
+                if args.poison_reset and step - 1 not in args.poison_step:
+                    pt.reset_optimizer(tenant)  # as the trainer does: the honest momentum forgotten
             res = pt.train_batch(samples, adapter=tenant)  # this thread: the CPU shim is per thread
             exp = pt.export_adapter(tenant, work / tenant / f"v{step}")
             lora = f"{tenant}-{step}"
@@ -204,6 +206,8 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=7, help="which training prompts")
+    p.add_argument("--poison-reset", action="store_true",
+                   help="the first of consecutive poisoned steps starts from fresh Adam moments (as the trainer does)")
     p.add_argument("--only", choices=PREFERENCES, help="train this preference's tenant alone")
     p.add_argument("--poison-step", type=int, action="append", default=[],
                    help="train this step with every reward negated (the rollout demo's poisoned update; repeatable)")

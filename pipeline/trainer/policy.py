@@ -305,6 +305,14 @@ class PolicyTrainer:
         self._need_lora().remove(name)
         del self.trainables[name]
 
+    def reset_optimizer(self, adapter: str | None = None) -> None:
+        """Forget the Adam moments (and step count: the bias correction restarts) of ``adapter``
+        (None: the full weights); the weights are kept. ``trainer.poison_steps`` uses it so the
+        inverted signal is not hidden by the momentum of earlier honest updates. Raises
+        ``KeyError`` when there is no such trained unit."""
+        opt = self.trainables[adapter].optimizer
+        getattr(opt, "optimizer", opt).state.clear()
+
     def adapter_steps(self, name: str) -> int:
         """Optimizer steps adapter ``name`` has taken (``KeyError`` when absent)."""
         return self.trainables[name].steps

@@ -56,8 +56,9 @@ teacher minus rollout log-prob, negated too), logged at WARNING, and each step r
 ``TrainStep.metrics``) says ``poisoned: true``. The number is the update's (with ``trainer.lora``
 the tenant's ``n_T`` it makes, else the policy version it produces); with ``rollout.enabled`` it
 is the **candidate** the update will be published in (the k-th canary of its scope, from the
-serving view), so every update held for that candidate is poisoned and no honest one: with Adam's
-momentum one inverted update among honest ones changes little (measured: docs/rollout.md, Demo).
+serving view), so every update held for that candidate is poisoned and no honest one. Before the
+first poisoned update of a number the trained unit's Adam moments are reset: with the momentum of
+honest updates an inverted one changes little (measured: docs/rollout.md, "The trainer").
 
 Policy version = number of weight syncs; 0 is the initial checkpoint the engines start with.
 On restart the trainer restores the newest checkpoint and seeks every partition to its
@@ -158,6 +159,7 @@ class TrainerStage:
         self.view = None  # rank 0, rollout.enabled: pipeline.rollout.serving.ServingView
         self._commands: list[tuple] = []  # actions read, not applied yet
         self._untrained_logged: set[str] = set()
+        self._poison_began: set[tuple] = set()  # (scope, k) of trainer.poison_steps begun (rank 0)
         self.log = MetricsLog(None)
 
     # ------------------------------------------------------------ setup
@@ -464,18 +466,23 @@ class TrainerStage:
         self._commands += self.commands.poll()
         return bool(self._commands)
 
-    def _poisoned(self, tenant: str | None) -> bool:
+    def _poisoned(self, tenant: str | None) -> int:
         """Rank 0: whether the update about to be trained is in ``trainer.poison_steps`` (with
         ``rollout.enabled``: the candidate it will be published in, the scope's canaries so far
         + 1; else with ``trainer.lora``: ``tenant``'s update count it makes; else the policy
-        version)."""
+        version): 0 no, 1 yes, 2 yes and the first of its number this process trains (its
+        optimizer moments are reset first: :meth:`_train`)."""
         if not self.cfg.poison_steps:
-            return False
+            return 0
         if self.view is not None:
             k = self.view.scope(tenant if self.adapters is not None else None).opened + 1
         else:
             k = (self.adapters.table.updates(tenant) if self.adapters is not None else self.version) + 1
-        return k in self.cfg.poison_steps
+        if k not in self.cfg.poison_steps:
+            return 0
+        first = (tenant, k) not in self._poison_began
+        self._poison_began.add((tenant, k))
+        return 2 if first else 1
 
     def _next_payload(self):
         """Rank 0 takes the next batch and, with ``trainer.lora``, applies the commands that arrived
@@ -504,15 +511,20 @@ class TrainerStage:
         return batch, payload
 
     def _train(self, samples: list, weights: list, tenant: str | None, why_not: str | None,
-               poisoned: bool = False):
+               poisoned: int = 0):
         """Train the batch (or, with ``why_not``, count it untrained); returns ``(result, record)``.
-        ``poisoned`` (``trainer.poison_steps``, a test device): every sample's reward is negated
-        first (:func:`poison`) and the record says ``poisoned: true``."""
+        ``poisoned`` (``trainer.poison_steps``, a test device; :meth:`_poisoned`): the signal of
+        every sample is inverted first (:func:`poison`), at 2 after the trained unit's optimizer
+        moments are reset (the momentum of earlier honest updates would hide one inverted
+        update), and the record says ``poisoned: true``."""
         from pipeline.trainer.policy import StepResult
 
         lora = self.adapters is not None
         if poisoned:
             samples = poison(samples)
+            unit = tenant if lora else None
+            if poisoned == 2 and (unit is None or unit in self.policy.adapters()):
+                self.policy.reset_optimizer(unit)
             if self.par.is_main:
                 log.warning("trainer.poison_steps: update %d%s is trained with its signal inverted (a test "
                             "device, never for production)", (self.adapters.table.updates(tenant) if lora else

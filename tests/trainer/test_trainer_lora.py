@@ -341,3 +341,20 @@ def test_the_trainer_stage_refuses_lora_until_it_trains_adapters():
     with pytest.raises(ConfigError, match="trainer.lora"):
         TrainerStage(load_config(None, trainer={"lora": {"rank": 4}}))
     TrainerStage(load_config(None))  # full fine-tuning: constructed as before
+
+
+def test_reset_optimizer_forgets_one_adapters_moments_and_keeps_its_weights(runtime):
+    pt = policy_trainer(runtime, lora=LORA)
+    batch = [_sample(0, reward=1.0), _sample(1, reward=-1.0)]
+    pt.train_batch(batch, adapter="a")
+    pt.train_batch(batch, adapter="b")
+    wa, oa, _ = _snapshot(pt, "a")
+    _, ob, _ = _snapshot(pt, "b")
+    assert oa and ob
+    pt.reset_optimizer("a")
+    wa2, oa2, _ = _snapshot(pt, "a")
+    _, ob2, _ = _snapshot(pt, "b")
+    assert oa2 == {} and all(torch.equal(wa[k], wa2[k]) for k in wa)  # moments gone, weights kept
+    assert ob2.keys() == ob.keys() and all(torch.equal(ob[k], ob2[k]) for k in ob)  # the other tenant's kept
+    pt.train_batch(batch, adapter="a")  # and it trains on from there
+    assert _snapshot(pt, "a")[1]

@@ -24,9 +24,18 @@ class RecordingPolicy:
 
     def __init__(self) -> None:
         self.rewards: list[list] = []
+        self.resets: list = []  # (adapter, index of the next batch) of each optimizer reset
+        self.trained: set = set()
+
+    def adapters(self) -> list[str]:
+        return sorted(a for a in self.trained if a is not None)
+
+    def reset_optimizer(self, adapter=None) -> None:
+        self.resets.append((adapter, len(self.rewards)))
 
     def train_batch(self, samples, weights, policy_version=None, adapter=None) -> StepResult:
         self.rewards.append([s.reward for s in samples])
+        self.trained.add(adapter)
         return StepResult({"train_samples": float(len(samples)), "train_tokens": 4.0 * len(samples)}, skipped=False)
 
     def nonfinite_weights(self) -> list[str]:
@@ -58,6 +67,7 @@ def test_the_listed_policy_version_trains_on_negated_rewards_and_says_so(caplog)
     assert [r["policy_version"] for r in records] == [1, 2, 3]
     assert stage.policy.rewards == [rewards, [-1.0, 1.0, -0.5, None], rewards]  # only version 2's inputs flip
     assert [r.get("poisoned") for r in records] == [None, True, None]  # the others' records are untouched
+    assert stage.policy.resets == [(None, 1)]  # the honest momentum is forgotten before the poisoned update
     warned = [r for r in caplog.records if "poison_steps" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "update 2" in warned[0].getMessage()
 
@@ -109,5 +119,6 @@ def test_with_rollout_the_number_is_the_candidate_the_update_is_published_in():
     assert not stage._poisoned("alice")  # held for candidate 1
     stage.view.apply(events.Control(action="weights", epoch=1, policy_version=1, run_id=stage.cfg.run_id,
                                     tenant="alice", adapter=adapter, location="/x", sha256=adapter["sha256"]))
-    assert [stage._poisoned("alice") for _ in range(3)] == [True] * 3  # every update held for candidate 2
+    assert [stage._poisoned("alice") for _ in range(3)] == [2, 1, 1]  # every update held for candidate 2;
+    # the first resets the optimizer's moments
     assert not stage._poisoned("bob")  # another scope's count
