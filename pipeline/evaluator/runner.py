@@ -12,7 +12,7 @@ order, every version of :meth:`EvalRunner.wanted` that has no evaluation of this
 - every **live candidate**: a version evaluates when it goes live (the ``resume`` that names it,
   sent once every engine applied it), not at its ``weights`` order.
 
-Each eval-set item is one chat request to ``engine.url`` (``engine.kind``'s client), greedy
+Each eval-set item is one chat request to ``engine.url`` (:data:`EVAL_CONCURRENCY` in flight) (``engine.kind``'s client), greedy
 (``temperature`` 0; ``seed`` = ``rollout.eval_seed`` for engines that sample anyway),
 ``max_tokens`` = ``rollout.eval_max_tokens``; an adapter is named by the request's ``model``
 (:func:`pipeline.engine_api.backend.adapter_model` of ``engine.served_model_name`` or
@@ -45,6 +45,7 @@ from pipeline.rollout.evalset import EvalSet, evaluate
 from pipeline.rollout.serving import ServingView, version_of
 
 log = logging.getLogger(__name__)
+EVAL_CONCURRENCY = 8  # eval-set requests in flight per version (the engine batches them)
 
 
 class NotServing(RuntimeError):
@@ -180,10 +181,11 @@ class EvalRunner:
             key = e.api_key.get_secret_value() if e.api_key is not None else None
             self._client = engine_client(e.kind, e.url, e.request_timeout_s, key)
 
-        def ask(messages: list) -> str:
+        async def ask(messages: list, gate: asyncio.Semaphore) -> str:
             body = {"model": model, "messages": messages, "max_tokens": ro.eval_max_tokens, "temperature": 0.0,
                     "seed": ro.eval_seed}
-            out = self._loop.run_until_complete(self._client.chat(body))
+            async with gate:
+                out = await self._client.chat(body)
             meta = out.get("metadata") or {}
             if scope is None and "weight_version" in meta and str(meta["weight_version"]) != str(version):
                 raise NotServing(f"the engine serves version {meta['weight_version']}, not {version}")
@@ -191,8 +193,14 @@ class EvalRunner:
                 raise NotServing(f"the engine served adapter {meta['lora_name']!r}, not {(adapter or {}).get('name')!r}")
             return (out["choices"][0].get("message") or {}).get("content") or ""
 
+        async def ask_all() -> list[str]:  # EVAL_CONCURRENCY requests in flight: the engine batches them
+            gate = asyncio.Semaphore(EVAL_CONCURRENCY)
+            return list(await asyncio.gather(*(ask(it["messages"], gate) for it in self.eval_set.items)))
+
+        replies = iter(self._loop.run_until_complete(ask_all()))  # in item order, as evaluate asks them
         pv = version if scope is None else self.view.scope(None).incumbent
-        ev = evaluate(self.eval_set, ask, pv, run_id=self.run_id, created_at=events.now_ms())
+        ev = evaluate(self.eval_set, lambda _messages: next(replies), pv, run_id=self.run_id,
+                      created_at=events.now_ms())
         ev.tenant, ev.adapter = scope, adapter
         return ev
 
