@@ -166,7 +166,7 @@ def shut_down(stack: Stack, sim: Simulator | None, producer, notes: list[str]) -
     unjudged = judge_unjudged(stack)  # from the judge's metrics, while it still serves them
     print("[demo] stopping every stage ...", flush=True)
     stack.stop(keep_broker=True)
-    names = ("turns", "samples", "control")
+    names = ("turns", "samples", "control", "metrics")
     try:
         topics = {name: read_topic(stack.config, name) for name in names}
     except Exception as e:  # the report must still be written

@@ -202,10 +202,10 @@ def run_rollout(args, config: Config) -> int:
 
 def rollout_report(config: Config, t0: float, ending, notes: list[str]) -> dict:
     """The content of ``report.json`` (module docstring)."""
-    metrics = read_topic(config, "metrics")
+    metrics = ending.topics["metrics"]  # read before the broker stopped
     turns = [t for t in ending.topics["turns"] if isinstance(t, events.Turn) and t.tenant == TENANT]
     poisoned = poisoned_versions(config)
-    rows = versions(read_topic(config, "control"), metrics, turns)
+    rows = versions(ending.topics["control"], metrics, turns)
     for r in rows:
         r["poisoned"] = r["update"] in poisoned
     return {"mode": "rollout", "model": config.engine.model, "duration_s": round(time.monotonic() - t0, 1),
