@@ -40,9 +40,11 @@ from pipeline.orchestrate.up import Stack, start_or_status, start_stack
 TENANT = "alice"
 LORA = {"rank": 16, "alpha": 32}
 #: the rule's parameters for a demo of a few minutes per canary (the defaults need thousands of
-#: judged turns: docs/rollout.md gives their error rates)
+#: judged turns: docs/rollout.md gives their error rates). The guard's margin is wide because the
+#: eval set has 32 items: at 3/32 against 2/32 the lower bound on the difference is -0.16, so
+#: with a margin of 0.15 an honest version would wait for an n the eval set never reaches.
 DEMO_RULE = {"share": 0.5, "rollback_min_n": 24, "min_n": 32, "max_n": 160, "margin": 0.15,
-             "guard_margin": 0.15, "rollback_z": 1.645}
+             "guard_margin": 0.25, "rollback_z": 1.645}
 
 
 def add_arguments(parser) -> None:
