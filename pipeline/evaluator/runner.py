@@ -154,6 +154,7 @@ class EvalRunner:
             if self._retry.get(key, (0.0, 0.0))[0] > now or self.stop.is_set():
                 continue
             try:
+                t0 = time.monotonic()
                 ev = self.evaluate(scope, version, adapter)
             except Exception as err:  # an engine error, a version not served (yet): later
                 wait = min(self._retry.get(key, (0.0, self.retry_s / 2))[1] * 2, self.max_retry_s)
@@ -163,7 +164,7 @@ class EvalRunner:
                             version, type(err).__name__, err, wait)
                 continue
             self._retry.pop(key, None)
-            self._publish(ev)
+            self._publish(ev, time.monotonic() - t0)
             self.done.add(key)
             return  # read control again before the next one: the scope may have moved on
 
@@ -204,12 +205,12 @@ class EvalRunner:
         ev.tenant, ev.adapter = scope, adapter
         return ev
 
-    def _publish(self, ev: events.Evaluation) -> None:
+    def _publish(self, ev: events.Evaluation, seconds: float = 0.0) -> None:
         if self._producer is None:
             self._producer = EventProducer(self.config, name="evaluator")
         self._producer.send(self.config.topics.name("metrics"), ev, key=ev.run_id).get(timeout=30)
         self.published.append(ev)
         prom.EVALUATIONS.labels("published").inc()
         shown = {k: round(v, 3) for k, v in ev.metrics.items() if not k.endswith(("_n", "_low", "_high"))}
-        log.info("evaluator: published evaluation of %s %s: %s (n=%d)", ev.tenant or "full weights",
-                 (ev.adapter or {}).get("name", ev.policy_version), shown, ev.n)
+        log.info("evaluator: published evaluation of %s %s: %s (n=%d, %.0f s)", ev.tenant or "full weights",
+                 (ev.adapter or {}).get("name", ev.policy_version), shown, ev.n, seconds)
