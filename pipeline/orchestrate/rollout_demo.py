@@ -13,9 +13,10 @@ a longer one corrected). The stack is the tenants' one (a LoRA adapter per tenan
    ``accuracy`` = the reply contains the right number; ``accuracy`` is the guard) on every
    version, and decides each canary from the records (docs/rollout.md, with this demo's smaller
    n: :data:`DEMO_RULE`) by publishing ``promote`` or ``rollback`` on ``control``;
-4. update ``--poison-step`` (default 2) is trained with every reward negated
-   (``trainer.poison_steps``, a test device): it teaches the opposite of what alice wants, and
-   should be rolled back having served only the canary share; an honest update should be promoted.
+4. alice's candidate number ``--poison-step`` (default 3) is trained with its signal inverted
+   (``trainer.poison_steps``, a test device: every reward and OPD term negated, from fresh
+   optimizer moments): it teaches the opposite of what alice wants, and should be rolled back
+   having served only the canary share; the honest candidates before it should be promoted.
 
 The run ends when the poisoned version and at least one honest version were decided (or at
 ``--max-minutes``). ``report.json`` in ``--report-dir``: per version its eval-set results with
@@ -49,8 +50,9 @@ DEMO_RULE = {"share": 0.5, "rollback_min_n": 24, "min_n": 32, "max_n": 160, "mar
 
 def add_arguments(parser) -> None:
     """``--rollout``'s own flags (the others are ``pipeline demo``'s)."""
-    parser.add_argument("--poison-step", type=int, default=2,
-                        help="--rollout: alice's update trained with every reward negated (default 2; 0: none)")
+    parser.add_argument("--poison-step", type=int, default=3,
+                        help="--rollout: alice's candidate (1, 2, ...) trained with its signal inverted (default 3; "
+                             "0: none)")
     parser.add_argument("--share", type=float, default=DEMO_RULE["share"],
                         help=f"--rollout: the canary's share of new sessions (default {DEMO_RULE['share']})")
 
@@ -132,18 +134,27 @@ def base_eval(metrics: list) -> dict | None:
     return None
 
 
-def poisoned_versions(config: Config) -> set[int]:
+def poisoned_updates(config: Config) -> set[int]:
     """Alice's update numbers (``n``) the trainer trained poisoned (its step records say so; a
     candidate is published as the ``n`` of its newest update)."""
     return {int(s["policy_version"]) for s in trainer_steps(config)
             if s.get("poisoned") and s.get("tenant", TENANT) == TENANT and "policy_version" in s}
 
 
-def finished(rows: list[dict], poisoned: set[int]) -> bool:
-    """The poisoned update (when there is one) and at least one honest one were decided."""
-    decided = [r for r in rows if r["decision"]]
-    honest = [r for r in decided if r["update"] not in poisoned]
-    return bool(honest) and (not poisoned or any(r["update"] in poisoned for r in decided))
+def mark_poisoned(rows: list[dict], poison_step: int, updates: set[int]) -> list[dict]:
+    """``rows`` with ``poisoned``: the ``poison_step``-th candidate (``trainer.poison_steps``
+    counts alice's candidates with rollout on), and ``trained_poisoned``: its update ``n`` is one
+    the trainer's records say it trained poisoned (the two must agree)."""
+    return [dict(r, poisoned=i + 1 == poison_step, trained_poisoned=r["update"] in updates)
+            for i, r in enumerate(rows)]
+
+
+def finished(rows: list[dict], poison_step: int) -> bool:
+    """The poisoned candidate (the ``poison_step``-th; 0: none) and at least one honest one were
+    decided."""
+    decided = [i + 1 for i, r in enumerate(rows) if r["decision"]]
+    honest = [k for k in decided if k != poison_step]
+    return bool(honest) and (poison_step <= 0 or poison_step in decided)
 
 
 def watch(args, stack: Stack, sim: Simulator, stop: threading.Event, t0: float, notes: list[str]) -> int:
@@ -152,7 +163,7 @@ def watch(args, stack: Stack, sim: Simulator, stop: threading.Event, t0: float, 
     config, deadline, last = stack.config, t0 + args.max_minutes * 60, 0.0
     while not stop.is_set():
         rows = versions(read_topic(config, "control"), read_topic(config, "metrics"), [])
-        if finished(rows, poisoned_versions(config)):
+        if finished(rows, args.poison_step):
             return 0
         dead = [d for d in stack.supervisor.dead()]
         if dead:
@@ -197,19 +208,16 @@ def run_rollout(args, config: Config) -> int:
         if sim is not None:
             sim.stop()
         ending = shut_down(stack, None, producer, notes)
-    report = rollout_report(config, t0, ending, notes)
+    report = rollout_report(config, t0, ending, notes, args.poison_step)
     write_rollout_report(report, report_dir)
     return rc
 
 
-def rollout_report(config: Config, t0: float, ending, notes: list[str]) -> dict:
+def rollout_report(config: Config, t0: float, ending, notes: list[str], poison_step: int) -> dict:
     """The content of ``report.json`` (module docstring)."""
     metrics = ending.topics["metrics"]  # read before the broker stopped
     turns = [t for t in ending.topics["turns"] if isinstance(t, events.Turn) and t.tenant == TENANT]
-    poisoned = poisoned_versions(config)
-    rows = versions(ending.topics["control"], metrics, turns)
-    for r in rows:
-        r["poisoned"] = r["update"] in poisoned
+    rows = mark_poisoned(versions(ending.topics["control"], metrics, turns), poison_step, poisoned_updates(config))
     return {"mode": "rollout", "model": config.engine.model, "duration_s": round(time.monotonic() - t0, 1),
             "rule": config.rollout.model_dump(), "base_eval": base_eval(metrics), "versions": rows,
             "turns": len(turns), "canary_turns": sum(1 for t in turns if t.canary == "candidate"),

@@ -5,7 +5,7 @@ served; the eval set built from the held-out prompts; when the demo may stop."""
 from __future__ import annotations
 
 from pipeline import events
-from pipeline.orchestrate.rollout_demo import finished, summary_lines, versions, write_eval_set
+from pipeline.orchestrate.rollout_demo import finished, mark_poisoned, summary_lines, versions, write_eval_set
 from pipeline.rollout.evalset import grade, load_eval_set
 
 A1 = {"name": "alice@1", "version": "a" * 64, "sha256": "1" * 64}
@@ -44,7 +44,10 @@ def test_versions_carry_eval_decision_and_served_turns():
     assert rows[1]["eval"]["brief"] == {"rate": 0.25, "k": 8, "n": 32, "ci95": rows[1]["eval"]["brief"]["ci95"]}
     assert rows[1]["turns"] == 3 and rows[1]["sessions"] == 3 and rows[0]["turns"] == 2
     assert "eval" not in rows[0]
-    assert not finished(rows[:1], {4}) and finished(rows, {4}) and finished(rows[:1], set())
+    assert not finished(rows[:1], 2) and finished(rows, 2) and finished(rows[:1], 0)
+    assert not finished(rows[:1], 1)  # only the poisoned one was decided: no honest one yet
+    marked = mark_poisoned(rows, 2, {4})
+    assert [(r["poisoned"], r["trained_poisoned"]) for r in marked] == [(False, False), (True, True)]
     report = {"model": "m", "duration_s": 1.0, "turns": 5, "canary_turns": 3, "base_eval": None, "notes": [],
               "versions": [dict(r, poisoned=r["update"] == 4) for r in rows]}
     text = "\n".join(summary_lines(report))
