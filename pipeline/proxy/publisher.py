@@ -108,7 +108,10 @@ class EventPublisher:
         self.compact_bytes = compact_bytes
         self.kafka_client = kafka_client
         self._buf = DiskBuffer(buffer_dir, buffer_max_bytes, buffer_fsync) if buffer_dir else None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of (topic, key, event), _ACK, None (stop)
+        self._pending: deque = deque()  # published in this loop iteration, not yet handed to the writer
+        self._flush_scheduled = False
+        self._hooks: list = []  # run by the writer after each group commit (add_commit_hook)
         self._in = 0  # events accepted by publish() (event loop only)
         self._out = 0  # events the writer has committed or accounted for (writer only)
         self._waiters: deque = deque()  # (seq, future), event loop only
@@ -142,8 +145,29 @@ class EventPublisher:
             self._drop("inbox_full", 1)
             return False
         self._in += 1
-        self._inbox.put((topic, key, event))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside an event loop (tests, tools): straight to the writer
+            self._inbox.put([(topic, key, event)])
+            return True
+        self._pending.append((topic, key, event))
+        if not self._flush_scheduled:  # one hand-over (one wake of the writer) per loop iteration
+            self._flush_scheduled = True
+            loop.call_soon(self._hand_over)
         return True
+
+    def _hand_over(self) -> None:
+        """Give the writer every event published since the last hand-over, as one inbox item
+        (event loop; also :meth:`close`). The events of one loop iteration wake the writer once
+        and go into one group commit, instead of one wake-up (a futex call and a GIL hand-off)
+        per event."""
+        self._flush_scheduled = False
+        batch = []
+        pending = self._pending
+        while pending:
+            batch.append(pending.popleft())
+        if batch:
+            self._inbox.put(batch)
 
     @property
     def durable_enabled(self) -> bool:
@@ -216,6 +240,7 @@ class EventPublisher:
             return
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
+        self._hand_over()  # what was published in the loop's last iteration
         self._inbox.put(None)
         with self._lock:
             self._lock.notify_all()
@@ -240,17 +265,11 @@ class EventPublisher:
                 for it in batch:
                     if it is None:
                         stop = True
-                    elif it is _ACK:
-                        continue
-                    else:
-                        n += 1
-                        topic, key, ev = it
-                        try:
-                            items.append((topic, key, events.encode(ev)))
-                        except Exception as e:  # a bug upstream must not kill the thread
-                            self._drop("invalid", 1)
-                            log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
+                    elif it is not _ACK:
+                        n += len(it)
+                        self._encode(it, items)
                 self._store(items)
+                self._run_commit_hooks()
                 self._out += n
                 self._notify_waiters()
                 with self._lock:
@@ -261,6 +280,30 @@ class EventPublisher:
         finally:
             self._writer_done.set()
             self._notify_waiters()
+
+    def add_commit_hook(self, hook) -> None:
+        """Run ``hook()`` in the writer thread after each group commit, before the responses
+        waiting for it are released (:class:`DurableSend`): what it writes is on disk before
+        those responses complete (the proxy's turn index, :class:`pipeline.proxy.feedback.TurnIndex`).
+        A hook must not block for long and must not raise (an exception is logged and ignored)."""
+        self._hooks.append(hook)
+
+    def _run_commit_hooks(self) -> None:
+        for hook in self._hooks:
+            try:
+                hook()
+            except Exception as e:  # noqa: BLE001 - the writer thread must go on
+                self._log_error(f"commit hook {getattr(hook, '__qualname__', hook)!r} failed: {e}")
+
+    def _encode(self, published: list, items: list) -> None:
+        """Append ``(topic, key, msgpack bytes)`` of each ``(topic, key, event)`` of ``published``
+        to ``items``; an event that cannot be encoded is dropped and counted."""
+        for topic, key, ev in published:
+            try:
+                items.append((topic, key, events.encode(ev)))
+            except Exception as e:  # a bug upstream must not kill the thread
+                self._drop("invalid", 1)
+                log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
 
     def _store(self, items: list) -> None:
         """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog."""
@@ -340,12 +383,11 @@ class EventPublisher:
                     self._lock.wait(0.5)
                 if self._stop.is_set() and time.monotonic() > self._deadline:
                     return
-                linger_end = time.monotonic() + self.linger_s
-                while not self._stop.is_set():  # gather a bigger window: one produce request per window
-                    left = linger_end - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._lock.wait(left)
+            if self.linger_s > 0:  # gather a bigger window (one produce request per window); woken
+                self._stop.wait(self.linger_s)  # only by close(), not by each group commit meanwhile
+            with self._lock:
+                if self._finished:
+                    return
                 from_disk = self._disk_pending()
                 if not from_disk:
                     k = min(self.window, len(self._mem))
