@@ -205,8 +205,11 @@ class ProxyApp:
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
         self.tenants = Tenants(pc.tenants, self._keys)
         # response id / (session, turn index) -> turn, for POST /v1/feedback (kept beside a durable buffer)
-        self.turn_index = TurnIndex(pc.feedback_index_max,
-                                    pc.buffer_dir if pc.buffer_dir and self.publisher.durable_enabled else None)
+        durable_index = bool(pc.buffer_dir and self.publisher.durable_enabled)
+        self.turn_index = TurnIndex(pc.feedback_index_max, pc.buffer_dir if durable_index else None,
+                                    deferred=durable_index)
+        if durable_index:  # written with each group commit, before the responses waiting for it complete
+            self.publisher.add_commit_hook(self.turn_index.flush)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)
