@@ -183,6 +183,27 @@ def test_stream_recorder_merges_tool_call_deltas_by_index_and_strips_extras():
     assert forwarded[2]["choices"][0]["delta"] == chunks[2]["choices"][0]["delta"]
 
 
+
+def test_stream_recorder_gives_each_chunk_the_answer_id_as_a_splice_or_a_rewrite():
+    """A chunk the user gets unchanged but for its id: the engine's compact ``{"id":...`` head is
+    replaced in the bytes (nothing re-serialised); any other layout, a null id, or a chunk with
+    other changes is re-serialised; every chunk parses to the engine's with the answer's id."""
+    rec = StreamRecorder(keep_logprobs=True, keep_ids=True, keep_prompt_ids=True, answer_id="chatcmpl-r1")
+    body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "é"}, "token_ids": [5],
+                                                           "logprobs": {"content": [{"logprob": -0.5}]}}]}
+    compact = orjson.dumps({"id": "chatcmpl-eng", **body}).replace("é".encode(), b"\\u00e9")  # as an engine may
+    spaced = b'{"id": "chatcmpl-eng", ' + orjson.dumps(body)[1:]
+    late = orjson.dumps({**body, "id": "chatcmpl-eng"})
+    null = orjson.dumps({"id": None, **body})
+    out = [rec.feed(d) for d in (compact, compact, spaced, late, null)]
+    assert out[0] == out[1] == b'{"id":"chatcmpl-r1"' + compact[len(b'{"id":"chatcmpl-eng"'):]  # the engine's bytes
+    assert b"\\u00e9" in out[0] and b"\\u00e9" not in out[4]  # spliced / re-serialised
+    assert [orjson.loads(o) for o in out] == [{"id": "chatcmpl-r1", **body}] * 5
+    assert rec.feed(out[0]) == out[0]  # already the answer's id: forwarded as it is
+    assert rec.rec.token_ids == [5] * 6
+    plain = StreamRecorder(keep_logprobs=True, keep_ids=True, keep_prompt_ids=True)
+    assert plain.feed(compact) == compact  # no answer id: the engine's bytes
+
 def test_from_response_and_strip():
     resp = {"model": "m", "choices": [{"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
                                        "token_ids": [4, 5], "prompt_token_ids": [1],
