@@ -2,16 +2,18 @@
 
 Flow of one event::
 
-    event loop --publish()--> inbox --writer thread (encode, group commit)--> disk buffer --sender--> Kafka
-                   |                                                       (memory if no disk)
+    event loop --publish()--> (end of the loop iteration: encode, group commit) --> disk buffer --sender--> Kafka
+                   |            or, when it cannot be done there: inbox --writer thread-->  (memory if no disk)
                    +-- DurableSend: the response's last byte waits until its events are committed
 
-- :meth:`EventPublisher.publish` only appends to a ``queue.SimpleQueue`` (a few microseconds);
-  it never blocks and never raises. It returns the event's sequence number.
-- The writer thread takes everything that arrived while its previous commit ran, encodes it
-  (msgpack) and appends it to the :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction
-  (group commit), together with the deletion of what the broker acknowledged meanwhile. Then it
-  wakes the responses waiting in :meth:`durable`. A response is completed only after its events
+- :meth:`EventPublisher.publish` only appends to a list (a few microseconds); it never blocks
+  and never raises. The events of one event-loop iteration are committed together right after
+  it (one callback): encoded (msgpack) and appended to the
+  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit), on the event
+  loop when the writer thread holds nothing (no thread hand-off: the common case), else by the
+  writer thread, which also deletes what the broker acknowledged, checkpoints the WAL, compacts,
+  and commits every group when ``buffer_fsync`` is on. Then the responses waiting in
+  :meth:`durable` are released. A response is completed only after its events
   are committed (:class:`DurableSend` holds its last body message): a proxy killed right after
   it answered loses nothing, the next proxy on the same buffer folder sends what it left.
 - If the disk buffer refuses a group (``buffer_max_bytes`` reached, disk full, I/O error), those
@@ -111,7 +113,8 @@ class EventPublisher:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of (topic, key, event), _ACK, None (stop)
         self._pending: deque = deque()  # published in this loop iteration, not yet handed to the writer
         self._flush_scheduled = False
-        self._hooks: list = []  # run by the writer after each group commit (add_commit_hook)
+        self._hooks: list = []  # run after each group commit (add_commit_hook)
+        self._commit_lock = threading.Lock()  # one committer at a time: the writer thread or the event loop
         self._in = 0  # events accepted by publish() (event loop only)
         self._out = 0  # events the writer has committed or accounted for (writer only)
         self._waiters: deque = deque()  # (seq, future), event loop only
@@ -156,18 +159,45 @@ class EventPublisher:
             loop.call_soon(self._hand_over)
         return True
 
-    def _hand_over(self) -> None:
-        """Give the writer every event published since the last hand-over, as one inbox item
-        (event loop; also :meth:`close`). The events of one loop iteration wake the writer once
-        and go into one group commit, instead of one wake-up (a futex call and a GIL hand-off)
-        per event."""
+    def _hand_over(self, inline: bool = True) -> None:
+        """Commit every event published since the last hand-over as one group (event loop; also
+        :meth:`close`, with ``inline`` False): the events of one loop iteration go into one
+        group commit. When the writer thread has nothing in hand (every earlier event is
+        committed, nothing else holds the buffer) and commits do not fsync, the group is
+        committed right here (:meth:`_commit_inline`): no hand-off to the writer thread and
+        back (two thread wake-ups and GIL hand-offs per group). Otherwise it goes to the writer."""
         self._flush_scheduled = False
         batch = []
         pending = self._pending
         while pending:
             batch.append(pending.popleft())
-        if batch:
-            self._inbox.put(batch)
+        if not batch:
+            return
+        if inline and self._commit_inline(batch):
+            return
+        self._inbox.put(batch)
+
+    def _commit_inline(self, batch: list) -> bool:
+        """Encode and commit ``batch`` on the event loop, in order after everything published
+        before it, and release the responses waiting for it; False (nothing done) when the
+        writer thread must do it: no disk buffer, fsync on every commit, stopping, events still
+        in the writer's hands (order), or the writer busy with the buffer (deletion, compaction)."""
+        buf = self._buf
+        if (buf is None or buf.fsync or not self._threads or self._stop.is_set()
+                or self._out != self._in - len(batch) or not self._commit_lock.acquire(blocking=False)):
+            return False
+        try:
+            items: list = []
+            self._encode(batch, items)
+            self._store(items, inline=True)
+            self._run_commit_hooks()
+            self._out += len(batch)
+        finally:
+            self._commit_lock.release()
+        self._wake()
+        with self._lock:
+            self._lock.notify_all()
+        return True
 
     @property
     def durable_enabled(self) -> bool:
@@ -240,7 +270,7 @@ class EventPublisher:
             return
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
-        self._hand_over()  # what was published in the loop's last iteration
+        self._hand_over(inline=False)  # what was published in the loop's last iteration, to the writer
         self._inbox.put(None)
         with self._lock:
             self._lock.notify_all()
@@ -268,9 +298,10 @@ class EventPublisher:
                     elif it is not _ACK:
                         n += len(it)
                         self._encode(it, items)
-                self._store(items)
-                self._run_commit_hooks()
-                self._out += n
+                with self._commit_lock:
+                    self._store(items)
+                    self._run_commit_hooks()
+                    self._out += n
                 self._notify_waiters()
                 with self._lock:
                     self._lock.notify_all()
@@ -305,10 +336,12 @@ class EventPublisher:
                 self._drop("invalid", 1)
                 log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
 
-    def _store(self, items: list) -> None:
-        """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog."""
+    def _store(self, items: list, inline: bool = False) -> None:
+        """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog.
+        ``inline`` (the event loop's commit): no deletion and no compaction, which stay with the
+        writer thread (the sender's acknowledgement wakes it). Caller holds ``_commit_lock``."""
         buf = self._buf
-        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id else None
+        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id and not inline else None
         if buf is None:
             self._to_memory(items, None)
             return
@@ -337,6 +370,11 @@ class EventPublisher:
             self._log_error(f"event buffer {buf.dir} is full: {len(items) - done} event(s) held in memory")
         if items:
             M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
+        if not inline:  # the WAL goes into the database here, never in a commit on the event loop
+            try:
+                buf.maybe_checkpoint()
+            except EventBufferError as e:
+                self._log_error(str(e))
         if ack is not None and buf.count == 0 and buf.file_bytes() > self.compact_bytes:
             try:
                 buf.compact()
@@ -483,6 +521,7 @@ class EventPublisher:
             self._inflight, self._mem = [], deque()
         buf = self._buf
         if buf is not None:
+            locked = self._commit_lock.acquire(timeout=5.0)  # an event-loop commit still running finishes first
             if rest:  # held in memory while the disk refused them: one more try
                 try:
                     buf.append(rest)
@@ -498,6 +537,8 @@ class EventPublisher:
             if buf.count:
                 log.warning("%d undelivered events kept in %s for the next start", buf.count, buf.dir)
             buf.close()
+            if locked:
+                self._commit_lock.release()
         if rest:
             self._drop("shutdown", len(rest))
         self._reset_producer()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import httpx
@@ -246,7 +247,7 @@ def test_events_of_one_loop_iteration_reach_the_writer_as_one_group():
 
 def test_a_commit_hook_runs_before_the_waiting_response_is_released(tmp_path):
     """What a commit hook writes (the proxy's turn index) is done before ``durable()`` returns
-    for the events of that commit; a hook that raises does not stop the writer."""
+    for the events of that commit; a hook that raises does not stop the publisher."""
     config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
     pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"))
     seen: list[int] = []
@@ -262,6 +263,34 @@ def test_a_commit_hook_runs_before_the_waiting_response_is_released(tmp_path):
 
     try:
         assert asyncio.run(answer()) >= 1 and seen[-1] >= 2  # ran after the two events were committed
-        assert asyncio.run(answer()) >= 2  # the writer survived the failing hook
+        assert asyncio.run(answer()) >= 2 and seen[-1] >= 4  # the publisher survived the failing hook
+    finally:
+        pub.close(timeout_s=0.5)
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_group_is_committed_on_the_event_loop_unless_each_commit_fsyncs(tmp_path, fsync):
+    """Without fsync the events of one loop iteration are committed by the loop itself (no hand-off
+    to the writer thread and back); with ``buffer_fsync`` (a commit waits for the disk) by the
+    writer thread. Either way in publish order, and durable() returns once they are on disk."""
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), buffer_fsync=fsync)
+    committers: list[str] = []
+    pub.add_commit_hook(lambda: committers.append(threading.current_thread().name))
+    pub.start()
+
+    async def answer(k: int) -> None:
+        for i in range(3):
+            pub.publish("t", events.SessionEnd(session_id=f"s{k}-{i}", created_at=i), "s")
+        await pub.durable()
+
+    try:
+        for k in range(3):
+            asyncio.run(answer(k))
+        assert pub._buf.count == 9  # nothing delivered (no broker): all on disk
+        assert [events.decode(r[3]).session_id for r in pub._buf.read(0, 9)] == [
+            f"s{k}-{i}" for k in range(3) for i in range(3)]
+        expected = "proxy-publish-writer" if fsync else threading.current_thread().name
+        assert set(committers) == {expected}
     finally:
         pub.close(timeout_s=0.5)
