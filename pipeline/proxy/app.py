@@ -461,7 +461,7 @@ class ProxyApp:
             if claimed is None:
                 source = "new" if fresh else "continuation"
             route = _Route(sid, source, fresh, hit, chain, rid, created, tenant)
-        M.SESSION_SOURCE.labels(source).inc()
+        M.CACHE.child(M.SESSION_SOURCE, source).inc()
         return route, warnings
 
     def _admit(self, route: _Route) -> None:
@@ -694,7 +694,7 @@ class ProxyApp:
         self._publish(turn, route.key)
         if finished and turn_index is not None:  # POST /v1/feedback finds it (an unfinished one was never answered)
             self.turn_index.add(IndexedTurn(route.tenant, sid, turn_index, route.rid, turn.response_id))
-        M.TURNS.labels(meta.turn_type).inc()
+        M.CACHE.child(M.TURNS, meta.turn_type).inc()
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
                      turn_index: int | None, user_view: dict, admit, repair: bool = False) -> int:

@@ -236,3 +236,15 @@ def test_recorded_distribution_engine_report_first_then_sglang_rules():
     assert dist(sglang, {"logit_bias": {"5": -100}, "presence_penalty": 0.5, "min_tokens": 3,
                          "response_format": {"type": "json_object"}, "tool_choice": "required"}) == (
         1.0, ["constrained_decoding", "logit_bias", "min_tokens", "presence_penalty", "tool_choice"])
+
+
+def test_metric_children_are_resolved_once_and_count_as_labels_would():
+    from prometheus_client import Counter, CollectorRegistry
+
+    from pipeline.proxy.metrics import CACHE
+
+    c = Counter("t_child_total", "test", ["kind"], registry=CollectorRegistry())
+    assert CACHE.child(c, "a") is CACHE.child(c, "a") is c.labels("a")
+    CACHE.child(c, "a").inc()
+    CACHE.child(c, "b").inc(2)
+    assert (c.labels("a")._value.get(), c.labels("b")._value.get()) == (1.0, 2.0)
