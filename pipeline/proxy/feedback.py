@@ -66,10 +66,10 @@ class TurnIndex:
         folder: a folder to keep the index in across restarts (``turn-index.jsonl``), or None
             (memory only). The file is rewritten with the kept turns once it holds twice as many lines.
         deferred: :meth:`add` only queues the file's line and :meth:`flush` writes every queued
-            line at once (the proxy runs it in its event publisher's writer thread after each
-            group commit, :meth:`pipeline.proxy.publisher.EventPublisher.add_commit_hook`: one
-            write per group instead of one system call per turn on the event loop, still on
-            disk before the turn's response completes); False: :meth:`add` writes at once.
+            line at once (the proxy runs it after each group commit of its event buffer,
+            :meth:`pipeline.proxy.publisher.EventPublisher.add_commit_hook`: one write per group
+            instead of one system call per turn, still in the file before the turn's response
+            completes); False: :meth:`add` writes at once.
     """
 
     def __init__(self, max_turns: int, folder: str | None = None, deferred: bool = False) -> None:
