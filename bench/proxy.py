@@ -1,6 +1,6 @@
 """Proxy benchmark: what the proxy adds on top of the engine, against a naive forwarder.
 
-    .venv/bin/python bench/proxy.py                 # 1, 16, 64 clients, ~2 minutes
+    .venv/bin/python bench/proxy.py                 # 1, 16, 64 clients, ~3 minutes
     .venv/bin/python bench/proxy.py --duration 1 --clients 1 16
 
 One run starts, each in its own process:
@@ -220,7 +220,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--duration", type=float, default=2.0, help="seconds per measured run (each run twice)")
     ap.add_argument("--stream-clients", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--stream-duration", type=float, default=4.0, help="seconds per measured streaming run")
+    ap.add_argument("--stream-duration", type=float, default=6.0,
+                    help="seconds per measured streaming run (each run twice; ~35 streams per target at 1 client)")
     ap.add_argument("--token-ms", type=float, default=5.0,
                     help="streaming: ms between two tokens of the stand-in engine (5 = 200 tokens/s per stream)")
     ap.add_argument("--buffer", choices=["disk", "fsync", "memory"], default="disk",
