@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -154,6 +155,34 @@ async def _watch_disconnect(receive, gone: asyncio.Event, on_gone=None) -> None:
             if on_gone is not None:
                 on_gone()
             return
+
+
+_DRAINING: set = set()  # _keep_alive's tasks (a reference until they end)
+
+
+def _keep_alive(resp, timeout_s: float = 2.0) -> None:
+    """Release an engine stream read up to its ``[DONE]`` so that its connection goes back to
+    the pool: at once when its end is already there, else once its last bytes (the chunked
+    body's end, usually a write after ``[DONE]``) arrive, within ``timeout_s``, in a task: the
+    client's response does not wait. Released before that end, the connection is closed and
+    the next stream opens a new one (a TCP connect before it can be forwarded)."""
+    if resp.content.at_eof():
+        resp.release()
+        return
+
+    async def drain() -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while await resp.content.readany():  # anything after [DONE] is not forwarded
+                    pass
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        finally:
+            resp.release()  # at its end: back to the pool; else closed
+
+    task = asyncio.ensure_future(drain())
+    _DRAINING.add(task)
+    task.add_done_callback(_DRAINING.discard)
 
 
 def _names_distribution(sampling: dict) -> bool:
@@ -800,6 +829,7 @@ class ProxyApp:
         except EngineError as e:
             raise engine_failure(e) from None
         watcher = None
+        done = False  # the engine's stream was read up to its [DONE]
         try:
             await self._check_stream(resp)
             admit()
@@ -816,11 +846,15 @@ class ProxyApp:
             if gone.is_set():
                 await self._unfinished(recorder, "client_disconnect", on_done)  # what the user saw before leaving
                 return 499
+            done = finished
             return await self._stream_end(recorder, finished, aborted, send, on_done)
         finally:
             if watcher is not None:
                 watcher.cancel()
-            resp.release()
+            if done:
+                _keep_alive(resp)
+            else:
+                resp.release()
 
     async def _check_stream(self, resp) -> None:
         """Raise the engine's error for an error answer to a stream request, and a 502 for an

@@ -248,3 +248,47 @@ def test_metric_children_are_resolved_once_and_count_as_labels_would():
     CACHE.child(c, "a").inc()
     CACHE.child(c, "b").inc(2)
     assert (c.labels("a")._value.get(), c.labels("b")._value.get()) == (1.0, 2.0)
+
+
+def test_an_engine_stream_read_to_its_done_keeps_its_connection():
+    """``_keep_alive``: a stream whose body ends a moment after ``[DONE]`` (as uvicorn-served
+    engines write it) goes back to the pool once that end arrives, and the next stream reuses
+    the connection; released at ``[DONE]`` (the old way) the connection is closed and the next
+    stream opens another."""
+    import asyncio
+
+    from pipeline.engine_api.transport import Transport, sse_batches
+    from pipeline.proxy.app import _DRAINING, _keep_alive
+    from pipeline.testing.servers import serve_app
+
+    ports: list[int] = []
+
+    async def engine(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        ports.append(scope["client"][1])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"x":1}\n\ndata: [DONE]\n\n', "more_body": True})
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b""})
+
+    async def two_streams(url: str, keep: bool) -> None:
+        t = Transport(url, 10)
+        try:
+            for _ in range(2):
+                resp = await t.open_stream("/v1/chat/completions", b"{}")
+                async for batch in sse_batches(resp):
+                    if b"[DONE]" in batch:
+                        break
+                if keep:
+                    _keep_alive(resp)
+                    await asyncio.gather(*_DRAINING)
+                else:
+                    resp.release()
+        finally:
+            await t.close()
+
+    with serve_app(engine) as url:
+        asyncio.run(two_streams(url, keep=True))
+        asyncio.run(two_streams(url, keep=False))
+    assert ports[0] == ports[1] and ports[2] != ports[3]
