@@ -2,18 +2,17 @@
 
 Flow of one event::
 
-    event loop --publish()--> (end of the loop iteration: encode, group commit) --> disk buffer --sender--> Kafka
-                   |            or, when it cannot be done there: inbox --writer thread-->  (memory if no disk)
+    event loop --publish()--> (end of the loop iteration) inbox --writer thread (encode, group commit)--> disk buffer --sender--> Kafka
+                   |                                                                              (memory if no disk)
                    +-- DurableSend: the response's last byte waits until its events are committed
 
 - :meth:`EventPublisher.publish` only appends to a list (a few microseconds); it never blocks
-  and never raises. The events of one event-loop iteration are committed together right after
-  it (one callback): encoded (msgpack) and appended to the
-  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit), on the event
-  loop when the writer thread holds nothing (no thread hand-off: the common case), else by the
-  writer thread, which also deletes what the broker acknowledged, checkpoints the WAL, compacts,
-  and commits every group when ``buffer_fsync`` is on. Then the responses waiting in
-  :meth:`durable` are released. A response is completed only after its events
+  and never raises. The events of one event-loop iteration are handed to the writer thread
+  together right after it (one callback, one wake-up): encoded (msgpack) and appended to the
+  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit); the writer also
+  deletes what the broker acknowledged, checkpoints the WAL and compacts. (``inline_commit``:
+  the group is committed on the event loop when the writer holds nothing.) Then the responses
+  waiting in :meth:`durable` are released. A response is completed only after its events
   are committed (:class:`DurableSend` holds its last body message): a proxy killed right after
   it answered loses nothing, the next proxy on the same buffer folder sends what it left.
 - If the disk buffer refuses a group (``buffer_max_bytes`` reached, disk full, I/O error), those
@@ -84,6 +83,11 @@ class EventPublisher:
         compact_bytes: when the buffer has drained and its files are larger than this, they are
             compacted (:meth:`DiskBuffer.compact`).
         name: stage label for the bus metrics.
+        inline_commit: commit a loop iteration's events on the event loop when the writer thread
+            holds nothing (:meth:`_commit_inline`). Off by default: measured with
+            ``bench/proxy.py`` it cuts the added latency at 1 client (buffer's own share +0.01-0.08
+            ms instead of +0.21-0.25) but the sqlite calls on the loop let other threads take the
+            GIL, and streaming TTFT at 16 clients got worse (1 of 3 runs within naive's vs 3 of 3).
 
     Raises:
         ImportError: ``kafka_client="librdkafka"`` without confluent-kafka installed.
@@ -95,7 +99,7 @@ class EventPublisher:
     def __init__(self, config: Config, max_buffer: int = 10_000, buffer_dir: str | None = None,
                  buffer_max_bytes: int = 1 << 30, buffer_fsync: bool = False, window: int = 2000,
                  delivery_timeout_ms: int = 30_000, linger_s: float = 0.01, kafka_client: str = "auto",
-                 compact_bytes: int = 64 << 20, name: str = "proxy") -> None:
+                 compact_bytes: int = 64 << 20, name: str = "proxy", inline_commit: bool = False) -> None:
         if kafka_client == "librdkafka" and not have_librdkafka():
             raise ImportError("proxy.kafka_client=librdkafka needs: pip install confluent-kafka")
         if kafka_client not in ("auto", "librdkafka", "kafka-python"):
@@ -108,6 +112,7 @@ class EventPublisher:
         self.linger_s = max(0.0, linger_s)
         self.delivery_timeout_ms = delivery_timeout_ms
         self.compact_bytes = compact_bytes
+        self.inline_commit = inline_commit
         self.kafka_client = kafka_client
         self._buf = DiskBuffer(buffer_dir, buffer_max_bytes, buffer_fsync) if buffer_dir else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of (topic, key, event), _ACK, None (stop)
@@ -164,8 +169,9 @@ class EventPublisher:
         :meth:`close`, with ``inline`` False): the events of one loop iteration go into one
         group commit. When the writer thread has nothing in hand (every earlier event is
         committed, nothing else holds the buffer) and commits do not fsync, the group is
-        committed right here (:meth:`_commit_inline`): no hand-off to the writer thread and
-        back (two thread wake-ups and GIL hand-offs per group). Otherwise it goes to the writer."""
+        committed right here with ``inline_commit`` (:meth:`_commit_inline`): no hand-off to the
+        writer thread and back (two thread wake-ups and GIL hand-offs per group). Otherwise it
+        goes to the writer."""
         self._flush_scheduled = False
         batch = []
         pending = self._pending
@@ -180,10 +186,10 @@ class EventPublisher:
     def _commit_inline(self, batch: list) -> bool:
         """Encode and commit ``batch`` on the event loop, in order after everything published
         before it, and release the responses waiting for it; False (nothing done) when the
-        writer thread must do it: no disk buffer, fsync on every commit, stopping, events still
+        writer thread must do it: ``inline_commit`` off, no disk buffer, fsync on every commit, stopping, events still
         in the writer's hands (order), or the writer busy with the buffer (deletion, compaction)."""
         buf = self._buf
-        if (buf is None or buf.fsync or not self._threads or self._stop.is_set()
+        if (not self.inline_commit or buf is None or buf.fsync or not self._threads or self._stop.is_set()
                 or self._out != self._in - len(batch) or not self._commit_lock.acquire(blocking=False)):
             return False
         try:

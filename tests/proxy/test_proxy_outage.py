@@ -268,13 +268,14 @@ def test_a_commit_hook_runs_before_the_waiting_response_is_released(tmp_path):
         pub.close(timeout_s=0.5)
 
 
-@pytest.mark.parametrize("fsync", [False, True])
-def test_a_group_is_committed_on_the_event_loop_unless_each_commit_fsyncs(tmp_path, fsync):
-    """Without fsync the events of one loop iteration are committed by the loop itself (no hand-off
-    to the writer thread and back); with ``buffer_fsync`` (a commit waits for the disk) by the
-    writer thread. Either way in publish order, and durable() returns once they are on disk."""
+@pytest.mark.parametrize("fsync,inline", [(False, True), (True, True), (False, False)])
+def test_a_group_is_committed_on_the_event_loop_only_with_inline_commit_and_no_fsync(tmp_path, fsync, inline):
+    """With ``inline_commit`` and no fsync the events of one loop iteration are committed by the
+    loop itself (no hand-off to the writer thread and back); with ``buffer_fsync`` (a commit waits
+    for the disk) or by default by the writer thread. Either way in publish order, and durable()
+    returns once they are on disk."""
     config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
-    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), buffer_fsync=fsync)
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), buffer_fsync=fsync, inline_commit=inline)
     committers: list[str] = []
     pub.add_commit_hook(lambda: committers.append(threading.current_thread().name))
     pub.start()
@@ -290,7 +291,7 @@ def test_a_group_is_committed_on_the_event_loop_unless_each_commit_fsyncs(tmp_pa
         assert pub._buf.count == 9  # nothing delivered (no broker): all on disk
         assert [events.decode(r[3]).session_id for r in pub._buf.read(0, 9)] == [
             f"s{k}-{i}" for k in range(3) for i in range(3)]
-        expected = "proxy-publish-writer" if fsync else threading.current_thread().name
+        expected = threading.current_thread().name if inline and not fsync else "proxy-publish-writer"
         assert set(committers) == {expected}
     finally:
         pub.close(timeout_s=0.5)
