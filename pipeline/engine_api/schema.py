@@ -223,13 +223,16 @@ class ChatField:
     role: str
     sampling_key: str | None = None
     recorded: bool = False
+    #: checked even when absent (``messages``); every other check passes an absent or null field,
+    #: so :func:`check_chat_body` runs it only when the field is in the body
+    required: bool = False
 
 
 #: Every chat field the package knows (see the module docstring). An unknown field is forwarded
 #: untouched by the proxy and ignored by the engine, as SGLang does.
 CHAT_FIELDS: dict[str, ChatField] = {
     "model": ChatField(_string, "answer"),
-    "messages": ChatField(lambda body, key: _check_messages(body.get(key)), "prompt"),
+    "messages": ChatField(lambda body, key: _check_messages(body.get(key)), "prompt", required=True),
     "stream": ChatField(_bool, "answer"),
     "stream_options": ChatField(_check_stream_options, "answer"),
     "logprobs": ChatField(_bool, "answer"),
@@ -285,7 +288,8 @@ def check_chat_body(body: Any) -> None:
     if not isinstance(body, dict):
         raise ChatBodyError(f"the request body must be a JSON object, got {type(body).__name__}")
     for key, f in CHAT_FIELDS.items():
-        f.check(body, key)
+        if f.required or key in body:  # the others pass an absent field: not called for it
+            f.check(body, key)
 
 
 __all__ = ["CHAT_FIELDS", "ChatField", "ChatBodyError", "ROLES", "check_chat_body", "fields_with"]

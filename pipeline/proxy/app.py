@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -158,6 +159,34 @@ async def _watch_disconnect(receive, gone: asyncio.Event, on_gone=None) -> None:
             return
 
 
+_DRAINING: set = set()  # _keep_alive's tasks (a reference until they end)
+
+
+def _keep_alive(resp, timeout_s: float = 2.0) -> None:
+    """Release an engine stream read up to its ``[DONE]`` so that its connection goes back to
+    the pool: at once when its end is already there, else once its last bytes (the chunked
+    body's end, usually a write after ``[DONE]``) arrive, within ``timeout_s``, in a task: the
+    client's response does not wait. Released before that end, the connection is closed and
+    the next stream opens a new one (a TCP connect before it can be forwarded)."""
+    if resp.content.at_eof():
+        resp.release()
+        return
+
+    async def drain() -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while await resp.content.readany():  # anything after [DONE] is not forwarded
+                    pass
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        finally:
+            resp.release()  # at its end: back to the pool; else closed
+
+    task = asyncio.ensure_future(drain())
+    _DRAINING.add(task)
+    task.add_done_callback(_DRAINING.discard)
+
+
 def _names_distribution(sampling: dict) -> bool:
     """The request set every parameter a model's generation_config could default."""
     return all(sampling.get(k) is not None for k in CHAT_DEFAULTED)
@@ -207,8 +236,11 @@ class ProxyApp:
         self._keys = {k.get_secret_value().encode() for k in pc.api_keys}
         self.tenants = Tenants(pc.tenants, self._keys)
         # response id / (session, turn index) -> turn, for POST /v1/feedback (kept beside a durable buffer)
-        self.turn_index = TurnIndex(pc.feedback_index_max,
-                                    pc.buffer_dir if pc.buffer_dir and self.publisher.durable_enabled else None)
+        durable_index = bool(pc.buffer_dir and self.publisher.durable_enabled)
+        self.turn_index = TurnIndex(pc.feedback_index_max, pc.buffer_dir if durable_index else None,
+                                    deferred=durable_index)
+        if durable_index:  # written with each group commit, before the responses waiting for it complete
+            self.publisher.add_commit_hook(self.turn_index.flush)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)
@@ -460,7 +492,7 @@ class ProxyApp:
             if claimed is None:
                 source = "new" if fresh else "continuation"
             route = _Route(sid, source, fresh, hit, chain, rid, created, tenant)
-        M.SESSION_SOURCE.labels(source).inc()
+        M.CACHE.child(M.SESSION_SOURCE, source).inc()
         return route, warnings
 
     def _admit(self, route: _Route) -> None:
@@ -694,7 +726,7 @@ class ProxyApp:
         self._publish(turn, route.key)
         if finished and turn_index is not None:  # POST /v1/feedback finds it (an unfinished one was never answered)
             self.turn_index.add(IndexedTurn(route.tenant, sid, turn_index, route.rid, turn.response_id))
-        M.TURNS.labels(meta.turn_type).inc()
+        M.CACHE.child(M.TURNS, meta.turn_type).inc()
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
                      turn_index: int | None, user_view: dict, admit, repair: bool = False) -> int:
@@ -800,6 +832,7 @@ class ProxyApp:
         except EngineError as e:
             raise engine_failure(e) from None
         watcher = None
+        done = False  # the engine's stream was read up to its [DONE]
         try:
             await self._check_stream(resp)
             admit()
@@ -816,11 +849,15 @@ class ProxyApp:
             if gone.is_set():
                 await self._unfinished(recorder, "client_disconnect", on_done)  # what the user saw before leaving
                 return 499
+            done = finished
             return await self._stream_end(recorder, finished, aborted, send, on_done)
         finally:
             if watcher is not None:
                 watcher.cancel()
-            resp.release()
+            if done:
+                _keep_alive(resp)
+            else:
+                resp.release()
 
     async def _check_stream(self, resp) -> None:
         """Raise the engine's error for an error answer to a stream request, and a 502 for an

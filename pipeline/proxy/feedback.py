@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,13 +65,20 @@ class TurnIndex:
         max_turns: turns kept (least recently recorded dropped first).
         folder: a folder to keep the index in across restarts (``turn-index.jsonl``), or None
             (memory only). The file is rewritten with the kept turns once it holds twice as many lines.
+        deferred: :meth:`add` only queues the file's line and :meth:`flush` writes every queued
+            line at once (the proxy runs it after each group commit of its event buffer,
+            :meth:`pipeline.proxy.publisher.EventPublisher.add_commit_hook`: one write per group
+            instead of one system call per turn, still in the file before the turn's response
+            completes); False: :meth:`add` writes at once.
     """
 
-    def __init__(self, max_turns: int, folder: str | None = None) -> None:
+    def __init__(self, max_turns: int, folder: str | None = None, deferred: bool = False) -> None:
         self.max = max(1, max_turns)
         self.by_response: OrderedDict[tuple, IndexedTurn] = OrderedDict()
         self.by_turn: OrderedDict[tuple, IndexedTurn] = OrderedDict()
         self.path = os.path.join(folder, INDEX_FILE) if folder else None
+        self.deferred = deferred
+        self._queued: deque = deque()  # lines of added turns not written yet (deferred)
         self._file = None
         self._lines = 0
         if self.path is not None:
@@ -107,18 +114,32 @@ class TurnIndex:
             self.by_response.popitem(last=False)
 
     def add(self, entry: IndexedTurn) -> None:
-        """Index a recorded main turn (and append it to the file, when there is one)."""
+        """Index a recorded main turn (and append it to the file, when there is one: now, or
+        at the next :meth:`flush` when ``deferred``)."""
         self._put(entry)
         if self.path is None:
             return
+        self._queued.append(entry.line())
+        if not self.deferred:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the queued lines to the file in one write (thread-safe against :meth:`add`;
+        one flushing thread at a time). Rewrites the file once it holds twice ``max_turns`` lines."""
+        queued = self._queued
+        if not queued:
+            return
+        lines = []
+        while queued:
+            lines.append(queued.popleft())
         try:
             if self._file is None:
                 self._file = open(self.path, "ab", buffering=0)
-            self._file.write(entry.line())
-            self._lines += 1
+            self._file.write(b"".join(lines))
+            self._lines += len(lines)
             if self._lines > 2 * self.max:
                 self._rewrite()
-        except OSError as e:  # the turn is served and recorded all the same; only its index is not kept
+        except OSError as e:  # the turns are served and recorded all the same; only their index is not kept
             log.warning("turn index %s: %s", self.path, e)
 
     def _rewrite(self) -> None:
@@ -126,12 +147,16 @@ class TurnIndex:
             self._file.close()
             self._file = None
         tmp = self.path + ".tmp"
+        kept = list(self.by_turn.values())  # one C-level copy: the event loop may add turns meanwhile
         with open(tmp, "wb") as f:
-            f.writelines(e.line() for e in self.by_turn.values())
+            f.writelines(e.line() for e in kept)
         os.replace(tmp, self.path)
-        self._lines = len(self.by_turn)
+        self._lines = len(kept)
 
     def close(self) -> None:
+        """Write what is queued and close the file."""
+        if self.path is not None:
+            self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -80,6 +80,15 @@ class _Cache:
     def __init__(self) -> None:
         self.requests: dict[tuple[int, bool], object] = {}
         self.latency = {True: LATENCY.labels("true"), False: LATENCY.labels("false")}
+        self.children: dict[tuple, object] = {}
+
+    def child(self, metric, *values: str):
+        """``metric.labels(*values)``, resolved once per label values (the hot path's counters)."""
+        key = (metric, values)
+        c = self.children.get(key)
+        if c is None:
+            c = self.children[key] = metric.labels(*values)
+        return c
 
     def request(self, status: int, stream: bool):
         c = self.requests.get((status, stream))

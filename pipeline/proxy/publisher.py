@@ -2,16 +2,17 @@
 
 Flow of one event::
 
-    event loop --publish()--> inbox --writer thread (encode, group commit)--> disk buffer --sender--> Kafka
-                   |                                                       (memory if no disk)
+    event loop --publish()--> (end of the loop iteration) inbox --writer thread (encode, group commit)--> disk buffer --sender--> Kafka
+                   |                                                                              (memory if no disk)
                    +-- DurableSend: the response's last byte waits until its events are committed
 
-- :meth:`EventPublisher.publish` only appends to a ``queue.SimpleQueue`` (a few microseconds);
-  it never blocks and never raises. It returns the event's sequence number.
-- The writer thread takes everything that arrived while its previous commit ran, encodes it
-  (msgpack) and appends it to the :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction
-  (group commit), together with the deletion of what the broker acknowledged meanwhile. Then it
-  wakes the responses waiting in :meth:`durable`. A response is completed only after its events
+- :meth:`EventPublisher.publish` only appends to a list (a few microseconds); it never blocks
+  and never raises. The events of one event-loop iteration are handed to the writer thread
+  together right after it (one callback, one wake-up): encoded (msgpack) and appended to the
+  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit); the writer also
+  deletes what the broker acknowledged, checkpoints the WAL and compacts. (``inline_commit``:
+  the group is committed on the event loop when the writer holds nothing.) Then the responses
+  waiting in :meth:`durable` are released. A response is completed only after its events
   are committed (:class:`DurableSend` holds its last body message): a proxy killed right after
   it answered loses nothing, the next proxy on the same buffer folder sends what it left.
 - If the disk buffer refuses a group (``buffer_max_bytes`` reached, disk full, I/O error), those
@@ -82,6 +83,11 @@ class EventPublisher:
         compact_bytes: when the buffer has drained and its files are larger than this, they are
             compacted (:meth:`DiskBuffer.compact`).
         name: stage label for the bus metrics.
+        inline_commit: commit a loop iteration's events on the event loop when the writer thread
+            holds nothing (:meth:`_commit_inline`). Off by default: measured with
+            ``bench/proxy.py`` it cuts the added latency at 1 client (buffer's own share +0.01-0.08
+            ms instead of +0.21-0.25) but the sqlite calls on the loop let other threads take the
+            GIL, and streaming TTFT at 16 clients got worse (1 of 3 runs within naive's vs 3 of 3).
 
     Raises:
         ImportError: ``kafka_client="librdkafka"`` without confluent-kafka installed.
@@ -93,7 +99,7 @@ class EventPublisher:
     def __init__(self, config: Config, max_buffer: int = 10_000, buffer_dir: str | None = None,
                  buffer_max_bytes: int = 1 << 30, buffer_fsync: bool = False, window: int = 2000,
                  delivery_timeout_ms: int = 30_000, linger_s: float = 0.01, kafka_client: str = "auto",
-                 compact_bytes: int = 64 << 20, name: str = "proxy") -> None:
+                 compact_bytes: int = 64 << 20, name: str = "proxy", inline_commit: bool = False) -> None:
         if kafka_client == "librdkafka" and not have_librdkafka():
             raise ImportError("proxy.kafka_client=librdkafka needs: pip install confluent-kafka")
         if kafka_client not in ("auto", "librdkafka", "kafka-python"):
@@ -106,9 +112,14 @@ class EventPublisher:
         self.linger_s = max(0.0, linger_s)
         self.delivery_timeout_ms = delivery_timeout_ms
         self.compact_bytes = compact_bytes
+        self.inline_commit = inline_commit
         self.kafka_client = kafka_client
         self._buf = DiskBuffer(buffer_dir, buffer_max_bytes, buffer_fsync) if buffer_dir else None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of (topic, key, event), _ACK, None (stop)
+        self._pending: deque = deque()  # published in this loop iteration, not yet handed to the writer
+        self._flush_scheduled = False
+        self._hooks: list = []  # run after each group commit (add_commit_hook)
+        self._commit_lock = threading.Lock()  # one committer at a time: the writer thread or the event loop
         self._in = 0  # events accepted by publish() (event loop only)
         self._out = 0  # events the writer has committed or accounted for (writer only)
         self._waiters: deque = deque()  # (seq, future), event loop only
@@ -142,7 +153,56 @@ class EventPublisher:
             self._drop("inbox_full", 1)
             return False
         self._in += 1
-        self._inbox.put((topic, key, event))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside an event loop (tests, tools): straight to the writer
+            self._inbox.put([(topic, key, event)])
+            return True
+        self._pending.append((topic, key, event))
+        if not self._flush_scheduled:  # one hand-over (one wake of the writer) per loop iteration
+            self._flush_scheduled = True
+            loop.call_soon(self._hand_over)
+        return True
+
+    def _hand_over(self, inline: bool = True) -> None:
+        """Commit every event published since the last hand-over as one group (event loop; also
+        :meth:`close`, with ``inline`` False): the events of one loop iteration go into one
+        group commit. When the writer thread has nothing in hand (every earlier event is
+        committed, nothing else holds the buffer) and commits do not fsync, the group is
+        committed right here with ``inline_commit`` (:meth:`_commit_inline`): no hand-off to the
+        writer thread and back (two thread wake-ups and GIL hand-offs per group). Otherwise it
+        goes to the writer."""
+        self._flush_scheduled = False
+        batch = []
+        pending = self._pending
+        while pending:
+            batch.append(pending.popleft())
+        if not batch:
+            return
+        if inline and self._commit_inline(batch):
+            return
+        self._inbox.put(batch)
+
+    def _commit_inline(self, batch: list) -> bool:
+        """Encode and commit ``batch`` on the event loop, in order after everything published
+        before it, and release the responses waiting for it; False (nothing done) when the
+        writer thread must do it: ``inline_commit`` off, no disk buffer, fsync on every commit, stopping, events still
+        in the writer's hands (order), or the writer busy with the buffer (deletion, compaction)."""
+        buf = self._buf
+        if (not self.inline_commit or buf is None or buf.fsync or not self._threads or self._stop.is_set()
+                or self._out != self._in - len(batch) or not self._commit_lock.acquire(blocking=False)):
+            return False
+        try:
+            items: list = []
+            self._encode(batch, items)
+            self._store(items, inline=True)
+            self._run_commit_hooks()
+            self._out += len(batch)
+        finally:
+            self._commit_lock.release()
+        self._wake()
+        with self._lock:
+            self._lock.notify_all()
         return True
 
     @property
@@ -216,6 +276,7 @@ class EventPublisher:
             return
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
+        self._hand_over(inline=False)  # what was published in the loop's last iteration, to the writer
         self._inbox.put(None)
         with self._lock:
             self._lock.notify_all()
@@ -240,18 +301,13 @@ class EventPublisher:
                 for it in batch:
                     if it is None:
                         stop = True
-                    elif it is _ACK:
-                        continue
-                    else:
-                        n += 1
-                        topic, key, ev = it
-                        try:
-                            items.append((topic, key, events.encode(ev)))
-                        except Exception as e:  # a bug upstream must not kill the thread
-                            self._drop("invalid", 1)
-                            log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
-                self._store(items)
-                self._out += n
+                    elif it is not _ACK:
+                        n += len(it)
+                        self._encode(it, items)
+                with self._commit_lock:
+                    self._store(items)
+                    self._run_commit_hooks()
+                    self._out += n
                 self._notify_waiters()
                 with self._lock:
                     self._lock.notify_all()
@@ -262,10 +318,36 @@ class EventPublisher:
             self._writer_done.set()
             self._notify_waiters()
 
-    def _store(self, items: list) -> None:
-        """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog."""
+    def add_commit_hook(self, hook) -> None:
+        """Run ``hook()`` in the writer thread after each group commit, before the responses
+        waiting for it are released (:class:`DurableSend`): what it writes is on disk before
+        those responses complete (the proxy's turn index, :class:`pipeline.proxy.feedback.TurnIndex`).
+        A hook must not block for long and must not raise (an exception is logged and ignored)."""
+        self._hooks.append(hook)
+
+    def _run_commit_hooks(self) -> None:
+        for hook in self._hooks:
+            try:
+                hook()
+            except Exception as e:  # noqa: BLE001 - the writer thread must go on
+                self._log_error(f"commit hook {getattr(hook, '__qualname__', hook)!r} failed: {e}")
+
+    def _encode(self, published: list, items: list) -> None:
+        """Append ``(topic, key, msgpack bytes)`` of each ``(topic, key, event)`` of ``published``
+        to ``items``; an event that cannot be encoded is dropped and counted."""
+        for topic, key, ev in published:
+            try:
+                items.append((topic, key, events.encode(ev)))
+            except Exception as e:  # a bug upstream must not kill the thread
+                self._drop("invalid", 1)
+                log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
+
+    def _store(self, items: list, inline: bool = False) -> None:
+        """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog.
+        ``inline`` (the event loop's commit): no deletion and no compaction, which stay with the
+        writer thread (the sender's acknowledgement wakes it). Caller holds ``_commit_lock``."""
         buf = self._buf
-        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id else None
+        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id and not inline else None
         if buf is None:
             self._to_memory(items, None)
             return
@@ -294,6 +376,11 @@ class EventPublisher:
             self._log_error(f"event buffer {buf.dir} is full: {len(items) - done} event(s) held in memory")
         if items:
             M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
+        if not inline:  # the WAL goes into the database here, never in a commit on the event loop
+            try:
+                buf.maybe_checkpoint()
+            except EventBufferError as e:
+                self._log_error(str(e))
         if ack is not None and buf.count == 0 and buf.file_bytes() > self.compact_bytes:
             try:
                 buf.compact()
@@ -340,12 +427,11 @@ class EventPublisher:
                     self._lock.wait(0.5)
                 if self._stop.is_set() and time.monotonic() > self._deadline:
                     return
-                linger_end = time.monotonic() + self.linger_s
-                while not self._stop.is_set():  # gather a bigger window: one produce request per window
-                    left = linger_end - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._lock.wait(left)
+            if self.linger_s > 0:  # gather a bigger window (one produce request per window); woken
+                self._stop.wait(self.linger_s)  # only by close(), not by each group commit meanwhile
+            with self._lock:
+                if self._finished:
+                    return
                 from_disk = self._disk_pending()
                 if not from_disk:
                     k = min(self.window, len(self._mem))
@@ -441,6 +527,7 @@ class EventPublisher:
             self._inflight, self._mem = [], deque()
         buf = self._buf
         if buf is not None:
+            locked = self._commit_lock.acquire(timeout=5.0)  # an event-loop commit still running finishes first
             if rest:  # held in memory while the disk refused them: one more try
                 try:
                     buf.append(rest)
@@ -456,6 +543,8 @@ class EventPublisher:
             if buf.count:
                 log.warning("%d undelivered events kept in %s for the next start", buf.count, buf.dir)
             buf.close()
+            if locked:
+                self._commit_lock.release()
         if rest:
             self._drop("shutdown", len(rest))
         self._reset_producer()

@@ -23,6 +23,7 @@ import orjson
 
 from pipeline.events import FINISHED
 
+_NO_ID = object()  # StreamRecorder.feed: the chunk's id was not replaced
 
 
 def _metadata_sampling(md: Any) -> dict | None:
@@ -208,6 +209,9 @@ class StreamRecorder:
                  answer_id: str | None = None) -> None:
         self.rec = Recorded()
         self.answer_id = answer_id
+        self._answer_head = b'{"id":' + orjson.dumps(answer_id) if answer_id is not None else b""
+        self._engine_id: Any = None  # the engine's id last replaced, and its encoded head
+        self._engine_head = b""
         self.keep_logprobs = keep_logprobs
         self.keep_ids = keep_ids
         self.keep_prompt_ids = keep_prompt_ids
@@ -251,48 +255,71 @@ class StreamRecorder:
         rec = self.rec
         if not rec.model and isinstance(obj.get("model"), str):
             rec.model = obj["model"]
-        changed = self._take_prompt_ids(obj)
+        changed = "prompt_token_ids" in obj and self._take_prompt_ids(obj)
+        engine_id = _NO_ID
         if self.answer_id is not None and "id" in obj and obj["id"] != self.answer_id:
-            obj["id"] = self.answer_id
-            changed = True
+            engine_id, obj["id"] = obj["id"], self.answer_id
         md = obj.get("metadata")
-        if isinstance(md, dict) and md.get("weight_version") is not None:
-            rec.weight_version = md["weight_version"]
-        if _metadata_sampling(md) is not None:
-            rec.sampling_params = _metadata_sampling(md)
-        rec.saw_lora(md)
+        if isinstance(md, dict):  # engine metadata: most chunks have none
+            if md.get("weight_version") is not None:
+                rec.weight_version = md["weight_version"]
+            if isinstance(md.get("sampling_params"), dict):
+                rec.sampling_params = md["sampling_params"]
+            rec.saw_lora(md)
         for c in obj.get("choices") or ():
-            if not isinstance(c, dict):
-                continue
-            d = c.get("delta")
-            if isinstance(d, dict):
-                if d.get("content"):
-                    self._content.append(d["content"])
-                if d.get("reasoning_content"):
-                    self._reasoning.append(d["reasoning_content"])
-                if d.get("tool_calls"):
-                    self._tool_deltas(d["tool_calls"])
-            ids = c.get("token_ids")
-            if ids is not None:
-                if isinstance(ids, list):
-                    rec.token_ids.extend(ids)
-                if not self.keep_ids:
-                    del c["token_ids"]
-                    changed = True
-            changed |= self._take_prompt_ids(c)
-            lp = c.get("logprobs")
-            if lp is not None:
-                rec.logprobs.extend(_logprob_values(lp))
-                if not self.keep_logprobs:
-                    c["logprobs"] = None
-                    changed = True
-            if c.get("finish_reason") is not None:
-                rec.finish_reason = c["finish_reason"]
-            mi = c.get("meta_info")
-            if isinstance(mi, dict) and mi.get("weight_version") is not None:
+            if isinstance(c, dict):
+                changed = self._feed_choice(c) or changed
+        if changed:
+            return orjson.dumps(obj)
+        return data if engine_id is _NO_ID else self._with_answer_id(data, obj, engine_id)
+
+    def _with_answer_id(self, data: bytes, obj: dict, engine_id: Any) -> bytes:
+        """``data`` with its leading ``{"id":<engine id>`` made the answer's id: a bytes splice,
+        no re-serialisation (engines write ``id`` first, compact); any other layout is
+        re-serialised from ``obj`` (whose ``id`` is already the answer's)."""
+        if engine_id != self._engine_id or not self._engine_head:  # one id per stream: encoded once
+            self._engine_id, self._engine_head = engine_id, b'{"id":' + orjson.dumps(engine_id)
+        head = self._engine_head
+        if data.startswith(head):
+            return self._answer_head + data[len(head):]
+        return orjson.dumps(obj)
+
+    def _feed_choice(self, c: dict) -> bool:
+        """Record one choice of a chunk (its deltas, ids, log-probs, finish reason, metadata) and
+        strip what the user did not ask for; True when ``c`` was changed."""
+        rec = self.rec
+        changed = False
+        d = c.get("delta")
+        if isinstance(d, dict):
+            if d.get("content"):
+                self._content.append(d["content"])
+            if d.get("reasoning_content"):
+                self._reasoning.append(d["reasoning_content"])
+            if d.get("tool_calls"):
+                self._tool_deltas(d["tool_calls"])
+        ids = c.get("token_ids")
+        if ids is not None:
+            if isinstance(ids, list):
+                rec.token_ids.extend(ids)
+            if not self.keep_ids:
+                del c["token_ids"]
+                changed = True
+        if "prompt_token_ids" in c:
+            changed = self._take_prompt_ids(c) or changed
+        lp = c.get("logprobs")
+        if lp is not None:
+            rec.logprobs.extend(_logprob_values(lp))
+            if not self.keep_logprobs:
+                c["logprobs"] = None
+                changed = True
+        if c.get("finish_reason") is not None:
+            rec.finish_reason = c["finish_reason"]
+        mi = c.get("meta_info")
+        if isinstance(mi, dict):
+            if mi.get("weight_version") is not None:
                 rec.weight_version = mi["weight_version"]
             rec.saw_lora(mi)
-        return orjson.dumps(obj) if changed else data
+        return changed
 
     def _tool_deltas(self, deltas: Any) -> None:
         if not isinstance(deltas, list):

@@ -257,3 +257,19 @@ def test_field_is_honoured_or_refused_on_every_path(case, defaults_engine_url, p
                 # the proxy names what served it, and the answer by its own id (a client's rid is the engine's)
                 problems.append(f"{where}: differs from the engine's chat path:\n  proxy  {got}\n  engine {ref}")
     assert not problems, "\n".join(problems)
+
+
+def test_only_a_required_field_is_checked_when_absent():
+    """check_chat_body skips the checks of absent fields: that is the same only while every check
+    but a required field's passes an absent (or null) field, as here for every row."""
+    from pipeline.engine_api.schema import CHAT_FIELDS, ChatBodyError, check_chat_body
+
+    for key, f in CHAT_FIELDS.items():
+        if not f.required:
+            f.check({}, key)
+            f.check({key: None}, key)
+    assert [k for k, f in CHAT_FIELDS.items() if f.required] == ["messages"]
+    with pytest.raises(ChatBodyError, match="'messages' is required"):
+        check_chat_body({"model": "m"})
+    with pytest.raises(ChatBodyError, match="'temperature' must be in"):
+        check_chat_body({"messages": [{"role": "user", "content": "q"}], "temperature": 9})

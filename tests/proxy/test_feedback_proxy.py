@@ -95,6 +95,22 @@ def test_turn_index_is_bounded_and_survives_a_restart(tmp_path):
     assert again.find("t", {"session_id": "s", "turn_index": 1}) is None
 
 
+
+def test_a_deferred_turn_index_writes_its_lines_at_flush(tmp_path):
+    """``deferred``: ``add`` indexes at once but writes the file only at ``flush`` (one write for
+    every queued line; the proxy flushes after each group commit of its event buffer) or ``close``."""
+    idx = TurnIndex(10, str(tmp_path), deferred=True)
+    for k in range(3):
+        idx.add(IndexedTurn(None, "s", k, f"r{k}", f"chatcmpl-r{k}"))
+    assert idx.find(None, {"response_id": "chatcmpl-r2"}).turn_index == 2
+    assert not (tmp_path / "turn-index.jsonl").exists()
+    idx.flush()
+    assert TurnIndex(10, str(tmp_path)).find(None, {"session_id": "s", "turn_index": 2}).request_id == "r2"
+    idx.add(IndexedTurn(None, "s", 3, "r3", "chatcmpl-r3"))
+    idx.close()  # writes what is still queued
+    assert TurnIndex(10, str(tmp_path)).find(None, {"response_id": "chatcmpl-r3"}).request_id == "r3"
+    assert (tmp_path / "turn-index.jsonl").read_bytes().count(b"\n") == 4
+
 # ---- over HTTP with the real clients ---------------------------------------------------------------
 def test_each_sdks_response_id_names_its_turn(kafka_config):
     """Chat (unary and streamed), Responses and Messages answers: the id each SDK returns is

@@ -40,6 +40,22 @@ def test_buffer_is_a_persistent_fifo_with_one_owner(tmp_path):
     b.close()
 
 
+
+def test_the_wal_is_checkpointed_by_maybe_checkpoint_only(tmp_path):
+    """The writer connection never checkpoints inside a commit; ``maybe_checkpoint`` does, once
+    every ``every`` commits, and what was committed stays readable across it and a restart."""
+    b = DiskBuffer(tmp_path / "buf")
+    assert b._w.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    for i in range(5):
+        b.append([("t", "k", _value(i))])
+        assert b.maybe_checkpoint(every=3) == (i == 2)
+    assert b.maybe_checkpoint(every=2) and not b.maybe_checkpoint(every=2)
+    assert [r[3] for r in b.read(0, 10)] == [_value(i) for i in range(5)]
+    b.close()
+    b = DiskBuffer(tmp_path / "buf")
+    assert [r[3] for r in b.read(0, 10)] == [_value(i) for i in range(5)]
+    b.close()
+
 def test_a_full_buffer_refuses_the_whole_group_and_keeps_what_it_had(tmp_path):
     b = DiskBuffer(tmp_path / "buf", max_bytes=64 * 4096)
     kept = 0

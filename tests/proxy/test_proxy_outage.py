@@ -9,7 +9,9 @@ tests/proxy/test_proxy_crash.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 import time
 
 import httpx
@@ -219,3 +221,77 @@ def test_unreachable_broker_overflow_and_shutdown_are_counted_exactly():
     assert all(accepted)
     assert stats["buffered"] + stats["dropped_total"] == 20 and stats["dropped"].get("buffer_full", 0) == 10
     assert pub.stats()["dropped"]["shutdown"] == 10
+
+
+# ---- one hand-over per event-loop iteration, commit hooks ------------------------------------------
+def test_events_of_one_loop_iteration_reach_the_writer_as_one_group():
+    """Events published in one slice of the event loop are handed to the writer once, after the
+    slice (one wake-up, one group commit); outside a loop each event goes to the writer at once."""
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config)  # threads not started: the inbox shows what the writer would get
+    pub.publish("t", events.SessionEnd(session_id="a", created_at=0), "a")
+    assert pub._inbox.qsize() == 1
+
+    async def one_slice() -> tuple[int, list]:
+        for s in ("b", "c", "d"):
+            assert pub.publish("t", events.SessionEnd(session_id=s, created_at=0), s)
+        before = pub._inbox.qsize()
+        await asyncio.sleep(0)  # the loop runs the hand-over
+        return before, [pub._inbox.get_nowait() for _ in range(pub._inbox.qsize())]
+
+    before, handed = asyncio.run(one_slice())
+    assert before == 1 and len(handed) == 2  # "a" alone, then b, c, d together, in order
+    assert [[e.session_id for _, _, e in group] for group in handed] == [["a"], ["b", "c", "d"]]
+    assert pub.buffered == 4
+
+
+def test_a_commit_hook_runs_before_the_waiting_response_is_released(tmp_path):
+    """What a commit hook writes (the proxy's turn index) is done before ``durable()`` returns
+    for the events of that commit; a hook that raises does not stop the publisher."""
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"))
+    seen: list[int] = []
+    pub.add_commit_hook(lambda: seen.append(pub._buf.count))
+    pub.add_commit_hook(lambda: 1 / 0)
+    pub.start()
+
+    async def answer() -> int:
+        pub.publish("t", events.SessionEnd(session_id="s", created_at=0), "s")
+        pub.publish("t", events.SessionEnd(session_id="u", created_at=0), "u")
+        await pub.durable()
+        return len(seen)
+
+    try:
+        assert asyncio.run(answer()) >= 1 and seen[-1] >= 2  # ran after the two events were committed
+        assert asyncio.run(answer()) >= 2 and seen[-1] >= 4  # the publisher survived the failing hook
+    finally:
+        pub.close(timeout_s=0.5)
+
+
+@pytest.mark.parametrize("fsync,inline", [(False, True), (True, True), (False, False)])
+def test_a_group_is_committed_on_the_event_loop_only_with_inline_commit_and_no_fsync(tmp_path, fsync, inline):
+    """With ``inline_commit`` and no fsync the events of one loop iteration are committed by the
+    loop itself (no hand-off to the writer thread and back); with ``buffer_fsync`` (a commit waits
+    for the disk) or by default by the writer thread. Either way in publish order, and durable()
+    returns once they are on disk."""
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), buffer_fsync=fsync, inline_commit=inline)
+    committers: list[str] = []
+    pub.add_commit_hook(lambda: committers.append(threading.current_thread().name))
+    pub.start()
+
+    async def answer(k: int) -> None:
+        for i in range(3):
+            pub.publish("t", events.SessionEnd(session_id=f"s{k}-{i}", created_at=i), "s")
+        await pub.durable()
+
+    try:
+        for k in range(3):
+            asyncio.run(answer(k))
+        assert pub._buf.count == 9  # nothing delivered (no broker): all on disk
+        assert [events.decode(r[3]).session_id for r in pub._buf.read(0, 9)] == [
+            f"s{k}-{i}" for k in range(3) for i in range(3)]
+        expected = threading.current_thread().name if inline and not fsync else "proxy-publish-writer"
+        assert set(committers) == {expected}
+    finally:
+        pub.close(timeout_s=0.5)

@@ -183,6 +183,27 @@ def test_stream_recorder_merges_tool_call_deltas_by_index_and_strips_extras():
     assert forwarded[2]["choices"][0]["delta"] == chunks[2]["choices"][0]["delta"]
 
 
+
+def test_stream_recorder_gives_each_chunk_the_answer_id_as_a_splice_or_a_rewrite():
+    """A chunk the user gets unchanged but for its id: the engine's compact ``{"id":...`` head is
+    replaced in the bytes (nothing re-serialised); any other layout, a null id, or a chunk with
+    other changes is re-serialised; every chunk parses to the engine's with the answer's id."""
+    rec = StreamRecorder(keep_logprobs=True, keep_ids=True, keep_prompt_ids=True, answer_id="chatcmpl-r1")
+    body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "é"}, "token_ids": [5],
+                                                           "logprobs": {"content": [{"logprob": -0.5}]}}]}
+    compact = orjson.dumps({"id": "chatcmpl-eng", **body}).replace("é".encode(), b"\\u00e9")  # as an engine may
+    spaced = b'{"id": "chatcmpl-eng", ' + orjson.dumps(body)[1:]
+    late = orjson.dumps({**body, "id": "chatcmpl-eng"})
+    null = orjson.dumps({"id": None, **body})
+    out = [rec.feed(d) for d in (compact, compact, spaced, late, null)]
+    assert out[0] == out[1] == b'{"id":"chatcmpl-r1"' + compact[len(b'{"id":"chatcmpl-eng"'):]  # the engine's bytes
+    assert b"\\u00e9" in out[0] and b"\\u00e9" not in out[4]  # spliced / re-serialised
+    assert [orjson.loads(o) for o in out] == [{"id": "chatcmpl-r1", **body}] * 5
+    assert rec.feed(out[0]) == out[0]  # already the answer's id: forwarded as it is
+    assert rec.rec.token_ids == [5] * 6
+    plain = StreamRecorder(keep_logprobs=True, keep_ids=True, keep_prompt_ids=True)
+    assert plain.feed(compact) == compact  # no answer id: the engine's bytes
+
 def test_from_response_and_strip():
     resp = {"model": "m", "choices": [{"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
                                        "token_ids": [4, 5], "prompt_token_ids": [1],
@@ -215,3 +236,59 @@ def test_recorded_distribution_engine_report_first_then_sglang_rules():
     assert dist(sglang, {"logit_bias": {"5": -100}, "presence_penalty": 0.5, "min_tokens": 3,
                          "response_format": {"type": "json_object"}, "tool_choice": "required"}) == (
         1.0, ["constrained_decoding", "logit_bias", "min_tokens", "presence_penalty", "tool_choice"])
+
+
+def test_metric_children_are_resolved_once_and_count_as_labels_would():
+    from prometheus_client import Counter, CollectorRegistry
+
+    from pipeline.proxy.metrics import CACHE
+
+    c = Counter("t_child_total", "test", ["kind"], registry=CollectorRegistry())
+    assert CACHE.child(c, "a") is CACHE.child(c, "a") is c.labels("a")
+    CACHE.child(c, "a").inc()
+    CACHE.child(c, "b").inc(2)
+    assert (c.labels("a")._value.get(), c.labels("b")._value.get()) == (1.0, 2.0)
+
+
+def test_an_engine_stream_read_to_its_done_keeps_its_connection():
+    """``_keep_alive``: a stream whose body ends a moment after ``[DONE]`` (as uvicorn-served
+    engines write it) goes back to the pool once that end arrives, and the next stream reuses
+    the connection; released at ``[DONE]`` (the old way) the connection is closed and the next
+    stream opens another."""
+    import asyncio
+
+    from pipeline.engine_api.transport import Transport, sse_batches
+    from pipeline.proxy.app import _DRAINING, _keep_alive
+    from pipeline.testing.servers import serve_app
+
+    ports: list[int] = []
+
+    async def engine(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        ports.append(scope["client"][1])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"x":1}\n\ndata: [DONE]\n\n', "more_body": True})
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b""})
+
+    async def two_streams(url: str, keep: bool) -> None:
+        t = Transport(url, 10)
+        try:
+            for _ in range(2):
+                resp = await t.open_stream("/v1/chat/completions", b"{}")
+                async for batch in sse_batches(resp):
+                    if b"[DONE]" in batch:
+                        break
+                if keep:
+                    _keep_alive(resp)
+                    await asyncio.gather(*_DRAINING)
+                else:
+                    resp.release()
+        finally:
+            await t.close()
+
+    with serve_app(engine) as url:
+        asyncio.run(two_streams(url, keep=True))
+        asyncio.run(two_streams(url, keep=False))
+    assert ports[0] == ports[1] and ports[2] != ports[3]
