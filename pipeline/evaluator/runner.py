@@ -38,6 +38,7 @@ import time
 from pipeline import events
 from pipeline.bus import EventProducer, Offset, TopicReader
 from pipeline.config import Config
+from pipeline.errors import PipelineError
 from pipeline.engine_api.backend import adapter_model, engine_client
 from pipeline.evaluator import prom
 from pipeline.evaluator.decider import run_id_of
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 EVAL_CONCURRENCY = 8  # eval-set requests in flight per version (the engine batches them)
 
 
-class NotServing(RuntimeError):
+class NotServing(PipelineError, RuntimeError):
     """The engine answered with another version than the one being evaluated."""
 
 
