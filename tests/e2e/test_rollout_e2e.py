@@ -1,4 +1,6 @@
-"""Canary rollout through the whole stack (every stage its own process, tiny-random, issue 39).
+"""Canary rollout through the whole stack (every stage its own process, issue 39), on each engine
+path: this package's CPU engine (tiny-random) and a real vLLM (tiny-random-64: vLLM's CPU build
+refuses 16-wide heads), whose adapters the syncer loads and unloads through vLLM's own API.
 
 Alice's users give explicit feedback (``POST /v1/feedback``, which takes precedence over the
 judge): in the first canary they thumb down every answer of the candidate and up every answer
@@ -28,16 +30,19 @@ from pipeline.orchestrate.demo import read_topic
 from pipeline.orchestrate.up import start_stack
 from pipeline.rollout.assign import assign_arm
 from pipeline.rollout.serving import ServingView
+from pipeline.testing.vllm import require_vllm
 
 TENANT = "alice"
 SHARE = 0.5
 
 
-def _config(run_dir: Path):
+def _config(run_dir: Path, kind: str):
+    model = "tiny-random-64" if kind == "vllm" else "tiny-random"
+    engine = {"kind": "vllm", "context_length": 1024} if kind == "vllm" else {"threads": 1, "max_batch_size": 8}
     return load_config(
         None,
-        engine={"model": "tiny-random", "threads": 1, "max_batch_size": 8, "enable_lora": True},
-        trainer={"model": "tiny-random", "rollout_batch_size": 4, "lr": 1e-3, "threads": 1,
+        engine={"model": model, "enable_lora": True, **engine},
+        trainer={"model": model, "rollout_batch_size": 4, "lr": 1e-3, "threads": 1,
                  "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
                  "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False, "max_staleness": None,
                  "per_tenant": True, "tenant_max_wait_records": 64, "lora": {"rank": 4, "alpha": 8}},
@@ -51,10 +56,11 @@ class Alice:
 
     def __init__(self, stack):
         self.config, self.http = stack.config, httpx.Client(base_url=stack.proxy_url, timeout=120)
+        self.model = "default" if stack.config.engine.kind == "native" else stack.config.engine.model
 
     def ask(self, sid: str) -> str:
         r = self.http.post("/v1/chat/completions", headers={"X-Tenant-Id": TENANT, "X-Session-Id": sid},
-                           json={"model": "default", "messages": [{"role": "user", "content": f"hello {sid}"}],
+                           json={"model": self.model, "messages": [{"role": "user", "content": f"hello {sid}"}],
                                  "max_tokens": 8})
         assert r.status_code == 200, r.text
         return r.json()["id"]
@@ -109,10 +115,13 @@ def _decision(config, action: str, version: str):
                  and c.tenant == TENANT and (c.adapter or {}).get("version") == version), None)
 
 
-@pytest.mark.slow(seconds=420)
-def test_a_worse_candidate_is_rolled_back_on_its_share_and_a_good_one_promoted(tmp_path):
+@pytest.mark.slow(seconds=600)
+@pytest.mark.parametrize("kind", ["native", "vllm"])
+def test_a_worse_candidate_is_rolled_back_on_its_share_and_a_good_one_promoted(tmp_path, kind):
+    if kind == "vllm":
+        require_vllm()
     run_dir = tmp_path / "run"
-    stack = start_stack(_config(run_dir), run_dir, ready_timeout_s=300)
+    stack = start_stack(_config(run_dir, kind), run_dir, ready_timeout_s=400)
     config, alice = stack.config, None
     try:
         alice = Alice(stack)
