@@ -13,7 +13,11 @@ count from then on (the incumbent's
 earlier samples are not counted: both arms see the same period's users). A newer ``weights``
 while a canary is open supersedes its candidate (dropped undecided, never served to new sessions;
 the incumbent stays). After each judged sample (``reward`` not None; success: ``reward > 0``) and
-each evaluation of an arm, :func:`pipeline.rollout.rule.decide` runs; a ``promote``/``rollback``
+each evaluation of an arm, :func:`pipeline.rollout.rule.decide` runs (a sample counts only when its
+turn was recorded with token ids: a turn the proxy recorded without them, because the engine
+reported another adapter or the version that served it is unknown, cannot say which arm served
+it, and its adapter field would read as the base model's; the ``served`` counts are the proxy's
+main turns whose routed arm, ``Turn.canary``, agrees with the version recorded); a ``promote``/``rollback``
 becomes a :class:`~pipeline.events.Control` with its evidence, applied at once, and its
 ``created_at`` is the triggering record's (so a replay builds the identical record). A decision
 read on ``control`` (published earlier, or by another instance before a restart) is applied as
@@ -92,13 +96,15 @@ class RolloutFold:
                 self._control(ev)
             return None
         if isinstance(ev, events.Turn):
+            if ev.turn_type != "main" or ev.source != "proxy":  # served: the users' own turns
+                return None
             scope, version = self._scope(ev)
             canary = self.scopes.get(scope, ScopeState(None)).canary
             arm = canary.arm_of(version) if canary else None
-            if arm:
+            if arm and ev.canary in (None, arm):  # routed to one arm, recorded as another: unknown
                 canary.turns[arm] += 1
             return None
-        if isinstance(ev, events.Sample) and ev.reward is not None:
+        if isinstance(ev, events.Sample) and ev.reward is not None and ev.response_length > 0:
             scope, version = self._scope(ev)
             return self._count(scope, version, ev.created_at, reward=ev.reward > 0)
         if isinstance(ev, events.Evaluation) and ev.run_id == self.run_id:

@@ -217,3 +217,23 @@ def test_the_first_recorded_decision_overrules_the_folds_own():
     assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
     fold.apply(own)  # a later record about the decided candidate changes nothing
     assert fold.scopes[None].incumbent == 0 and fold.scopes[None].rolled_back == {1}
+
+
+def test_a_turn_recorded_without_ids_or_against_its_arm_counts_in_no_arm():
+    """The proxy records a turn without token ids and adapter when the engine reports another
+    adapter served it (or a vLLM version is unknown): its sample must not count for the base
+    model, the incumbent of a tenant's first canary; its turn is routed to one arm and recorded
+    as another, so it is in neither's ``served``."""
+    cand = _adapter("alice", "d")
+    fold = RolloutFold(RolloutConfig(enabled=True, share=0.5, rollback_min_n=1, min_n=1, max_n=10))
+    fold.apply(_weights(1, "alice", cand))
+    base = fold.scopes["alice"].canary
+    lost = Turn(session_id="x", turn_index=0, tenant="alice", adapter=None, canary="candidate")
+    side = Turn(session_id="y", turn_index=0, tenant="alice", adapter=None, canary="incumbent", turn_type="side")
+    ok = Turn(session_id="z", turn_index=0, tenant="alice", adapter=None, canary="incumbent")
+    for t in (lost, side, ok):
+        fold.apply(t)
+    assert base.turns == {"candidate": 0, "incumbent": 1}
+    no_ids = Sample(sample_id="alice/x:0", session_id="x", turn_index=0, kind="rl", tokens=[1], response_length=0,
+                    reward=1.0, tenant="alice", adapter=None, loss_mask=0)
+    assert fold.apply(no_ids) is None and base.reward["incumbent"].n == 0
