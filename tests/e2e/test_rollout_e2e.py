@@ -115,9 +115,14 @@ def _decision(config, action: str, version: str):
                  and c.tenant == TENANT and (c.adapter or {}).get("version") == version), None)
 
 
-@pytest.mark.slow(seconds=600)
-@pytest.mark.parametrize("kind", ["native", "vllm"])
-def test_a_worse_candidate_is_rolled_back_on_its_share_and_a_good_one_promoted(tmp_path, kind):
+@pytest.mark.slow(seconds=420)
+def test_a_worse_candidate_is_rolled_back_on_its_share_and_a_good_one_promoted(tmp_path):
+    worse_rolled_back_better_promoted(tmp_path, "native")
+
+
+def worse_rolled_back_better_promoted(tmp_path: Path, kind: str) -> None:
+    """The scenario of the module docstring on engine ``kind`` (``native`` or ``vllm``; the
+    vLLM one is in ``test_rollout_vllm_e2e.py``, so the two can run on two test workers)."""
     if kind == "vllm":
         require_vllm()
     run_dir = tmp_path / "run"
