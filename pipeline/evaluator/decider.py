@@ -44,6 +44,7 @@ from pipeline import events
 from pipeline.bus import EventProducer, Offset, Record, TopicReader
 from pipeline.config import Config
 from pipeline.evaluator import prom
+from pipeline.evaluator.lifecycle import DaemonThread
 from pipeline.evaluator.merge import Merge
 from pipeline.rollout.fold import RolloutFold
 
@@ -68,7 +69,7 @@ def decision_key(ev: events.Control) -> tuple:
     return (ev.tenant, (ev.adapter or {}).get("version"))
 
 
-class Decider:
+class Decider(DaemonThread):
     """Fold the records and publish the decisions (module docstring). Runs in its own thread.
 
     Args:
@@ -96,19 +97,10 @@ class Decider:
         self.fold: RolloutFold | None = None
         self.caught_up = threading.Event()
         self._producer: EventProducer | None = None
-        self._thread = threading.Thread(target=self.run, name="evaluator-decider", daemon=True)
+        self._init_thread("evaluator-decider")
 
-    # ---- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "Decider":
-        """Run in a daemon thread."""
-        self._thread.start()
-        return self
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop, join the thread, close the producer."""
-        self.stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
+    def _closed(self) -> None:
+        """After the join: close the producer."""
         if self._producer is not None:
             self._producer.close()
             self._producer = None

@@ -41,6 +41,7 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.engine_api.backend import adapter_model, engine_client
 from pipeline.evaluator import prom
+from pipeline.evaluator.lifecycle import DaemonThread
 from pipeline.evaluator.decider import run_id_of
 from pipeline.rollout.evalset import EvalSet, evaluate
 from pipeline.rollout.serving import ServingView, version_of
@@ -53,7 +54,7 @@ class NotServing(PipelineError, RuntimeError):
     """The engine answered with another version than the one being evaluated."""
 
 
-class EvalRunner:
+class EvalRunner(DaemonThread):
     """Evaluate every version that serves (module docstring). Runs in its own thread.
 
     Args:
@@ -78,21 +79,10 @@ class EvalRunner:
         self.published: list[events.Evaluation] = []
         self.idle = threading.Event()
         self._retry: dict[tuple, tuple[float, float]] = {}  # (scope, version) -> (next try, back-off)
-        self._thread = threading.Thread(target=self.run, name="evaluator-evals", daemon=True)
+        self._init_thread("evaluator-evals")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client = None
         self._producer: EventProducer | None = None
-
-    def start(self) -> "EvalRunner":
-        """Run in a daemon thread."""
-        self._thread.start()
-        return self
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop and join the thread."""
-        self.stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
 
     # ---- what to evaluate -----------------------------------------------------------------------
     def wanted(self) -> list[tuple]:
