@@ -8,6 +8,12 @@ PY="${PYTHON:-python3}"
 START=$SECONDS
 step() { echo "install [$1/9, $((SECONDS - START)) s]: $2"; }
 step 1 "virtual environment in .venv"
+# A first install writes about 10 GB (.venv 5.8, vLLM 1.7, OpenClaw 0.8, models 0.7) and pip needs
+# about 3 GB more while it unpacks torch; the test suite writes about 3.5 GB under the temp folder.
+FREE_GB=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+if [ ! -x .venv/bin/python ] && [ "${FREE_GB:-0}" -lt 14 ]; then
+  echo "warning: ${FREE_GB} GB free here; a first install and a test run need about 14 GB" >&2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -63,8 +69,8 @@ step 8 "the CPU judge's fine-tuned weights"
 # judge start (and the test suite) from waiting for it. It is skipped while the cache is current.
 .venv/bin/python -m pipeline judge --fit
 step 9 "vLLM's CPU build in its own venv (the second real engine: --engine vllm and its tests)"
-# About 95 s with a warm pip cache, 3 min and 6.3 GB the first time (deploy/install-vllm.sh says
-# why it is installed by hand); skipped while present. Without it the vLLM tests are skipped.
+# About 65 s and 1.7 GB when .venv has the same torch build (hard-linked from it), 3 min and 6.3 GB
+# otherwise (deploy/install-vllm.sh says why it is installed by hand); skipped while present. Without it the vLLM tests are skipped.
 bash deploy/install-vllm.sh || echo "warning: vLLM was not installed; --engine vllm and its tests are unavailable" >&2
 .venv/bin/python -c 'from pipeline.models import resolve_model; resolve_model("tiny-random-64")'
 echo "environment ready after $((SECONDS - START)) s: $(.venv/bin/python --version), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
