@@ -97,7 +97,7 @@ class _Alice:
         return sid, turn
 
 
-@pytest.mark.slow(seconds=300)
+@pytest.mark.slow(seconds=45)
 def test_on_the_sglang_path_the_thumbed_down_candidate_is_rolled_back_on_its_share(kafka_config, tmp_path):
     from pipeline.evaluator.decider import Decider
 
