@@ -527,6 +527,12 @@ class Config(BaseSettings):
             raise ValueError(f"judge.fetch_max_wait_ms ({self.judge.fetch_max_wait_ms}) must be below "
                              f"kafka.request_timeout_ms ({self.kafka.request_timeout_ms}): every empty fetch "
                              "would time out")
+        if self.rollout.enabled and self.trainer.lora is None and not (self.rollout.eval_set and self.rollout.guards):
+            # one full-weight engine serves the live candidate to everyone: no live arms to compare
+            raise ValueError("rollout.enabled with full weights (no trainer.lora) is gated by the eval set alone "
+                             "(docs/rollout.md, 'The rule'): set rollout.eval_set and at least one rollout.guards "
+                             f"entry (the eval-set metrics that must not fall); got eval_set={self.rollout.eval_set!r}, "
+                             f"guards={list(self.rollout.guards)}. Or canary tenants' LoRA adapters (trainer.lora)")
         return self
 
     @classmethod

@@ -25,7 +25,7 @@ POISONED, EQUAL = {"candidate": 1, "incumbent": 9}, {"candidate": 5, "incumbent"
 
 @pytest.fixture
 def config(kafka_config):
-    return kafka_config.replace(rollout=RULE)
+    return kafka_config.replace(rollout=RULE, trainer={"lora": {"rank": 4}})  # tenants' adapters
 
 
 def _run(config) -> Decider:
