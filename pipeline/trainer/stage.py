@@ -256,14 +256,17 @@ class TrainerStage:
 
     def _publish_incumbent(self) -> None:
         """Full weights with ``rollout.enabled`` (collective; rank 0 decides): a run at policy
-        version 0 with no export of it yet exports and syncs v0, so the first incumbent has its own
-        ``weights`` order (folder and sha256): what the syncers re-apply and this trainer restores
-        after a rollback of its successor."""
+        version 0 with no export of it yet exports v0 and declares it on ``control``
+        (:meth:`pipeline.trainer.sync.WeightPublisher.declare`: a lone ``weights`` order, no pause
+        and no wait: the engines serve these weights already, and the syncers start after the
+        trainer), so the first incumbent has its own order (folder and sha256): what the syncers
+        re-apply and this trainer restores after a rollback of its successor."""
         todo = self.par.is_main and self.version == 0 and 0 not in export_versions(self.export_dir)
         if dist.broadcast_object(todo if self.par.is_main else None):
+            got = self._export({})
             if self.par.is_main:
                 log.info("policy v0: publishing the first incumbent's weights (rollout: a rollback restores them)")
-            self._export_and_sync({})
+                self.publisher.declare(0, *got)
 
     def _rollback_full(self, version: int, incumbent: int, decided: bool | None = None) -> bool:
         """``rollout.enabled``, full weights: the canary of policy ``version`` was rolled back (every
@@ -460,6 +463,19 @@ class TrainerStage:
 
     def _export_and_sync(self, record: dict) -> None:
         """Export the weights as ``v<version>`` (reusing a complete folder) and run the sync."""
+        got = self._export(record)
+        if got is None:
+            return
+        report = self.publisher.sync(self.version, *got, stop=self.stop)
+        record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
+        C.write_synced(self.ckpt_dir, self.version)
+        self._after_sync(report)
+        self._prune_exports()
+
+    def _export(self, record: dict) -> tuple[str, str] | None:
+        """Export the weights as ``v<version>`` (collective; a complete folder is reused, its
+        checksum verified); rank 0 gets ``(location, sha256)``, the others None. ``record`` gets
+        ``export_s``."""
         out = self.export_dir / f"v{self.version:06d}"
         t0 = time.perf_counter()
         reuse = False
@@ -473,14 +489,9 @@ class TrainerStage:
         exported = None if reuse else self.policy.export(out)
         record["export_s"] = time.perf_counter() - t0
         if not self.par.is_main:
-            return
+            return None
         sha = exported.sha256 if exported is not None else weightsync.verify_folder(out)
-        location = str(out.resolve())
-        report = self.publisher.sync(self.version, location, sha, stop=self.stop)
-        record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
-        C.write_synced(self.ckpt_dir, self.version)
-        self._after_sync(report)
-        self._prune_exports()
+        return str(out.resolve()), sha
 
     def _prune_exports(self) -> None:
         """Keep the newest ``keep_exports`` folders, and with ``rollout.enabled`` the incumbent's."""
