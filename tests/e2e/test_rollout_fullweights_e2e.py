@@ -94,19 +94,26 @@ def _served(config) -> str:
 
 
 class Users:
-    """Untenanted sessions of one turn through the proxy; the judge (constant) rewards each."""
+    """Untenanted sessions of two turns through the proxy: the second is the first's next state,
+    so the judge (constant) rewards the first (a closing turn carries no reward)."""
 
     def __init__(self, stack) -> None:
         self.config, self.http = stack.config, httpx.Client(base_url=stack.proxy_url, timeout=120)
 
-    def session(self) -> str:
-        sid = f"s-{uuid.uuid4().hex[:12]}"
+    def _turn(self, sid: str, messages: list) -> dict:
         r = self.http.post("/v1/chat/completions", headers={"X-Session-Id": sid},
-                           json={"model": "default", "messages": [{"role": "user", "content": f"hi {sid}"}],
-                                 "max_tokens": 4})
+                           json={"model": "default", "messages": messages, "max_tokens": 4})
         assert r.status_code == 200, r.text
+        return r.json()
+
+    def session(self) -> str:
+        """One session; returns its first turn's response id."""
+        sid = f"s-{uuid.uuid4().hex[:12]}"
+        messages = [{"role": "user", "content": f"hi {sid}"}]
+        first = self._turn(sid, messages)
+        self._turn(sid, [*messages, first["choices"][0]["message"], {"role": "user", "content": "and then?"}])
         assert self.http.post(f"/v1/sessions/{sid}/end", json={}).status_code == 200
-        return r.json()["id"]
+        return first["id"]
 
     def turn(self, response_id: str) -> events.Turn:
         return _until(f"turn {response_id}", lambda: next(
