@@ -131,7 +131,7 @@ def _restart_trainer(stack, *extra: str) -> None:
     assert stage.alive and stage.restarts == 1
 
 
-@pytest.mark.slow(seconds=200)
+@pytest.mark.slow(seconds=90)
 def test_a_full_weight_candidate_whose_guard_falls_is_rolled_back_and_one_whose_guard_holds_promoted(tmp_path):
     run_dir = tmp_path / "run"
     eval_set = _eval_set(tmp_path / "incumbent.jsonl")
