@@ -534,8 +534,9 @@ class Config(BaseSettings):
             # one full-weight engine serves the live candidate to everyone: no live arms to compare
             raise ValueError("rollout.enabled with full weights (no trainer.lora) is gated by the eval set alone "
                              "(docs/rollout.md, 'The rule'): set rollout.eval_set and at least one rollout.guards "
-                             f"entry (the eval-set metrics that must not fall); got eval_set={self.rollout.eval_set!r}, "
-                             f"guards={list(self.rollout.guards)}. Or canary tenants' LoRA adapters (trainer.lora)")
+                             "entry (the eval-set metrics that must not fall); got "
+                             f"eval_set={self.rollout.eval_set!r}, guards={list(self.rollout.guards)}. Or canary "
+                             "tenants' LoRA adapters (trainer.lora)")
         return self
 
     @classmethod

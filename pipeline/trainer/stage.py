@@ -48,7 +48,7 @@ A sync's ``previous`` (what its ``resume`` names when an engine failed) is the i
 
 A rollback of the **full weights'** candidate (the newest export) restores the incumbent the same
 way: its export folder ``<export_dir>/v<incumbent>`` (never pruned while it is the incumbent; a new
-run exports and syncs v0 first, so the first incumbent has one too) is loaded into the model
+run exports v0 and declares it on ``control`` first, so the first incumbent has one too) is loaded into the model
 (verified by its sha256), the optimizer's moments start fresh, the held updates are dropped with
 their weights, and the policy version keeps counting: the next update is a new, higher version,
 never a reused number. The restored state counts as synced (the syncers re-apply the incumbent);
