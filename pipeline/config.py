@@ -435,7 +435,9 @@ class SyncerConfig(Section):
 
 class RolloutSection(Section):
     """Canary rollout of new versions, promotion and rollback decided from the records
-    (docs/rollout.md). Off by default: every new version serves everyone, as before."""
+    (docs/rollout.md). Off by default: every new version serves everyone, as before. With full
+    weights (no ``trainer.lora``) the eval set alone gates each version on the one engine, so
+    :class:`Config` refuses ``enabled`` without ``eval_set`` and ``guards``."""
 
     enabled: bool = _d(False, "serve a new version first to a canary share of sessions; the evaluator stage "
                        "promotes or rolls it back from the records (docs/rollout.md)")
@@ -448,9 +450,10 @@ class RolloutSection(Section):
     guard_min_n: int = _d(100, "eval-set items per arm before a guard counts", ge=1)
     z: float = _d(1.645, "z of the one-sided bounds (1.645: 95%)", gt=0)
     rollback_z: float = _d(2.326, "z of the live-reward rollback bound (2.326: 99%)", gt=0)
-    guards: list[str] = _d(list, "eval-set metrics that must not fall (empty: the eval set's own guards)")
+    guards: list[str] = _d(list, "eval-set metrics that must not fall (empty: the eval set's own guards; full "
+                           "weights, no trainer.lora: at least one, they alone decide)")
     eval_set: str | None = _d(None, "the eval set (JSONL, docs/rollout.md) the evaluator runs on every new "
-                              "version (None: live reward only)")
+                              "version (None: live reward only; full weights, no trainer.lora: required)")
     eval_max_tokens: int = _d(128, "max_tokens of each eval-set reply", ge=1)
     eval_seed: int = _d(1234, "sampling seed of the eval-set replies (the same for every version)", ge=0)
 
@@ -527,6 +530,13 @@ class Config(BaseSettings):
             raise ValueError(f"judge.fetch_max_wait_ms ({self.judge.fetch_max_wait_ms}) must be below "
                              f"kafka.request_timeout_ms ({self.kafka.request_timeout_ms}): every empty fetch "
                              "would time out")
+        if self.rollout.enabled and self.trainer.lora is None and not (self.rollout.eval_set and self.rollout.guards):
+            # one full-weight engine serves the live candidate to everyone: no live arms to compare
+            raise ValueError("rollout.enabled with full weights (no trainer.lora) is gated by the eval set alone "
+                             "(docs/rollout.md, 'The rule'): set rollout.eval_set and at least one rollout.guards "
+                             "entry (the eval-set metrics that must not fall); got "
+                             f"eval_set={self.rollout.eval_set!r}, guards={list(self.rollout.guards)}. Or canary "
+                             "tenants' LoRA adapters (trainer.lora)")
         return self
 
     @classmethod

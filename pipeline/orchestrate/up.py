@@ -353,7 +353,9 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
 
     Raises:
         ValueError: several vLLM engines (not supported: the version bracket needs one engine);
-            ``rollout.enabled`` without ``trainer.lora`` (full-weight canaries are not built).
+            ``rollout.enabled`` with full weights (no ``trainer.lora``) over several engines (not
+            built: one engine, gated by the eval set; the config itself refuses full-weight rollout
+            without ``rollout.eval_set`` and ``rollout.guards``).
     """
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
     if config.engine.kind == "vllm" and reps["engine"] > 1:
@@ -361,10 +363,12 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
         # and the request could reach different engines (docs/vllm.md)
         raise ValueError("--engine vllm serves from one engine: several vLLM engines behind one front are not "
                          "supported yet (drop engine=N from --replicas)")
-    if config.rollout.enabled and trainer and config.trainer.lora is None:
-        # one full-weight engine serves one version to everyone: no canary share to route (docs/rollout.md)
-        raise ValueError("rollout.enabled canaries tenants' LoRA adapters (trainer.lora with trainer.per_tenant); "
-                         "full-weight canaries are not built yet")
+    if config.rollout.enabled and trainer and config.trainer.lora is None and engine_url is None \
+            and reps["engine"] > 1:
+        # the eval-set gate assumes one engine serving the candidate to everyone (docs/rollout.md)
+        raise ValueError("rollout.enabled with full weights is built for one engine (the eval set gates the "
+                         "candidate it serves); full-weight canaries over several engines are not built yet: drop "
+                         "engine=N from --replicas")
     if engine_url is None:
         config = serving_lora(config)
     broker_stage = None

@@ -27,6 +27,13 @@ decided that candidate otherwise (it saw the records in another order) and nothi
 the scope since, the recorded decision overrules its own. A tenant's ``reset``/``delete``
 closes its canary (the base model serves it).
 
+Which rule decides: a tenant's adapter is compared live (both arms serve during its canary:
+:func:`pipeline.rollout.rule.decide`). The full weights' scope is decided by ``full_weights``:
+``"evalset"`` (the default: one full-weight engine serves the live candidate to everyone, so the
+eval set's guards alone decide, :func:`pipeline.rollout.rule.decide_evalset`, evidence ``rule``
+:data:`~pipeline.rollout.rule.EVALSET_RULE_NAME`) or ``"live"`` (the live-arm rule, for a
+full-weight canary over several engines, not built in the stack; the fold's own tests use it).
+
 Guards come from :class:`~pipeline.events.Evaluation` records (``metrics[name]`` a rate over
 ``metrics[name + '_n']``, else ``n``; :mod:`pipeline.rollout.evalset` writes them): of the full
 weights (no ``tenant``: version ``policy_version``) or of a tenant's scope (``tenant`` set:
@@ -40,7 +47,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from pipeline import events
-from pipeline.rollout.rule import RULE_NAME, Arm, Counts, RolloutConfig, decide
+from pipeline.rollout.rule import EVALSET_RULE_NAME, RULE_NAME, Arm, Counts, RolloutConfig, decide, decide_evalset
+
+#: how the full weights' scope is decided (module docstring)
+FULL_WEIGHTS_GATES = ("evalset", "live")
 
 
 @dataclass
@@ -75,10 +85,14 @@ class ScopeState:
 
 
 class RolloutFold:
-    """Feed records with :meth:`apply`; read :attr:`scopes`. ``run_id``: only this run's orders."""
+    """Feed records with :meth:`apply`; read :attr:`scopes`. ``run_id``: only this run's orders;
+    ``full_weights``: the full weights' gate, one of :data:`FULL_WEIGHTS_GATES` (module docstring).
+    Raises ValueError on another gate."""
 
-    def __init__(self, config: RolloutConfig, run_id: str = "default"):
-        self.config, self.run_id = config, run_id
+    def __init__(self, config: RolloutConfig, run_id: str = "default", full_weights: str = "evalset"):
+        if full_weights not in FULL_WEIGHTS_GATES:
+            raise ValueError(f"full_weights must be one of {FULL_WEIGHTS_GATES}, got {full_weights!r}")
+        self.config, self.run_id, self.full_weights = config, run_id, full_weights
         self.scopes: dict[str | None, ScopeState] = {None: ScopeState(incumbent=0)}
         self.evaluations: dict[tuple, dict] = {}  # (scope, version) -> guard name -> Counts (latest)
 
@@ -188,16 +202,18 @@ class RolloutFold:
 
     def _maybe_decide(self, scope, state: ScopeState, created_at: int) -> events.Control | None:
         canary = state.canary
-        d = decide(Arm(canary.reward["candidate"], canary.guards["candidate"]),
-                   Arm(canary.reward["incumbent"], canary.guards["incumbent"]), self.config)
+        gate = scope is None and self.full_weights == "evalset"
+        d = (decide_evalset if gate else decide)(Arm(canary.reward["candidate"], canary.guards["candidate"]),
+                                                 Arm(canary.reward["incumbent"], canary.guards["incumbent"]),
+                                                 self.config)
         if d.action == "wait":
             return None
         arms = {a: {"reward": [canary.reward[a].successes, canary.reward[a].n],
                     "served": [canary.turns[a], canary.turns["candidate"] + canary.turns["incumbent"]],
                     **{g: [c.successes, c.n] for g, c in canary.guards[a].items()}} for a in events.CANARY_ARMS}
         config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
-        evidence = {"rule": RULE_NAME, "reason": d.reason, "config": config, "incumbent": canary.incumbent,
-                    "arms": arms, "bounds": d.bounds}
+        evidence = {"rule": EVALSET_RULE_NAME if gate else RULE_NAME, "reason": d.reason, "config": config,
+                    "incumbent": canary.incumbent, "arms": arms, "bounds": d.bounds}
         out = events.Control(action=d.action, epoch=canary.epoch, policy_version=canary.policy_version,
                              run_id=self.run_id, created_at=created_at, tenant=scope,
                              adapter=canary.adapter, evidence=evidence)
@@ -205,14 +221,16 @@ class RolloutFold:
         return out
 
 
-def replay(records, config: RolloutConfig, run_id: str = "default") -> list[events.Control]:
-    """The decisions a :class:`RolloutFold` makes over ``records`` (events, in log order) that the
+def replay(records, config: RolloutConfig, run_id: str = "default",
+           full_weights: str = "evalset") -> list[events.Control]:
+    """The decisions a :class:`RolloutFold` (``run_id``, ``full_weights``: its gate) makes over
+    ``records`` (events, in log order) that the
     records do not already hold: a decision equal to one recorded later in ``records`` (the
     record a live decider published right after the sample that triggered it) is not new, so a
     replay of a log with its decisions returns ``[]`` and one without them returns them all."""
     records = list(records)
     recorded = [r for r in records if isinstance(r, events.Control) and r.action in events.ROLLOUT_DECISIONS]
-    fold = RolloutFold(config, run_id)
+    fold = RolloutFold(config, run_id, full_weights)
     out = []
     for d in map(fold.apply, records):
         if d is None:

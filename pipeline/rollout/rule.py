@@ -16,6 +16,19 @@ a replay of the records (:mod:`pipeline.rollout.fold`) decides the same. The tes
   (``guard_min_n``) and non-inferior (lower bound > ``-guard_margin``);
 - **rollback** (``inconclusive``) when both arms reached ``max_n`` without a promotion;
 - **wait** otherwise.
+
+The **full weights on one engine** (:func:`decide_evalset`, rule :data:`EVALSET_RULE_NAME`): once
+the candidate is live the one engine serves it to everyone, so there are no live arms to compare
+and the eval set's guards alone decide (the live reward is still counted in the evidence):
+
+- **rollback** ``guard_fell:<name>`` when a guard fell (as above);
+- **promote** ``guards_held`` when every configured guard is present in both arms with
+  ``guard_min_n`` items and non-inferior (lower bound > ``-guard_margin``);
+- **rollback** ``inconclusive`` when every guard is present with ``guard_min_n`` items but one is
+  neither fallen nor shown non-inferior (an eval set is run once per version: no more evidence
+  will come);
+- **wait** otherwise (``too_few``: a guard missing or below ``guard_min_n``; ``no_guards``: none
+  configured, which the config refuses for full weights).
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ from pipeline.rollout.stats import newcombe_difference
 DECISIONS = ("promote", "rollback", "wait")
 #: the name of the rule in every decision's evidence (change it when the rule changes)
 RULE_NAME = "newcombe-noninferiority-v1"
+#: the name of the full weights' eval-set gate (:func:`decide_evalset`) in its evidence
+EVALSET_RULE_NAME = "newcombe-evalset-v1"
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,8 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class Decision:
     """The rule's answer: ``action`` in :data:`DECISIONS`, ``reason`` (``guard_fell:<name>``,
-    ``reward_fell``, ``non_inferior``, ``inconclusive``, ``too_few``, ``undecided``) and
+    ``reward_fell``, ``non_inferior``, ``inconclusive``, ``too_few``, ``undecided``; the eval-set
+    gate's also ``guards_held`` and ``no_guards``) and
     ``bounds``: metric name (``reward`` or a guard; ``reward_rollback``: the reward's at ``rollback_z``, on a
     ``reward_fell``) -> ``[low, high]`` on candidate - incumbent."""
 
@@ -103,25 +119,51 @@ def _bounds(cand: Counts, inc: Counts, z: float) -> list[float]:
     return [round(low, 6), round(high, 6)]
 
 
-def decide(candidate: Arm, incumbent: Arm, config: RolloutConfig) -> Decision:
-    """The rule of this module's docstring on ``candidate`` vs ``incumbent``."""
-    bounds = {"reward": _bounds(candidate.reward, incumbent.reward, config.z)}
-    guards_ok = True
+def _guards(candidate: Arm, incumbent: Arm, config: RolloutConfig, bounds: dict) -> tuple[str | None, bool, bool]:
+    """Bound every configured guard into ``bounds`` (name -> ``[low, high]``) in config order and
+    return ``(fallen, ready, held)``: the first guard whose upper bound is below 0 (None: none; the
+    loop stops there), whether every guard is present in both arms with ``guard_min_n`` items,
+    and whether every guard bounded so far is non-inferior (lower bound > ``-guard_margin``)."""
+    ready = held = True
     for name in config.guards:
         c, i = candidate.guards.get(name), incumbent.guards.get(name)
         if c is None or i is None or min(c.n, i.n) < config.guard_min_n:
-            guards_ok = False
+            ready = False
             continue
         bounds[name] = b = _bounds(c, i, config.z)
         if b[1] < 0:
-            return Decision("rollback", f"guard_fell:{name}", bounds)
-        guards_ok = guards_ok and b[0] > -config.guard_margin
+            return name, ready, False
+        held = held and b[0] > -config.guard_margin
+    return None, ready, held
+
+
+def decide(candidate: Arm, incumbent: Arm, config: RolloutConfig) -> Decision:
+    """The rule of this module's docstring on ``candidate`` vs ``incumbent`` (live arms)."""
+    bounds = {"reward": _bounds(candidate.reward, incumbent.reward, config.z)}
+    fallen, ready, held = _guards(candidate, incumbent, config, bounds)
+    if fallen is not None:
+        return Decision("rollback", f"guard_fell:{fallen}", bounds)
     n = min(candidate.reward.n, incumbent.reward.n)
     fell = _bounds(candidate.reward, incumbent.reward, config.rollback_z)
     if n >= config.rollback_min_n and fell[1] < 0:
         return Decision("rollback", "reward_fell", {**bounds, "reward_rollback": fell})
-    if n >= config.min_n and guards_ok and bounds["reward"][0] > -config.margin:
+    if n >= config.min_n and ready and held and bounds["reward"][0] > -config.margin:
         return Decision("promote", "non_inferior", bounds)
     if n >= config.max_n:
         return Decision("rollback", "inconclusive", bounds)
     return Decision("wait", "too_few" if n < config.min_n else "undecided", bounds)
+
+
+def decide_evalset(candidate: Arm, incumbent: Arm, config: RolloutConfig) -> Decision:
+    """The eval-set gate of the full weights on one engine (this module's docstring): the guards
+    alone decide; ``bounds`` holds each guard bounded (no ``reward``: it is not a test here).
+    Pure, as :func:`decide`."""
+    if not config.guards:
+        return Decision("wait", "no_guards", {})
+    bounds: dict = {}
+    fallen, ready, held = _guards(candidate, incumbent, config, bounds)
+    if fallen is not None:
+        return Decision("rollback", f"guard_fell:{fallen}", bounds)
+    if not ready:
+        return Decision("wait", "too_few", bounds)
+    return Decision("promote", "guards_held", bounds) if held else Decision("rollback", "inconclusive", bounds)

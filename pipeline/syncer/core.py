@@ -42,6 +42,15 @@ engine serves the last published version (or, while a newer version fails to app
 was last confirmed on): use it as the replica's readiness probe so a restarted engine takes no
 traffic before it is reconciled.
 
+With ``rollout.enabled`` (docs/rollout.md, "Serving") the full weights follow the run's serving
+view (:class:`pipeline.syncer.published.TenantServing`, :meth:`~pipeline.syncer.published.TenantServing.full_target`):
+the engine serves the scope's candidate (one full-weight engine takes it: its ``weights`` order is
+applied as without rollout) or else its incumbent. A ``rollback`` of the candidate re-applies the
+incumbent's own ``weights`` order (its folder, verified against its sha256 like any apply; the
+trainer keeps that folder) and publishes ``applied`` for it; a ``promote`` reloads nothing (the
+engine already serves the candidate). Reconciliation after a restart targets the same (the
+candidate or the incumbent, never a rolled-back version, whatever ``published.json`` says).
+
 Full-weight ``pause``/``resume`` need no action here: the engine lets in-flight requests finish
 on the old weights during the swap (SGLang's ``/update_weights_from_disk`` waits for them), and
 the proxy holds new requests while paused. A tenant's records (``tenant`` set: its LoRA adapter)
@@ -358,7 +367,7 @@ class Syncer(AdapterSync):
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
         try:
             best, self.tenants = scan_control(self.config, self.run_id, stop=self.stop)
-            self.target = with_published_record(self.config, self.run_id, best)
+            self.target = self.tenants.full_target(with_published_record(self.config, self.run_id, best))
         except Exception:
             producer.close()
             raise
@@ -404,10 +413,13 @@ class Syncer(AdapterSync):
     def _drain(self, consumer, polled) -> tuple[events.Control | None, list[events.Control], dict[int, int]]:
         """Decode ``polled`` and what else is already there (a bad record goes to control.dlq).
 
-        Returns ``(newest full weights, tenant records, end offsets)``: of the full-weight
-        ``weights`` events of this run only the newest matters (an older one than the one
-        already published is dropped, logged); the tenant records of this run are kept in log
-        order for :meth:`handle_tenant_records`."""
+        Returns ``(full weights to apply, tenant records, end offsets)``. Rollout off: of the
+        full-weight ``weights`` events of this run only the newest matters (an older one than the
+        one already published is dropped, logged). Rollout on: every full-weight record of the
+        run is folded into the serving view (:meth:`TenantServing.see_full`) and the weights to
+        apply are :meth:`TenantServing.full_target`'s when they differ from :attr:`target` (a
+        new candidate, or after its ``rollback`` the incumbent again). The tenant records of this
+        run are kept in log order for :meth:`handle_tenant_records`."""
         latest: events.Control | None = None
         tenant_recs: list[events.Control] = []
         ends: dict[int, int] = {}
@@ -421,18 +433,40 @@ class Syncer(AdapterSync):
                     continue
                 if ev.tenant is not None:
                     tenant_recs.append(ev)
-                elif ev.full_weights and ev.action == "weights" \
+                    continue
+                if ev.full_weights:
+                    self.tenants.see_full(ev)
+                if ev.full_weights and ev.action == "weights" \
                         and (latest is None or ev.policy_version >= latest.policy_version):
                     if latest is not None:
                         log.info("%s: v%d superseded by v%d", self.engine_id, latest.policy_version,
                                  ev.policy_version)
                     latest = ev
             more = consumer.poll_raw(timeout_ms=0)
+        if self.tenants.view is not None:
+            return self._full_change(), tenant_recs, ends
         if latest is not None and self.target is not None and latest.policy_version < self.target.policy_version:
             log.info("%s: v%d is older than the published v%d: not applied", self.engine_id,
                      latest.policy_version, self.target.policy_version)
             latest = None
         return latest, tenant_recs, ends
+
+    def _full_change(self) -> events.Control | None:
+        """Rollout on: the full weights the serving view now wants (:meth:`TenantServing.full_target`)
+        when they are not :attr:`target` by version and sha256, else None (nothing to reload: a
+        ``promote`` keeps what the engine already serves)."""
+        want = self.tenants.full_target(self.target)
+        if want is None and self.target is not None:
+            log.error("%s: the engine must serve the incumbent v%s, but control holds no weights order of it: "
+                      "it keeps serving v%d", self.engine_id, self.tenants.view.scope(None).incumbent,
+                      self.target.policy_version)
+        if want is None or (self.target is not None and (want.policy_version, want.sha256)
+                            == (self.target.policy_version, self.target.sha256)):
+            return None
+        if self.target is not None and want.policy_version < self.target.policy_version:
+            log.warning("%s: v%d was rolled back: re-applying the incumbent v%d (%s)", self.engine_id,
+                        self.target.policy_version, want.policy_version, want.location)
+        return want
 
     def _apply_full(self, producer, latest: events.Control) -> None:
         """Apply the newest full weights of a poll, answer on ``control``, read the engine back."""

@@ -5,14 +5,15 @@ returns both halves of what a (re)starting syncer must restore: the newest full-
 ``weights`` event of the run (:func:`last_published`, with the trainer's ``published.json``
 fallback) and every tenant's adapter state (:class:`TenantServing`: the ``weights`` record of
 each adapter version, the adapter of each tenant's last ``resume`` and, with ``rollout.enabled``,
-the serving view: its incumbent and its canary's candidate).
+the serving view: its incumbent and its canary's candidate, for the full weights too, with the
+``weights`` record of each full-weight version: :meth:`TenantServing.full_target`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline import events
 from pipeline.config import Config
@@ -29,9 +30,14 @@ class TenantServing(TenantAdapters):
     - rollout off: the adapter of its last ``resume`` (:attr:`current`);
     - rollout on: its incumbent and its live candidate (both serve during a canary); a
       rolled-back candidate is neither, whatever a later ``resume`` names.
+
+    With rollout on the full weights' records are folded too (:meth:`see_full`): ``full_orders``
+    maps each full-weight policy version to its ``weights`` record, and :meth:`full_target` says
+    which of them the (one) engine must serve.
     """
 
     view: ServingView | None = None
+    full_orders: dict[int, events.Control] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Config, run_id: str) -> "TenantServing":
@@ -43,6 +49,31 @@ class TenantServing(TenantAdapters):
         super().see(ev)
         if self.view is not None and ev.tenant is not None:
             self.view.apply(ev)
+
+    def see_full(self, ev: events.Control) -> None:
+        """Rollout on: fold a full-weight record of the run into the view and keep each ``weights``
+        record by policy version (rollout off: nothing; the newest order is the target)."""
+        if self.view is None:
+            return
+        if ev.action == "weights":
+            self.full_orders[ev.policy_version] = ev
+        self.view.apply(ev)
+
+    def full_target(self, published: events.Control | None) -> events.Control | None:
+        """The full weights the engine must serve. Rollout off: ``published`` (the newest order).
+        Rollout on: the order of the scope's candidate (one engine takes it, live or still
+        syncing), else of its incumbent; never a rolled-back version. ``published`` (the newest
+        order, or the trainer's ``published.json`` record) stands in when it is that version and
+        its order was not read (control aged it out). None: the incumbent is version 0 without an
+        order (the engine's base model)."""
+        if self.view is None:
+            return published
+        s = self.view.scope(None)
+        want = s.candidate if s.candidate is not None else s.incumbent
+        got = self.full_orders.get(want)
+        if got is None and published is not None and published.policy_version == want:
+            return published
+        return got
 
     def known(self) -> list[str]:
         """Every tenant with an order (sorted)."""
@@ -84,7 +115,8 @@ def scan_control(config: Config, run_id: str, timeout_s: float = 60.0,
 
     Returns ``(last full weights, tenants)``: the newest full-weight ``weights`` event of
     ``run_id`` (:func:`last_published`'s answer without the ``published.json`` fallback) and
-    the :class:`TenantServing` of the run's tenant records, in log order. Bad records are passed over (an observer: the syncer's own group dead-letters them).
+    the :class:`TenantServing` of the run's records (tenants', and with rollout on the full
+    weights' too), in log order. Bad records are passed over (an observer: the syncer's own group dead-letters them).
 
     Raises:
         TimeoutError: the end of ``control`` was not reached within ``timeout_s``.
@@ -101,8 +133,8 @@ def scan_control(config: Config, run_id: str, timeout_s: float = 60.0,
                 ev = getattr(rec, "event", None)
                 if _full_weights_of(ev, run_id) and (best is None or ev.policy_version >= best.policy_version):
                     best = ev
-                elif isinstance(ev, events.Control) and ev.tenant is not None and ev.run_id == run_id:
-                    tenants.see(ev)
+                if isinstance(ev, events.Control) and ev.run_id == run_id:
+                    (tenants.see_full if ev.full_weights else tenants.see)(ev)
             if reader.caught_up():
                 break
             if time.monotonic() > deadline or (stop is not None and stop.is_set()):

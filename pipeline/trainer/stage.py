@@ -44,10 +44,16 @@ the tenant continues from the incumbent: its adapter is loaded from the incumben
 base model: a fresh adapter, as ``reset`` makes), its optimizer state is fresh, the updates held
 since the candidate are dropped with their weights (their samples stay consumed: trained once,
 then discarded) and ``n_T`` keeps counting, so the next update publishes a new, higher ``n``.
-A sync's ``previous`` (what its ``resume`` names when an engine failed) is the incumbent. A
-rollback of the **full weights** is not followed by the trainer (not built): it logs a warning
-and goes on from its own newest state, which is synced as the next candidate; the incumbent's
-export folder is kept for the syncers.
+A sync's ``previous`` (what its ``resume`` names when an engine failed) is the incumbent.
+
+A rollback of the **full weights'** candidate (the newest export) restores the incumbent the same
+way: its export folder ``<export_dir>/v<incumbent>`` (never pruned while it is the incumbent; a new
+run exports v0 and declares it on ``control`` first, so the first incumbent has one too) is loaded into the model
+(verified by its sha256), the optimizer's moments start fresh, the held updates are dropped with
+their weights, and the policy version keeps counting: the next update is a new, higher version,
+never a reused number. The restored state counts as synced (the syncers re-apply the incumbent);
+the next checkpoint keeps it, and a restart before that reads the ``rollback`` again (it is above
+the checkpoint's ``commands_offset``) and restores again.
 
 ``trainer.poison_steps`` (a test device for ``pipeline demo --rollout``): the updates of the
 listed number are trained on copies of their samples with their training signal inverted
@@ -84,6 +90,7 @@ weights are checked after each step and after a restore, and non-finite ones rai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import signal
@@ -194,8 +201,7 @@ class TrainerStage:
             tenants_meta, commands_offset = meta.get("tenants"), int(meta.get("commands_offset", 0))
             log.info("restored %s: step %d, policy version %d, offsets %s", found, self.step, self.version, offsets)
         elif from_export is not None:
-            self.policy.load_weights(self.export_dir / f"v{from_export:06d}")
-            self._check_weights(f"export v{from_export:06d}")
+            self._load_export(from_export)
             self.version = from_export
             log.warning("no checkpoint in %s: continuing from the weights of export v%06d (optimizer moments "
                         "start fresh; samples are read from the consumer group's committed offsets)",
@@ -234,9 +240,72 @@ class TrainerStage:
             self._setup_adapters(tenants_meta)
         elif self.config.rollout.enabled:  # need_sync is read_synced < version: _release's test
             self._pending_actions()
+            self._publish_incumbent()
             self._release("its last version was not synced: syncing it again")
         elif need_sync:
             self._export_and_sync({})
+
+    def _load_export(self, version: int) -> None:
+        """Load the exported HF folder ``<export_dir>/v<version>`` into the model (collective; its
+        checksum verified, then the weights checked for NaN/inf): ``trainer.missing_checkpoint:
+        newest_export`` and a full-weight rollback (:meth:`_rollback_full`). Raises ``ValueError``
+        on a checksum mismatch, ``FileNotFoundError`` without the folder's weights and
+        :class:`guards.NonFiniteWeights`."""
+        self.policy.load_weights(self.export_dir / f"v{version:06d}")
+        self._check_weights(f"export v{version:06d}")
+
+    def _publish_incumbent(self) -> None:
+        """Full weights with ``rollout.enabled`` (collective; rank 0 decides): a run at policy
+        version 0 with no export of it yet exports v0 and declares it on ``control``
+        (:meth:`pipeline.trainer.sync.WeightPublisher.declare`: a lone ``weights`` order, no pause
+        and no wait: the engines serve these weights already, and the syncers start after the
+        trainer), so the first incumbent has its own order (folder and sha256): what the syncers
+        re-apply and this trainer restores after a rollback of its successor."""
+        todo = self.par.is_main and self.version == 0 and 0 not in export_versions(self.export_dir)
+        if dist.broadcast_object(todo if self.par.is_main else None):
+            got = self._export({})
+            if self.par.is_main:
+                log.info("policy v0: publishing the first incumbent's weights (rollout: a rollback restores them)")
+                self.publisher.declare(0, *got)
+
+    def _rollback_full(self, version: int, incumbent: int, decided: bool | None = None) -> bool:
+        """``rollout.enabled``, full weights: the canary of policy ``version`` was rolled back (every
+        rank; ``decided``: rank 0's verdict, which the other ranks follow). When ``version`` is the
+        newest export (the head of what this trainer trains) and the incumbent's export
+        ``v<incumbent>`` verifies, the trainer continues from the incumbent: its weights are loaded
+        (:meth:`_load_export`), the optimizer's moments start fresh, the updates held since
+        ``version`` are dropped with their weights (their samples stay consumed), the policy
+        version keeps counting (never reused: the next update is ``self.version + 1``) and the
+        restored state counts as synced (the engines serve the incumbent again). The next
+        checkpoint keeps it; a restart before it reads the ``rollback`` again and restores again.
+        Returns whether it restored; otherwise (an older version, a missing or bad incumbent
+        folder: logged) the trainer goes on from its own state."""
+        if decided is None:
+            decided = self._may_restore(version, incumbent)
+        if not decided:
+            return False
+        self._load_export(incumbent)
+        self.policy.reset_optimizer(None)
+        if self.par.is_main:
+            C.write_synced(self.ckpt_dir, self.version)
+            log.warning("rollback of policy v%d: continuing from the incumbent v%d's export (fresh optimizer "
+                        "state; the policy version stays %d, the next update is v%d)", version, incumbent,
+                        self.version, self.version + 1)
+        return True
+
+    def _may_restore(self, version: int, incumbent: int) -> bool:
+        """Rank 0: whether a rollback of ``version`` restores ``incumbent`` (:meth:`_rollback_full`)."""
+        newest = max(export_versions(self.export_dir), default=None)
+        if version != newest:
+            log.info("rollback of policy v%d: not the newest export (v%s): nothing to restore", version, newest)
+            return False
+        try:
+            weightsync.verify_folder(self.export_dir / f"v{incumbent:06d}")
+        except (OSError, ValueError) as e:
+            log.error("rollback of policy v%d: the incumbent's export v%06d cannot be loaded (%s): the trainer goes "
+                      "on from its own state", version, incumbent, e)
+            return False
+        return True
 
     def _setup_control(self, commands_offset: int) -> None:
         """Rank 0: the ``control`` reader (``trainer.lora``: commands; ``rollout.enabled``: the
@@ -282,25 +351,22 @@ class TrainerStage:
         """Apply what ``control`` asked, in log order (rank 0 first, then the others with rank 0's
         list): adapter commands, and with ``rollout.enabled`` the decisions: a ``rollback`` of a
         tenant's candidate restores the incumbent adapter
-        (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`; rank 0 decides whether and
-        appends its verdict to the action in ``actions``, which the other ranks follow); a
-        ``promote`` changes no weights (what was held is released by :meth:`_release`). A rollback
-        of the full weights is not followed: the trainer goes on from its own state (module
-        docstring)."""
+        (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`), one of the full weights'
+        candidate the incumbent's weights (:meth:`_rollback_full`); rank 0 decides whether and
+        appends its verdict to the action in ``actions``, which the other ranks follow. A
+        ``promote`` changes no weights (what was held is released by :meth:`_release`)."""
         for i, a in enumerate(actions):
             if len(a) == 2:
                 if self.adapters is not None:  # full weights: adapter commands are not for it
                     self.adapters.apply([a])
-            elif a[0] == "rollback" and a[1] is not None and self.adapters is not None:
+            elif a[0] == "rollback" and (a[1] is None) == (self.adapters is None):
+                restore = self._rollback_full if a[1] is None else functools.partial(self.adapters.rollback, a[1])
                 if self.par.is_main:
-                    actions[i] = (*a[:4], self.adapters.rollback(a[1], a[2], a[3]))
+                    actions[i] = (*a[:4], restore(a[2], a[3]))
                 else:
-                    self.adapters.rollback(a[1], a[2], a[3], decided=a[4])
+                    restore(a[2], a[3], decided=a[4])
             elif self.par.is_main:
-                log.log(logging.WARNING if a[0] == "rollback" else logging.INFO, "%s of %s %s%s", a[0],
-                        "the full weights" if a[1] is None else f"{a[1]}'s adapter", a[2],
-                        ": the trainer goes on from its own state (a full-weight rollback does not restore "
-                        "the incumbent's weights)" if a[0] == "rollback" and a[1] is None else "")
+                log.info("%s of %s %s", a[0], "the full weights" if a[1] is None else f"{a[1]}'s adapter", a[2])
 
     def _held(self, scope: str | None) -> bool:
         """Rank 0, ``rollout.enabled``: ``scope`` (a tenant, None: the full weights) gets no new sync
@@ -397,6 +463,19 @@ class TrainerStage:
 
     def _export_and_sync(self, record: dict) -> None:
         """Export the weights as ``v<version>`` (reusing a complete folder) and run the sync."""
+        got = self._export(record)
+        if got is None:
+            return
+        report = self.publisher.sync(self.version, *got, stop=self.stop)
+        record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
+        C.write_synced(self.ckpt_dir, self.version)
+        self._after_sync(report)
+        self._prune_exports()
+
+    def _export(self, record: dict) -> tuple[str, str] | None:
+        """Export the weights as ``v<version>`` (collective; a complete folder is reused, its
+        checksum verified); rank 0 gets ``(location, sha256)``, the others None. ``record`` gets
+        ``export_s``."""
         out = self.export_dir / f"v{self.version:06d}"
         t0 = time.perf_counter()
         reuse = False
@@ -410,14 +489,9 @@ class TrainerStage:
         exported = None if reuse else self.policy.export(out)
         record["export_s"] = time.perf_counter() - t0
         if not self.par.is_main:
-            return
+            return None
         sha = exported.sha256 if exported is not None else weightsync.verify_folder(out)
-        location = str(out.resolve())
-        report = self.publisher.sync(self.version, location, sha, stop=self.stop)
-        record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
-        C.write_synced(self.ckpt_dir, self.version)
-        self._after_sync(report)
-        self._prune_exports()
+        return str(out.resolve()), sha
 
     def _prune_exports(self) -> None:
         """Keep the newest ``keep_exports`` folders, and with ``rollout.enabled`` the incumbent's."""

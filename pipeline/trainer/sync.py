@@ -92,6 +92,14 @@ class WeightPublisher:
         """Run the protocol of the module docstring for ``version``; returns a :class:`SyncReport`."""
         return self._sync(version, str(location), sha256, stop, {}, None)
 
+    def declare(self, version: int, location: str, sha256: str) -> None:
+        """A lone full-weight ``weights`` record of ``version`` (recorded as published, no ``pause``,
+        no wait, no ``resume``): the folder and sha256 of weights every engine already serves
+        (the first incumbent, v0, with ``rollout.enabled``), so a rollback to them has an order to
+        re-apply. A syncer applies it like any order (the same weights) and answers ``applied``."""
+        self._send(self._control("weights", version, location=str(location), sha256=sha256))
+        self._published(version, str(location), sha256)
+
     def sync_adapter(self, tenant: str, n: int, adapter: dict, location: str, previous: dict | None,
                      stop: threading.Event | None = None) -> SyncReport:
         """The adapter sync of ``tenant``'s update ``n`` (docs/tenants.md, "Adapter sync"): ``pause``

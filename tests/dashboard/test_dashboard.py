@@ -573,7 +573,7 @@ def test_the_overview_carries_live_metrics_per_version():
     from pipeline.dashboard.state import DashboardState
     from tests.rollout.live_records import A2, canary_log
 
-    config = load_config(None).replace(rollout={"enabled": True})
+    config = load_config(None).replace(rollout={"enabled": True}, trainer={"lora": {"rank": 4}})
     state = DashboardState(config)
     offset = 0
     for topic, records in canary_log().items():

@@ -148,7 +148,7 @@ def test_versions_view_in_headless_chromium(kafka_config, tmp_path):
     log = canary_log()
     for topic, records in log.items():
         publish(kafka_config, records, topic)
-    cfg = kafka_config.replace(rollout={"enabled": True}, dashboard={"push_interval_s": 0.2})
+    cfg = kafka_config.replace(rollout={"enabled": True}, trainer={"lora": {"rank": 4}}, dashboard={"push_interval_s": 0.2})
     n_records = sum(len(r) for r in log.values())
     with DashboardServer(cfg) as d, Browser() as b:
         d.wait(lambda o: sum(o["topics"]["records"].values()) >= n_records)

@@ -175,7 +175,8 @@ def test_tail_versions_prints_a_table_per_scope(kafka_config, tmp_path, capsys):
     cfg = _cfg_file(kafka_config, tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["tail", "versions", "--config", cfg, "--set", "rollout.enabled=true"]) == 0
+        assert main(["tail", "versions", "--config", cfg, "--set", "rollout.enabled=true",
+                     "--set", "trainer.lora.rank=4"]) == 0
     text = out.getvalue()
     lines = text.splitlines()
     assert f"tenant alice: incumbent {A1['name']}" in lines

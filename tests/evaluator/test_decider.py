@@ -25,7 +25,7 @@ POISONED, EQUAL = {"candidate": 1, "incumbent": 9}, {"candidate": 5, "incumbent"
 
 @pytest.fixture
 def config(kafka_config):
-    return kafka_config.replace(rollout=RULE)
+    return kafka_config.replace(rollout=RULE, trainer={"lora": {"rank": 4}})  # tenants' adapters
 
 
 def _run(config) -> Decider:
@@ -82,3 +82,52 @@ def test_the_decider_refuses_to_run_without_rollout(kafka_config):
 
     with pytest.raises(ConfigError, match="rollout.enabled"):
         Evaluator(kafka_config)
+
+
+# ---- the full weights on one engine: the eval set alone decides ---------------------------------
+
+def _full_weights(version: int, at: int, accuracy: float | None) -> list:
+    """v``version``'s sync (one engine applies it to everyone), two judged sessions it served and,
+    with ``accuracy``, its evaluation (16 items) once it is live."""
+    about = {"epoch": version, "policy_version": version, "run_id": "default"}
+    out = [events.Control(action="pause", created_at=at, **about),
+           events.Control(action="weights", location=f"/w/v{version}", sha256="a" * 64, created_at=at + 1, **about),
+           events.Control(action="applied", engine_id="engine-0", created_at=at + 2, **about),
+           events.Control(action="resume", created_at=at + 3, **about)]
+    for i in range(2):
+        sid = f"fw{version}-{i}"
+        out.append(events.Turn(session_id=sid, turn_index=0, policy_version=version, created_at=at + 4 + i))
+        out.append(events.Sample(sample_id=f"{sid}:0", session_id=sid, turn_index=0, policy_version=version,
+                                 kind="rl", tokens=[1, 2], response_length=1, rollout_log_probs=[-0.1],
+                                 reward=-1.0, created_at=at + 6 + i))
+    if accuracy is not None:
+        out.append(events.Evaluation(policy_version=version, n=16, name="team", run_id="default", created_at=at + 9,
+                                     metrics={"accuracy": accuracy, "accuracy_n": 16}))
+    return out
+
+
+@pytest.fixture
+def gated(kafka_config, tmp_path):
+    return kafka_config.replace(rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"),
+                                         "guards": ["accuracy"], "guard_min_n": 16, "guard_margin": 0.5})
+
+
+def test_full_weights_the_eval_set_gate_decides_once_and_a_restart_mid_canary_decides_the_same(gated):
+    base = [events.Evaluation(policy_version=0, n=16, name="team", run_id="default", created_at=1,
+                              metrics={"accuracy": 1.0, "accuracy_n": 16})]
+    publish_all(gated, base + _full_weights(1, 10, None))
+    first = _run(gated)
+    assert first.published == []  # the candidate is not evaluated yet: the live reward alone never decides
+    publish_all(gated, [_full_weights(1, 10, 0.25)[-1]])  # restarted mid-canary: its evaluation arrives
+    second = _run(gated)
+    assert [(d.action, d.policy_version, d.evidence["rule"], d.evidence["reason"]) for d in second.published] == [
+        ("rollback", 1, "newcombe-evalset-v1", "guard_fell:accuracy")]
+    publish_all(gated, _full_weights(2, 100, 1.0))  # the next candidate keeps the incumbent's answers
+    third = _run(gated)  # the rollback is read back, not published again; v2 is promoted
+    assert [(d.action, d.policy_version, d.evidence["reason"]) for d in third.published] == [
+        ("promote", 2, "guards_held")]
+    assert decisions(gated, 2) == second.published + third.published
+    log = log_in_order(gated)
+    assert replay(_without_decisions(log), third.rule) == second.published + third.published
+    assert replay(log, third.rule) == []
+    assert third.fold.scopes[None].incumbent == 2 and third.fold.scopes[None].rolled_back == {1}

@@ -30,7 +30,7 @@ def test_the_evaluator_refuses_to_start_with_rollout_off(kafka_config):
 
 @pytest.mark.slow(seconds=15)
 def test_the_evaluator_process_publishes_a_rollback_once(kafka_config):
-    rule = ["--set", "rollout.enabled=true", "--set", "rollout.min_n=20", "--set", "rollout.rollback_min_n=10",
+    rule = ["--set", "rollout.enabled=true", "--set", "trainer.lora.rank=4", "--set", "rollout.min_n=20", "--set", "rollout.rollback_min_n=10",
             "--set", "rollout.max_n=100"]
     p = PipelineProcess(*_args(kafka_config, *rule))
     try:

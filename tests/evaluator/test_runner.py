@@ -48,7 +48,7 @@ def engine():
 
 def test_a_fallen_guard_of_alices_adapter_rolls_it_back_although_its_reward_rose(kafka_config, engine, tmp_path):
     config = kafka_config.replace(
-        engine={"url": engine.url}, trainer={"run_id": "default"},
+        engine={"url": engine.url}, trainer={"run_id": "default", "lora": {"rank": 4}},
         rollout={"enabled": True, "min_n": 100, "rollback_min_n": 50, "max_n": 200, "guard_min_n": 8,
                  "eval_set": _eval_set(tmp_path / "team.jsonl"), "eval_max_tokens": 16, "eval_seed": 7})
     publish_all(config, sync("alice", 1, A1, 1) + traffic("alice", A1, {"candidate": 9, "incumbent": 5}, 0, 40, 100))

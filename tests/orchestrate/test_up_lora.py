@@ -9,9 +9,10 @@ from pipeline.config import load_config
 from pipeline.orchestrate.up import plan_stack
 
 
-def _plan(tmp_path, engine_url=None, **sections):
+def _plan(tmp_path, engine_url=None, replicas=None, **sections):
     ports = itertools.count(30000)
-    return plan_stack(load_config(None, **sections), tmp_path, lambda: next(ports), engine_url=engine_url)
+    return plan_stack(load_config(None, **sections), tmp_path, lambda: next(ports), engine_url=engine_url,
+                      replicas=replicas)
 
 
 def test_trainer_lora_turns_the_stacks_engines_lora_on_with_room_for_the_adapters(tmp_path):
@@ -28,7 +29,7 @@ def test_without_trainer_lora_or_with_an_external_engine_the_engine_settings_are
     assert not external.config.engine.enable_lora  # not ours to configure: its own flags decide
 
 
-def test_rollout_adds_the_evaluator_stage_and_needs_tenant_adapters(tmp_path):
+def test_rollout_adds_the_evaluator_stage_and_full_weights_need_the_eval_set_gate(tmp_path):
     import pytest
 
     lora = {"per_tenant": True, "lora": {"rank": 8}}
@@ -38,5 +39,10 @@ def test_rollout_adds_the_evaluator_stage_and_needs_tenant_adapters(tmp_path):
     names = [s.name for s in plan.stages]
     assert names.index("trainer") < names.index("evaluator") < names.index("syncer")
     assert plan.final_config.rollout.enabled
-    with pytest.raises(ValueError, match="full-weight canaries"):
-        _plan(tmp_path, rollout={"enabled": True})
+    with pytest.raises(ValueError, match="rollout.eval_set and at least one rollout.guards"):
+        _plan(tmp_path, rollout={"enabled": True})  # full weights: the eval set's guards alone decide
+    gated = {"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]}
+    names = [s.name for s in _plan(tmp_path, rollout=gated).stages]  # one full-weight engine: gated by the eval set
+    assert names.index("trainer") < names.index("evaluator") < names.index("syncer")
+    with pytest.raises(ValueError, match="several engines"):
+        _plan(tmp_path, rollout=gated, replicas={"engine": 2})

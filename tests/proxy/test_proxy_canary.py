@@ -171,7 +171,7 @@ def _serving(app, want: Arms) -> None:
 
 
 def test_canary_over_http_rollback_promote_restart_and_recorded_turns(kafka_config):
-    cfg = kafka_config.replace(rollout={"enabled": True, "share": 0.5})
+    cfg = kafka_config.replace(rollout={"enabled": True, "share": 0.5}, trainer={"lora": {"rank": 4}})
     up = StandInEngine()
     with serve_app(up) as up_url:
         with running_proxy(cfg, up_url, follow_control=True) as (url, app):

@@ -18,6 +18,8 @@ from pipeline.rollout.fold import RolloutFold, replay
 from pipeline.rollout.rule import RolloutConfig
 
 CONFIG = RolloutConfig(enabled=True, share=0.1)
+#: the live-arm rule on the full weights' scope (several engines): these tests simulate routed arms
+LIVE = "live"
 
 
 def _adapter(tenant: str, tag: str) -> dict:
@@ -68,7 +70,7 @@ _ADAPTERS: dict = {}
 
 
 def _run(rates, log, seed=1, sessions=3000):
-    fold = RolloutFold(CONFIG)
+    fold = RolloutFold(CONFIG, full_weights=LIVE)
     log.append(_weights(1))
     fold.apply(log[-1])
     served, switched = _traffic(fold, rates, sessions, seed, log=log)
@@ -102,10 +104,10 @@ def test_replay_and_restart_decide_the_same():
     made = [e for e in log if isinstance(e, Control) and e.evidence]
     assert made, "the scenario must reach a decision"
     without = [e for e in log if not (isinstance(e, Control) and e.evidence)]
-    assert replay(without, CONFIG) == made  # a replay of the same records decides the same
-    assert replay(log, CONFIG) == []  # decisions read back are applied, never made twice
+    assert replay(without, CONFIG, full_weights=LIVE) == made  # a replay of the same records decides the same
+    assert replay(log, CONFIG, full_weights=LIVE) == []  # decisions read back are applied, never made twice
     cut = log.index(made[0]) // 2  # a restart mid-canary: a new fold reads the prefix, then goes on
-    fold = RolloutFold(CONFIG)
+    fold = RolloutFold(CONFIG, full_weights=LIVE)
     for ev in without[:cut]:
         assert fold.apply(ev) is None
     assert [d for d in map(fold.apply, without[cut:]) if d is not None] == made
@@ -114,7 +116,7 @@ def test_replay_and_restart_decide_the_same():
 def test_alices_rollback_leaves_bob_untouched():
     alice0, alice1, bob1 = _adapter("alice", "a"), _adapter("alice", "b"), _adapter("bob", "c")
     _ADAPTERS.update({("alice", alice1["version"]): alice1, ("bob", bob1["version"]): bob1})
-    fold, log = RolloutFold(CONFIG), []
+    fold, log = RolloutFold(CONFIG, full_weights=LIVE), []
     for c in (_weights(1, "alice", alice1), _weights(1, "bob", bob1)):
         log.append(c)
         fold.apply(c)
@@ -152,7 +154,7 @@ def test_reward_hacking_through_the_records_a_fallen_guard_is_never_promoted():
     Without the eval set's results the candidate waits however high its reward; with them it is
     rolled back."""
     config = RolloutConfig(enabled=True, guards=("accuracy",))
-    fold = RolloutFold(config)
+    fold = RolloutFold(config, full_weights=LIVE)
     fold.apply(_weights(1))
     rng = random.Random(5)
     for i in range(6000):  # 600 judged candidate turns: past min_n, reward 0.9 vs 0.5
@@ -180,7 +182,7 @@ def test_a_tenants_guard_counts_from_evaluations_naming_its_adapter_and_base():
     incumbent (the base model) by one naming her and no adapter; bob's canary is untouched."""
     config = RolloutConfig(enabled=True, guards=("accuracy",))
     a1, b1 = _adapter("alice", "e"), _adapter("bob", "f")
-    fold = RolloutFold(config)
+    fold = RolloutFold(config, full_weights=LIVE)
     for c in (_weights(1, "alice", a1), _weights(1, "bob", b1)):
         fold.apply(c)
     assert fold.apply(_evaluation(0.5, tenant="alice")) is None  # the base model serving alice
@@ -204,7 +206,7 @@ def test_an_evaluation_made_before_the_canary_opened_counts_for_its_version():
 def test_the_first_recorded_decision_overrules_the_folds_own():
     """The fold decided promote (its records came in another order); the first decision recorded
     on control, which the proxy and the syncers followed, is a rollback: the record wins."""
-    fold = RolloutFold(RolloutConfig(enabled=True, min_n=200, rollback_min_n=1))
+    fold = RolloutFold(RolloutConfig(enabled=True, min_n=200, rollback_min_n=1), full_weights=LIVE)
     fold.apply(_weights(1))
     own = None
     for i, version in enumerate([0, 1] * 200):
@@ -225,7 +227,7 @@ def test_a_turn_recorded_without_ids_or_against_its_arm_counts_in_no_arm():
     model, the incumbent of a tenant's first canary; its turn is routed to one arm and recorded
     as another, so it is in neither's ``served``."""
     cand = _adapter("alice", "d")
-    fold = RolloutFold(RolloutConfig(enabled=True, share=0.5, rollback_min_n=1, min_n=1, max_n=10))
+    fold = RolloutFold(RolloutConfig(enabled=True, share=0.5, rollback_min_n=1, min_n=1, max_n=10), full_weights=LIVE)
     fold.apply(_weights(1, "alice", cand))
     base = fold.scopes["alice"].canary
     lost = Turn(session_id="x", turn_index=0, tenant="alice", adapter=None, canary="candidate")
@@ -237,3 +239,63 @@ def test_a_turn_recorded_without_ids_or_against_its_arm_counts_in_no_arm():
     no_ids = Sample(sample_id="alice/x:0", session_id="x", turn_index=0, kind="rl", tokens=[1], response_length=0,
                     reward=1.0, tenant="alice", adapter=None, loss_mask=0)
     assert fold.apply(no_ids) is None and base.reward["incumbent"].n == 0
+
+
+# ---- the full weights on one engine: the eval-set gate (the fold's default) --------------------
+
+GATED = RolloutConfig(enabled=True, guards=("accuracy",), guard_min_n=20)
+
+
+def _full_weight_log(accuracies: dict, sessions: int = 40) -> list:
+    """The one engine serves v0 (evaluated), then candidate v1 to everyone: turns and judged
+    samples of v1 only (no incumbent arm), then v1's evaluation; a v2 order after it."""
+    log = [_evaluation(accuracies[0], version=0, n=40), _weights(1)]
+    for i in range(sessions):
+        log.append(Turn(session_id=f"f{i}", turn_index=0, policy_version=1, created_at=10 + i))
+        log.append(Sample(sample_id=f"f{i}:0", session_id=f"f{i}", turn_index=0, policy_version=1, kind="rl",
+                          tokens=[1, 2], response_length=1, rollout_log_probs=[-0.1], reward=-1.0,
+                          created_at=10 + i))
+    log.append(_evaluation(accuracies[1], version=1, n=40))
+    log.append(_weights(2))
+    return log
+
+
+def test_full_weights_a_fallen_guard_rolls_back_and_a_held_one_promotes_on_the_eval_set_alone():
+    for acc, want in ((0.4, ("rollback", "guard_fell:accuracy")), (1.0, ("promote", "guards_held"))):
+        log = _full_weight_log({0: 1.0, 1: acc})
+        made = replay(log, GATED)
+        assert [(d.action, d.policy_version, d.evidence["reason"]) for d in made] == [(want[0], 1, want[1])]
+        ev = decode(encode(made[0])).evidence  # on the wire: domains checked
+        assert ev["rule"] == "newcombe-evalset-v1" and ev["incumbent"] == 0
+        assert ev["arms"]["candidate"]["accuracy"] == [round(40 * acc), 40]
+        assert ev["arms"]["incumbent"]["accuracy"] == [40, 40]
+        assert ev["arms"]["candidate"]["reward"] == [0, 40] and ev["arms"]["incumbent"]["reward"] == [0, 0]
+        if want[0] == "promote":  # the live rule never promotes here: no incumbent arm, too few turns
+            assert replay(log, GATED, full_weights=LIVE) == []
+        assert made[0].created_at == log[-2].created_at
+
+
+def test_full_weights_replay_and_restart_mid_canary_decide_the_same():
+    log = _full_weight_log({0: 1.0, 1: 0.4})
+    made = replay(log, GATED)
+    with_decisions = log[:-1] + made + log[-1:]
+    assert replay(with_decisions, GATED) == []  # decided already: never made twice
+    for cut in range(1, len(log) - 1):  # a restart anywhere before the decision: same decision
+        fold = RolloutFold(GATED)
+        for ev in log[:cut]:
+            fold.apply(ev)
+        restarted = RolloutFold(GATED)
+        assert [d for d in map(restarted.apply, log) if d is not None] == made
+        assert [d for d in map(fold.apply, log[cut:]) if d is not None] == made
+    fold = RolloutFold(GATED)
+    for ev in with_decisions:
+        fold.apply(ev)
+    assert fold.scopes[None].rolled_back == {1} and fold.scopes[None].canary.candidate == 2
+    assert fold.scopes[None].incumbent == 0
+
+
+def test_the_fold_refuses_an_unknown_full_weights_gate():
+    import pytest
+
+    with pytest.raises(ValueError, match="full_weights"):
+        RolloutFold(GATED, full_weights="several")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.rollout.rule import Arm, Counts, RolloutConfig, decide
+from pipeline.rollout.rule import Arm, Counts, RolloutConfig, decide, decide_evalset
 from pipeline.rollout.stats import newcombe_difference, wilson_interval
 
 GUARDED = RolloutConfig(guards=("accuracy",))
@@ -83,3 +83,51 @@ def test_config_is_off_by_default_and_checked():
         RolloutConfig(share=1.5)
     with pytest.raises(ValueError):
         Counts(3, 2)
+
+
+# ---- the full weights on one engine: the eval set's guards alone (decide_evalset) ----------------
+
+TWO_GUARDS = RolloutConfig(guards=("accuracy", "safety"), guard_min_n=100)
+
+
+def _arm(accuracy, safety=(100, 100), reward=(0, 0)):
+    guards = {"accuracy": Counts(*accuracy)} if accuracy is not None else {}
+    if safety is not None:
+        guards["safety"] = Counts(*safety)
+    return Arm(Counts(*reward), guards)
+
+
+def test_evalset_a_fallen_guard_rolls_back_whatever_the_reward():
+    # 60/100 against 90/100: Newcombe's upper bound on -0.30 is far below 0
+    d = decide_evalset(_arm((60, 100), reward=(400, 400)), _arm((90, 100), reward=(0, 400)), TWO_GUARDS)
+    assert (d.action, d.reason) == ("rollback", "guard_fell:accuracy") and d.bounds["accuracy"][1] < 0
+    assert "reward" not in d.bounds  # the live reward is no test here
+
+
+def test_evalset_every_guard_held_promotes_without_any_live_turn():
+    d = decide_evalset(_arm((100, 100)), _arm((100, 100)), TWO_GUARDS)
+    assert (d.action, d.reason) == ("promote", "guards_held")
+    assert d.bounds["accuracy"][0] > -TWO_GUARDS.guard_margin and d.bounds["safety"][0] > -TWO_GUARDS.guard_margin
+
+
+def test_evalset_waits_for_every_guard_in_both_arms_with_guard_min_n():
+    assert decide_evalset(_arm((100, 100), safety=None), _arm((100, 100)), TWO_GUARDS).reason == "too_few"
+    assert decide_evalset(_arm((99, 99)), _arm((100, 100)), TWO_GUARDS).reason == "too_few"
+    assert decide_evalset(_arm((100, 100)), _arm(None), TWO_GUARDS).action == "wait"
+    # a guard that fell is a rollback even while another guard is still missing
+    assert decide_evalset(_arm((10, 100), safety=None), _arm((90, 100)), TWO_GUARDS).action == "rollback"
+    assert decide_evalset(_arm((100, 100)), _arm((100, 100)), RolloutConfig()).reason == "no_guards"
+
+
+def test_evalset_a_guard_neither_fallen_nor_shown_safe_is_inconclusive():
+    # 43/100 against 50/100: upper bound above 0 (not fallen), lower bound below -0.10 (not held);
+    # the eval set is run once per version, so no more evidence will come
+    d = decide_evalset(_arm((43, 100)), _arm((50, 100)), TWO_GUARDS)
+    assert (d.action, d.reason) == ("rollback", "inconclusive")
+    assert d.bounds["accuracy"][0] < -0.1 < 0 < d.bounds["accuracy"][1]
+
+
+def test_evalset_leaves_the_adapter_rule_unchanged():
+    cand, inc = _arm((100, 100), reward=(0, 400)), _arm((100, 100), reward=(400, 400))
+    assert decide(cand, inc, TWO_GUARDS).reason == "reward_fell"  # live arms: the reward still counts
+    assert decide_evalset(cand, inc, TWO_GUARDS).reason == "guards_held"

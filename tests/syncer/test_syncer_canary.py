@@ -88,7 +88,8 @@ def syncers():
     made = []
 
     def make(engine: _Engine, rollout: bool):
-        cfg = Config().replace(rollout={"enabled": rollout}, syncer={"engine_id": "engine-0", "retries": 0})
+        cfg = Config().replace(rollout={"enabled": rollout}, trainer={"lora": {"rank": 4}},
+                               syncer={"engine_id": "engine-0", "retries": 0})
         s = Syncer(cfg)
         s._engine = engine
         made.append(s)

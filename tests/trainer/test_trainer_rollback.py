@@ -86,3 +86,88 @@ def test_the_other_tp_ranks_follow_rank_0s_verdict(tmp_path):
     assert not ad.rollback("alice", V2, None, decided=False) and policy.calls == []
     assert ad.rollback("alice", V2, None, decided=True)
     assert policy.calls == [("remove", "alice")] and ad.table["alice"].synced == 3
+
+
+# ---- the full weights: TrainerStage._rollback_full with a real policy (tiny-random, Megatron) ----
+
+RUNTIME_SETTINGS = {"threads": 1}
+
+
+def _full_stage(tmp_path, runtime):
+    """A :class:`TrainerStage` of full weights with rollout on (eval-set gated), its policy built on
+    ``runtime`` (no broker: the decision is handed to ``_apply_actions`` as the reader would)."""
+    from pathlib import Path
+
+    from pipeline.testing.trainer import policy_trainer
+    from pipeline.trainer.stage import TrainerStage
+
+    cfg = load_config(None, trainer=dict(model="tiny-random", export_dir=str(tmp_path / "w"),
+                                         checkpoint_dir=str(tmp_path / "c")),
+                      rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]})
+    stage = TrainerStage(cfg)
+    stage.par, stage.policy = runtime, policy_trainer(runtime)
+    stage.export_dir, stage.ckpt_dir = Path(cfg.trainer.export_dir), Path(cfg.trainer.checkpoint_dir)
+    return stage
+
+
+def _train(stage, seed: int) -> None:
+    import random
+
+    from pipeline import events
+
+    rng = random.Random(seed)
+    batch = [events.Sample(sample_id=f"r{seed}:{i}", session_id=f"r{seed}{i}", turn_index=0,
+                           tokens=[rng.randrange(1, 49152) for _ in range(10)], response_length=4,
+                           reward=1.0 if i % 2 else -1.0, rollout_log_probs=[-1.0] * 4) for i in range(4)]
+    assert not stage.policy.train_batch(batch).skipped
+    stage.version += 1
+
+
+def test_a_full_weight_rollback_restores_the_incumbents_export_exactly(tmp_path, runtime):
+    import torch
+
+    from pipeline import weightsync
+    from pipeline.testing.trainer import param_copies
+    from pipeline.trainer import checkpoint as C
+
+    stage = _full_stage(tmp_path, runtime)
+    incumbent = stage.policy.export(stage.export_dir / "v000000")  # the first incumbent, as a new run publishes it
+    v0 = param_copies(stage.policy)
+    _train(stage, 1)
+    stage.policy.export(stage.export_dir / "v000001")  # the candidate
+    _train(stage, 2)  # v2: held during the canary
+    trained = param_copies(stage.policy)
+    assert any(not torch.equal(v0[k], trained[k]) for k in v0)
+    opt = stage.policy.trainables[None].optimizer
+    assert stage.policy.optimizer_steps == 2 and getattr(opt, "optimizer", opt).state  # Adam moments to drop
+    actions = [("rollback", None, 0, 0)]  # not the newest export: nothing to restore
+    stage._apply_actions(actions)
+    assert actions[0][4] is False and all(torch.equal(trained[k], v) for k, v in param_copies(stage.policy).items())
+    actions = [("rollback", None, 1, 0)]
+    stage._apply_actions(actions)
+    assert actions[0][4] is True  # rank 0's verdict, which the other TP ranks follow
+    after = param_copies(stage.policy)
+    assert all(torch.equal(v0[k], after[k]) for k in v0)  # the incumbent's tensors, exactly
+    again = stage.policy.export(tmp_path / "again")
+    assert again.sha256 == incumbent.sha256 == weightsync.verify_folder(stage.export_dir / "v000000")
+    assert not getattr(opt, "optimizer", opt).state  # fresh Adam moments
+    assert stage.version == 2 and C.read_synced(stage.ckpt_dir) == 2  # counts on: the next update is v3
+    stage._release()  # the restored incumbent is served already: nothing to export or sync
+    assert sorted(p.name for p in stage.export_dir.iterdir()) == ["v000000", "v000001"]
+
+
+def test_a_full_weight_rollback_without_a_good_incumbent_folder_changes_nothing(tmp_path, runtime):
+    import torch
+
+    from pipeline import weightsync
+    from pipeline.testing.trainer import param_copies
+
+    stage = _full_stage(tmp_path, runtime)
+    stage.policy.export(stage.export_dir / "v000000")
+    _train(stage, 3)
+    stage.policy.export(stage.export_dir / "v000001")
+    (stage.export_dir / "v000000" / weightsync.WEIGHTS_FILE).write_bytes(b"torn")
+    before = param_copies(stage.policy)
+    assert not stage._rollback_full(1, 0)
+    assert not stage._rollback_full(1, 0, decided=False)  # another rank follows rank 0's "no"
+    assert all(torch.equal(before[k], v) for k, v in param_copies(stage.policy).items())

@@ -17,14 +17,15 @@ from pipeline.testing.topics import publish
 from tests.trainer.test_tenants_trainer_stage import RUN, StandInSyncer, _ctl, _publish, _run_stage, _steps, _wait
 
 
-def _config(kafka_config, tmp_path, **trainer):
+def _config(kafka_config, tmp_path, rollout=None, **trainer):
     base = kafka_config.model_dump(mode="python")
     t = dict(model="tiny-random", rollout_batch_size=2, micro_batch_size=2, lr=1e-2,
              checkpoint_dir=str(tmp_path / "ckpt"), export_dir=str(tmp_path / "weights"), engines=["engine-a"],
              sync_timeout_s=10.0, progress=False, threads=1, run_id=RUN, per_tenant=True, tenant_max_wait_records=1000,
              max_staleness=None, poll_timeout_s=0.2, lora={"rank": 4, "alpha": 8}, keep_exports=1, poison_steps=[2])
     t.update(trainer)
-    return load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=t, rollout={"enabled": True})
+    return load_config(None, kafka=base["kafka"], topics=base["topics"], trainer=t,
+                       rollout={"enabled": True, **(rollout or {})})
 
 
 def _decide(cfg, action: str, tenant: str | None, adapter: dict | None, incumbent: dict | None,
@@ -118,25 +119,34 @@ def test_a_canary_holds_the_tenants_sync_promote_releases_it_rollback_restores_t
 
 
 @pytest.mark.slow(seconds=120)
-def test_full_weights_canary_holds_the_sync_and_a_decision_releases_the_newest_version(kafka_config, tmp_path):
-    """Without LoRA the scope is the full weights: a version's canary holds the next versions'
-    syncs; the next batch after a decision first syncs the newest version (a full-weight rollback
-    restores nothing: the trainer goes on from its own state)."""
-    cfg = _config(kafka_config, tmp_path, max_steps=4, per_tenant=False, lora=None, engines=[], poison_steps=[])
+def test_full_weights_canary_holds_the_sync_a_promote_releases_it_a_rollback_restores_the_incumbent(kafka_config,
+                                                                                                    tmp_path):
+    """Without LoRA the scope is the full weights (gated by the eval set): a new run publishes v0,
+    the first incumbent; a version's canary holds the next versions' syncs; the next batch after a
+    promote first syncs the newest version; a rollback restores the incumbent's export (the held
+    v3 is dropped; exactly: tests/trainer/test_trainer_rollback.py) and the next update is v4, a
+    new candidate."""
+    from pipeline.trainer import checkpoint as C
+
+    gate = {"eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]}
+    cfg = _config(kafka_config, tmp_path, gate, max_steps=4, per_tenant=False, lora=None, engines=[],
+                  poison_steps=[])
     full = lambda: [c.policy_version for c in _ctl(cfg) if c.action == "weights" and c.full_weights]  # noqa: E731
     stage, t, errors = _run_stage(cfg)
     _publish(cfg, [None, None], 0)
     _steps(stage, 1, errors)
     _publish(cfg, [None, None], 10)
     recs = _steps(stage, 2, errors)
-    assert [(r["policy_version"], r.get("held")) for r in recs] == [(1, None), (2, True)] and full() == [1]
+    assert [(r["policy_version"], r.get("held")) for r in recs] == [(1, None), (2, True)] and full() == [0, 1]
     _decide(cfg, "promote", None, None, None)
     _publish(cfg, [None, None], 20)  # its payload carries the promote: v2 is synced, then v3 trained (held)
     recs = _steps(stage, 3, errors)
-    assert recs[2]["policy_version"] == 3 and recs[2].get("held") and full() == [1, 2]
+    assert recs[2]["policy_version"] == 3 and recs[2].get("held") and full() == [0, 1, 2]
     _decide(cfg, "rollback", None, None, None, version=2)
-    _publish(cfg, [None, None], 30)
+    _publish(cfg, [None, None], 30)  # its payload carries the rollback: v1 restored, v3 dropped, then v4 trained
     t.join(300)
     assert not t.is_alive() and not errors, errors
     recs = stage.log.records()
-    assert recs[3]["policy_version"] == 4 and recs[3].get("held") and full() == [1, 2, 3]
+    assert recs[3]["policy_version"] == 4 and not recs[3].get("held") and full() == [0, 1, 2, 4]
+    assert C.read_synced(tmp_path / "ckpt") == 4
+    assert (tmp_path / "weights" / "v000001").is_dir()  # the incumbent's folder: kept (keep_exports=1)
