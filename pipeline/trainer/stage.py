@@ -476,7 +476,9 @@ class TrainerStage:
             return
         sha = exported.sha256 if exported is not None else weightsync.verify_folder(out)
         location = str(out.resolve())
-        report = self.publisher.sync(self.version, location, sha, stop=self.stop)
+        candidate = self.view is not None and self.version != self.view.scope(None).incumbent
+        report = self.publisher.sync(self.version, location, sha, stop=self.stop,
+                                     engines=self.publisher.engines_for(candidate))
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
         self._after_sync(report)
