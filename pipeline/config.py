@@ -512,6 +512,9 @@ def _check_canary_engines(c: "Config") -> None:
     if c.trainer.lora is not None:
         raise ValueError("rollout.canary_engines canaries the full weights over several engines; with trainer.lora "
                          "the tenants' adapters are canaried on every engine: leave rollout.canary_engines empty")
+    if c.engine.kind == "vllm":
+        raise ValueError("rollout.canary_engines with engine.kind vllm is not built: the proxy reads vLLM's weight "
+                         "version from engine.url only")
     if len(set(canary)) != len(canary):
         raise ValueError(f"rollout.canary_engines lists an engine twice: {canary}")
     unknown = [e for e in canary if e not in engines]
