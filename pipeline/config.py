@@ -197,6 +197,9 @@ class ProxyConfig(Section):
     session_idle_s: float = _d(14_400.0, "a session idle this long (s) is forgotten by the proxy; keep it at or "
                                "above judge.idle_timeout_s", gt=0)
     max_connections: int = _d(512, "keep-alive connection pool to the engine", ge=1)
+    canary_engine_url: str | None = _d(None, "where a full-weight candidate's canary sessions go (the engines of "
+                                       "rollout.canary_engines, or a router over them); engine.url: the others "
+                                       "(docs/rollout.md, 'Full-weight canaries over several engines')")
     session_prefixes: int = _d(200_000, "completed turns remembered for conversation continuation (one digest "
                                "each, least recently used dropped first; docs/sessions.md)", ge=1)
     kafka_client: Literal["auto", "librdkafka", "kafka-python"] = _d(
@@ -456,12 +459,21 @@ class RolloutSection(Section):
                               "version (None: live reward only; full weights, no trainer.lora: required)")
     eval_max_tokens: int = _d(128, "max_tokens of each eval-set reply", ge=1)
     eval_seed: int = _d(1234, "sampling seed of the eval-set replies (the same for every version)", ge=0)
+    canary_engines: list[str] = _d(list, "engine ids (a strict subset of trainer.engines) that take a full-weight "
+                                   "candidate first, served to the canary share at proxy.canary_engine_url "
+                                   "(empty: one full-weight engine, gated by the eval set alone)")
 
     @model_validator(mode="after")
     def _order(self) -> "RolloutSection":
         if not self.rollback_min_n <= self.min_n <= self.max_n:
             raise ValueError("rollout needs rollback_min_n <= min_n <= max_n")
         return self
+
+    @property
+    def full_weights_gate(self) -> str:
+        """How the full weights' canary is decided (:data:`pipeline.rollout.fold.FULL_WEIGHTS_GATES`):
+        ``"live"`` (live arms, then eval guards) with :attr:`canary_engines`, else ``"evalset"``."""
+        return "live" if self.canary_engines else "evalset"
 
     def rule(self, guards: tuple = ()):
         """The :class:`pipeline.rollout.rule.RolloutConfig` of these values; ``guards``: the eval
@@ -489,6 +501,37 @@ class DashboardConfig(Section):
     review: bool = _d(False, "let a reviewer thumb a turn up or down (with a correction) on the session page: "
                       "posted to the proxy's POST /v1/feedback with the reviewer's key (off: read-only)")
     proxy_url: str | None = _d(None, "the proxy reviews are posted to (None: http://<proxy.host>:<proxy.port>)")
+
+
+def _check_canary_engines(c: "Config") -> None:
+    """Refuse an inconsistent full-weight canary over several engines (``rollout.canary_engines``,
+    ``proxy.canary_engine_url``; docs/rollout.md). Raises ValueError naming the setting."""
+    canary, engines, url = list(c.rollout.canary_engines), list(c.trainer.engines), c.proxy.canary_engine_url
+    if not canary:
+        if url is not None:
+            raise ValueError(f"proxy.canary_engine_url ({url!r}) is set but rollout.canary_engines is empty: name the "
+                             "engines (of trainer.engines) behind it, or unset the URL")
+        return
+    if c.trainer.lora is not None:
+        raise ValueError("rollout.canary_engines canaries the full weights over several engines; with trainer.lora "
+                         "the tenants' adapters are canaried on every engine: leave rollout.canary_engines empty")
+    if c.engine.kind == "vllm":
+        raise ValueError("rollout.canary_engines with engine.kind vllm is not built: the proxy reads vLLM's weight "
+                         "version from engine.url only")
+    if len(set(canary)) != len(canary):
+        raise ValueError(f"rollout.canary_engines lists an engine twice: {canary}")
+    unknown = [e for e in canary if e not in engines]
+    if unknown:
+        raise ValueError(f"rollout.canary_engines {unknown} are not in trainer.engines {engines}")
+    if len(canary) >= len(set(engines)):
+        raise ValueError(f"rollout.canary_engines {canary} names every engine of trainer.engines {engines}: at "
+                         "least one engine must keep serving the incumbent")
+    if not url:
+        raise ValueError(f"rollout.canary_engines {canary} needs proxy.canary_engine_url: where the proxy sends "
+                         "the candidate's sessions (engine.url keeps the incumbent's)")
+    if url.rstrip("/") == c.engine.url.rstrip("/"):
+        raise ValueError(f"proxy.canary_engine_url is engine.url ({url!r}): the candidate's engines need their own "
+                         "URL")
 
 
 class Config(BaseSettings):
@@ -530,13 +573,16 @@ class Config(BaseSettings):
             raise ValueError(f"judge.fetch_max_wait_ms ({self.judge.fetch_max_wait_ms}) must be below "
                              f"kafka.request_timeout_ms ({self.kafka.request_timeout_ms}): every empty fetch "
                              "would time out")
-        if self.rollout.enabled and self.trainer.lora is None and not (self.rollout.eval_set and self.rollout.guards):
+        _check_canary_engines(self)
+        if self.rollout.enabled and self.trainer.lora is None and not self.rollout.canary_engines \
+                and not (self.rollout.eval_set and self.rollout.guards):
             # one full-weight engine serves the live candidate to everyone: no live arms to compare
-            raise ValueError("rollout.enabled with full weights (no trainer.lora) is gated by the eval set alone "
-                             "(docs/rollout.md, 'The rule'): set rollout.eval_set and at least one rollout.guards "
-                             "entry (the eval-set metrics that must not fall); got "
-                             f"eval_set={self.rollout.eval_set!r}, guards={list(self.rollout.guards)}. Or canary "
-                             "tenants' LoRA adapters (trainer.lora)")
+            raise ValueError("rollout.enabled with full weights (no trainer.lora) and no rollout.canary_engines is "
+                             "gated by the eval set alone (docs/rollout.md, 'The rule'): set rollout.eval_set and at "
+                             "least one rollout.guards entry (the eval-set metrics that must not fall); got "
+                             f"eval_set={self.rollout.eval_set!r}, guards={list(self.rollout.guards)}. Or set "
+                             "rollout.canary_engines (several full-weight engines), or canary tenants' LoRA adapters "
+                             "(trainer.lora)")
         return self
 
     @classmethod

@@ -12,7 +12,7 @@ order, every version of :meth:`EvalRunner.wanted` that has no evaluation of this
 - every **live candidate**: a version evaluates when it goes live (the ``resume`` that names it,
   sent once every engine applied it), not at its ``weights`` order.
 
-Each eval-set item is one chat request to ``engine.url`` (:data:`EVAL_CONCURRENCY` in flight) (``engine.kind``'s client), greedy
+Each eval-set item is one chat request to ``engine.url`` (or the canary engines', below) (:data:`EVAL_CONCURRENCY` in flight) (``engine.kind``'s client), greedy
 (``temperature`` 0; ``seed`` = ``rollout.eval_seed`` for engines that sample anyway),
 ``max_tokens`` = ``rollout.eval_max_tokens``; an adapter is named by the request's ``model``
 (:func:`pipeline.engine_api.backend.adapter_model` of ``engine.served_model_name`` or
@@ -23,7 +23,10 @@ full weights' incumbent (a tenant's scope) or the version (full weights).
 A version is evaluated only while it serves: a full-weight reply whose ``metadata.weight_version``
 names another version, or an adapter reply whose ``lora_name`` names another adapter, discards
 the evaluation (:class:`NotServing`). With one full-weight engine the incumbent is therefore
-evaluated at start (before its successor is applied) or as the candidate it once was. Engine
+evaluated at start (before its successor is applied) or as the candidate it once was. With
+``rollout.canary_engines`` (a full-weight canary over several engines) the live full-weight
+candidate is evaluated at ``proxy.canary_engine_url`` (the engines that serve it) and the
+incumbent at ``engine.url`` (:meth:`EvalRunner.url_of`). Engine
 errors and versions not served are logged and retried with back-off (1 s doubling to 60 s),
 for as long as the version is wanted; the runner never stops on one.
 """
@@ -81,7 +84,7 @@ class EvalRunner(DaemonThread):
         self._retry: dict[tuple, tuple[float, float]] = {}  # (scope, version) -> (next try, back-off)
         self._init_thread("evaluator-evals")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._client = None
+        self._clients: dict[str, object] = {}  # engine URL -> engine.kind's client
         self._producer: EventProducer | None = None
 
     # ---- what to evaluate -----------------------------------------------------------------------
@@ -117,8 +120,8 @@ class EvalRunner(DaemonThread):
                                 self.retry_s)
                     self.stop.wait(self.retry_s)
         finally:
-            if self._client is not None:
-                self._loop.run_until_complete(self._client.aclose())
+            for client in self._clients.values():
+                self._loop.run_until_complete(client.aclose())
             self._loop.close()
             if self._producer is not None:
                 self._producer.close()
@@ -169,15 +172,17 @@ class EvalRunner(DaemonThread):
         e, ro = self.config.engine, self.config.rollout
         base = e.served_model_name or e.model
         model = adapter_model(e.kind, base, adapter["name"]) if adapter is not None else base
-        if self._client is None:
+        url = self.url_of(scope, version)
+        if url not in self._clients:
             key = e.api_key.get_secret_value() if e.api_key is not None else None
-            self._client = engine_client(e.kind, e.url, e.request_timeout_s, key)
+            self._clients[url] = engine_client(e.kind, url, e.request_timeout_s, key)
+        client = self._clients[url]
 
         async def ask(messages: list, gate: asyncio.Semaphore) -> str:
             body = {"model": model, "messages": messages, "max_tokens": ro.eval_max_tokens, "temperature": 0.0,
                     "seed": ro.eval_seed}
             async with gate:
-                out = await self._client.chat(body)
+                out = await client.chat(body)
             meta = out.get("metadata") or {}
             if scope is None and "weight_version" in meta and str(meta["weight_version"]) != str(version):
                 raise NotServing(f"the engine serves version {meta['weight_version']}, not {version}")
@@ -195,6 +200,14 @@ class EvalRunner(DaemonThread):
                       created_at=events.now_ms())
         ev.tenant, ev.adapter = scope, adapter
         return ev
+
+    def url_of(self, scope: str | None, version) -> str:
+        """The engine that serves ``version`` of ``scope``: ``proxy.canary_engine_url`` for the full
+        weights' candidate with ``rollout.canary_engines``, else ``engine.url``."""
+        url = self.config.proxy.canary_engine_url
+        if scope is None and self.config.rollout.canary_engines and url and version == self.view.scope(None).candidate:
+            return url
+        return self.config.engine.url
 
     def _publish(self, ev: events.Evaluation, seconds: float = 0.0) -> None:
         if self._producer is None:

@@ -129,6 +129,7 @@ class _Route:
     admitted: bool = False
     adapter: dict | None = None  # the tenant's adapter the request was routed to (None: the base model)
     canary: str | None = None  # "candidate" / "incumbent" while the tenant's canary is open
+    upstream: Transport | None = None  # the canary engines (a full-weight candidate session); None: engine.url
     version_before: str | None = None  # vLLM: its weight version read just before the request was sent
     response_prefix: str = "chatcmpl-"  # the answer's id is <prefix><rid> (a front door's: resp_, msg_)
 
@@ -230,6 +231,10 @@ class ProxyApp:
             buffer_fsync=pc.buffer_fsync, delivery_timeout_ms=pc.publish_delivery_timeout_ms,
             linger_s=pc.publish_linger_ms / 1000, kafka_client=pc.kafka_client)
         self.upstream = Transport(engine_url or config.engine.url, pc.engine_timeout_s, pc.max_connections)
+        # rollout.canary_engines: a full-weight candidate's sessions go there (docs/rollout.md)
+        self.canary_upstream = Transport(pc.canary_engine_url, pc.engine_timeout_s, pc.max_connections) \
+            if config.rollout.enabled and config.rollout.canary_engines else None
+        self._canary_client = None  # EngineClient over canary_upstream (SGLang streaming path)
         self.names = ServedModels(lambda: self._call("GET", "/v1/models"), pc.model_aliases, pc.unknown_model)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s, config.rollout.share, pc.max_sessions)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
@@ -298,6 +303,8 @@ class ProxyApp:
         """Open the engine pool, start publishing and following the control topic."""
         self._loop = asyncio.get_running_loop()
         await self.upstream.start()
+        if self.canary_upstream is not None:
+            await self.canary_upstream.start()
         self.publisher.start()
         if self.follower is not None:
             self.follower.start()
@@ -317,8 +324,11 @@ class ProxyApp:
         if self.follower is not None:
             await asyncio.to_thread(self.follower.stop)
         await self.upstream.close()
-        if self._client is not None:
-            await self._client.aclose()
+        if self.canary_upstream is not None:
+            await self.canary_upstream.close()
+        for client in (self._client, self._canary_client):
+            if client is not None:
+                await client.aclose()
         await asyncio.to_thread(self.publisher.close, self.pc.shutdown_flush_s)
         self.turn_index.close()
         log.info("proxy stopped: %s", self.publisher.stats())
@@ -383,11 +393,13 @@ class ProxyApp:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        """One engine call through the pool: ``(status, body)`` whatever the status; an engine
-        that did not answer is a 502/504 :class:`ProxyError` (:func:`engine_failure`)."""
+    async def _call(self, method: str, path: str, body: bytes | None = None,
+                    upstream: Transport | None = None) -> tuple[int, bytes]:
+        """One engine call through the pool (``upstream``; None: :attr:`upstream`, ``engine.url``):
+        ``(status, body)`` whatever the status; an engine that did not answer is a 502/504
+        :class:`ProxyError` (:func:`engine_failure`)."""
         try:
-            status, data, _ = await self.upstream.call(method, path, body)
+            status, data, _ = await (upstream or self.upstream).call(method, path, body)
         except EngineError as e:
             raise engine_failure(e) from None
         return status, data
@@ -539,8 +551,10 @@ class ProxyApp:
             turn_index = route.mt.turn_index
         # after the hold: what the tenant's sync resumed with (rollout: the session's canary arm)
         adapter, canary = self.gate.serve(tenant, route.sid if record else None, turn_index == 0)
-        if record:
-            route.adapter, route.canary = adapter, canary
+        to_canary, full_arm = self.gate.serve_full(tenant, route.sid if record else None, turn_index == 0)
+        if record:  # a full-weight canary's arm (rollout.canary_engines); never both kinds (config)
+            route.adapter, route.canary = adapter, full_arm if full_arm is not None else canary
+            route.upstream = self.canary_upstream if to_canary else None
         extra = [(b"x-request-id", rid.encode())]
         if record:
             extra += [(b"x-session-id", route.sid.encode()), (b"x-session-source", route.source.encode())]
@@ -574,7 +588,8 @@ class ProxyApp:
 
                 on_done = recorded if record else None
                 status = await self._stream(req, keep, extra, t0, receive, send, on_done, admit,
-                                            f"chatcmpl-{rid}" if record else None)
+                                            f"chatcmpl-{rid}" if record else None,
+                                            route.upstream if record else None)
             else:
                 repair = keep[0] and not (await self._engine_caps())[1]
                 if repair:  # SGLang's log-prob bytes: the ids let the proxy give each token's raw bytes
@@ -730,7 +745,7 @@ class ProxyApp:
 
     async def _unary(self, body: bytes, keep: tuple, extra: list, send, meta: SessionMeta, route: _Route | None,
                      turn_index: int | None, user_view: dict, admit, repair: bool = False) -> int:
-        status, data = await self._call("POST", _CHAT, body)
+        status, data = await self._call("POST", _CHAT, body, route.upstream if route is not None else None)
         if status >= 400:
             raise self._engine_error(status, data)
         data = shown(data)
@@ -818,7 +833,7 @@ class ProxyApp:
         return self._gen_defaults
 
     async def _stream(self, req: dict, keep: tuple, extra: list, t0: float, receive, send, on_done, admit,
-                      answer_id: str | None = None) -> int:
+                      answer_id: str | None = None, upstream: Transport | None = None) -> int:
         """Forward a stream chunk by chunk; ``on_done(record)`` (a coroutine; None: not recorded) runs before ``[DONE]``
         is forwarded (so the turn is queued and the session updated before the client can send its next
         request). Against an engine that cannot stream token ids on chat, a recorded turn or one whose
@@ -826,9 +841,10 @@ class ProxyApp:
         if on_done is not None or keep[0]:
             native, raw = await self._engine_caps()
             if not native and (on_done is not None or not raw):
-                return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit, answer_id)
+                return await self._stream_via_client(req, keep, extra, t0, receive, send, on_done, admit, answer_id,
+                                                     upstream)
         try:
-            resp = await self.upstream.open_stream(_CHAT, orjson.dumps(req))
+            resp = await (upstream or self.upstream).open_stream(_CHAT, orjson.dumps(req))
         except EngineError as e:
             raise engine_failure(e) from None
         watcher = None
@@ -941,7 +957,8 @@ class ProxyApp:
         await send({"type": "http.response.body", "body": b""})
 
     async def _stream_via_client(self, req: dict, keep: tuple, extra: list, t0: float, receive, send,
-                                 on_done, admit, answer_id: str | None = None) -> int:
+                                 on_done, admit, answer_id: str | None = None,
+                                 upstream: Transport | None = None) -> int:
         """Streaming against an engine without chat token-id streaming (SGLang): EngineClient's
         ``chat_stream(token_ids=True)`` renders the prompt and streams ``/generate``. A chat field
         that path cannot serve as the engine's own chat path would is refused (400 naming it).
@@ -952,12 +969,10 @@ class ProxyApp:
         refused = generate_path_refusal(body)
         if refused is not None:
             raise bad_request(refused[1], param=refused[0], code="unsupported_on_stream")
-        if self._client is None:
-            self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s,
-                                        transport=self.upstream)
-        self._client.token_bytes, self._client.chat_defaults = await self._served_model()
+        client = self._engine_client(upstream)
+        client.token_bytes, client.chat_defaults = await self._served_model()
         recorder = StreamRecorder(*keep[:3], answer_id)
-        gen = self._client.chat_stream(body, token_ids=True)
+        gen = client.chat_stream(body, token_ids=True)
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
         started: list[bool] = []  # one entry once the response has started
@@ -989,6 +1004,19 @@ class ProxyApp:
             await on_done(rec)
         await send({"type": "http.response.body", "body": _DONE})
         return 200
+
+    def _engine_client(self, upstream: Transport | None) -> EngineClient:
+        """The :class:`EngineClient` over ``upstream`` (None: :attr:`upstream`; else the canary
+        engines'), created on first use."""
+        if upstream is not None and upstream is self.canary_upstream:
+            if self._canary_client is None:
+                self._canary_client = EngineClient(upstream.base_url, timeout_s=self.pc.engine_timeout_s,
+                                                   transport=upstream)
+            return self._canary_client
+        if self._client is None:
+            self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s,
+                                        transport=self.upstream)
+        return self._client
 
     @staticmethod
     async def _forward_chunks(gen, recorder: StreamRecorder, gone: asyncio.Event, send, extra: list, t0: float,

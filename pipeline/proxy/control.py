@@ -16,6 +16,9 @@ sync learns that it is paused. State:
   (:class:`pipeline.rollout.serving.ServingView`, folded from the same records, ``promote`` and
   ``rollback`` included): its incumbent, and a live candidate for the canary share of new
   sessions (:mod:`pipeline.proxy.canary`). Off: the last ``resume``'s adapter, as above.
+- with ``rollout.canary_engines`` too, the full weights' serving view (incumbent, live candidate)
+  under :data:`pipeline.proxy.canary.FULL_WEIGHTS`: the canary share of new sessions goes to
+  ``proxy.canary_engine_url`` (:meth:`SyncGate.serve_full`).
 
 A pause older than ``max_pause_s`` (by its ``created_at``) is treated as over, so a trainer
 that died mid-sync cannot hold traffic for ever. Broker trouble only delays these updates; the
@@ -36,7 +39,7 @@ from typing import Callable
 from pipeline import events
 from pipeline.bus import Follower, Offset
 from pipeline.config import Config
-from pipeline.proxy.canary import Arms, CanaryRoutes, arms_of
+from pipeline.proxy.canary import FULL_WEIGHTS, Arms, CanaryRoutes, arms_of, full_session
 from pipeline.rollout.serving import ServingView
 
 log = logging.getLogger(__name__)
@@ -72,7 +75,8 @@ class ControlState:
         applied_version: highest policy version an engine reported as applied (-1: none seen).
         tenants: tenant -> :class:`TenantState` (immutable: a copy of the dict is a snapshot).
         serving: tenant -> :class:`pipeline.proxy.canary.Arms` of the rollout serving view (None:
-            rollout off; immutable values: a copy of the dict is a snapshot).
+            rollout off; immutable values: a copy of the dict is a snapshot); with
+            ``rollout.canary_engines`` also the full weights' under ``FULL_WEIGHTS``.
     """
 
     paused: bool = False
@@ -80,7 +84,7 @@ class ControlState:
     paused_at_ms: int = 0
     applied_version: int = -1
     tenants: dict[str, TenantState] = field(default_factory=dict)
-    serving: dict[str, Arms] | None = None
+    serving: dict[str | None, Arms] | None = None
 
     def copy(self) -> "ControlState":
         """A snapshot (for the event loop while the follower thread goes on)."""
@@ -97,9 +101,11 @@ class ControlFollower:
 
     Attributes:
         view: the rollout serving view of the run's ``control`` records (None: rollout off).
+        full_canary: a full-weight canary over several engines (``rollout.canary_engines``).
     """
 
     view: ServingView | None = None
+    full_canary: bool = False  # rollout.canary_engines: the full weights' arms are in the view's snapshot too
 
     def __init__(self, config: Config, on_change: Callable[[ControlState], None]) -> None:
         self.config = config
@@ -107,8 +113,10 @@ class ControlFollower:
         self.on_change = on_change
         self.run_id = config.syncer.run_id or config.trainer.run_id  # the run whose adapter orders count
         self.state = ControlState()
+        self.full_canary = config.rollout.enabled and bool(config.rollout.canary_engines)
         if config.rollout.enabled:
-            self.view, self.state.serving = ServingView(self.run_id), {}
+            self.view, self.state.serving = ServingView(self.run_id), arms_of(ServingView(self.run_id),
+                                                                               self.full_canary)
         self._changed = False
         self._follower = Follower(config, self.topic, self._record, name="proxy", start=Offset(0), partitions=[0],
                                   dlq=True, dlq_give_up_s=DLQ_GIVE_UP_S, after_batch=self._publish,
@@ -136,6 +144,7 @@ class ControlFollower:
             return self._apply_tenant(ev) | self._apply_serving(ev)
         if not ev.full_weights:
             return False
+        changed = self.full_canary and self._apply_serving(ev)
         s = self.state
         before = (s.paused, s.epoch, s.applied_version)
         if ev.action == "pause":
@@ -145,7 +154,7 @@ class ControlFollower:
                 s.paused, s.epoch, s.paused_at_ms = False, ev.epoch, 0
         elif ev.action == "applied":
             s.applied_version = max(s.applied_version, ev.policy_version)
-        return before != (s.paused, s.epoch, s.applied_version)
+        return changed or before != (s.paused, s.epoch, s.applied_version)
 
     def _apply_tenant(self, ev: events.Control) -> bool:
         """A tenant's ``pause`` holds its requests; its ``resume`` releases them and names its
@@ -165,11 +174,12 @@ class ControlFollower:
         return new != t
 
     def _apply_serving(self, ev: events.Control) -> bool:
-        """Fold a tenant's record into the rollout serving view (rollout on; the view keeps only
-        this run's records); True when a tenant's :class:`Arms` changed."""
+        """Fold a tenant's record (with ``rollout.canary_engines`` also a full-weight one) into the
+        rollout serving view (rollout on; the view keeps only this run's records); True when a
+        scope's :class:`Arms` changed."""
         if self.view is None or not self.view.apply(ev):
             return False
-        self.state.serving = arms_of(self.view)  # a new dict: the event loop's snapshot is never touched
+        self.state.serving = arms_of(self.view, self.full_canary)  # a new dict: the event loop's snapshot is never touched
         return True
 
     def _record(self, rec) -> None:
@@ -241,6 +251,18 @@ class SyncGate:
         if tenant is None or self.state.serving is None:
             return self.adapter_of(tenant), None
         return self.routes.route(tenant, self.state.serving.get(tenant) or Arms(), session_id, first)
+
+    def serve_full(self, tenant: str | None, session_id: str | None, first: bool) -> tuple[bool, str | None]:
+        """``(to_canary, canary)`` of a turn of ``tenant``'s session ``session_id`` (None: not
+        recorded) in a full-weight canary over several engines: ``to_canary`` when the turn goes to
+        ``proxy.canary_engine_url`` (a candidate session), ``canary`` its arm while the full
+        weights' canary is open (None: no canary, or no full-weight canary configured). The rule
+        is :meth:`pipeline.proxy.canary.CanaryRoutes.route`'s, under ``FULL_WEIGHTS``."""
+        arms = None if self.state.serving is None else self.state.serving.get(FULL_WEIGHTS)
+        if arms is None:
+            return False, None
+        version, canary = self.routes.route(FULL_WEIGHTS, arms, full_session(tenant, session_id), first)
+        return canary == "candidate" and version == arms.candidate, canary
 
     def _stale_in(self, tenant: str | None) -> float:
         """Seconds until every pause that holds ``tenant`` now is stale (``max_pause_s``)."""

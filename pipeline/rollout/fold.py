@@ -31,8 +31,9 @@ Which rule decides: a tenant's adapter is compared live (both arms serve during 
 :func:`pipeline.rollout.rule.decide`). The full weights' scope is decided by ``full_weights``:
 ``"evalset"`` (the default: one full-weight engine serves the live candidate to everyone, so the
 eval set's guards alone decide, :func:`pipeline.rollout.rule.decide_evalset`, evidence ``rule``
-:data:`~pipeline.rollout.rule.EVALSET_RULE_NAME`) or ``"live"`` (the live-arm rule, for a
-full-weight canary over several engines, not built in the stack; the fold's own tests use it).
+:data:`~pipeline.rollout.rule.EVALSET_RULE_NAME`) or ``"live"`` (the live-arm rule, then the eval guards when configured: a full-weight canary over
+several engines, ``rollout.canary_engines``, where the candidate serves only the canary share;
+the evaluator's decider picks it from ``rollout.full_weights_gate``).
 
 Guards come from :class:`~pipeline.events.Evaluation` records (``metrics[name]`` a rate over
 ``metrics[name + '_n']``, else ``n``; :mod:`pipeline.rollout.evalset` writes them): of the full

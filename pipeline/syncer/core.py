@@ -93,6 +93,10 @@ class Syncer(AdapterSync):
         self.url = self.cfg.engine_url or config.engine.url
         self.run_id = self.cfg.run_id or config.trainer.run_id
         self.group_id = self.cfg.group_id or f"syncer-{self.engine_id}"
+        #: this engine applies a full-weight candidate at its ``weights`` order (no
+        #: ``rollout.canary_engines``: the one engine does; else only the engines listed there)
+        canary = config.rollout.canary_engines
+        self.takes_candidate = not canary or self.engine_id in canary
         self.topic = config.topics.name("control")
         self.stop = stop or threading.Event()
         self.applied: list[int] = []  # versions applied by this process (for tests and logs)
@@ -367,7 +371,8 @@ class Syncer(AdapterSync):
         producer = EventProducer(self.config, name=f"syncer-{self.engine_id}")
         try:
             best, self.tenants = scan_control(self.config, self.run_id, stop=self.stop)
-            self.target = self.tenants.full_target(with_published_record(self.config, self.run_id, best))
+            self.target = self.tenants.full_target(with_published_record(self.config, self.run_id, best),
+                                                   self.takes_candidate)
         except Exception:
             producer.close()
             raise
@@ -455,7 +460,7 @@ class Syncer(AdapterSync):
         """Rollout on: the full weights the serving view now wants (:meth:`TenantServing.full_target`)
         when they are not :attr:`target` by version and sha256, else None (nothing to reload: a
         ``promote`` keeps what the engine already serves)."""
-        want = self.tenants.full_target(self.target)
+        want = self.tenants.full_target(self.target, self.takes_candidate)
         if want is None and self.target is not None:
             log.error("%s: the engine must serve the incumbent v%s, but control holds no weights order of it: "
                       "it keeps serving v%d", self.engine_id, self.tenants.view.scope(None).incumbent,

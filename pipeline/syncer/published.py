@@ -33,7 +33,7 @@ class TenantServing(TenantAdapters):
 
     With rollout on the full weights' records are folded too (:meth:`see_full`): ``full_orders``
     maps each full-weight policy version to its ``weights`` record, and :meth:`full_target` says
-    which of them the (one) engine must serve.
+    which of them an engine must serve (the candidate's only on an engine that takes candidates).
     """
 
     view: ServingView | None = None
@@ -59,17 +59,19 @@ class TenantServing(TenantAdapters):
             self.full_orders[ev.policy_version] = ev
         self.view.apply(ev)
 
-    def full_target(self, published: events.Control | None) -> events.Control | None:
+    def full_target(self, published: events.Control | None, candidate: bool = True) -> events.Control | None:
         """The full weights the engine must serve. Rollout off: ``published`` (the newest order).
-        Rollout on: the order of the scope's candidate (one engine takes it, live or still
-        syncing), else of its incumbent; never a rolled-back version. ``published`` (the newest
+        Rollout on: the order of the scope's candidate (live or still syncing) when this engine
+        takes candidates (``candidate``: one full-weight engine, or an engine of
+        ``rollout.canary_engines``), else of its incumbent (an engine outside the canary applies
+        a version at its ``promote``); never a rolled-back version. ``published`` (the newest
         order, or the trainer's ``published.json`` record) stands in when it is that version and
         its order was not read (control aged it out). None: the incumbent is version 0 without an
         order (the engine's base model)."""
         if self.view is None:
             return published
         s = self.view.scope(None)
-        want = s.candidate if s.candidate is not None else s.incumbent
+        want = s.candidate if s.candidate is not None and candidate else s.incumbent
         got = self.full_orders.get(want)
         if got is None and published is not None and published.policy_version == want:
             return published

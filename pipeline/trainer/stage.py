@@ -466,7 +466,8 @@ class TrainerStage:
         got = self._export(record)
         if got is None:
             return
-        report = self.publisher.sync(self.version, *got, stop=self.stop)
+        candidate = self.view is not None and self.version != self.view.scope(None).incumbent
+        report = self.publisher.sync(self.version, *got, stop=self.stop, engines=self.publisher.engines_for(candidate))
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
         self._after_sync(report)

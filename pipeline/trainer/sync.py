@@ -7,7 +7,9 @@ Protocol for policy version ``V`` (epoch = ``V``):
 2. each syncer (``python -m pipeline syncer``, one per engine replica) verifies the checksum,
    calls the engine's ``/update_weights_from_disk`` (with retries) and answers ``applied`` or
    ``failed`` with its ``engine_id``;
-3. trainer: once every engine of ``trainer.engines`` answered, or after ``sync_timeout_s``
+3. trainer: once every engine of ``trainer.engines`` answered (with ``rollout.canary_engines`` a
+   full-weight candidate's sync waits for those engines only: the others apply it at its
+   ``promote``, docs/rollout.md), or after ``sync_timeout_s``
    (then it publishes a ``failed`` report for each silent engine), ``resume``. Engines are
    never left paused: ``resume`` is always sent, also when the wait is interrupted.
 
@@ -88,9 +90,19 @@ class WeightPublisher:
         return events.Control(action=action, epoch=version, policy_version=version, run_id=self.cfg.run_id,
                               created_at=events.now_ms(), **kw)
 
-    def sync(self, version: int, location: str, sha256: str, stop: threading.Event | None = None) -> SyncReport:
-        """Run the protocol of the module docstring for ``version``; returns a :class:`SyncReport`."""
-        return self._sync(version, str(location), sha256, stop, {}, None)
+    def sync(self, version: int, location: str, sha256: str, stop: threading.Event | None = None,
+             engines: list[str] | None = None) -> SyncReport:
+        """Run the protocol of the module docstring for ``version``; returns a :class:`SyncReport`.
+        ``engines``: whose answers it waits for (None: ``trainer.engines``; a full-weight candidate
+        with ``rollout.canary_engines``: those alone, :meth:`engines_for`)."""
+        return self._sync(version, str(location), sha256, stop, {}, None, engines)
+
+    def engines_for(self, candidate: bool) -> list[str]:
+        """The engines a full-weight sync waits for: ``rollout.canary_engines`` when rollout is on and
+        the version is a ``candidate`` (not the scope's incumbent: the other engines apply it at
+        its ``promote``), else every engine of ``trainer.engines``."""
+        ro = self.config.rollout
+        return list(ro.canary_engines) if candidate and ro.enabled and ro.canary_engines else list(self.cfg.engines)
 
     def declare(self, version: int, location: str, sha256: str) -> None:
         """A lone full-weight ``weights`` record of ``version`` (recorded as published, no ``pause``,
@@ -116,9 +128,10 @@ class WeightPublisher:
         self._send(self._control("resume", n, tenant=tenant, adapter=adapter))
 
     def _sync(self, version: int, location: str, sha256: str, stop: threading.Event | None, about: dict,
-              previous: dict | None) -> SyncReport:
+              previous: dict | None, engines: list[str] | None = None) -> SyncReport:
         """The one protocol: full weights (``about`` empty) or a tenant's adapter (``about`` names
-        ``tenant`` and ``adapter``; ``previous``: what its ``resume`` names if an engine failed)."""
+        ``tenant`` and ``adapter``; ``previous``: what its ``resume`` names if an engine failed);
+        ``engines``: whose answers count (None: ``trainer.engines``)."""
         t0 = time.perf_counter()
         report = SyncReport(version)
         self._send(self._control("pause", version, **about))
@@ -126,7 +139,7 @@ class WeightPublisher:
             meta = self._send(self._control("weights", version, location=location, sha256=sha256, **about))
             if not about:
                 self._published(version, location, sha256)
-            waiting = [e for e in dict.fromkeys(self.cfg.engines)]
+            waiting = list(dict.fromkeys(self.cfg.engines if engines is None else engines))
             if waiting:
                 self._await(version, meta.partition, meta.offset, waiting, report, stop, sha256, about)
             for engine in waiting:

@@ -145,3 +145,27 @@ def test_syncer_verifies_checksum_retries_and_reports_failed(kafka_config, tmp_p
         t.join(20)
         p.close()
     assert syncer.failed == [3, 4] and syncer.applied == []
+
+
+def test_a_full_weight_candidate_waits_for_the_canary_engines_only(kafka_config, tmp_path):
+    """``rollout.canary_engines`` (docs/rollout.md): a candidate's sync counts the canary engines'
+    answers alone (the other engines apply it at its ``promote``), so it resumes ok while
+    ``engine-0`` is silent; the incumbent's own order (``candidate`` False) waits for every engine."""
+    from pipeline.trainer.sync import WeightPublisher
+
+    cfg = _config(kafka_config, tmp_path, engines=["engine-0", "engine-1"], sync_timeout_s=1.5).replace(
+        rollout={"enabled": True, "canary_engines": ["engine-1"]}, proxy={"canary_engine_url": "http://x:1"})
+    pub = WeightPublisher(cfg)
+    assert pub.engines_for(True) == ["engine-1"] and pub.engines_for(False) == ["engine-0", "engine-1"]
+    answer = threading.Thread(target=lambda: (_control_log(cfg, want=2), publish(
+        cfg, [events.Control(action="applied", epoch=3, policy_version=3, run_id="test-run",
+                             engine_id="engine-1", sha256="0" * 64)], "control")), daemon=True)
+    try:
+        answer.start()
+        report = pub.sync(3, str(tmp_path), "0" * 64, engines=pub.engines_for(True))
+        answer.join(10)
+        assert report.ok and report.applied == ["engine-1"] and report.seconds < 1.5
+        report = pub.sync(4, str(tmp_path), "0" * 64, engines=pub.engines_for(False))
+    finally:
+        pub.close()
+    assert sorted(report.failed) == ["engine-0", "engine-1"]  # the incumbent's order: every engine counts

@@ -1,0 +1,43 @@
+"""Config of a full-weight canary over several engines (``rollout.canary_engines``,
+``proxy.canary_engine_url``; docs/rollout.md): inconsistent settings are refused at validation
+with a message naming the setting; consistent ones pick the live-arm gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import Config
+
+URL = "http://127.0.0.1:30001"
+
+
+def _config(canary=("engine-1",), url=URL, engines=("engine-0", "engine-1"), **more) -> Config:
+    return Config().replace(trainer={"engines": list(engines), **more.pop("trainer", {})},
+                            rollout={"enabled": True, "canary_engines": list(canary)},
+                            proxy={"canary_engine_url": url}, **more)
+
+
+def test_a_consistent_canary_is_accepted_and_decided_by_the_live_arms_without_an_eval_set():
+    c = _config()
+    assert c.rollout.canary_engines == ["engine-1"] and c.proxy.canary_engine_url == URL
+    assert c.rollout.full_weights_gate == "live"
+    assert Config().rollout.full_weights_gate == "evalset"
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"canary": ("engine-9",)}, r"\['engine-9'\] are not in trainer.engines"),
+    ({"canary": ("engine-0", "engine-1")}, "names every engine of trainer.engines"),
+    ({"canary": ("engine-1", "engine-1"), "engines": ("engine-0", "engine-1", "engine-2")}, "lists an engine twice"),
+    ({"url": None}, "needs proxy.canary_engine_url"),
+    ({"url": "http://127.0.0.1:30000/"}, "proxy.canary_engine_url is engine.url"),
+    ({"canary": (), "url": URL}, "rollout.canary_engines is empty"),
+    ({"trainer": {"lora": {"rank": 8}, "per_tenant": True}}, "with trainer.lora"),
+])
+def test_inconsistent_settings_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _config(**kw)
+
+
+def test_without_canary_engines_full_weights_still_need_the_eval_set_gate():
+    with pytest.raises(ValueError, match="rollout.eval_set and at least one rollout.guards"):
+        _config(canary=(), url=None)
