@@ -52,3 +52,13 @@ def test_a_bad_eval_set_is_refused(tmp_path):
     with pytest.raises(EvalSetError, match="checked by no item"):
         load_eval_set(_write(tmp_path, [{"eval_set": "e", "guards": ["accuracy"]},
                                         {"prompt": "x", "checks": {"a": {"exact": "y"}}}]))
+
+
+def test_the_documented_example_loads_and_grades_as_documented():
+    from pathlib import Path
+
+    es = load_eval_set(Path(__file__).resolve().parents[2] / "docs" / "examples" / "eval_set.jsonl")
+    assert (es.name, es.guards, len(es.items)) == ("team-example", ("accuracy",), 4)
+    right = {"capital-fr": "Paris.", "sum-17-25": "42", "json-ok": '{"ok": true}', "refuse-nothing": "Blue"}
+    assert all(grade(item["checks"], right[item["id"]])["accuracy"] for item in es.items)
+    assert not any(grade(item["checks"], "I do not know, 41")["accuracy"] for item in es.items)
