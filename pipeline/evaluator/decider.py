@@ -178,8 +178,9 @@ class Decider(DaemonThread):
         self.published.append(decision)
         prom.DECISIONS.labels(decision.action).inc()
         ev = decision.evidence
+        what = (f"full weights v{decision.policy_version}" if decision.tenant is None else
+                f"{decision.tenant}'s adapter {(decision.adapter or {}).get('name')}")
         log.info("evaluator: published %s of %s (%s; reward %s candidate vs %s incumbent)", decision.action,
-                 decision_key(decision), ev["reason"], ev["arms"]["candidate"].get("reward"),
-                 ev["arms"]["incumbent"].get("reward"))
+                 what, ev["reason"], ev["arms"]["candidate"].get("reward"), ev["arms"]["incumbent"].get("reward"))
         if self.on_decision is not None:
             self.on_decision(decision)

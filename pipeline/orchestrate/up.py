@@ -674,9 +674,21 @@ def status_line(stack: Stack) -> str:
             f" | samples {total('judge', 'pipeline_judge_samples_total')}"
             f" | trainer steps {total('trainer', 'pipeline_trainer_steps_total')}"
             + _next_step_part(stack)
-            + f" | policy version {total('trainer', 'pipeline_trainer_policy_version')}"
+            + f" | policy version {total('trainer', 'pipeline_trainer_policy_version')}" + _served_part(stack)
             + (f" | syncs failed {failed}" if (failed := syncs_failed(stack)) else "")
             + f" | restarts {sum(stack.supervisor.restarts().values())}")
+
+
+def _served_part(stack: Stack) -> str:
+    """`` (engines serve v0)`` when an engine's served version differs from the trainer's (a
+    canary held, a rollback restored the incumbent); empty otherwise or when no engine reports one."""
+    trained = [v for url in _stage_urls(stack, "trainer") for k, v in scrape(url).items()
+               if k == "pipeline_trainer_policy_version"]
+    served = sorted({int(v) for url in _stage_urls(stack, "engine") for k, v in scrape(url).items()
+                     if k == "pipeline_engine_weight_version"})
+    if not served or [float(v) for v in served] == trained[:1] * len(served):
+        return ""
+    return f" (engines serve {', '.join(f'v{v}' for v in served)})"
 
 
 def _next_step_part(stack: Stack) -> str:

@@ -256,3 +256,32 @@ def test_status_line_says_how_many_samples_the_next_step_still_needs(tmp_path):
     finally:
         server.shutdown()
         thread.join(timeout=5)
+
+
+def test_status_line_says_which_version_the_engines_serve_when_it_is_not_the_trainers(tmp_path):
+    """After a rollback (or while a canary holds) the engine serves another version than the
+    trainer's counter: ``(engines serve v0)``; nothing while they agree or no engine reports one."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    gauges, urls, servers = {}, {}, []
+    for name, metric in (("trainer", "pipeline_trainer_policy_version"), ("engine", "pipeline_engine_weight_version")):
+        reg = CollectorRegistry()
+        gauges[name] = Gauge(metric, "x", registry=reg)
+        port = free_port()
+        servers.append(start_http_server(port, addr="127.0.0.1", registry=reg))
+        urls[name] = f"http://127.0.0.1:{port}/metrics"
+    sup = Supervisor(tmp_path / "logs", policy=RestartPolicy(backoff_s=0.1, stable_s=0.5))
+    try:
+        gauges["trainer"].set(3)
+        gauges["engine"].set(3)
+        assert "engines serve" not in status_line(Stack(config=None, run_dir=tmp_path, supervisor=sup, metrics=urls))
+        gauges["engine"].set(0)
+        line = status_line(Stack(config=None, run_dir=tmp_path, supervisor=sup, metrics=urls))
+        assert "| policy version 3 (engines serve v0) |" in line, line
+        no_engine = {"trainer": urls["trainer"]}
+        assert "engines serve" not in status_line(Stack(config=None, run_dir=tmp_path, supervisor=sup,
+                                                        metrics=no_engine))
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            thread.join(timeout=5)
