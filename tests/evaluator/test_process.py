@@ -37,7 +37,7 @@ def test_the_evaluator_process_publishes_a_rollback_once(kafka_config):
         p.wait_line(r".*decider caught up", "the evaluator never read the (empty) topics", 90)
         publish_all(kafka_config, sync("alice", 1, A1, 1) + traffic("alice", A1, {"candidate": 1, "incumbent": 9},
                                                                          0, 40, 100))
-        p.wait_line(r".*published rollback of \('alice'", "the evaluator published no rollback", 60)
+        p.wait_line(r".*published rollback of alice's adapter", "the evaluator published no rollback", 60)
         got = wait_for(lambda: decisions(kafka_config, 1), "the rollback on control", timeout_s=30)
         assert [(d.action, d.tenant, d.adapter) for d in got] == [("rollback", "alice", A1)]
     finally:
