@@ -510,6 +510,9 @@ def _check_canary_engines(c: "Config") -> None:
     """Refuse an inconsistent full-weight canary over several engines (``rollout.canary_engines``,
     ``proxy.canary_engine_url``; docs/rollout.md). Raises ValueError naming the setting."""
     canary, engines, url = list(c.rollout.canary_engines), list(c.trainer.engines), c.proxy.canary_engine_url
+    if (canary or url is not None) and not c.rollout.enabled:
+        raise ValueError(f"rollout.canary_engines ({canary}) / proxy.canary_engine_url ({url!r}) do nothing with "
+                         "rollout.enabled false: set rollout.enabled=true, or unset them")
     if not canary:
         if url is not None:
             raise ValueError(f"proxy.canary_engine_url ({url!r}) is set but rollout.canary_engines is empty: name the "
