@@ -135,7 +135,7 @@ class Decider(DaemonThread):
 
     def _life(self) -> None:
         recorded = self.recorded()
-        self.fold, self.folded = RolloutFold(self.rule, self.run_id, self.config.rollout.full_weights_gate), 0
+        self.fold, self.folded = RolloutFold(self.rule, self.run_id, full_weights=self.config.rollout.full_weights_gate), 0
         merge = Merge(self.topic["control"])
         log.info("evaluator: decider folds %s from offset 0 (%d decisions already on control)",
                  ", ".join(self.topic.values()), len(recorded))

@@ -36,7 +36,7 @@ def test_an_eval_set_gives_rates_with_intervals_and_guards(tmp_path):
     ev = decode(encode(evaluate(es, wrong_half, policy_version=3)))
     assert ev.n == 10 and ev.metrics["accuracy"] == 0.5 and ev.metrics["brevity"] == 1.0
     assert ev.metrics["accuracy_n"] == 10 and ev.metrics["accuracy_low"] < 0.5 < ev.metrics["accuracy_high"]
-    fold = RolloutFold(RolloutConfig(enabled=True, guards=es.guards, guard_min_n=10))
+    fold = RolloutFold(RolloutConfig(enabled=True, guards=es.guards, guard_min_n=10), full_weights="evalset")
     fold.apply(Control(action="weights", epoch=3, policy_version=3, location="/w", sha256="a" * 64))
     fold.apply(ev)
     assert fold.scopes[None].canary.guards["candidate"]["accuracy"].successes == 5
