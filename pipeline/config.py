@@ -439,8 +439,9 @@ class SyncerConfig(Section):
 class RolloutSection(Section):
     """Canary rollout of new versions, promotion and rollback decided from the records
     (docs/rollout.md). Off by default: every new version serves everyone, as before. With full
-    weights (no ``trainer.lora``) the eval set alone gates each version on the one engine, so
-    :class:`Config` refuses ``enabled`` without ``eval_set`` and ``guards``."""
+    weights (no ``trainer.lora``) and no ``canary_engines`` the eval set alone gates each version
+    on the one engine, so :class:`Config` refuses ``enabled`` without ``eval_set`` (the evaluator
+    refuses guards the eval set can never decide: :func:`pipeline.rollout.evalset.check_guards`)."""
 
     enabled: bool = _d(False, "serve a new version first to a canary share of sessions; the evaluator stage "
                        "promotes or rolls it back from the records (docs/rollout.md)")
@@ -454,9 +455,11 @@ class RolloutSection(Section):
     z: float = _d(1.645, "z of the one-sided bounds (1.645: 95%)", gt=0)
     rollback_z: float = _d(2.326, "z of the live-reward rollback bound (2.326: 99%)", gt=0)
     guards: list[str] = _d(list, "eval-set metrics that must not fall (empty: the eval set's own guards; full "
-                           "weights, no trainer.lora: at least one, they alone decide)")
+                           "weights gated by the eval set: at least one, each checked by guard_min_n items, "
+                           "refused by the evaluator otherwise)")
     eval_set: str | None = _d(None, "the eval set (JSONL, docs/rollout.md) the evaluator runs on every new "
-                              "version (None: live reward only; full weights, no trainer.lora: required)")
+                              "version (None: live reward only; full weights, no trainer.lora and no "
+                              "canary_engines: required)")
     eval_max_tokens: int = _d(128, "max_tokens of each eval-set reply", ge=1)
     eval_seed: int = _d(1234, "sampling seed of the eval-set replies (the same for every version)", ge=0)
     canary_engines: list[str] = _d(list, "engine ids (a strict subset of trainer.engines) that take a full-weight "
@@ -507,6 +510,9 @@ def _check_canary_engines(c: "Config") -> None:
     """Refuse an inconsistent full-weight canary over several engines (``rollout.canary_engines``,
     ``proxy.canary_engine_url``; docs/rollout.md). Raises ValueError naming the setting."""
     canary, engines, url = list(c.rollout.canary_engines), list(c.trainer.engines), c.proxy.canary_engine_url
+    if (canary or url is not None) and not c.rollout.enabled:
+        raise ValueError(f"rollout.canary_engines ({canary}) / proxy.canary_engine_url ({url!r}) do nothing with "
+                         "rollout.enabled false: set rollout.enabled=true, or unset them")
     if not canary:
         if url is not None:
             raise ValueError(f"proxy.canary_engine_url ({url!r}) is set but rollout.canary_engines is empty: name the "
@@ -575,12 +581,11 @@ class Config(BaseSettings):
                              "would time out")
         _check_canary_engines(self)
         if self.rollout.enabled and self.trainer.lora is None and not self.rollout.canary_engines \
-                and not (self.rollout.eval_set and self.rollout.guards):
+                and not self.rollout.eval_set:
             # one full-weight engine serves the live candidate to everyone: no live arms to compare
             raise ValueError("rollout.enabled with full weights (no trainer.lora) and no rollout.canary_engines is "
-                             "gated by the eval set alone (docs/rollout.md, 'The rule'): set rollout.eval_set and at "
-                             "least one rollout.guards entry (the eval-set metrics that must not fall); got "
-                             f"eval_set={self.rollout.eval_set!r}, guards={list(self.rollout.guards)}. Or set "
+                             "gated by the eval set alone (docs/rollout.md, 'The rule'): set rollout.eval_set (its "
+                             "guards, or rollout.guards, must not fall); got eval_set=None. Or set "
                              "rollout.canary_engines (several full-weight engines), or canary tenants' LoRA adapters "
                              "(trainer.lora)")
         return self

@@ -33,7 +33,8 @@ class Evaluator:
 
     Raises:
         pipeline.config.ConfigError: ``rollout.enabled`` is false.
-        pipeline.rollout.evalset.EvalSetError, pipeline.jsonl.JsonlError: a bad eval set.
+        pipeline.rollout.evalset.EvalSetError, pipeline.jsonl.JsonlError: a bad eval set, or guards
+            it can never decide (:func:`pipeline.rollout.evalset.check_guards`).
     """
 
     def __init__(self, config: Config, engine_url: str | None = None, eval_set: str | None = None) -> None:
@@ -47,11 +48,15 @@ class Evaluator:
         self.config = config
         self.stop = threading.Event()
         self.eval_set = None
+        guards = ()
         if config.rollout.eval_set:
-            from pipeline.rollout.evalset import load_eval_set
+            from pipeline.rollout.evalset import check_guards, load_eval_set
 
             self.eval_set = load_eval_set(config.rollout.eval_set)
-        guards = self.eval_set.guards if self.eval_set is not None else ()
+            guards = self.eval_set.guards
+            gated = config.trainer.lora is None and config.rollout.full_weights_gate == "evalset"
+            check_guards(self.eval_set, tuple(config.rollout.guards) or guards,
+                         config.rollout.guard_min_n if gated else None)
         self.decider = Decider(config, guards, stop=self.stop)
         self.runner = EvalRunner(config, self.eval_set, stop=self.stop) if self.eval_set is not None else None
 

@@ -12,8 +12,9 @@ state by reading every partition of the four topics from offset 0 (assign mode,
    (:class:`pipeline.evaluator.merge.Merge`: by ``created_at``, then topic, partition, offset;
    ``control`` in its log order) and fed to :class:`pipeline.rollout.fold.RolloutFold`
    (``config.rollout.rule(guards)``, the run's ``run_id``: ``syncer.run_id`` or
-   ``trainer.run_id``; a tenant's adapter decided by the live arms, the full weights by the eval
-   set's guards alone: one engine serves the candidate to everyone). A decision the fold returns is published on ``control`` (key: the run
+   ``trainer.run_id``; a tenant's adapter decided by the live arms, the full weights by
+   ``rollout.full_weights_gate``: the eval set's guards alone on one engine, the live arms with
+   ``rollout.canary_engines``). A decision the fold returns is published on ``control`` (key: the run
    id, as the trainer's records) and acknowledged by the broker before the next record is
    folded, unless a decision about that candidate is already on ``control`` (step 1, or
    published by this life): it is then never published again. Its own record, read back
@@ -135,7 +136,7 @@ class Decider(DaemonThread):
 
     def _life(self) -> None:
         recorded = self.recorded()
-        self.fold, self.folded = RolloutFold(self.rule, self.run_id, self.config.rollout.full_weights_gate), 0
+        self.fold, self.folded = RolloutFold(self.rule, self.run_id, full_weights=self.config.rollout.full_weights_gate), 0
         merge = Merge(self.topic["control"])
         log.info("evaluator: decider folds %s from offset 0 (%d decisions already on control)",
                  ", ".join(self.topic.values()), len(recorded))

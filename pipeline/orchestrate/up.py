@@ -353,9 +353,10 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
 
     Raises:
         ValueError: several vLLM engines (not supported: the version bracket needs one engine);
-            ``rollout.enabled`` with full weights (no ``trainer.lora``) over several engines (not
-            built: one engine, gated by the eval set; the config itself refuses full-weight rollout
-            without ``rollout.eval_set`` and ``rollout.guards``).
+            ``rollout.enabled`` with full weights (no ``trainer.lora``) over several engines the
+            stack starts (one engine, gated by the eval set; the config itself refuses full-weight
+            rollout without ``rollout.eval_set``); ``rollout.canary_engines`` with engines the
+            stack starts (several full-weight engines are started by hand: docs/rollout.md).
     """
     reps = {**DEFAULT_REPLICAS, **(replicas or {})}
     if config.engine.kind == "vllm" and reps["engine"] > 1:
@@ -363,12 +364,17 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
         # and the request could reach different engines (docs/vllm.md)
         raise ValueError("--engine vllm serves from one engine: several vLLM engines behind one front are not "
                          "supported yet (drop engine=N from --replicas)")
+    if config.rollout.canary_engines and engine_url is None:
+        # the stack's own engines sit behind engine.url: proxy.canary_engine_url would point at nothing
+        raise ValueError("rollout.canary_engines with engines the stack starts itself: several full-weight engines "
+                         "are started by hand (docs/rollout.md, 'Full-weight canaries over several engines'); pass "
+                         "--engine-url of the incumbent's engines, or unset rollout.canary_engines")
     if config.rollout.enabled and trainer and config.trainer.lora is None and engine_url is None \
             and reps["engine"] > 1:
         # the eval-set gate assumes one engine serving the candidate to everyone (docs/rollout.md)
-        raise ValueError("rollout.enabled with full weights is built for one engine (the eval set gates the "
-                         "candidate it serves); full-weight canaries over several engines are not built yet: drop "
-                         "engine=N from --replicas")
+        raise ValueError("rollout.enabled with full weights on the stack's own engines is built for one engine (the "
+                         "eval set gates the candidate it serves): drop engine=N from --replicas; several "
+                         "full-weight engines are started by hand (rollout.canary_engines, docs/rollout.md)")
     if engine_url is None:
         config = serving_lora(config)
     broker_stage = None

@@ -67,6 +67,7 @@ from pipeline.engine_api.vllm import RECORDED_SAMPLING
 from pipeline.models import ModelNotFound, resolve_model
 from pipeline.proxy import metrics as M
 from pipeline.proxy.adapters import route_to, shown, wrong_adapter
+from pipeline.proxy.canary import FULL_WEIGHTS
 from pipeline.proxy.control import ControlFollower, ControlState, SyncGate
 from pipeline.proxy.errors import ClientGone as _ClientGone
 from pipeline.proxy.errors import (ProxyError, bad_request, engine_failure, error_body, generation_aborted,
@@ -234,7 +235,6 @@ class ProxyApp:
         # rollout.canary_engines: a full-weight candidate's sessions go there (docs/rollout.md)
         self.canary_upstream = Transport(pc.canary_engine_url, pc.engine_timeout_s, pc.max_connections) \
             if config.rollout.enabled and config.rollout.canary_engines else None
-        self._canary_client = None  # EngineClient over canary_upstream (SGLang streaming path)
         self.names = ServedModels(lambda: self._call("GET", "/v1/models"), pc.model_aliases, pc.unknown_model)
         self.gate = SyncGate(pc.sync_hold_timeout_s, pc.sync_max_pause_s, config.rollout.share, pc.max_sessions)
         self.follower = ControlFollower(config, self._on_control) if follow_control else None
@@ -259,7 +259,7 @@ class ProxyApp:
         self._rid_prefix = os.urandom(8).hex() + "-"
         self._seq = 0
         self.on_started = None  # optional callable run once serving starts (the CLI prints a line)
-        self._client = None  # EngineClient for the SGLang streaming path, created on first use
+        self._clients: dict[str, EngineClient] = {}  # upstream URL -> its EngineClient (SGLang streaming path)
         self.kind = config.engine.kind
         # vLLM: its answers carry no weight version: read before each recorded request and after its answer
         self._vllm = engine_client("vllm", self.upstream.base_url, pc.engine_timeout_s, transport=self.upstream,
@@ -326,9 +326,8 @@ class ProxyApp:
         await self.upstream.close()
         if self.canary_upstream is not None:
             await self.canary_upstream.close()
-        for client in (self._client, self._canary_client):
-            if client is not None:
-                await client.aclose()
+        for client in self._clients.values():
+            await client.aclose()
         await asyncio.to_thread(self.publisher.close, self.pc.shutdown_flush_s)
         self.turn_index.close()
         log.info("proxy stopped: %s", self.publisher.stats())
@@ -427,9 +426,24 @@ class ProxyApp:
     def _publish(self, ev: events.Event, key: str) -> None:
         self.publisher.publish(self.topic, ev, key)
 
-    def _version(self, raw: Any) -> int:
-        fb = self.gate.state.applied_version
-        v = policy_version(raw, fb if fb >= 0 else 0)
+    def _version(self, rec: Recorded, route: _Route) -> int:
+        """The policy version a turn of ``rec`` is recorded with: the engine's ``weight_version``.
+
+        Without one, on one upstream: the highest version an engine applied (``control``). With
+        ``rollout.canary_engines`` the two upstreams serve different versions, so the highest
+        applied would tag an incumbent engine's turn with the candidate's version: the turn is
+        version-unknown instead (``rec.version_unknown``: recorded without token ids, so the fold
+        counts none of its samples) and carries the version of the arm it was routed to.
+        """
+        v = policy_version(rec.weight_version, None)
+        if v is None and self.canary_upstream is not None:
+            rec.version_unknown = True
+            arms = (self.gate.state.serving or {}).get(FULL_WEIGHTS)
+            routed = None if arms is None else arms.candidate if route.upstream is self.canary_upstream \
+                else arms.incumbent
+            return routed if isinstance(routed, int) else 0
+        if v is None:
+            v = max(self.gate.state.applied_version, 0)
         M.POLICY_VERSION.set(v)
         return v
 
@@ -690,6 +704,7 @@ class ProxyApp:
         log-probs (as an engine that gave none): the distribution they came from is unknown, and
         a guessed temperature would look like data; it trains nothing."""
         finished = cause is None and rec.finished
+        version = self._version(rec, route)  # before the ids: it may find the version unknown
         if not finished:
             M.UNFINISHED.labels(cause or ("engine_abort" if rec.finish_reason == "abort" else "no_finish_reason")).inc()
         if defaults is None and rec.complete and not _names_distribution(user_view["sampling"]):
@@ -699,8 +714,9 @@ class ProxyApp:
             token_ids, logprobs = [], []
         elif rec.version_unknown:
             M.TURNS_WITHOUT_IDS.inc()
-            log.warning("request %s: a weight sync happened while the engine answered it: the version that "
-                        "served it is unknown, recorded without token ids and log-probs", route.rid)
+            log.warning("request %s: the version that served it is unknown (a weight sync while the engine "
+                        "answered it, or an engine that reported none beside the canary engines): recorded "
+                        "without token ids and log-probs", route.rid)
             token_ids, logprobs = [], []
         elif not rec.complete:
             M.TURNS_WITHOUT_IDS.inc()
@@ -723,7 +739,7 @@ class ProxyApp:
         turn = events.Turn(
             session_id=sid, turn_type=meta.turn_type, turn_index=turn_index, request_id=route.rid,
             created_at=route.created,
-            policy_version=self._version(rec.weight_version), model=user_view["model"] or rec.model,
+            policy_version=version, model=user_view["model"] or rec.model,
             messages=user_view["messages"], tools=user_view["tools"], sampling=user_view["sampling"],
             prompt_token_ids=rec.prompt_ids or [], response_token_ids=token_ids, response_logprobs=logprobs,
             response=rec.response, finish_reason=reason, source="proxy", chat_options=user_view["chat_options"],
@@ -1007,16 +1023,12 @@ class ProxyApp:
 
     def _engine_client(self, upstream: Transport | None) -> EngineClient:
         """The :class:`EngineClient` over ``upstream`` (None: :attr:`upstream`; else the canary
-        engines'), created on first use."""
-        if upstream is not None and upstream is self.canary_upstream:
-            if self._canary_client is None:
-                self._canary_client = EngineClient(upstream.base_url, timeout_s=self.pc.engine_timeout_s,
-                                                   transport=upstream)
-            return self._canary_client
-        if self._client is None:
-            self._client = EngineClient(self.upstream.base_url, timeout_s=self.pc.engine_timeout_s,
-                                        transport=self.upstream)
-        return self._client
+        engines'), created on first use (one per upstream)."""
+        upstream = upstream if upstream is not None else self.upstream
+        url = upstream.base_url
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url, timeout_s=self.pc.engine_timeout_s, transport=upstream)
+        return self._clients[url]
 
     @staticmethod
     async def _forward_chunks(gen, recorder: StreamRecorder, gone: asyncio.Event, send, extra: list, t0: float,

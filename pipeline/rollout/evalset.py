@@ -77,6 +77,37 @@ def load_eval_set(path) -> EvalSet:
     return EvalSet(name, guards, items)
 
 
+def check_guards(eval_set: EvalSet, guards, min_n: int | None = None) -> None:
+    """Refuse guards the eval set can never decide (docs/rollout.md "The rule").
+
+    Args:
+        eval_set: the loaded eval set.
+        guards: the effective guards (``rollout.guards``, else the eval set's declared ones).
+        min_n: ``rollout.guard_min_n`` when the eval set alone gates the full weights (the guards
+            must then be non-empty and each checked by at least ``min_n`` items); None otherwise.
+
+    Raises:
+        EvalSetError: a guard no item checks, or (``min_n``) no guards or a guard checked by
+            fewer than ``min_n`` items; the message names the guard and the counts.
+    """
+    counts = {g: sum(g in it["checks"] for it in eval_set.items) for g in guards}
+    checked = sorted({m for it in eval_set.items for m in it["checks"]})
+    for guard, n in counts.items():
+        if n == 0:
+            raise EvalSetError(f"guard {guard!r} is checked by no item of eval set {eval_set.name!r} (it checks "
+                               f"{checked}): fix rollout.guards or the eval set")
+    if min_n is None:
+        return
+    if not counts:
+        raise EvalSetError(f"the eval set {eval_set.name!r} gates the full weights and there are no guards: set "
+                           f"rollout.guards or declare 'guards' in the eval set (it checks {checked})")
+    for guard, n in counts.items():
+        if n < min_n:
+            raise EvalSetError(f"guard {guard!r} is checked by {n} items of eval set {eval_set.name!r} and "
+                               f"rollout.guard_min_n is {min_n}: it could never decide; set rollout.guard_min_n "
+                               f"<= {n} or add items")
+
+
 def grade(checks: dict, reply: str) -> dict[str, bool]:
     """Each metric of ``checks`` -> whether ``reply`` passes its check."""
     out = {}

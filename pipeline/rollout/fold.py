@@ -29,11 +29,12 @@ closes its canary (the base model serves it).
 
 Which rule decides: a tenant's adapter is compared live (both arms serve during its canary:
 :func:`pipeline.rollout.rule.decide`). The full weights' scope is decided by ``full_weights``:
-``"evalset"`` (the default: one full-weight engine serves the live candidate to everyone, so the
+``"evalset"`` (one full-weight engine serves the live candidate to everyone, so the
 eval set's guards alone decide, :func:`pipeline.rollout.rule.decide_evalset`, evidence ``rule``
 :data:`~pipeline.rollout.rule.EVALSET_RULE_NAME`) or ``"live"`` (the live-arm rule, then the eval guards when configured: a full-weight canary over
 several engines, ``rollout.canary_engines``, where the candidate serves only the canary share;
-the evaluator's decider picks it from ``rollout.full_weights_gate``).
+the evaluator's decider picks it from ``rollout.full_weights_gate``). There is no default: the
+gate is the records' config's (``rollout.full_weights_gate``), never a silent guess.
 
 Guards come from :class:`~pipeline.events.Evaluation` records (``metrics[name]`` a rate over
 ``metrics[name + '_n']``, else ``n``; :mod:`pipeline.rollout.evalset` writes them): of the full
@@ -90,7 +91,7 @@ class RolloutFold:
     ``full_weights``: the full weights' gate, one of :data:`FULL_WEIGHTS_GATES` (module docstring).
     Raises ValueError on another gate."""
 
-    def __init__(self, config: RolloutConfig, run_id: str = "default", full_weights: str = "evalset"):
+    def __init__(self, config: RolloutConfig, run_id: str = "default", *, full_weights: str):
         if full_weights not in FULL_WEIGHTS_GATES:
             raise ValueError(f"full_weights must be one of {FULL_WEIGHTS_GATES}, got {full_weights!r}")
         self.config, self.run_id, self.full_weights = config, run_id, full_weights
@@ -222,8 +223,7 @@ class RolloutFold:
         return out
 
 
-def replay(records, config: RolloutConfig, run_id: str = "default",
-           full_weights: str = "evalset") -> list[events.Control]:
+def replay(records, config: RolloutConfig, run_id: str = "default", *, full_weights: str) -> list[events.Control]:
     """The decisions a :class:`RolloutFold` (``run_id``, ``full_weights``: its gate) makes over
     ``records`` (events, in log order) that the
     records do not already hold: a decision equal to one recorded later in ``records`` (the
@@ -231,7 +231,7 @@ def replay(records, config: RolloutConfig, run_id: str = "default",
     replay of a log with its decisions returns ``[]`` and one without them returns them all."""
     records = list(records)
     recorded = [r for r in records if isinstance(r, events.Control) and r.action in events.ROLLOUT_DECISIONS]
-    fold = RolloutFold(config, run_id, full_weights)
+    fold = RolloutFold(config, run_id, full_weights=full_weights)
     out = []
     for d in map(fold.apply, records):
         if d is None:

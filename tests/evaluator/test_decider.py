@@ -23,6 +23,11 @@ A1, B1 = adapter("alice", "a"), adapter("bob", "b")
 POISONED, EQUAL = {"candidate": 1, "incumbent": 9}, {"candidate": 5, "incumbent": 5}
 
 
+def _replay(records, decider) -> list:
+    """:func:`replay` with the decider's rule, run and full weights' gate (the records' config)."""
+    return replay(records, decider.rule, decider.run_id, full_weights=decider.config.rollout.full_weights_gate)
+
+
 @pytest.fixture
 def config(kafka_config):
     return kafka_config.replace(rollout=RULE, trainer={"lora": {"rank": 4}})  # tenants' adapters
@@ -60,8 +65,8 @@ def test_alices_poisoned_adapter_is_rolled_back_once_with_evidence_and_bobs_cana
     dead = [r.event for r in read_records(config, config.topics.name("samples.dlq"), 1, 10.0)]
     assert [(x.stage, x.source_topic) for x in dead] == [("evaluator", config.topics.name("samples"))]
     log = log_in_order(config)
-    assert replay(_without_decisions(log), d.rule) == d.published  # a replay of the topics decides the same
-    assert replay(log, d.rule) == []  # and finds nothing undecided
+    assert _replay(_without_decisions(log), d) == d.published  # a replay of the topics decides the same
+    assert _replay(log, d) == []  # and finds nothing undecided
 
 
 def test_a_restart_mid_canary_decides_the_same_once(config):
@@ -70,7 +75,7 @@ def test_a_restart_mid_canary_decides_the_same_once(config):
     publish_all(config, traffic("alice", A1, POISONED, 12, 48, 124))
     second = _run(config)  # restarted mid-canary: reads everything again and decides
     assert [(x.action, x.tenant) for x in second.published] == [("rollback", "alice")]
-    assert replay(_without_decisions(log_in_order(config)), second.rule) == second.published
+    assert _replay(_without_decisions(log_in_order(config)), second) == second.published
     third = _run(config)  # restarted after the decision: applied from control, not published again
     assert third.published == [] and third.fold.scopes["alice"].rolled_back == {A1["version"]}
     assert decisions(config) == second.published
@@ -128,6 +133,6 @@ def test_full_weights_the_eval_set_gate_decides_once_and_a_restart_mid_canary_de
         ("promote", 2, "guards_held")]
     assert decisions(gated, 2) == second.published + third.published
     log = log_in_order(gated)
-    assert replay(_without_decisions(log), third.rule) == second.published + third.published
-    assert replay(log, third.rule) == []
+    assert _replay(_without_decisions(log), third) == second.published + third.published
+    assert _replay(log, third) == []
     assert third.fold.scopes[None].incumbent == 2 and third.fold.scopes[None].rolled_back == {1}

@@ -132,3 +132,33 @@ def test_full_weight_canary_over_http_rollback_promote_restart_and_recorded_turn
     turns = [e for e in read_events(cfg, "turns", lambda evs: sum(e.TYPE == "turn" for e in evs) >= len(expected),
                                     timeout_s=30, settle_s=0.2) if e.TYPE == "turn"]
     assert {t.request_id: (t.canary, t.policy_version) for t in turns} == expected
+
+
+def test_an_engine_that_reports_no_version_is_recorded_version_unknown_never_with_the_candidates(kafka_config):
+    """Beside the canary engines, the highest applied version (the candidate's, once engine-1
+    applied it) is not the version of an incumbent engine's answer: a turn whose engine reported
+    none is recorded without token ids (its samples count for no arm) and with its routed arm's
+    version, never another engine's."""
+    main, canary = StandInEngine(weight_version=None), StandInEngine(weight_version="1")
+    with serve_app(main) as main_url, serve_app(canary) as canary_url:
+        cfg = kafka_config.replace(rollout={"enabled": True, "share": SHARE, "canary_engines": ["engine-1"]},
+                                   trainer={"engines": ["engine-0", "engine-1"]},
+                                   proxy={"canary_engine_url": canary_url})
+        with running_proxy(cfg, main_url, follow_control=True) as (url, app):
+            applied = events.Control(action="applied", epoch=1, policy_version=1, run_id="default",
+                                     engine_id="engine-1")
+            publish(cfg, [_order("pause", 1), _order("weights", 1), applied, _order("resume", 1)], "control")
+            _serving(app, Arms(0, 1, True))
+            wait_for(lambda: app.gate.state.applied_version == 1, what="the proxy to see v1 applied")
+            sids = [f"s-{i}" for i in range(12)]
+            engine_of = {s: "main" if _arm(s, 1)[1] == INCUMBENT else "canary" for s in sids}
+            assert set(engine_of.values()) == {"main", "canary"}
+            for s in sids:
+                r = httpx.post(url + "/v1/chat/completions", json={"model": "default", "messages": [
+                    {"role": "user", "content": s}]}, headers={"X-Session-Id": s}, timeout=30)
+                assert r.status_code == 200, r.text
+            assert app.publisher.wait_idle(10)
+    turns = [e for e in read_events(cfg, "turns", lambda evs: sum(e.TYPE == "turn" for e in evs) >= len(sids),
+                                    timeout_s=30, settle_s=0.2) if e.TYPE == "turn"]
+    got = {t.session_id: (t.canary, t.policy_version, bool(t.response_token_ids)) for t in turns}
+    assert got == {s: (INCUMBENT, 0, False) if engine_of[s] == "main" else (CANDIDATE, 1, True) for s in sids}

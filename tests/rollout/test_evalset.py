@@ -36,7 +36,7 @@ def test_an_eval_set_gives_rates_with_intervals_and_guards(tmp_path):
     ev = decode(encode(evaluate(es, wrong_half, policy_version=3)))
     assert ev.n == 10 and ev.metrics["accuracy"] == 0.5 and ev.metrics["brevity"] == 1.0
     assert ev.metrics["accuracy_n"] == 10 and ev.metrics["accuracy_low"] < 0.5 < ev.metrics["accuracy_high"]
-    fold = RolloutFold(RolloutConfig(enabled=True, guards=es.guards, guard_min_n=10))
+    fold = RolloutFold(RolloutConfig(enabled=True, guards=es.guards, guard_min_n=10), full_weights="evalset")
     fold.apply(Control(action="weights", epoch=3, policy_version=3, location="/w", sha256="a" * 64))
     fold.apply(ev)
     assert fold.scopes[None].canary.guards["candidate"]["accuracy"].successes == 5
@@ -62,3 +62,49 @@ def test_the_documented_example_loads_and_grades_as_documented():
     right = {"capital-fr": "Paris.", "sum-17-25": "42", "json-ok": '{"ok": true}', "refuse-nothing": "Blue"}
     assert all(grade(item["checks"], right[item["id"]])["accuracy"] for item in es.items)
     assert not any(grade(item["checks"], "I do not know, 41")["accuracy"] for item in es.items)
+
+
+# ---- guards the eval set can never decide are refused (docs/rollout.md "The rule") --------------
+
+def _team(tmp_path, n=32, guards=("accuracy",)):
+    rows = [{"eval_set": "team", "guards": list(guards)}]
+    rows += [{"id": f"q{i}", "prompt": f"q{i}", "checks": {"accuracy": {"exact": "42"}}} for i in range(n)]
+    return str(_write(tmp_path, rows))
+
+
+def _evaluator(tmp_path, n=32, declared=("accuracy",), **rollout):
+    from pipeline.config import Config
+    from pipeline.evaluator import Evaluator
+
+    config = Config().replace(rollout={"enabled": True, "eval_set": _team(tmp_path, n, declared), **rollout})
+    return Evaluator(config)
+
+
+def test_a_configured_guard_no_item_checks_is_refused_with_its_name(tmp_path):
+    with pytest.raises(EvalSetError, match=r"guard 'accurracy' is checked by no item of eval set 'team'"):
+        _evaluator(tmp_path, guards=["accurracy"])
+
+
+def test_the_eval_set_gate_refuses_a_guard_checked_by_fewer_than_guard_min_n_items(tmp_path):
+    with pytest.raises(EvalSetError, match=r"guard 'accuracy' is checked by 32 items of eval set .team. and rollout.guard_min_n is 100"):
+        _evaluator(tmp_path)  # the default guard_min_n vs a 32-item eval set: too_few forever
+    ev = _evaluator(tmp_path, guard_min_n=32)
+    assert ev.decider.rule.guards == ("accuracy",) and ev.decider.rule.guard_min_n == 32
+
+
+def test_the_eval_set_gate_needs_guards_configured_or_declared(tmp_path):
+    with pytest.raises(EvalSetError, match="there are no guards: set rollout.guards"):
+        _evaluator(tmp_path, declared=(), guard_min_n=32)
+    ev = _evaluator(tmp_path, declared=(), guard_min_n=32, guards=["accuracy"])  # configured guards suffice
+    assert ev.decider.rule.guards == ("accuracy",)
+
+
+def test_live_gates_do_not_need_guard_min_n_items_but_refuse_unchecked_guards(tmp_path):
+    from pipeline.config import Config
+    from pipeline.evaluator import Evaluator
+
+    config = Config().replace(trainer={"lora": {"rank": 4}, "per_tenant": True},
+                              rollout={"enabled": True, "eval_set": _team(tmp_path)})
+    assert Evaluator(config).eval_set.name == "team"  # adapters: live arms decide, 32 items are fine
+    with pytest.raises(EvalSetError, match="'safety' is checked by no item"):
+        Evaluator(config.replace(rollout={"guards": ["safety"]}))

@@ -20,6 +20,7 @@ from pipeline.rollout.rule import RolloutConfig
 CONFIG = RolloutConfig(enabled=True, share=0.1)
 #: the live-arm rule on the full weights' scope (several engines): these tests simulate routed arms
 LIVE = "live"
+EVALSET = "evalset"
 
 
 def _adapter(tenant: str, tag: str) -> dict:
@@ -195,7 +196,7 @@ def test_a_tenants_guard_counts_from_evaluations_naming_its_adapter_and_base():
 
 def test_an_evaluation_made_before_the_canary_opened_counts_for_its_version():
     """The incumbent is evaluated at start, before its successor's canary opens: kept per version."""
-    fold = RolloutFold(RolloutConfig(enabled=True, guards=("accuracy",)))
+    fold = RolloutFold(RolloutConfig(enabled=True, guards=("accuracy",)), full_weights=EVALSET)
     assert fold.apply(_evaluation(0.6, version=0)) is None  # no canary yet
     fold.apply(_weights(1))
     assert fold.scopes[None].canary.guards["incumbent"]["accuracy"].n == 200
@@ -263,7 +264,7 @@ def _full_weight_log(accuracies: dict, sessions: int = 40) -> list:
 def test_full_weights_a_fallen_guard_rolls_back_and_a_held_one_promotes_on_the_eval_set_alone():
     for acc, want in ((0.4, ("rollback", "guard_fell:accuracy")), (1.0, ("promote", "guards_held"))):
         log = _full_weight_log({0: 1.0, 1: acc})
-        made = replay(log, GATED)
+        made = replay(log, GATED, full_weights=EVALSET)
         assert [(d.action, d.policy_version, d.evidence["reason"]) for d in made] == [(want[0], 1, want[1])]
         ev = decode(encode(made[0])).evidence  # on the wire: domains checked
         assert ev["rule"] == "newcombe-evalset-v1" and ev["incumbent"] == 0
@@ -277,17 +278,17 @@ def test_full_weights_a_fallen_guard_rolls_back_and_a_held_one_promotes_on_the_e
 
 def test_full_weights_replay_and_restart_mid_canary_decide_the_same():
     log = _full_weight_log({0: 1.0, 1: 0.4})
-    made = replay(log, GATED)
+    made = replay(log, GATED, full_weights=EVALSET)
     with_decisions = log[:-1] + made + log[-1:]
-    assert replay(with_decisions, GATED) == []  # decided already: never made twice
+    assert replay(with_decisions, GATED, full_weights=EVALSET) == []  # decided already: never made twice
     for cut in range(1, len(log) - 1):  # a restart anywhere before the decision: same decision
-        fold = RolloutFold(GATED)
+        fold = RolloutFold(GATED, full_weights=EVALSET)
         for ev in log[:cut]:
             fold.apply(ev)
-        restarted = RolloutFold(GATED)
+        restarted = RolloutFold(GATED, full_weights=EVALSET)
         assert [d for d in map(restarted.apply, log) if d is not None] == made
         assert [d for d in map(fold.apply, log[cut:]) if d is not None] == made
-    fold = RolloutFold(GATED)
+    fold = RolloutFold(GATED, full_weights=EVALSET)
     for ev in with_decisions:
         fold.apply(ev)
     assert fold.scopes[None].rolled_back == {1} and fold.scopes[None].canary.candidate == 2
@@ -299,3 +300,13 @@ def test_the_fold_refuses_an_unknown_full_weights_gate():
 
     with pytest.raises(ValueError, match="full_weights"):
         RolloutFold(GATED, full_weights="several")
+
+
+def test_the_full_weights_gate_has_no_default():
+    """The gate comes from the records' config (``rollout.full_weights_gate``), never a silent default."""
+    import pytest
+
+    with pytest.raises(TypeError, match="full_weights"):
+        RolloutFold(GATED)
+    with pytest.raises(TypeError, match="full_weights"):
+        replay([], GATED)

@@ -11,9 +11,9 @@ from pipeline.config import Config
 URL = "http://127.0.0.1:30001"
 
 
-def _config(canary=("engine-1",), url=URL, engines=("engine-0", "engine-1"), **more) -> Config:
+def _config(canary=("engine-1",), url=URL, engines=("engine-0", "engine-1"), enabled=True, **more) -> Config:
     return Config().replace(trainer={"engines": list(engines), **more.pop("trainer", {})},
-                            rollout={"enabled": True, "canary_engines": list(canary)},
+                            rollout={"enabled": enabled, "canary_engines": list(canary)},
                             proxy={"canary_engine_url": url}, **more)
 
 
@@ -32,6 +32,9 @@ def test_a_consistent_canary_is_accepted_and_decided_by_the_live_arms_without_an
     ({"url": "http://127.0.0.1:30000/"}, "proxy.canary_engine_url is engine.url"),
     ({"canary": (), "url": URL}, "rollout.canary_engines is empty"),
     ({"trainer": {"lora": {"rank": 8}, "per_tenant": True}}, "with trainer.lora"),
+    ({"engine": {"kind": "vllm"}}, "rollout.canary_engines with engine.kind vllm is not built"),
+    ({"enabled": False}, r"do nothing with rollout.enabled false"),
+    ({"enabled": False, "canary": ()}, r"proxy.canary_engine_url \('http://127.0.0.1:30001'\) do nothing"),
 ])
 def test_inconsistent_settings_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -39,5 +42,19 @@ def test_inconsistent_settings_are_refused(kw, match):
 
 
 def test_without_canary_engines_full_weights_still_need_the_eval_set_gate():
-    with pytest.raises(ValueError, match="rollout.eval_set and at least one rollout.guards"):
+    with pytest.raises(ValueError, match="set rollout.eval_set"):
         _config(canary=(), url=None)
+
+
+def test_pipeline_up_refuses_canary_engines_on_the_engines_it_starts(tmp_path):
+    """``plan_stack`` starts the engine(s) behind ``engine.url``: the canary URL would point at
+    nothing; several full-weight engines are started by hand (docs/rollout.md)."""
+    import itertools
+
+    from pipeline.orchestrate.up import plan_stack
+
+    ports = itertools.count(31000)
+    with pytest.raises(ValueError, match="several full-weight engines are started by hand"):
+        plan_stack(_config(), tmp_path, lambda: next(ports))
+    plan = plan_stack(_config(), tmp_path, lambda: next(ports), engine_url="http://127.0.0.1:30000")
+    assert "evaluator" in [s.name for s in plan.stages]  # by hand: the engines' URLs given
