@@ -56,7 +56,7 @@ class Evaluator:
             guards = self.eval_set.guards
             gated = config.trainer.lora is None and config.rollout.full_weights_gate == "evalset"
             check_guards(self.eval_set, tuple(config.rollout.guards) or guards,
-                         config.rollout.guard_min_n if gated else None)
+                         config.rollout.guard_min_n if gated else None, config.rollout.guard_margin, config.rollout.z)
         self.decider = Decider(config, guards, stop=self.stop)
         self.runner = EvalRunner(config, self.eval_set, stop=self.stop) if self.eval_set is not None else None
 

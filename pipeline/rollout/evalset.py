@@ -25,7 +25,7 @@ from typing import Callable
 from pipeline import events
 from pipeline.errors import PipelineError
 from pipeline.jsonl import read_jsonl
-from pipeline.rollout.stats import wilson_interval
+from pipeline.rollout.stats import newcombe_difference, wilson_interval
 
 CHECKS = ("exact", "contains", "regex", "max_words")
 
@@ -77,18 +77,22 @@ def load_eval_set(path) -> EvalSet:
     return EvalSet(name, guards, items)
 
 
-def check_guards(eval_set: EvalSet, guards, min_n: int | None = None) -> None:
+def check_guards(eval_set: EvalSet, guards, min_n: int | None = None, margin: float = 0.10,
+                 z: float = 1.645) -> None:
     """Refuse guards the eval set can never decide (docs/rollout.md "The rule").
 
     Args:
         eval_set: the loaded eval set.
         guards: the effective guards (``rollout.guards``, else the eval set's declared ones).
         min_n: ``rollout.guard_min_n`` when the eval set alone gates the full weights (the guards
-            must then be non-empty and each checked by at least ``min_n`` items); None otherwise.
+            must then be non-empty and each checked by at least ``min_n`` items, enough items that
+            two versions passing every one of them show non-inferiority: Newcombe's lower bound at
+            ``z`` on n/n vs n/n above ``-margin``, ``rollout.guard_margin``); None otherwise.
 
     Raises:
         EvalSetError: a guard no item checks, or (``min_n``) no guards or a guard checked by
-            fewer than ``min_n`` items; the message names the guard and the counts.
+            fewer than ``min_n`` items, or too few to ever be non-inferior within ``margin``; the
+            message names the guard and the counts.
     """
     counts = {g: sum(g in it["checks"] for it in eval_set.items) for g in guards}
     checked = sorted({m for it in eval_set.items for m in it["checks"]})
@@ -106,6 +110,12 @@ def check_guards(eval_set: EvalSet, guards, min_n: int | None = None) -> None:
             raise EvalSetError(f"guard {guard!r} is checked by {n} items of eval set {eval_set.name!r} and "
                                f"rollout.guard_min_n is {min_n}: it could never decide; set rollout.guard_min_n "
                                f"<= {n} or add items")
+        best = newcombe_difference(n, n, n, n, z)[0]  # both versions pass every item: the best case
+        if best <= -margin:
+            raise EvalSetError(f"guard {guard!r} is checked by {n} items of eval set {eval_set.name!r}: even two "
+                               f"versions passing all of them give a lower bound of {best:.3f}, not above "
+                               f"-rollout.guard_margin ({-margin}), so every candidate would be rolled back "
+                               f"inconclusive; add items or widen rollout.guard_margin")
 
 
 def grade(checks: dict, reply: str) -> dict[str, bool]:

@@ -108,3 +108,14 @@ def test_live_gates_do_not_need_guard_min_n_items_but_refuse_unchecked_guards(tm
     assert Evaluator(config).eval_set.name == "team"  # adapters: live arms decide, 32 items are fine
     with pytest.raises(EvalSetError, match="'safety' is checked by no item"):
         Evaluator(config.replace(rollout={"guards": ["safety"]}))
+
+
+def test_the_eval_set_gate_refuses_a_set_too_small_to_ever_show_a_guard_non_inferior(tmp_path):
+    from pipeline.rollout.stats import newcombe_difference
+
+    best = newcombe_difference(16, 16, 16, 16, 1.645)[0]
+    assert best < -0.10  # 16/16 vs 16/16 cannot clear the default margin: every candidate inconclusive
+    with pytest.raises(EvalSetError, match=rf"16 items .* lower bound of {best:.3f}, not above -rollout.guard_margin"):
+        _evaluator(tmp_path, n=16, guard_min_n=16)
+    assert _evaluator(tmp_path, n=16, guard_min_n=16, guard_margin=0.2).decider.rule.guard_margin == 0.2
+    assert _evaluator(tmp_path, n=32, guard_min_n=32).eval_set is not None  # 32/32: -0.078 clears -0.10
