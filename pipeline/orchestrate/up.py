@@ -47,7 +47,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker import kafka_answers
-from pipeline.config import Config, redacted
+from pipeline.config import Config, ConfigError, redacted
 from pipeline.engine_api.client import ask_once
 from pipeline.engine_api.errors import EngineError
 from pipeline.orchestrate.supervisor import RestartPolicy, StageFailed, StopOutcome, Supervisor, http_ok
@@ -352,7 +352,7 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
     the trainer's adapters when it trains them (:func:`serving_lora`).
 
     Raises:
-        ValueError: several vLLM engines (not supported: the version bracket needs one engine);
+        ConfigError: several vLLM engines (not supported: the version bracket needs one engine);
             ``rollout.enabled`` with full weights (no ``trainer.lora``) over several engines the
             stack starts (one engine, gated by the eval set; the config itself refuses full-weight
             rollout without ``rollout.eval_set``); ``rollout.canary_engines`` with engines the
@@ -362,17 +362,17 @@ def plan_stack(config: Config, run_dir: Path, new_port: Callable[[], int], broke
     if config.engine.kind == "vllm" and reps["engine"] > 1:
         # the proxy reads vLLM's version around each request: behind a round-robin front the reads
         # and the request could reach different engines (docs/vllm.md)
-        raise ValueError("--engine vllm serves from one engine: several vLLM engines behind one front are not "
+        raise ConfigError("--engine vllm serves from one engine: several vLLM engines behind one front are not "
                          "supported yet (drop engine=N from --replicas)")
     if config.rollout.canary_engines and engine_url is None:
         # the stack's own engines sit behind engine.url: proxy.canary_engine_url would point at nothing
-        raise ValueError("rollout.canary_engines with engines the stack starts itself: several full-weight engines "
+        raise ConfigError("rollout.canary_engines with engines the stack starts itself: several full-weight engines "
                          "are started by hand (docs/rollout.md, 'Full-weight canaries over several engines'); pass "
                          "--engine-url of the incumbent's engines, or unset rollout.canary_engines")
     if config.rollout.enabled and trainer and config.trainer.lora is None and engine_url is None \
             and reps["engine"] > 1:
         # the eval-set gate assumes one engine serving the candidate to everyone (docs/rollout.md)
-        raise ValueError("rollout.enabled with full weights on the stack's own engines is built for one engine (the "
+        raise ConfigError("rollout.enabled with full weights on the stack's own engines is built for one engine (the "
                          "eval set gates the candidate it serves): drop engine=N from --replicas; several "
                          "full-weight engines are started by hand (rollout.canary_engines, docs/rollout.md)")
     if engine_url is None:
