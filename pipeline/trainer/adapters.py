@@ -88,6 +88,8 @@ class CommandReader:
     for the base model, or a policy version). With ``view`` the reader starts at the beginning of
     ``control`` (the view needs the whole history: who is the incumbent) and returns only the
     actions at or above ``offset`` (those below were applied before the checkpoint that kept it).
+    :attr:`full_orders`: the policy versions of the run's full-weight ``weights`` orders read so
+    far (with ``view``, from the beginning: whether v0 was declared).
     """
 
     def __init__(self, config: Config, offset: int, view=None) -> None:
@@ -98,6 +100,7 @@ class CommandReader:
                                   Offset(per_partition={0: 0 if view is not None else offset}),
                                   partitions=[0], name="trainer")
         self.position = offset
+        self.full_orders: set[int] = set()
 
     def _action(self, ev: events.Control) -> tuple | None:
         """The action ``ev`` asks of the trainer (folded into the view first), or None."""
@@ -105,6 +108,8 @@ class CommandReader:
             return None
         if self.view is not None:
             self.view.apply(ev)
+        if ev.action == "weights" and ev.full_weights:
+            self.full_orders.add(ev.policy_version)
         if ev.action in events.ADAPTER_COMMANDS:
             return ev.action, ev.tenant
         if self.view is not None and ev.action in events.ROLLOUT_DECISIONS:

@@ -104,6 +104,7 @@ from pipeline import events, weightsync
 from pipeline.config import Config, ConfigError
 from pipeline.errors import PipelineError
 from pipeline.models import resolve_model
+from pipeline.rollout.serving import version_of
 from pipeline.trainer import checkpoint as C
 from pipeline.trainer import dist
 from pipeline.trainer import guards
@@ -167,6 +168,7 @@ class TrainerStage:
         self._commands: list[tuple] = []  # actions read, not applied yet
         self._untrained_logged: set[str] = set()
         self._poison_began: set[tuple] = set()  # (scope, k) of trainer.poison_steps begun (rank 0)
+        self._checkpoint_due = False  # a rollback restored an incumbent: the next step checkpoints
         self.log = MetricsLog(None)
 
     # ------------------------------------------------------------ setup
@@ -256,12 +258,14 @@ class TrainerStage:
 
     def _publish_incumbent(self) -> None:
         """Full weights with ``rollout.enabled`` (collective; rank 0 decides): a run at policy
-        version 0 with no export of it yet exports v0 and declares it on ``control``
-        (:meth:`pipeline.trainer.sync.WeightPublisher.declare`: a lone ``weights`` order, no pause
-        and no wait: the engines serve these weights already, and the syncers start after the
-        trainer), so the first incumbent has its own order (folder and sha256): what the syncers
-        re-apply and this trainer restores after a rollback of its successor."""
-        todo = self.par.is_main and self.version == 0 and 0 not in export_versions(self.export_dir)
+        version 0 whose ``control`` holds no ``weights`` order of v0 (read to its end at setup)
+        exports v0 (a complete folder is reused: a trainer killed between the export and the
+        order) and declares it (:meth:`pipeline.trainer.sync.WeightPublisher.declare`: a lone
+        ``weights`` order, no pause and no wait: the engines serve these weights already, and the
+        syncers start after the trainer), so the first incumbent has its own order (folder and
+        sha256): what the syncers re-apply and this trainer restores after a rollback of its
+        successor."""
+        todo = self.par.is_main and self.version == 0 and 0 not in self.commands.full_orders
         if dist.broadcast_object(todo if self.par.is_main else None):
             got = self._export({})
             if self.par.is_main:
@@ -354,7 +358,8 @@ class TrainerStage:
         (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`), one of the full weights'
         candidate the incumbent's weights (:meth:`_rollback_full`); rank 0 decides whether and
         appends its verdict to the action in ``actions``, which the other ranks follow. A
-        ``promote`` changes no weights (what was held is released by :meth:`_release`)."""
+        ``promote`` changes no weights (what was held is released by :meth:`_release`). A restore
+        makes the next step checkpoint (:meth:`_one_step`, before it exports anything)."""
         for i, a in enumerate(actions):
             if len(a) == 2:
                 if self.adapters is not None:  # full weights: adapter commands are not for it
@@ -363,17 +368,38 @@ class TrainerStage:
                 restore = self._rollback_full if a[1] is None else functools.partial(self.adapters.rollback, a[1])
                 if self.par.is_main:
                     actions[i] = (*a[:4], restore(a[2], a[3]))
+                    self._checkpoint_due |= actions[i][4]
                 else:
-                    restore(a[2], a[3], decided=a[4])
+                    self._checkpoint_due |= restore(a[2], a[3], decided=a[4])
             elif self.par.is_main:
                 log.info("%s of %s %s", a[0], "the full weights" if a[1] is None else f"{a[1]}'s adapter", a[2])
 
     def _held(self, scope: str | None) -> bool:
         """Rank 0, ``rollout.enabled``: ``scope`` (a tenant, None: the full weights) gets no new sync
-        now: its canary is open, or a decision about it was read and is not applied yet."""
+        now: its canary is open, or a decision about it was read and is not applied yet. A canary
+        whose candidate is this trainer's own unsynced newest state and is not live does not hold
+        it (:meth:`_interrupted`)."""
         if self.view is None:
             return False
-        return self.view.canary_open(scope) or any(len(a) >= 4 and a[1] == scope for a in self._commands)
+        if any(len(a) >= 4 and a[1] == scope for a in self._commands):
+            return True
+        return self.view.canary_open(scope) and not self._interrupted(scope)
+
+    def _interrupted(self, scope: str | None) -> bool:
+        """Rank 0: the scope's candidate is not live and is the state this trainer has not synced
+        yet (the full weights: ``self.version`` above ``synced.json``; a tenant: the adapter content
+        exported at its unsynced update count ``n_T``): its sync was cut short (the trainer was
+        killed between ``weights`` and ``resume``), so nothing else will ever send its ``resume``.
+        Syncing it again resumes it: a second ``weights`` of the candidate is no new canary, in the
+        serving view as in the decider's fold (an open candidate's own order), so only the
+        ``resume`` counts."""
+        s = self.view.scope(scope)
+        if s.candidate is None or s.live:
+            return False
+        if scope is None:
+            return s.candidate == self.version and C.read_synced(self.ckpt_dir) < self.version
+        t = self.adapters.table[scope]
+        return t.synced < t.updates and t.versions.get(version_of(s.candidate)) == t.updates
 
     def _release(self, why: str = "its canary was decided: syncing its newest state") -> None:
         """Export and sync every scope whose newest trained state was not synced and that is not
@@ -676,8 +702,9 @@ class TrainerStage:
             exported = self._adapter_export(tenant, record)                # its version is in the checkpoint's table
         t1 = time.perf_counter()
         last = cfg.max_steps is not None and self.step >= cfg.max_steps
-        if self.step % cfg.checkpoint_every == 0 or last or stopping:
+        if self.step % cfg.checkpoint_every == 0 or last or stopping or self._checkpoint_due:
             self._checkpoint(batch, record)
+            self._checkpoint_due = False
         record["checkpoint_s"] = time.perf_counter() - t1
         if not result.skipped and not held:
             if self.adapters is None:

@@ -143,9 +143,11 @@ def test_a_full_weight_rollback_restores_the_incumbents_export_exactly(tmp_path,
     actions = [("rollback", None, 0, 0)]  # not the newest export: nothing to restore
     stage._apply_actions(actions)
     assert actions[0][4] is False and all(torch.equal(trained[k], v) for k, v in param_copies(stage.policy).items())
+    assert not stage._checkpoint_due
     actions = [("rollback", None, 1, 0)]
     stage._apply_actions(actions)
     assert actions[0][4] is True  # rank 0's verdict, which the other TP ranks follow
+    assert stage._checkpoint_due  # the next step checkpoints the restored state before it exports
     after = param_copies(stage.policy)
     assert all(torch.equal(v0[k], after[k]) for k in v0)  # the incumbent's tensors, exactly
     again = stage.policy.export(tmp_path / "again")
@@ -171,3 +173,31 @@ def test_a_full_weight_rollback_without_a_good_incumbent_folder_changes_nothing(
     assert not stage._rollback_full(1, 0)
     assert not stage._rollback_full(1, 0, decided=False)  # another rank follows rank 0's "no"
     assert all(torch.equal(before[k], v) for k, v in param_copies(stage.policy).items())
+
+
+class DeclareRecorder:
+    """Stands in for the stage's publisher: records ``declare`` calls."""
+
+    def __init__(self) -> None:
+        self.declared: list = []
+
+    def declare(self, version: int, location: str, sha256: str) -> None:
+        self.declared.append((version, location, sha256))
+
+
+def test_v0_is_declared_unless_control_holds_its_order_even_when_its_folder_exists(tmp_path, runtime):
+    """A trainer killed between exporting ``v000000`` and declaring it: the restart declares v0
+    (reusing the folder); one whose ``control`` holds a ``weights`` order of v0 declares nothing."""
+    from types import SimpleNamespace
+
+    from pipeline import weightsync
+
+    stage = _full_stage(tmp_path, runtime)
+    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders=set())
+    stage._export({})  # the killed run's export: v000000 exists, no order on control
+    sha = weightsync.verify_folder(stage.export_dir / "v000000")
+    stage._publish_incumbent()
+    assert stage.publisher.declared == [(0, str((stage.export_dir / "v000000").resolve()), sha)]
+    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders={0})
+    stage._publish_incumbent()
+    assert stage.publisher.declared == []
