@@ -33,7 +33,10 @@ and ``synced < updates`` as for any unsynced update) but not exported or synced,
 record says ``held: true``. Once a ``promote`` or ``rollback`` is read (applied in log order with
 the commands, while idle too with ``trainer.per_tenant``) every scope with an unsynced newest
 state and no open canary is exported and synced, the newest state being the next candidate; a
-restart does the same for what it restored, so no update is lost or synced twice. Samples keep
+restart does the same for what it restored, so no update is lost or synced twice. A canary
+whose candidate is the trainer's own unsynced newest state and not live (killed between its
+``weights`` and its ``resume``) holds nothing: the restart syncs it again, and its ``resume``
+makes it live. Samples keep
 counting their staleness against the trained updates: a long canary with a small
 ``max_staleness`` drops the scope's samples as stale (counted as ``stale_dropped``; use
 ``stale_policy: downweight`` or ``max_staleness: null`` with long canaries).
@@ -48,12 +51,15 @@ A sync's ``previous`` (what its ``resume`` names when an engine failed) is the i
 
 A rollback of the **full weights'** candidate (the newest export) restores the incumbent the same
 way: its export folder ``<export_dir>/v<incumbent>`` (never pruned while it is the incumbent; a new
-run exports v0 and declares it on ``control`` first, so the first incumbent has one too) is loaded into the model
+run declares v0 on ``control`` first unless ``control`` holds its order, so the first incumbent has
+one too) is loaded into the model
 (verified by its sha256), the optimizer's moments start fresh, the held updates are dropped with
 their weights, and the policy version keeps counting: the next update is a new, higher version,
 never a reused number. The restored state counts as synced (the syncers re-apply the incumbent);
-the next checkpoint keeps it, and a restart before that reads the ``rollback`` again (it is above
-the checkpoint's ``commands_offset``) and restores again.
+the next step checkpoints it (whatever ``checkpoint_every``) before it exports anything, and a
+restart before that reads the ``rollback`` again (it is above the checkpoint's
+``commands_offset``) and restores again (the rolled-back version is still the newest export). A
+tenant's restore is checkpointed the same way.
 
 ``trainer.poison_steps`` (a test device for ``pipeline demo --rollout``): the updates of the
 listed number are trained on copies of their samples with their training signal inverted
@@ -280,8 +286,9 @@ class TrainerStage:
         (:meth:`_load_export`), the optimizer's moments start fresh, the updates held since
         ``version`` are dropped with their weights (their samples stay consumed), the policy
         version keeps counting (never reused: the next update is ``self.version + 1``) and the
-        restored state counts as synced (the engines serve the incumbent again). The next
-        checkpoint keeps it; a restart before it reads the ``rollback`` again and restores again.
+        restored state counts as synced (the engines serve the incumbent again). The next step
+        checkpoints it before its export; a restart before it reads the ``rollback`` again and
+        restores again.
         Returns whether it restored; otherwise (an older version, a missing or bad incumbent
         folder: logged) the trainer goes on from its own state."""
         if decided is None:
