@@ -500,11 +500,25 @@ class TrainerStage:
         if got is None:
             return
         candidate = self.view is not None and self.version != self.view.scope(None).incumbent
+        if candidate:
+            self._await_incumbent()
         report = self.publisher.sync(self.version, *got, stop=self.stop, engines=self.publisher.engines_for(candidate))
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
         self._after_sync(report)
         self._prune_exports()
+
+    def _await_incumbent(self) -> None:
+        """Rank 0, before a full-weight candidate's sync with ``rollout.canary_engines``: wait until
+        every engine outside the canary applied the promoted incumbent (its order is read from
+        ``control``; v0, declared, is served from the start), or the wait times out (logged,
+        :meth:`pipeline.trainer.sync.WeightPublisher.await_applied`)."""
+        incumbent = self.view.scope(None).incumbent
+        canary = self.publisher.engines_for(True)
+        others = [e for e in self.cfg.engines if e not in canary]
+        offset = self.commands.full_orders.get(incumbent)
+        if others and incumbent != 0 and offset is not None:
+            self.publisher.await_applied(incumbent, offset, others, self.stop)
 
     def _export(self, record: dict) -> tuple[str, str] | None:
         """Export the weights as ``v<version>`` (collective; a complete folder is reused, its

@@ -93,17 +93,20 @@ def test_the_other_tp_ranks_follow_rank_0s_verdict(tmp_path):
 RUNTIME_SETTINGS = {"threads": 1}
 
 
-def _full_stage(tmp_path, runtime):
-    """A :class:`TrainerStage` of full weights with rollout on (eval-set gated), its policy built on
-    ``runtime`` (no broker: the decision is handed to ``_apply_actions`` as the reader would)."""
+def _full_stage(tmp_path, runtime, engines=(), **rollout):
+    """A :class:`TrainerStage` of full weights with rollout on (eval-set gated; ``rollout``: more
+    settings), its policy built on ``runtime`` (no broker: the decision is handed to
+    ``_apply_actions`` as the reader would)."""
     from pathlib import Path
 
     from pipeline.testing.trainer import policy_trainer
     from pipeline.trainer.stage import TrainerStage
 
     cfg = load_config(None, trainer=dict(model="tiny-random", export_dir=str(tmp_path / "w"),
-                                         checkpoint_dir=str(tmp_path / "c")),
-                      rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]})
+                                         checkpoint_dir=str(tmp_path / "c"), engines=list(engines)),
+                      rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"],
+                               **rollout},
+                      proxy={"canary_engine_url": "http://x:1"} if rollout.get("canary_engines") else {})
     stage = TrainerStage(cfg)
     stage.par, stage.policy = runtime, policy_trainer(runtime)
     stage.export_dir, stage.ckpt_dir = Path(cfg.trainer.export_dir), Path(cfg.trainer.checkpoint_dir)
@@ -193,11 +196,53 @@ def test_v0_is_declared_unless_control_holds_its_order_even_when_its_folder_exis
     from pipeline import weightsync
 
     stage = _full_stage(tmp_path, runtime)
-    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders=set())
+    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders={})
     stage._export({})  # the killed run's export: v000000 exists, no order on control
     sha = weightsync.verify_folder(stage.export_dir / "v000000")
     stage._publish_incumbent()
     assert stage.publisher.declared == [(0, str((stage.export_dir / "v000000").resolve()), sha)]
-    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders={0})
+    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders={0: 0})
     stage._publish_incumbent()
     assert stage.publisher.declared == []
+
+
+class SyncRecorder:
+    """Stands in for the stage's publisher with ``rollout.canary_engines``: records the waits for
+    the incumbent and the syncs, in order."""
+
+    def __init__(self, config) -> None:
+        from pipeline.trainer.sync import WeightPublisher
+
+        self.config, self.cfg, self.calls = config, config.trainer, []
+        self.engines_for = WeightPublisher.engines_for.__get__(self)
+
+    def await_applied(self, version, offset, engines, stop=None):
+        self.calls.append(("await_applied", version, offset, engines))
+
+    def sync(self, version, location, sha256, stop=None, engines=None):
+        from pipeline.trainer.sync import SyncReport
+
+        self.calls.append(("sync", version, engines))
+        return SyncReport(version)
+
+
+def test_a_candidate_sync_waits_first_for_the_promoted_incumbent_on_the_engines_outside_the_canary(tmp_path,
+                                                                                                   runtime):
+    """``rollout.canary_engines``: after a ``promote`` of v2 the engines outside the canary apply v2
+    on their own; the next candidate's sync first waits for their ``applied`` of v2 (read from v2's
+    order on; its timeout: ``test_trainer_sync.py``). While v0, declared, is the incumbent there is
+    nothing to wait for."""
+    from types import SimpleNamespace
+
+    from pipeline.rollout.serving import ServingView
+
+    stage = _full_stage(tmp_path, runtime, engines=["engine-0", "engine-1"], canary_engines=["engine-1"])
+    stage.publisher, stage.commands, stage.view = SyncRecorder(stage.config), SimpleNamespace(full_orders={0: 0, 2: 7}), \
+        ServingView()
+    stage.version = 1
+    stage._export_and_sync({})
+    assert stage.publisher.calls == [("sync", 1, ["engine-1"])]
+    stage.view.scopes[None].incumbent, stage.version = 2, 3
+    stage.publisher.calls.clear()
+    stage._export_and_sync({})
+    assert stage.publisher.calls == [("await_applied", 2, 7, ["engine-0"]), ("sync", 3, ["engine-1"])]
