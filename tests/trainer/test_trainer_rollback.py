@@ -237,8 +237,8 @@ def test_a_candidate_sync_waits_first_for_the_promoted_incumbent_on_the_engines_
     from pipeline.rollout.serving import ServingView
 
     stage = _full_stage(tmp_path, runtime, engines=["engine-0", "engine-1"], canary_engines=["engine-1"])
-    stage.publisher, stage.commands, stage.view = SyncRecorder(stage.config), SimpleNamespace(full_orders={0: 0, 2: 7}), \
-        ServingView()
+    stage.publisher, stage.view = SyncRecorder(stage.config), ServingView()
+    stage.commands = SimpleNamespace(full_orders={0: 0, 2: 7})  # v2's order at offset 7
     stage.version = 1
     stage._export_and_sync({})
     assert stage.publisher.calls == [("sync", 1, ["engine-1"])]
