@@ -394,17 +394,19 @@ class TrainerStage:
 
     def _interrupted(self, scope: str | None) -> bool:
         """Rank 0: the scope's candidate is not live and is the state this trainer has not synced
-        yet (the full weights: ``self.version`` above ``synced.json``; a tenant: the adapter content
-        exported at its unsynced update count ``n_T``): its sync was cut short (the trainer was
-        killed between ``weights`` and ``resume``), so nothing else will ever send its ``resume``.
-        Syncing it again resumes it: a second ``weights`` of the candidate is no new canary, in the
-        serving view as in the decider's fold (an open candidate's own order), so only the
-        ``resume`` counts."""
+        yet (the full weights: a version above ``synced.json`` and not above ``self.version``; a
+        tenant: the adapter content exported at its unsynced update count ``n_T``): its sync was
+        cut short (the trainer was killed between ``weights`` and ``resume``), so nothing else will
+        ever send its ``resume``. Syncing it again resumes it: a second ``weights`` of the
+        candidate is no new canary, in the serving view as in the decider's fold (an open
+        candidate's own order), so only the ``resume`` counts. A restart from a checkpoint older
+        than the candidate re-publishes its restored weights under a higher version instead, whose
+        order supersedes the candidate (undecided) and opens the next canary."""
         s = self.view.scope(scope)
         if s.candidate is None or s.live:
             return False
         if scope is None:
-            return s.candidate == self.version and C.read_synced(self.ckpt_dir) < self.version
+            return C.read_synced(self.ckpt_dir) < s.candidate <= self.version
         t = self.adapters.table[scope]
         return t.synced < t.updates and t.versions.get(version_of(s.candidate)) == t.updates
 

@@ -256,3 +256,31 @@ def test_a_restart_after_a_full_weight_rollback_continues_from_the_restored_incu
     assert not t.is_alive() and not errors, errors
     assert (stage.step, stage.version) == (3, 3)  # not v4: the rolled-back lineage re-published
     assert _full_ctl(cfg)[-3:] == [("pause", 3), ("weights", 3), ("resume", 3)]
+
+
+@pytest.mark.slow(seconds=90)
+def test_killed_between_weights_and_resume_with_an_older_checkpoint_the_restart_supersedes_the_candidate(
+        kafka_config, tmp_path, monkeypatch):
+    """``checkpoint_every: 2``: v3's sync is killed before its ``resume``, the newest checkpoint is
+    step 2's (v2). The restart re-publishes its restored weights as v4 (engines may hold v3): v4's
+    order supersedes the never-live candidate v3 and its ``resume`` makes v4 live, instead of
+    holding the full weights behind v3 forever; the next update (v5) is held by v4's canary."""
+    cfg = _full_config(kafka_config, tmp_path, max_steps=4, checkpoint_every=2, keep_exports=5)
+
+    def feed(stage, errors) -> None:
+        for i, version in enumerate((1, 2)):
+            _publish(cfg, [None, None], 10 * i)
+            _steps(stage, i + 1, errors)
+            _decide(cfg, "promote", None, None, None, version=version)
+        _publish(cfg, [None, None], 20)  # its payload carries the promote of v2: v3 trained and synced
+
+    _run_killed(monkeypatch, 3, cfg, feed)
+    assert _full_ctl(cfg)[-2:] == [("pause", 3), ("weights", 3)]
+    _publish(cfg, [None, None], 30)
+    stage, t, errors = _run_stage(_full_config(kafka_config, tmp_path, max_steps=3, checkpoint_every=2))
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert _full_ctl(cfg)[-3:] == [("pause", 4), ("weights", 4), ("resume", 4)]
+    assert stage.version == 5 and stage.log.records()[-1].get("held")
+    scope = stage.view.scope(None)
+    assert (scope.incumbent, scope.candidate, scope.live) == (2, 4, True)
