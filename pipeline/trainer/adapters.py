@@ -88,6 +88,9 @@ class CommandReader:
     for the base model, or a policy version). With ``view`` the reader starts at the beginning of
     ``control`` (the view needs the whole history: who is the incumbent) and returns only the
     actions at or above ``offset`` (those below were applied before the checkpoint that kept it).
+    :attr:`full_orders`: the run's full-weight ``weights`` orders read so far, policy version ->
+    offset of its first order (with ``view``, from the beginning: whether v0 was declared, where
+    the engines' answers to the incumbent's order begin).
     """
 
     def __init__(self, config: Config, offset: int, view=None) -> None:
@@ -98,13 +101,16 @@ class CommandReader:
                                   Offset(per_partition={0: 0 if view is not None else offset}),
                                   partitions=[0], name="trainer")
         self.position = offset
+        self.full_orders: dict[int, int] = {}
 
-    def _action(self, ev: events.Control) -> tuple | None:
-        """The action ``ev`` asks of the trainer (folded into the view first), or None."""
+    def _action(self, ev: events.Control, offset: int) -> tuple | None:
+        """The action ``ev`` (at ``offset``) asks of the trainer (folded into the view first), or None."""
         if ev.run_id != self.run_id:
             return None
         if self.view is not None:
             self.view.apply(ev)
+        if ev.action == "weights" and ev.full_weights:
+            self.full_orders.setdefault(ev.policy_version, offset)
         if ev.action in events.ADAPTER_COMMANDS:
             return ev.action, ev.tenant
         if self.view is not None and ev.action in events.ROLLOUT_DECISIONS:
@@ -123,7 +129,7 @@ class CommandReader:
                 if isinstance(rec, Undecodable):
                     self.position = max(self.position, rec.offset + 1)
                     continue
-                action = self._action(rec.event)
+                action = self._action(rec.event, rec.offset)
                 if action is not None and rec.offset >= self.start:
                     out.append(action)
                 self.position = max(self.position, rec.offset + 1)

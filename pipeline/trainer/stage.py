@@ -33,7 +33,10 @@ and ``synced < updates`` as for any unsynced update) but not exported or synced,
 record says ``held: true``. Once a ``promote`` or ``rollback`` is read (applied in log order with
 the commands, while idle too with ``trainer.per_tenant``) every scope with an unsynced newest
 state and no open canary is exported and synced, the newest state being the next candidate; a
-restart does the same for what it restored, so no update is lost or synced twice. Samples keep
+restart does the same for what it restored, so no update is lost or synced twice. A canary
+whose candidate is the trainer's own unsynced newest state and not live (killed between its
+``weights`` and its ``resume``) holds nothing: the restart syncs it again, and its ``resume``
+makes it live. Samples keep
 counting their staleness against the trained updates: a long canary with a small
 ``max_staleness`` drops the scope's samples as stale (counted as ``stale_dropped``; use
 ``stale_policy: downweight`` or ``max_staleness: null`` with long canaries).
@@ -48,12 +51,15 @@ A sync's ``previous`` (what its ``resume`` names when an engine failed) is the i
 
 A rollback of the **full weights'** candidate (the newest export) restores the incumbent the same
 way: its export folder ``<export_dir>/v<incumbent>`` (never pruned while it is the incumbent; a new
-run exports v0 and declares it on ``control`` first, so the first incumbent has one too) is loaded into the model
+run declares v0 on ``control`` first unless ``control`` holds its order, so the first incumbent has
+one too) is loaded into the model
 (verified by its sha256), the optimizer's moments start fresh, the held updates are dropped with
 their weights, and the policy version keeps counting: the next update is a new, higher version,
 never a reused number. The restored state counts as synced (the syncers re-apply the incumbent);
-the next checkpoint keeps it, and a restart before that reads the ``rollback`` again (it is above
-the checkpoint's ``commands_offset``) and restores again.
+the next step checkpoints it (whatever ``checkpoint_every``) before it exports anything, and a
+restart before that reads the ``rollback`` again (it is above the checkpoint's
+``commands_offset``) and restores again (the rolled-back version is still the newest export). A
+tenant's restore is checkpointed the same way.
 
 ``trainer.poison_steps`` (a test device for ``pipeline demo --rollout``): the updates of the
 listed number are trained on copies of their samples with their training signal inverted
@@ -104,6 +110,7 @@ from pipeline import events, weightsync
 from pipeline.config import Config, ConfigError
 from pipeline.errors import PipelineError
 from pipeline.models import resolve_model
+from pipeline.rollout.serving import version_of
 from pipeline.trainer import checkpoint as C
 from pipeline.trainer import dist
 from pipeline.trainer import guards
@@ -167,6 +174,7 @@ class TrainerStage:
         self._commands: list[tuple] = []  # actions read, not applied yet
         self._untrained_logged: set[str] = set()
         self._poison_began: set[tuple] = set()  # (scope, k) of trainer.poison_steps begun (rank 0)
+        self._checkpoint_due = False  # a rollback restored an incumbent: the next step checkpoints
         self.log = MetricsLog(None)
 
     # ------------------------------------------------------------ setup
@@ -256,12 +264,14 @@ class TrainerStage:
 
     def _publish_incumbent(self) -> None:
         """Full weights with ``rollout.enabled`` (collective; rank 0 decides): a run at policy
-        version 0 with no export of it yet exports v0 and declares it on ``control``
-        (:meth:`pipeline.trainer.sync.WeightPublisher.declare`: a lone ``weights`` order, no pause
-        and no wait: the engines serve these weights already, and the syncers start after the
-        trainer), so the first incumbent has its own order (folder and sha256): what the syncers
-        re-apply and this trainer restores after a rollback of its successor."""
-        todo = self.par.is_main and self.version == 0 and 0 not in export_versions(self.export_dir)
+        version 0 whose ``control`` holds no ``weights`` order of v0 (read to its end at setup)
+        exports v0 (a complete folder is reused: a trainer killed between the export and the
+        order) and declares it (:meth:`pipeline.trainer.sync.WeightPublisher.declare`: a lone
+        ``weights`` order, no pause and no wait: the engines serve these weights already, and the
+        syncers start after the trainer), so the first incumbent has its own order (folder and
+        sha256): what the syncers re-apply and this trainer restores after a rollback of its
+        successor."""
+        todo = self.par.is_main and self.version == 0 and 0 not in self.commands.full_orders
         if dist.broadcast_object(todo if self.par.is_main else None):
             got = self._export({})
             if self.par.is_main:
@@ -276,8 +286,9 @@ class TrainerStage:
         (:meth:`_load_export`), the optimizer's moments start fresh, the updates held since
         ``version`` are dropped with their weights (their samples stay consumed), the policy
         version keeps counting (never reused: the next update is ``self.version + 1``) and the
-        restored state counts as synced (the engines serve the incumbent again). The next
-        checkpoint keeps it; a restart before it reads the ``rollback`` again and restores again.
+        restored state counts as synced (the engines serve the incumbent again). The next step
+        checkpoints it before its export; a restart before it reads the ``rollback`` again and
+        restores again.
         Returns whether it restored; otherwise (an older version, a missing or bad incumbent
         folder: logged) the trainer goes on from its own state."""
         if decided is None:
@@ -354,7 +365,8 @@ class TrainerStage:
         (:meth:`pipeline.trainer.adapters.TenantAdapters.rollback`), one of the full weights'
         candidate the incumbent's weights (:meth:`_rollback_full`); rank 0 decides whether and
         appends its verdict to the action in ``actions``, which the other ranks follow. A
-        ``promote`` changes no weights (what was held is released by :meth:`_release`)."""
+        ``promote`` changes no weights (what was held is released by :meth:`_release`). A restore
+        makes the next step checkpoint (:meth:`_one_step`, before it exports anything)."""
         for i, a in enumerate(actions):
             if len(a) == 2:
                 if self.adapters is not None:  # full weights: adapter commands are not for it
@@ -363,17 +375,40 @@ class TrainerStage:
                 restore = self._rollback_full if a[1] is None else functools.partial(self.adapters.rollback, a[1])
                 if self.par.is_main:
                     actions[i] = (*a[:4], restore(a[2], a[3]))
+                    self._checkpoint_due |= actions[i][4]
                 else:
-                    restore(a[2], a[3], decided=a[4])
+                    self._checkpoint_due |= restore(a[2], a[3], decided=a[4])
             elif self.par.is_main:
                 log.info("%s of %s %s", a[0], "the full weights" if a[1] is None else f"{a[1]}'s adapter", a[2])
 
     def _held(self, scope: str | None) -> bool:
         """Rank 0, ``rollout.enabled``: ``scope`` (a tenant, None: the full weights) gets no new sync
-        now: its canary is open, or a decision about it was read and is not applied yet."""
+        now: its canary is open, or a decision about it was read and is not applied yet. A canary
+        whose candidate is this trainer's own unsynced newest state and is not live does not hold
+        it (:meth:`_interrupted`)."""
         if self.view is None:
             return False
-        return self.view.canary_open(scope) or any(len(a) >= 4 and a[1] == scope for a in self._commands)
+        if any(len(a) >= 4 and a[1] == scope for a in self._commands):
+            return True
+        return self.view.canary_open(scope) and not self._interrupted(scope)
+
+    def _interrupted(self, scope: str | None) -> bool:
+        """Rank 0: the scope's candidate is not live and is the state this trainer has not synced
+        yet (the full weights: a version above ``synced.json`` and not above ``self.version``; a
+        tenant: the adapter content exported at its unsynced update count ``n_T``): its sync was
+        cut short (the trainer was killed between ``weights`` and ``resume``), so nothing else will
+        ever send its ``resume``. Syncing it again resumes it: a second ``weights`` of the
+        candidate is no new canary, in the serving view as in the decider's fold (an open
+        candidate's own order), so only the ``resume`` counts. A restart from a checkpoint older
+        than the candidate re-publishes its restored weights under a higher version instead, whose
+        order supersedes the candidate (undecided) and opens the next canary."""
+        s = self.view.scope(scope)
+        if s.candidate is None or s.live:
+            return False
+        if scope is None:
+            return C.read_synced(self.ckpt_dir) < s.candidate <= self.version
+        t = self.adapters.table[scope]
+        return t.synced < t.updates and t.versions.get(version_of(s.candidate)) == t.updates
 
     def _release(self, why: str = "its canary was decided: syncing its newest state") -> None:
         """Export and sync every scope whose newest trained state was not synced and that is not
@@ -467,11 +502,25 @@ class TrainerStage:
         if got is None:
             return
         candidate = self.view is not None and self.version != self.view.scope(None).incumbent
+        if candidate:
+            self._await_incumbent()
         report = self.publisher.sync(self.version, *got, stop=self.stop, engines=self.publisher.engines_for(candidate))
         record.update(sync_s=report.seconds, sync_applied=report.applied, sync_failed=report.failed)
         C.write_synced(self.ckpt_dir, self.version)
         self._after_sync(report)
         self._prune_exports()
+
+    def _await_incumbent(self) -> None:
+        """Rank 0, before a full-weight candidate's sync with ``rollout.canary_engines``: wait until
+        every engine outside the canary applied the promoted incumbent (its order is read from
+        ``control``; v0, declared, is served from the start), or the wait times out (logged,
+        :meth:`pipeline.trainer.sync.WeightPublisher.await_applied`)."""
+        incumbent = self.view.scope(None).incumbent
+        canary = self.publisher.engines_for(True)
+        others = [e for e in self.cfg.engines if e not in canary]
+        offset = self.commands.full_orders.get(incumbent)
+        if others and incumbent != 0 and offset is not None:
+            self.publisher.await_applied(incumbent, offset, others, self.stop)
 
     def _export(self, record: dict) -> tuple[str, str] | None:
         """Export the weights as ``v<version>`` (collective; a complete folder is reused, its
@@ -676,8 +725,9 @@ class TrainerStage:
             exported = self._adapter_export(tenant, record)                # its version is in the checkpoint's table
         t1 = time.perf_counter()
         last = cfg.max_steps is not None and self.step >= cfg.max_steps
-        if self.step % cfg.checkpoint_every == 0 or last or stopping:
+        if self.step % cfg.checkpoint_every == 0 or last or stopping or self._checkpoint_due:
             self._checkpoint(batch, record)
+            self._checkpoint_due = False
         record["checkpoint_s"] = time.perf_counter() - t1
         if not result.skipped and not held:
             if self.adapters is None:

@@ -13,6 +13,11 @@ Protocol for policy version ``V`` (epoch = ``V``):
    (then it publishes a ``failed`` report for each silent engine), ``resume``. Engines are
    never left paused: ``resume`` is always sent, also when the wait is interrupted.
 
+With ``rollout.canary_engines`` the engines outside the canary apply a promoted version at its
+``promote``; before a full-weight candidate's sync the trainer waits for their ``applied`` of the
+incumbent (:meth:`WeightPublisher.await_applied`, up to ``sync_timeout_s``, logged when one stays
+silent), so no candidate opens while they still serve the version before it.
+
 Answers are read from the offset of the trainer's own ``weights`` record onward (known from the
 produce acknowledgement), so no end-offset lookup is needed (Tansu's is unreliable). They are
 read with :class:`pipeline.bus.TopicReader`: a record that is not a valid ``control`` event goes
@@ -112,6 +117,25 @@ class WeightPublisher:
         self._send(self._control("weights", version, location=str(location), sha256=sha256))
         self._published(version, str(location), sha256)
 
+    def await_applied(self, version: int, offset: int, engines: list[str],
+                      stop: threading.Event | None = None) -> SyncReport:
+        """Wait (up to ``sync_timeout_s``) for ``applied`` of the full weights' ``version`` from each
+        of ``engines``, read on ``control`` from ``offset`` (its ``weights`` order) on, as a sync
+        waits for its answers; publishes nothing. The engines outside ``rollout.canary_engines``
+        apply a promoted version at its ``promote``: the trainer's next candidate sync waits for
+        them first (docs/rollout.md). Returns the report; a silent engine is in ``failed`` (logged)."""
+        t0 = time.perf_counter()
+        report = SyncReport(version)
+        waiting = list(dict.fromkeys(engines))
+        if waiting:
+            self._await(version, 0, offset, waiting, report, stop)
+        self._silent(waiting, report)
+        report.seconds = time.perf_counter() - t0
+        if report.failed:
+            log.warning("v%d (the promoted incumbent): not applied by %s; the next candidate's sync goes on",
+                        version, report.failed)
+        return report
+
     def sync_adapter(self, tenant: str, n: int, adapter: dict, location: str, previous: dict | None,
                      stop: threading.Event | None = None) -> SyncReport:
         """The adapter sync of ``tenant``'s update ``n`` (docs/tenants.md, "Adapter sync"): ``pause``
@@ -142,11 +166,9 @@ class WeightPublisher:
             waiting = list(dict.fromkeys(self.cfg.engines if engines is None else engines))
             if waiting:
                 self._await(version, meta.partition, meta.offset, waiting, report, stop, sha256, about)
-            for engine in waiting:
-                if engine not in report.applied and engine not in report.failed:
-                    report.failed[engine] = f"no answer within {self.cfg.sync_timeout_s:.0f} s"
-                    self._send(self._control("failed", version, engine_id=engine,
-                                             message=f"trainer: {report.failed[engine]}", **about))
+            for engine in self._silent(waiting, report):
+                self._send(self._control("failed", version, engine_id=engine,
+                                         message=f"trainer: {report.failed[engine]}", **about))
         finally:
             if about:
                 report.resumed = about["adapter"] if not report.failed and len(report.applied) == len(
@@ -160,6 +182,14 @@ class WeightPublisher:
             log.warning("sync of %s%d: applied by %s, failed on %s", f"{about['tenant']}'s adapter n=" if about
                         else "v", version, report.applied, report.failed)
         return report
+
+    def _silent(self, waiting: list[str], report: SyncReport) -> list[str]:
+        """The engines of ``waiting`` that neither applied nor failed: each is put in
+        ``report.failed`` as timed out; returns them."""
+        silent = [e for e in waiting if e not in report.applied and e not in report.failed]
+        for engine in silent:
+            report.failed[engine] = f"no answer within {self.cfg.sync_timeout_s:.0f} s"
+        return silent
 
     def _published(self, version: int, location: str, sha256: str) -> None:
         """The broker has the ``weights`` event: record it (gauge, ``published.json``)."""

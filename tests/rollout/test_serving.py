@@ -72,3 +72,17 @@ def test_full_weights_and_other_runs():
     v.apply(ctl("rollback", 1))
     assert v.scope(None).incumbent == 0 and v.scope(None).rolled_back == {1}
     assert not v.apply(ctl("promote", 1))  # no candidate to promote
+
+
+def test_a_sync_cut_short_and_run_again_opens_one_canary_that_its_resume_makes_live():
+    """A trainer killed between ``weights`` and ``resume`` syncs the same candidate again at its
+    restart: the second ``weights`` changes nothing (the decider's fold likewise:
+    ``test_fold.py::test_a_republished_order_neither_restarts_a_canary_nor_revives_a_rolled_back_version``),
+    the ``resume`` makes it live; for the full weights and for a tenant's adapter."""
+    for tenant, adapter in ((None, None), ("alice", A1)):
+        v = ServingView()
+        assert v.apply(ctl("weights", 1, tenant, adapter))
+        assert not v.apply(ctl("pause", 1, tenant, adapter)) and not v.apply(ctl("weights", 1, tenant, adapter))
+        s = v.scope(tenant)
+        assert version_of(s.candidate) == version_of(1 if tenant is None else A1) and not s.live and s.opened == 1
+        assert v.apply(ctl("resume", 1, tenant, adapter)) and v.scope(tenant).live and v.scope(tenant).opened == 1

@@ -93,17 +93,20 @@ def test_the_other_tp_ranks_follow_rank_0s_verdict(tmp_path):
 RUNTIME_SETTINGS = {"threads": 1}
 
 
-def _full_stage(tmp_path, runtime):
-    """A :class:`TrainerStage` of full weights with rollout on (eval-set gated), its policy built on
-    ``runtime`` (no broker: the decision is handed to ``_apply_actions`` as the reader would)."""
+def _full_stage(tmp_path, runtime, engines=(), **rollout):
+    """A :class:`TrainerStage` of full weights with rollout on (eval-set gated; ``rollout``: more
+    settings), its policy built on ``runtime`` (no broker: the decision is handed to
+    ``_apply_actions`` as the reader would)."""
     from pathlib import Path
 
     from pipeline.testing.trainer import policy_trainer
     from pipeline.trainer.stage import TrainerStage
 
     cfg = load_config(None, trainer=dict(model="tiny-random", export_dir=str(tmp_path / "w"),
-                                         checkpoint_dir=str(tmp_path / "c")),
-                      rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]})
+                                         checkpoint_dir=str(tmp_path / "c"), engines=list(engines)),
+                      rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"],
+                               **rollout},
+                      proxy={"canary_engine_url": "http://x:1"} if rollout.get("canary_engines") else {})
     stage = TrainerStage(cfg)
     stage.par, stage.policy = runtime, policy_trainer(runtime)
     stage.export_dir, stage.ckpt_dir = Path(cfg.trainer.export_dir), Path(cfg.trainer.checkpoint_dir)
@@ -143,9 +146,11 @@ def test_a_full_weight_rollback_restores_the_incumbents_export_exactly(tmp_path,
     actions = [("rollback", None, 0, 0)]  # not the newest export: nothing to restore
     stage._apply_actions(actions)
     assert actions[0][4] is False and all(torch.equal(trained[k], v) for k, v in param_copies(stage.policy).items())
+    assert not stage._checkpoint_due
     actions = [("rollback", None, 1, 0)]
     stage._apply_actions(actions)
     assert actions[0][4] is True  # rank 0's verdict, which the other TP ranks follow
+    assert stage._checkpoint_due  # the next step checkpoints the restored state before it exports
     after = param_copies(stage.policy)
     assert all(torch.equal(v0[k], after[k]) for k in v0)  # the incumbent's tensors, exactly
     again = stage.policy.export(tmp_path / "again")
@@ -171,3 +176,73 @@ def test_a_full_weight_rollback_without_a_good_incumbent_folder_changes_nothing(
     assert not stage._rollback_full(1, 0)
     assert not stage._rollback_full(1, 0, decided=False)  # another rank follows rank 0's "no"
     assert all(torch.equal(before[k], v) for k, v in param_copies(stage.policy).items())
+
+
+class DeclareRecorder:
+    """Stands in for the stage's publisher: records ``declare`` calls."""
+
+    def __init__(self) -> None:
+        self.declared: list = []
+
+    def declare(self, version: int, location: str, sha256: str) -> None:
+        self.declared.append((version, location, sha256))
+
+
+def test_v0_is_declared_unless_control_holds_its_order_even_when_its_folder_exists(tmp_path, runtime):
+    """A trainer killed between exporting ``v000000`` and declaring it: the restart declares v0
+    (reusing the folder); one whose ``control`` holds a ``weights`` order of v0 declares nothing."""
+    from types import SimpleNamespace
+
+    from pipeline import weightsync
+
+    stage = _full_stage(tmp_path, runtime)
+    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders={})
+    stage._export({})  # the killed run's export: v000000 exists, no order on control
+    sha = weightsync.verify_folder(stage.export_dir / "v000000")
+    stage._publish_incumbent()
+    assert stage.publisher.declared == [(0, str((stage.export_dir / "v000000").resolve()), sha)]
+    stage.publisher, stage.commands = DeclareRecorder(), SimpleNamespace(full_orders={0: 0})
+    stage._publish_incumbent()
+    assert stage.publisher.declared == []
+
+
+class SyncRecorder:
+    """Stands in for the stage's publisher with ``rollout.canary_engines``: records the waits for
+    the incumbent and the syncs, in order."""
+
+    def __init__(self, config) -> None:
+        from pipeline.trainer.sync import WeightPublisher
+
+        self.config, self.cfg, self.calls = config, config.trainer, []
+        self.engines_for = WeightPublisher.engines_for.__get__(self)
+
+    def await_applied(self, version, offset, engines, stop=None):
+        self.calls.append(("await_applied", version, offset, engines))
+
+    def sync(self, version, location, sha256, stop=None, engines=None):
+        from pipeline.trainer.sync import SyncReport
+
+        self.calls.append(("sync", version, engines))
+        return SyncReport(version)
+
+
+def test_a_candidate_sync_waits_first_for_the_promoted_incumbent_on_the_engines_outside_the_canary(tmp_path,
+                                                                                                   runtime):
+    """``rollout.canary_engines``: after a ``promote`` of v2 the engines outside the canary apply v2
+    on their own; the next candidate's sync first waits for their ``applied`` of v2 (read from v2's
+    order on; its timeout: ``test_trainer_sync.py``). While v0, declared, is the incumbent there is
+    nothing to wait for."""
+    from types import SimpleNamespace
+
+    from pipeline.rollout.serving import ServingView
+
+    stage = _full_stage(tmp_path, runtime, engines=["engine-0", "engine-1"], canary_engines=["engine-1"])
+    stage.publisher, stage.view = SyncRecorder(stage.config), ServingView()
+    stage.commands = SimpleNamespace(full_orders={0: 0, 2: 7})  # v2's order at offset 7
+    stage.version = 1
+    stage._export_and_sync({})
+    assert stage.publisher.calls == [("sync", 1, ["engine-1"])]
+    stage.view.scopes[None].incumbent, stage.version = 2, 3
+    stage.publisher.calls.clear()
+    stage._export_and_sync({})
+    assert stage.publisher.calls == [("await_applied", 2, 7, ["engine-0"]), ("sync", 3, ["engine-1"])]

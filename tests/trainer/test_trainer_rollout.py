@@ -150,3 +150,137 @@ def test_full_weights_canary_holds_the_sync_a_promote_releases_it_a_rollback_res
     assert recs[3]["policy_version"] == 4 and not recs[3].get("held") and full() == [0, 1, 2, 4]
     assert C.read_synced(tmp_path / "ckpt") == 4
     assert (tmp_path / "weights" / "v000001").is_dir()  # the incumbent's folder: kept (keep_exports=1)
+
+
+class Killed(BaseException):
+    """The trainer process dies here (raised by :func:`_killed_before_resume`)."""
+
+
+def _killed_before_resume(monkeypatch, version: int) -> None:
+    """The trainer is killed when it is about to send the ``resume`` of ``version`` (after its
+    ``pause`` and ``weights``): no ``resume``, no ``synced.json`` of it."""
+    from pipeline.trainer.sync import WeightPublisher
+
+    send = WeightPublisher._send
+
+    def _send(self, ev):
+        if ev.action == "resume" and ev.policy_version == version:
+            raise Killed(f"killed before the resume of {version}")
+        return send(self, ev)
+
+    monkeypatch.setattr(WeightPublisher, "_send", _send)
+
+
+def _died(t, errors) -> None:
+    t.join(300)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], Killed), errors
+
+
+def _run_killed(monkeypatch, version: int, cfg, before_death) -> None:
+    """Run the trainer until it is killed before the ``resume`` of ``version``; ``before_death(stage,
+    errors)`` feeds it meanwhile."""
+    with monkeypatch.context() as m:
+        _killed_before_resume(m, version)
+        stage, t, errors = _run_stage(cfg)
+        before_death(stage, errors)
+        _died(t, errors)
+
+
+def _full_config(kafka_config, tmp_path, **trainer):
+    gate = {"eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]}
+    return _config(kafka_config, tmp_path, gate, **{"per_tenant": False, "lora": None, "engines": [],
+                                                     "poison_steps": [], **trainer})
+
+
+def _full_ctl(cfg) -> list[tuple[str, int]]:
+    return [(c.action, c.policy_version) for c in _ctl(cfg) if c.full_weights and c.tenant is None]
+
+
+@pytest.mark.slow(seconds=60)
+def test_full_weights_killed_between_weights_and_resume_the_restart_resumes_the_candidate(kafka_config, tmp_path,
+                                                                                          monkeypatch):
+    """The canary of v1 opened (``weights``) but its ``resume`` never came: the serving view holds v1
+    as a candidate that is not live. The restarted trainer syncs v1 again (the same order twice is
+    no new canary) and ends with v1's ``resume``; v0 is declared once."""
+    cfg = _full_config(kafka_config, tmp_path, max_steps=1)
+    _run_killed(monkeypatch, 1, cfg, lambda stage, errors: _publish(cfg, [None, None], 0))
+    assert _full_ctl(cfg) == [("weights", 0), ("pause", 1), ("weights", 1)]
+    stage, t, errors = _run_stage(cfg)  # max_steps reached: it restores and re-syncs only
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert _full_ctl(cfg) == [("weights", 0), ("pause", 1), ("weights", 1), ("pause", 1), ("weights", 1),
+                              ("resume", 1)]
+    assert stage.view.scope(None).live and stage.view.scope(None).opened == 1
+
+
+@pytest.mark.slow(seconds=60)
+def test_an_adapter_killed_between_weights_and_resume_the_restart_resumes_the_candidate(kafka_config, tmp_path,
+                                                                                        monkeypatch):
+    """As for the full weights: alice's candidate A1 was ordered, never resumed; the restart
+    syncs A1 again and ends with its ``resume``."""
+    cfg = _config(kafka_config, tmp_path, max_steps=1, engines=[], poison_steps=[])
+    _run_killed(monkeypatch, 1, cfg, lambda stage, errors: _publish(cfg, ["alice", "alice"], 0))
+    a1 = [c.adapter for c in _ctl(cfg, "alice") if c.action == "weights"][0]
+    stage, t, errors = _run_stage(cfg)
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert [(c.action, c.adapter) for c in _ctl(cfg, "alice")] == [("pause", a1), ("weights", a1)] * 2 + [
+        ("resume", a1)]
+    assert stage.view.scope("alice").live and stage.adapters.table["alice"].published == a1
+
+
+@pytest.mark.slow(seconds=90)
+def test_a_restart_after_a_full_weight_rollback_continues_from_the_restored_incumbent(kafka_config, tmp_path,
+                                                                                      monkeypatch):
+    """``checkpoint_every: 2``: the checkpoint of step 2 predates the rollback of v1. The step after
+    the rollback checkpoints before it exports v3, so a trainer killed in v3's sync restarts from
+    v3 (the incumbent v0 plus one update), not from the held v2 of the rolled-back lineage (which
+    it would publish as v4), and resumes v3."""
+    from pipeline.trainer.stage import export_versions
+
+    cfg = _full_config(kafka_config, tmp_path, max_steps=4, checkpoint_every=2, keep_exports=5)  # 3: not the last
+
+    def feed(stage, errors) -> None:
+        _publish(cfg, [None, None], 0)
+        _publish(cfg, [None, None], 10)
+        assert [r.get("held") for r in _steps(stage, 2, errors)] == [None, True]
+        _decide(cfg, "rollback", None, None, None, version=1)
+        _publish(cfg, [None, None], 20)  # its payload carries the rollback: v0 restored, v2 dropped, v3 trained
+
+    _run_killed(monkeypatch, 3, cfg, feed)
+    assert export_versions(tmp_path / "weights") == [0, 1, 3]
+    _publish(cfg, [None, None], 30)  # trained only by a restart from step 2's checkpoint
+    stage, t, errors = _run_stage(_full_config(kafka_config, tmp_path, max_steps=3, checkpoint_every=2,
+                                               keep_exports=5))
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert (stage.step, stage.version) == (3, 3)  # not v4: the rolled-back lineage re-published
+    assert _full_ctl(cfg)[-3:] == [("pause", 3), ("weights", 3), ("resume", 3)]
+
+
+@pytest.mark.slow(seconds=90)
+def test_killed_between_weights_and_resume_with_an_older_checkpoint_the_restart_supersedes_the_candidate(
+        kafka_config, tmp_path, monkeypatch):
+    """``checkpoint_every: 2``: v3's sync is killed before its ``resume``, the newest checkpoint is
+    step 2's (v2). The restart re-publishes its restored weights as v4 (engines may hold v3): v4's
+    order supersedes the never-live candidate v3 and its ``resume`` makes v4 live, instead of
+    holding the full weights behind v3 forever; the next update (v5) is held by v4's canary."""
+    cfg = _full_config(kafka_config, tmp_path, max_steps=4, checkpoint_every=2, keep_exports=5)
+
+    def feed(stage, errors) -> None:
+        for i, version in enumerate((1, 2)):
+            _publish(cfg, [None, None], 10 * i)
+            _steps(stage, i + 1, errors)
+            _decide(cfg, "promote", None, None, None, version=version)
+        _publish(cfg, [None, None], 20)  # its payload carries the promote of v2: v3 trained and synced
+
+    _run_killed(monkeypatch, 3, cfg, feed)
+    assert _full_ctl(cfg)[-2:] == [("pause", 3), ("weights", 3)]
+    _publish(cfg, [None, None], 30)
+    stage, t, errors = _run_stage(_full_config(kafka_config, tmp_path, max_steps=3, checkpoint_every=2))
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert _full_ctl(cfg)[-3:] == [("pause", 4), ("weights", 4), ("resume", 4)]
+    assert stage.version == 5 and stage.log.records()[-1].get("held")
+    scope = stage.view.scope(None)
+    assert (scope.incumbent, scope.candidate, scope.live) == (2, 4, True)

@@ -169,3 +169,25 @@ def test_a_full_weight_candidate_waits_for_the_canary_engines_only(kafka_config,
     finally:
         pub.close()
     assert sorted(report.failed) == ["engine-0", "engine-1"]  # the incumbent's order: every engine counts
+
+
+def test_the_promoted_incumbent_is_awaited_on_the_engines_outside_the_canary(kafka_config, tmp_path):
+    """:meth:`WeightPublisher.await_applied`: an ``applied`` of the incumbent after its order counts
+    (one before it, or of another version, does not); a silent engine times out as a sync's does,
+    and nothing is published."""
+    from pipeline.trainer.sync import WeightPublisher
+
+    cfg = _config(kafka_config, tmp_path, engines=["engine-0", "engine-1", "engine-2"], sync_timeout_s=1.5).replace(
+        rollout={"enabled": True, "canary_engines": ["engine-2"]}, proxy={"canary_engine_url": "http://x:1"})
+    pub = WeightPublisher(cfg)
+    applied = lambda engine, v: events.Control(action="applied", epoch=v, policy_version=v,  # noqa: E731
+                                               run_id="test-run", engine_id=engine, sha256="0" * 64)
+    try:
+        publish(cfg, [applied("engine-1", 2)], "control")  # before the order: an earlier apply
+        order = pub._send(pub._control("weights", 2, location=str(tmp_path), sha256="0" * 64))
+        publish(cfg, [applied("engine-1", 1), applied("engine-0", 2)], "control")
+        report = pub.await_applied(2, order.offset, ["engine-0", "engine-1"])
+    finally:
+        pub.close()
+    assert report.applied == ["engine-0"] and list(report.failed) == ["engine-1"] and report.seconds >= 1.5
+    assert [c.action for c in _control_log(cfg, want=4)] == ["applied", "weights", "applied", "applied"]
