@@ -109,3 +109,38 @@ def readyz(port: int) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+class RecordingProducer:
+    """A producer stand-in for syncers driven with records (no broker): keeps what they publish."""
+
+    def __init__(self) -> None:
+        self.sent: list[events.Control] = []
+
+    def send(self, topic, ev, key=None):
+        self.sent.append(ev)
+        return self
+
+    def get(self, timeout=None):
+        return None
+
+
+@contextlib.contextmanager
+def syncer_maker():
+    """Yield ``make(config, engine)``: a :class:`pipeline.syncer.Syncer` of ``config`` calling the
+    stand-in ``engine`` (no broker; drive it with records); every one made is closed on exit."""
+    from pipeline.syncer import Syncer
+
+    made = []
+
+    def make(config: Config, engine):
+        s = Syncer(config)
+        s._engine = engine
+        made.append(s)
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.close()

@@ -16,6 +16,7 @@ from pipeline import events
 from pipeline.config import Config
 from pipeline.engine_api.errors import EngineError
 from pipeline.testing.lora import adapter_order
+from tests.syncer.syncing import RecordingProducer, syncer_maker
 
 RUN = "default"
 EVIDENCE = {"rule": "test", "reason": "test", "config": {}, "incumbent": None,
@@ -60,18 +61,6 @@ class _Engine:
         pass
 
 
-class _Producer:
-    def __init__(self) -> None:
-        self.sent: list[events.Control] = []
-
-    def send(self, topic, ev, key=None):
-        self.sent.append(ev)
-        return self
-
-    def get(self, timeout=None):
-        return None
-
-
 @pytest.fixture
 def verified(monkeypatch):
     """Every folder passes the content check (not under test here)."""
@@ -83,25 +72,13 @@ def verified(monkeypatch):
 @pytest.fixture
 def syncers():
     """``make(engine, rollout)``: a :class:`pipeline.syncer.Syncer` calling ``engine`` (closed after)."""
-    from pipeline.syncer import Syncer
-
-    made = []
-
-    def make(engine: _Engine, rollout: bool):
-        cfg = Config().replace(rollout={"enabled": rollout}, trainer={"lora": {"rank": 4}},
-                               syncer={"engine_id": "engine-0", "retries": 0})
-        s = Syncer(cfg)
-        s._engine = engine
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    with syncer_maker() as make:
+        yield lambda engine, rollout: make(Config().replace(rollout={"enabled": rollout}, trainer={"lora": {"rank": 4}},
+                                                            syncer={"engine_id": "engine-0", "retries": 0}), engine)
 
 
-def _feed(syncer, *recs: events.Control) -> _Producer:
-    p = _Producer()
+def _feed(syncer, *recs: events.Control) -> RecordingProducer:
+    p = RecordingProducer()
     syncer.handle_tenant_records(p, list(recs))
     return p
 
@@ -120,13 +97,13 @@ def test_both_serve_during_a_canary_and_a_rollback_unloads_the_candidate(verifie
     _feed(s, _order("resume", A2))  # the candidate goes live: the incumbent still serves
     assert set(eng.loaded) == _names(A1, A2, B1)
     eng.loaded.clear()  # the engine restarted
-    assert s.reconcile_adapters(_Producer())
+    assert s.reconcile_adapters(RecordingProducer())
     assert set(eng.loaded) == _names(A1, A2, B1)  # both of alice's are back
     _feed(s, _order("rollback", A2))
     assert set(eng.loaded) == _names(A1, B1)  # bob untouched
     _feed(s, _order("resume", A2))  # a late order naming the rolled-back version: never served again
     eng.loaded.clear()
-    assert s.reconcile_adapters(_Producer())
+    assert s.reconcile_adapters(RecordingProducer())
     assert set(eng.loaded) == _names(A1, B1)
 
 
@@ -142,7 +119,7 @@ def test_a_promotion_keeps_the_old_incumbent_until_the_next_resume(verified, syn
     _feed(s, _order("resume", A3))
     assert set(eng.loaded) == _names(A2, A3)  # the new canary: incumbent A2 beside candidate A3
     eng.loaded.clear()
-    assert s.reconcile_adapters(_Producer()) and set(eng.loaded) == _names(A2, A3)
+    assert s.reconcile_adapters(RecordingProducer()) and set(eng.loaded) == _names(A2, A3)
 
 
 def test_a_restarted_syncer_unloads_a_rolled_back_adapter_the_engine_still_holds(verified, syncers):
@@ -153,7 +130,7 @@ def test_a_restarted_syncer_unloads_a_rolled_back_adapter_the_engine_still_holds
     s = syncers(eng, rollout=True)
     for ev in recs:  # what scan_control folds at start
         s.tenants.see(ev)
-    assert s.reconcile_adapters(_Producer())
+    assert s.reconcile_adapters(RecordingProducer())
     assert set(eng.loaded) == _names(A1)
 
 
@@ -164,6 +141,6 @@ def test_rollout_off_a_resume_names_the_one_adapter_that_serves(verified, syncer
     _feed(s, _order("weights", A2), _order("resume", A2), _order("rollback", A2))  # decisions: ignored
     assert set(eng.loaded) == _names(A1, A2)  # A1: served alice until this resume (kept until the next)
     eng.loaded.clear()
-    assert s.reconcile_adapters(_Producer()) and set(eng.loaded) == _names(A2)  # the last resume only
+    assert s.reconcile_adapters(RecordingProducer()) and set(eng.loaded) == _names(A2)  # the last resume only
     _feed(s, _order("weights", A3), _order("resume", A3))
     assert set(eng.loaded) == _names(A2, A3)

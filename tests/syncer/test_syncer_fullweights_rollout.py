@@ -17,6 +17,7 @@ import pytest
 
 from pipeline import events, weightsync
 from pipeline.config import Config
+from tests.syncer.syncing import RecordingProducer, syncer_maker
 
 RUN = "default"
 EVIDENCE = {"rule": "newcombe-evalset-v1", "reason": "test", "config": {}, "incumbent": 0,
@@ -39,18 +40,6 @@ class _Engine:
 
     async def aclose(self) -> None:
         pass
-
-
-class _Producer:
-    def __init__(self) -> None:
-        self.sent: list[events.Control] = []
-
-    def send(self, topic, ev, key=None):
-        self.sent.append(ev)
-        return self
-
-    def get(self, timeout=None):
-        return None
 
 
 class _Consumer:
@@ -85,27 +74,16 @@ def _resume(version: int) -> events.Control:
 
 @pytest.fixture
 def syncer(tmp_path):
-    from pipeline.syncer import Syncer
-
-    made = []
-
-    def make(engine: _Engine):
-        cfg = Config().replace(rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"),
-                                        "guards": ["accuracy"]},
-                               syncer={"engine_id": "engine-0", "retries": 0})
-        s = Syncer(cfg)
-        s._engine = engine
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    """``make(engine)``: a full-weight rollout :class:`pipeline.syncer.Syncer` calling ``engine``."""
+    cfg = Config().replace(rollout={"enabled": True, "eval_set": str(tmp_path / "team.jsonl"), "guards": ["accuracy"]},
+                           syncer={"engine_id": "engine-0", "retries": 0})
+    with syncer_maker() as make:
+        yield lambda engine: make(cfg, engine)
 
 
-def _feed(s, *recs: events.Control) -> _Producer:
+def _feed(s, *recs: events.Control) -> RecordingProducer:
     """One drained poll of ``recs``, as :meth:`Syncer.run` handles it (full weights only)."""
-    p = _Producer()
+    p = RecordingProducer()
     polled = [SimpleNamespace(partition=0, offset=i, event=ev) for i, ev in enumerate(recs)]
     latest, tenant_recs, _ = s._drain(_Consumer(), polled)
     assert tenant_recs == []
@@ -144,12 +122,12 @@ def test_a_restarted_syncer_reconciles_to_the_incumbent_not_the_rolled_back_vers
         s.tenants.see_full(ev)
     s.target = s.tenants.full_target(v1)  # published.json names v1, the newest export
     assert s.target == v0
-    p = _Producer()
+    p = RecordingProducer()
     assert s.reconcile(p)
     assert eng.loads == [(v0.location, "0")]  # its own folder, verified: never v1's
     assert [(c.action, c.policy_version) for c in p.sent] == [("applied", 0)]
     loads = len(eng.loads)
-    assert s.reconcile(_Producer()) and len(eng.loads) == loads  # in sync now: nothing reloaded
+    assert s.reconcile(RecordingProducer()) and len(eng.loads) == loads  # in sync now: nothing reloaded
 
 
 def test_a_tampered_incumbent_folder_is_refused_and_retried_by_reconcile(syncer, tmp_path):
@@ -164,4 +142,4 @@ def test_a_tampered_incumbent_folder_is_refused_and_retried_by_reconcile(syncer,
     assert [(c.action, c.policy_version) for c in out.sent] == [("failed", 0)]
     assert eng.loads == [(v1.location, "1")] and s.target == v0  # one poll: only the candidate was applied
     s._retry_at = 0.0  # the back-off after the failure is not under test
-    assert not s.reconcile(_Producer()) and s.target == v0 and eng.loads == [(v1.location, "1")]
+    assert not s.reconcile(RecordingProducer()) and s.target == v0 and eng.loads == [(v1.location, "1")]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import Config
-from tests.syncer.test_syncer_fullweights_rollout import _decision, _Engine, _export, _feed, _Producer, _resume
+from tests.syncer.test_syncer_fullweights_rollout import _decision, _Engine, _export, _feed, _resume
+from tests.syncer.syncing import RecordingProducer, syncer_maker
 
 
 def _config(engine_id: str) -> Config:
@@ -25,19 +26,9 @@ def _config(engine_id: str) -> Config:
 
 @pytest.fixture
 def syncer():
-    from pipeline.syncer import Syncer
-
-    made = []
-
-    def make(engine_id: str, engine: _Engine):
-        s = Syncer(_config(engine_id))
-        s._engine = engine
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    """``make(engine_id, engine)``: the syncer of ``engine_id`` calling the stand-in ``engine``."""
+    with syncer_maker() as make:
+        yield lambda engine_id, engine: make(_config(engine_id), engine)
 
 
 def test_outside_the_canary_a_candidate_waits_for_its_promote_and_a_rollback_loads_nothing(syncer, tmp_path):
@@ -83,7 +74,7 @@ def test_a_restarted_syncer_reconciles_to_what_its_engine_must_serve(syncer, tmp
         s.tenants.see_full(ev)
     s.target = s.tenants.full_target(v1, s.takes_candidate)
     assert s.target == (v0, v1)[want]
-    p = _Producer()
+    p = RecordingProducer()
     assert s.reconcile(p)
     assert eng.loads == [(s.target.location, str(want))]
     assert [(c.action, c.policy_version) for c in p.sent] == [("applied", want)]
