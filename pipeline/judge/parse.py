@@ -1,4 +1,5 @@
-"""Parsing judge output: ``\\boxed{...}`` scores and hints (the majority vote: :mod:`pipeline.votes`).
+"""Parsing judge output: ``\\boxed{...}`` scores and hints (the vote in the last box,
+:func:`pipeline.votes.parse_score`, and the majority vote live in :mod:`pipeline.votes`).
 
 The PRM (process reward model) prompt of OpenClaw-RL's Binary RL asks the judge to end with
 ``\\boxed{1}``, ``\\boxed{0}`` or ``\\boxed{-1}``; the OPD hint prompt asks for ``\\boxed{1}`` plus a
@@ -9,54 +10,10 @@ while thinking; the **last** box is the answer. Anything else is a failed vote (
 
 from __future__ import annotations
 
-import re
+from pipeline.votes import last_boxed, parse_score  # noqa: F401 (the judge reads its votes with them)
 
-
-_BOX = "\\boxed{"
-_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.S)
-_NUMBER = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)$")
 HINT_START = "[HINT_START]"
 HINT_END = "[HINT_END]"
-
-
-def last_boxed(text: str | None) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
-    if not text:
-        return None
-    pos = text.rfind(_BOX)
-    while pos >= 0:
-        depth, i = 1, pos + len(_BOX)
-        while i < len(text) and depth:
-            c = text[i]
-            depth += (c == "{") - (c == "}")
-            i += 1
-        if depth == 0:
-            return text[pos + len(_BOX): i - 1]
-        pos = text.rfind(_BOX, 0, pos)  # unterminated box (truncated output): try an earlier one
-    return None
-
-
-def parse_score(text: str | None, allowed: tuple[int, ...] = (1, 0, -1)) -> int | None:
-    """The vote in the last ``\\boxed{}``: an int in ``allowed``, or None (failed vote).
-
-    Accepts ``1``, ``+1``, ``-1``, ``0``, ``1.0``, ``-1.00``, surrounding spaces or ``$``,
-    and one ``\\text{..}``-style wrapper. Rejects other numbers (``2``, ``0.5``), words and
-    missing boxes.
-    """
-    inner = last_boxed(text)
-    if inner is None:
-        return None
-    s = inner.strip().strip("$").strip()
-    m = _WRAPPERS.match(s)
-    if m:
-        s = m.group(1).strip()
-    s = s.replace(" ", "")
-    if not _NUMBER.match(s):
-        return None
-    value = float(s)
-    if value != int(value) or int(value) not in allowed:
-        return None
-    return int(value)
 
 
 def parse_hint(text: str | None, min_chars: int = 10) -> tuple[int | None, str | None]:

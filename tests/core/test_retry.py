@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.engine_api.errors import (EngineError, EngineTimeout, EngineUnavailable, EngineUnreachable,
                                          retried)
-from pipeline.judge.backends.llm import HttpJudge
+from pipeline.engine_api.judging import HttpJudge
 from pipeline.retry import Transient, retrying
 from pipeline.testing.servers import serve_app
 

@@ -16,10 +16,9 @@ votes unparseable on 34 of 40 turns. A small CPU model is no judge; production u
 
 from __future__ import annotations
 
-import importlib
-
-from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
 from pipeline.errors import PipelineError
+from pipeline.judge.backends.base import Backend, HintVerdict, Verdict
+from pipeline.plugins import PluginError, load_object
 
 BUILTIN = {
     "llm": "pipeline.judge.backends.llm:LLMBackend",
@@ -34,18 +33,14 @@ class BackendError(PipelineError, ValueError):
 
 
 def backend_class(spec: str) -> type[Backend]:
-    """The backend class for a name or import path. Raises :class:`BackendError`."""
+    """The backend class for a name or import path (:func:`pipeline.plugins.load_object`).
+    Raises :class:`BackendError`."""
     path = BUILTIN.get(spec, spec)
-    if ":" in path:
-        mod_name, _, attr = path.partition(":")
-    else:
-        mod_name, _, attr = path.rpartition(".")
-    if not mod_name or not attr:
-        raise BackendError(f"judge.backend {spec!r}: use one of {', '.join(BUILTIN)} or 'package.module:Class'")
     try:
-        cls = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise BackendError(f"judge.backend {spec!r}: cannot import {path}: {e}") from e
+        cls = load_object(path)
+    except PluginError as e:
+        raise BackendError(f"judge.backend {spec!r}: {e} (use one of {', '.join(BUILTIN)} or "
+                           "'package.module:Class')") from e
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise BackendError(f"judge.backend {spec!r}: {path} is not a pipeline.judge.backends.Backend subclass")
     return cls
