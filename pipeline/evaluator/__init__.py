@@ -8,7 +8,7 @@ Only with ``rollout.enabled`` (docs/rollout.md "The evaluator stage"). One proce
   ``control``;
 - :mod:`pipeline.evaluator.runner`: :class:`EvalRunner` runs ``rollout.eval_set`` against every
   version that serves and publishes an :class:`~pipeline.events.Evaluation` on ``metrics``
-  (absent without an eval set);
+  (absent without an eval set), its ``judge`` checks graded by :mod:`pipeline.evaluator.judged`;
 - :mod:`pipeline.evaluator.cli`: the command; :class:`Evaluator` starts both (for launchers).
 """
 
@@ -33,8 +33,9 @@ class Evaluator:
 
     Raises:
         pipeline.config.ConfigError: ``rollout.enabled`` is false.
-        pipeline.rollout.evalset.EvalSetError, pipeline.jsonl.JsonlError: a bad eval set, or guards
-            it can never decide (:func:`pipeline.rollout.evalset.check_guards`).
+        pipeline.rollout.evalset.EvalSetError, pipeline.jsonl.JsonlError: a bad eval set, guards
+            it can never decide (:func:`pipeline.rollout.evalset.check_guards`), or ``judge`` checks
+            and no LLM judge configured (:func:`pipeline.evaluator.judged.require_llm_judge`).
     """
 
     def __init__(self, config: Config, engine_url: str | None = None, eval_set: str | None = None) -> None:

@@ -26,7 +26,13 @@ the evaluation (:class:`NotServing`). With one full-weight engine the incumbent 
 evaluated at start (before its successor is applied) or as the candidate it once was. With
 ``rollout.canary_engines`` (a full-weight canary over several engines) the live full-weight
 candidate is evaluated at ``proxy.canary_engine_url`` (the engines that serve it) and the
-incumbent at ``engine.url`` (:meth:`EvalRunner.url_of`). Engine
+incumbent at ``engine.url`` (:meth:`EvalRunner.url_of`).
+
+An eval set with ``judge`` checks is graded by the LLM judge of ``config.judge``
+(:class:`pipeline.evaluator.judged.EvalJudge`, the judge stage's client and vote rules), asked once
+every reply is in; an eval set without them never opens it, and one with them and no LLM judge
+(``judge.backend`` not ``llm``) is refused when the runner is made. A judge check the judge gave
+no verdict on is absent from that evaluation (logged), never a failure. Engine
 errors and versions not served are logged and retried with back-off (1 s doubling to 60 s),
 for as long as the version is wanted; the runner never stops on one.
 """
@@ -46,7 +52,8 @@ from pipeline.engine_api.backend import adapter_model, engine_client
 from pipeline.evaluator import prom
 from pipeline.evaluator.lifecycle import DaemonThread
 from pipeline.evaluator.decider import run_id_of
-from pipeline.rollout.evalset import EvalSet, evaluate
+from pipeline.evaluator.judged import EvalJudge, require_llm_judge
+from pipeline.rollout.evalset import EvalSet, Judge, evaluate
 from pipeline.rollout.serving import ServingView, version_of
 
 log = logging.getLogger(__name__)
@@ -65,6 +72,10 @@ class EvalRunner(DaemonThread):
         eval_set: the loaded eval set (:func:`pipeline.rollout.evalset.load_eval_set`).
         stop: the owner's stop flag (default: its own).
 
+    Raises:
+        pipeline.rollout.evalset.EvalSetError: the eval set has ``judge`` checks and no LLM judge is
+            configured (:func:`pipeline.evaluator.judged.require_llm_judge`).
+
     Attributes:
         published: the evaluations this process published, in order.
         done: ``(scope, version)`` evaluated with this eval set (read back or published).
@@ -74,6 +85,7 @@ class EvalRunner(DaemonThread):
 
     def __init__(self, config: Config, eval_set: EvalSet, stop: threading.Event | None = None,
                  retry_s: float = 1.0, max_retry_s: float = 60.0) -> None:
+        require_llm_judge(config, eval_set)
         self.config, self.eval_set, self.run_id = config, eval_set, run_id_of(config)
         self.stop = stop if stop is not None else threading.Event()
         self.retry_s, self.max_retry_s = retry_s, max_retry_s
@@ -86,6 +98,7 @@ class EvalRunner(DaemonThread):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: dict[str, object] = {}  # engine URL -> engine.kind's client
         self._producer: EventProducer | None = None
+        self._judge = EvalJudge(config) if eval_set.uses_judge else None  # grades the judge checks
 
     # ---- what to evaluate -----------------------------------------------------------------------
     def wanted(self) -> list[tuple]:
@@ -120,8 +133,7 @@ class EvalRunner(DaemonThread):
                                 self.retry_s)
                     self.stop.wait(self.retry_s)
         finally:
-            for client in self._clients.values():
-                self._loop.run_until_complete(client.aclose())
+            self.close_clients()
             self._loop.close()
             if self._producer is not None:
                 self._producer.close()
@@ -194,12 +206,29 @@ class EvalRunner(DaemonThread):
             gate = asyncio.Semaphore(EVAL_CONCURRENCY)
             return list(await asyncio.gather(*(ask(it["messages"], gate) for it in self.eval_set.items)))
 
-        replies = iter(self._loop.run_until_complete(ask_all()))  # in item order, as evaluate asks them
+        replies = self._loop.run_until_complete(ask_all())  # in item order, as evaluate asks them
+        judge, left = self._judge_of(replies), iter(replies)
         pv = version if scope is None else self.view.scope(None).incumbent
-        ev = evaluate(self.eval_set, lambda _messages: next(replies), pv, run_id=self.run_id,
-                      created_at=events.now_ms())
+        ev = evaluate(self.eval_set, lambda _messages: next(left), pv, run_id=self.run_id,
+                      created_at=events.now_ms(), judge=judge)
         ev.tenant, ev.adapter = scope, adapter
         return ev
+
+    def _judge_of(self, replies: list[str]) -> Judge | None:
+        """The eval set's judge checks of these replies (in item order), judged concurrently, as
+        :func:`pipeline.rollout.evalset.evaluate`'s ``judge``; None when it has none."""
+        if self._judge is None:
+            return None
+        verdicts = self._loop.run_until_complete(self._judge.verdicts(self.eval_set.items, replies))
+        return lambda criterion, item, _reply: verdicts[(id(item), criterion)]
+
+    def close_clients(self) -> None:
+        """Close the engine clients and the judge's, on the runner's event loop."""
+        for client in self._clients.values():
+            self._loop.run_until_complete(client.aclose())
+        self._clients.clear()
+        if self._judge is not None:
+            self._loop.run_until_complete(self._judge.aclose())
 
     def url_of(self, scope: str | None, version) -> str:
         """The engine that serves ``version`` of ``scope``: ``proxy.canary_engine_url`` for the full
