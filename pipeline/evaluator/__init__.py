@@ -19,6 +19,7 @@ import threading
 
 from pipeline.config import Config, ConfigError
 from pipeline.evaluator.decider import Decider
+from pipeline.evaluator.judged import require_llm_judge
 from pipeline.evaluator.runner import EvalRunner
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Evaluator:
             from pipeline.rollout.evalset import check_guards, load_eval_set
 
             self.eval_set = load_eval_set(config.rollout.eval_set)
+            require_llm_judge(config, self.eval_set)
             guards = self.eval_set.guards
             gated = config.trainer.lora is None and config.rollout.full_weights_gate == "evalset"
             check_guards(self.eval_set, tuple(config.rollout.guards) or guards,

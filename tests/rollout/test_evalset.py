@@ -46,6 +46,8 @@ def test_a_bad_eval_set_is_refused(tmp_path):
     with pytest.raises(EvalSetError, match="checks"):
         load_eval_set(_write(tmp_path, [{"prompt": "x"}]))
     with pytest.raises(EvalSetError, match="one of"):
+        load_eval_set(_write(tmp_path, [{"prompt": "x", "checks": {"a": {"grader": 1}}}]))
+    with pytest.raises(EvalSetError, match="line 1: check 'a': 'judge' takes a criterion"):
         load_eval_set(_write(tmp_path, [{"prompt": "x", "checks": {"a": {"judge": 1}}}]))
     with pytest.raises(EvalSetError, match="bad regex"):
         load_eval_set(_write(tmp_path, [{"prompt": "x", "checks": {"a": {"regex": "("}}}]))
@@ -62,6 +64,68 @@ def test_the_documented_example_loads_and_grades_as_documented():
     right = {"capital-fr": "Paris.", "sum-17-25": "42", "json-ok": '{"ok": true}', "refuse-nothing": "Blue"}
     assert all(grade(item["checks"], right[item["id"]])["accuracy"] for item in es.items)
     assert not any(grade(item["checks"], "I do not know, 41")["accuracy"] for item in es.items)
+
+
+# ---- function checks and judge checks ---------------------------------------------------------
+
+CALLS: list = []
+NOT_CALLABLE = 3
+
+
+def answer_matches(reply: str, item: dict) -> bool:
+    """A function check of this module: the reply is the item's own ``answer`` field."""
+    CALLS.append(item["id"])
+    return reply.strip() == item["answer"]
+
+
+def explodes(reply: str, item: dict) -> bool:
+    raise RuntimeError(f"cannot grade {reply!r}")
+
+
+def test_a_function_check_is_called_with_the_reply_and_the_item_and_a_raise_fails_only_its_check(tmp_path, caplog):
+    here = "tests.rollout.test_evalset"
+    rows = [{"id": f"q{i}", "prompt": f"{i}+{i}?", "answer": str(2 * i),
+             "checks": {"accuracy": {"function": f"{here}:answer_matches"}, "odd": {"function": f"{here}.explodes"},
+                        "brief": {"max_words": 1}}} for i in range(4)]
+    es = load_eval_set(_write(tmp_path, rows))
+    CALLS.clear()
+    ev = evaluate(es, lambda m: "4" if m[0]["content"] == "2+2?" else "0", policy_version=1)
+    assert CALLS == ["q0", "q1", "q2", "q3"]  # each item graded once, with its own fields
+    assert (ev.metrics["accuracy"], ev.metrics["accuracy_n"]) == (0.5, 4)  # q0 ("0") and q2 ("4") right
+    assert (ev.metrics["odd"], ev.metrics["odd_n"], ev.metrics["brief"]) == (0.0, 4, 1.0)  # raised: failed
+    assert "cannot grade" in caplog.text and "explodes" in caplog.text
+
+
+def test_a_function_check_that_does_not_import_or_is_not_callable_is_refused_at_load(tmp_path):
+    ok = {"prompt": "x", "checks": {"a": {"exact": "y"}}}
+    for path, why in (("tests.rollout.no_such_module:f", "ModuleNotFoundError"),
+                      ("tests.rollout.test_evalset:no_such_function", "AttributeError"),
+                      ("tests.rollout.test_evalset:NOT_CALLABLE", "not a callable"), ("nocolon", "import path")):
+        with pytest.raises(EvalSetError, match=f"line 2: check 'a': function '{path}'.*{why}"):
+            load_eval_set(_write(tmp_path, [ok, {"prompt": "x", "checks": {"a": {"function": path}}}]))
+    with pytest.raises(EvalSetError, match="line 1: check 'a': 'function' takes an import path"):
+        load_eval_set(_write(tmp_path, [{"prompt": "x", "checks": {"a": {"function": 7}}}]))
+
+
+def test_an_absent_judge_check_counts_in_neither_the_rate_nor_n(tmp_path):
+    rows = [{"id": f"q{i}", "prompt": f"q{i}", "checks": {"polite": {"judge": "the reply is polite"},
+                                                          "brief": {"max_words": 3}}} for i in range(4)]
+    es = load_eval_set(_write(tmp_path, rows))
+    assert es.uses_judge
+    seen = []
+
+    def judge(criterion, item, reply):  # q0 passes, q1 fails, q2 and q3 get no verdict
+        seen.append((criterion, item["id"], reply))
+        return {"q0": True, "q1": False}.get(item["id"])
+
+    ev = evaluate(es, lambda m: "hello", policy_version=2, judge=judge)
+    assert seen[0] == ("the reply is polite", "q0", "hello") and len(seen) == 4
+    assert (ev.n, ev.metrics["polite"], ev.metrics["polite_n"], ev.metrics["brief_n"]) == (4, 0.5, 2, 4)
+    assert grade(es.items[2]["checks"], "hi", es.items[2], judge) == {"polite": None, "brief": True}
+    ev = evaluate(es, lambda m: "hello", policy_version=2, judge=lambda *_: None)  # no verdict at all
+    assert "polite" not in ev.metrics and "polite_n" not in ev.metrics and ev.metrics["brief_n"] == 4
+    with pytest.raises(EvalSetError, match="no judge"):
+        evaluate(es, lambda m: "hello", policy_version=2)
 
 
 # ---- guards the eval set can never decide are refused (docs/rollout.md "The rule") --------------
