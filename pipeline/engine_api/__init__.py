@@ -26,6 +26,8 @@ module                 what it holds
                        text of a message's content (parts joined with nothing)
 ``schema.py``          ``CHAT_FIELDS``: every chat-completions field the package knows, its role
                        and its check (``check_chat_body``)
+``judging.py``        :class:`HttpJudge`: an LLM judge's votes (chat completions with time-outs,
+                       retries, back-off), for the judge stage and the eval set's judge checks
 ``tokenbytes.py``      :class:`TokenBytes`: the raw bytes of each token id (log-prob ``bytes``)
 ``tools.py``           tool-call parsing of generated text (``parse_tool_calls``,
                        :class:`ToolStreamParser`)

@@ -34,7 +34,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from pipeline import events
 from pipeline.errors import PipelineError
@@ -44,7 +44,7 @@ from pipeline.rollout.stats import newcombe_difference, wilson_interval
 
 log = logging.getLogger(__name__)
 CHECKS = ("exact", "contains", "regex", "max_words", "function", "judge")
-Judge = Callable[[str, dict, str], Optional[bool]]
+Judge = Callable[[str, dict, str], "bool | None"]
 """A ``judge`` check's grader: ``(criterion, item, reply) -> True`` (passed), ``False`` (failed) or
 ``None`` (no verdict: the check is absent for this item)."""
 
