@@ -213,8 +213,34 @@ def test_backend_names_and_import_paths():
     assert backend_class("pipeline.judge.backends.llm.LLMBackend").name == "llm"
     with pytest.raises(BackendError):
         backend_class("nonexistent_backend")
-    with pytest.raises(BackendError):
+    with pytest.raises(BackendError, match="not a pipeline.judge.backends.Backend subclass"):
         backend_class("pipeline.judge.parse:parse_score")  # not a Backend
+    with pytest.raises(BackendError, match="cannot import pipeline.judge.nothing:X: ModuleNotFoundError"):
+        backend_class("pipeline.judge.nothing:X")
+
+
+def test_the_llm_backend_votes_through_the_shared_judge_client():
+    """The llm backend's votes (pipeline/engine_api/judging.py, shared with the eval set's judge
+    checks): judge.votes concurrent calls, the model "default" kept when /v1/models is not served,
+    a vote without a box failed, the verdict their majority."""
+    import asyncio
+
+    from pipeline.config import Config
+    from pipeline.judge.backends.llm import LLMBackend
+    from pipeline.testing.servers import StandInJudge
+
+    async def score(url, directive):
+        backend = LLMBackend(Config().replace(judge={"backend": "llm", "url": url, "votes": 3, "retries": 0}))
+        await backend.start()
+        try:
+            return backend.model, await backend.score(JudgeInput("q", "a", [{"role": "user", "content": directive}]))
+        finally:
+            await backend.aclose()
+
+    with StandInJudge() as srv:
+        model, verdict = asyncio.run(score(srv.url, "<<score: \\boxed{1} || no box || \\boxed{1}>>"))
+        assert (model, verdict.score, sorted(map(repr, verdict.votes))) == ("default", 1, ["1", "1", "None"])
+        assert srv.calls["/v1/chat/completions"] == 3 and srv.calls["/v1/models"] == 1
 
 
 def test_hint_is_the_last_complete_block():
