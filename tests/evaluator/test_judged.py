@@ -42,7 +42,7 @@ def _evaluate(config: Config, path: str):
 
 
 def _config(engine_url: str, judge_url: str, **judge) -> Config:
-    return Config().replace(engine={"url": engine_url}, rollout={"enabled": True},
+    return Config().replace(engine={"url": engine_url}, rollout={"enabled": True}, trainer={"lora": {"rank": 4}},
                             judge={"backend": "llm", "url": judge_url, "model": "judge", "votes": 3, "retries": 0,
                                    "vote_timeout_s": 5.0, **judge})
 
