@@ -47,14 +47,14 @@ def test_votes_are_real_answers_and_the_verdict_is_their_majority(judge_url):
 
     async def go():
         await backend.start()
-        real = backend._sample
+        real = backend.http._sample  # one vote's request (the HTTP judge client the backend uses)
 
         async def recording(body):  # what vLLM answered, as the backend received it
             text = await real(body)
             seen.append(text)
             return text
 
-        backend._sample = recording
+        backend.http._sample = recording
         try:
             return [await backend.score(i) for i in inputs], [await backend.hint(i) for i in inputs]
         finally:
