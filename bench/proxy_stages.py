@@ -14,9 +14,11 @@ its threads, :class:`pipeline.proxy.buffer.DiskBuffer` in a temporary folder):
 - ``answer -> turn``: the engine's answer parsed, the ``turn`` built and published, the
   session's state updated, the answer stripped of the extras and re-serialised;
 - ``stream relay``: one streamed answer's chunks through the recorder (per stream);
-- ``event encode`` and ``disk commit``: the publisher's writer thread (msgpack of the request's
-  events, their group commit to the disk buffer): off the event loop, but the response's last
-  byte waits for the commit.
+- ``event encode`` and ``disk commit``: msgpack of the request's events and their group commit to
+  the disk buffer (one multi-row ``INSERT``). The response's last byte waits for the commit. The
+  event loop does both itself when the publisher's writer thread holds nothing (the inline
+  commit, the common case); with ``proxy.buffer_fsync``, or behind a backlog the writer thread
+  still holds, the writer thread does them.
 
 Numbers are CPU microseconds per request in a warm loop (caches hot): a floor, not what a
 request costs when the process wakes up cold between requests, but the ratios between stages
@@ -73,7 +75,7 @@ def _app():
 
 def _one_request(app, body: bytes, headers: dict, answer: bytes, rid: str, t: dict) -> list:
     """Serve one request's hot path without I/O, adding each stage's seconds to ``t``; returns
-    the events it published (for the writer-thread stages)."""
+    the events it published (for the commit's stages)."""
     from pipeline.proxy.app import _mark_housekeeping
     from pipeline.proxy.record import from_response, strip_response
     from pipeline.proxy.validate import SAMPLING_KEYS, check_request, json_body, session_meta
@@ -112,7 +114,7 @@ def _one_request(app, body: bytes, headers: dict, answer: bytes, rid: str, t: di
 
 
 def _writer_stages(published: list, buf, t: dict) -> None:
-    """The writer thread's work for one request's events: encode, then one group commit."""
+    """The publisher's work for one request's events: encode, then one group commit."""
     from pipeline import events
 
     c0 = time.perf_counter()
@@ -176,13 +178,14 @@ def measure(requests: int = 600, warmup: int = 100) -> dict[str, float]:
 
 def print_table(us: dict[str, float], file=None) -> None:
     """Print :func:`measure`'s result."""
-    print("  the proxy's own work per request, by stage (CPU us, warm in-process loop; writer-thread stages "
-          "marked *):", file=file)
+    print("  the proxy's own work per request, by stage (CPU us, warm in-process loop; * the commit's stages, "
+          "on the event loop unless the writer thread holds a backlog):", file=file)
     for k, v in us.items():
         star = "*" if k in ("event encode", "disk commit") else " "
         print(f"    {k:<18}{star} {v:7.1f}", file=file)
-    loop = sum(v for k, v in us.items() if k not in ("event encode", "disk commit", "stream relay"))
-    print(f"    {'event loop, unary':<18}  {loop:7.1f}   (parse + identity + answer -> turn)", file=file)
+    loop = sum(v for k, v in us.items() if k != "stream relay")
+    print(f"    {'event loop, unary':<18}  {loop:7.1f}   (parse + identity + answer -> turn + encode + commit)",
+          file=file)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,24 @@
 
 Flow of one event::
 
-    event loop --publish()--> (end of the loop iteration) inbox --writer thread (encode, group commit)--> disk buffer --sender--> Kafka
-                   |                                                                              (memory if no disk)
+    event loop --publish()--> (end of the loop iteration) group commit --> disk buffer --sender--> Kafka
+                   |            on the loop, or by the writer thread         + memory mirror
+                   |            (backlog, fsync)                             (memory if no disk)
                    +-- DurableSend: the response's last byte waits until its events are committed
 
 - :meth:`EventPublisher.publish` only appends to a list (a few microseconds); it never blocks
-  and never raises. The events of one event-loop iteration are handed to the writer thread
-  together right after it (one callback, one wake-up): encoded (msgpack) and appended to the
-  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit); the writer also
-  deletes what the broker acknowledged, checkpoints the WAL and compacts. (``inline_commit``:
-  the group is committed on the event loop when the writer holds nothing.) Then the responses
-  waiting in :meth:`durable` are released. A response is completed only after its events
-  are committed (:class:`DurableSend` holds its last body message): a proxy killed right after
-  it answered loses nothing, the next proxy on the same buffer folder sends what it left.
+  and never raises. The events of one event-loop iteration are committed together right after
+  it (one callback): encoded (msgpack) and appended to the
+  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit), with the
+  deletion of what the broker acknowledged. The event loop does this itself when the writer
+  thread holds nothing (``inline_commit``, the default; one SQLite statement, no hand-off to a
+  thread and back); with ``buffer_fsync`` (a commit waits for the disk), or while earlier events
+  are still in the writer's hands (order), the group goes to the writer thread, which commits
+  everything that arrived meanwhile at once. The writer also checkpoints the WAL and compacts,
+  beside the loop's commits. Then the responses waiting in :meth:`durable` are released. A
+  response is completed only after its events are committed (:class:`DurableSend` holds its
+  last body message): a proxy killed right after it answered loses nothing, the next proxy on
+  the same buffer folder sends what it left.
 - If the disk buffer refuses a group (``buffer_max_bytes`` reached, disk full, I/O error), those
   events are held in memory (up to ``max_buffer``, counted in
   ``pipeline_proxy_events_not_durable_total{reason}`` and logged) and, until that memory backlog
@@ -23,8 +28,9 @@ Flow of one event::
 - Without a buffer folder (``buffer_dir=None``: tests and benchmarks only) the backlog is the
   memory deque alone and :meth:`durable` returns at once.
 - The sender thread owns one idempotent producer (acks=all; librdkafka or kafka-python, see
-  :mod:`pipeline.bus.window_producer`). It reads a window of the oldest events (gathered for up to
-  ``linger_s``), sends it, and waits until each record is acknowledged or failed. The
+  :mod:`pipeline.bus.window_producer`). It takes a window of the oldest events (gathered for up to
+  ``linger_s``) from the memory mirror of the rows just committed (up to ``mirror_max_bytes``;
+  past it, read back from the buffer), sends it, and waits until each record is acknowledged or failed. The
   acknowledged prefix is deleted from the buffer; the rest is sent again after a back-off with a
   fresh producer (a broker that restarted does not know the old producer id). Events stay
   queued for as long as the broker is away; nothing times out of the backlog.
@@ -83,11 +89,15 @@ class EventPublisher:
         compact_bytes: when the buffer has drained and its files are larger than this, they are
             compacted (:meth:`DiskBuffer.compact`).
         name: stage label for the bus metrics.
+        mirror_max_bytes: most bytes of committed events kept in memory beside the disk buffer, so
+            that the sender takes them from there instead of reading them back from SQLite
+            (:meth:`_committed`); beyond it (a broker away for long) the sender reads the buffer.
         inline_commit: commit a loop iteration's events on the event loop when the writer thread
-            holds nothing (:meth:`_commit_inline`). Off by default: measured with
-            ``bench/proxy.py`` it cuts the added latency at 1 client (buffer's own share +0.01-0.08
-            ms instead of +0.21-0.25) but the sqlite calls on the loop let other threads take the
-            GIL, and streaming TTFT at 16 clients got worse (1 of 3 runs within naive's vs 3 of 3).
+            holds nothing (:meth:`_commit_inline`). On by default since the commit became one
+            SQLite statement (a multi-row ``INSERT``, ids given by the buffer): the loop releases
+            the GIL once per commit instead of once per row and query, and the hand-off to the
+            writer thread and back (two wake-ups, a future per response) is gone. Measured with
+            ``bench/proxy.py`` (docs/guide.md): INLINE_FIGURES
 
     Raises:
         ImportError: ``kafka_client="librdkafka"`` without confluent-kafka installed.
@@ -99,7 +109,8 @@ class EventPublisher:
     def __init__(self, config: Config, max_buffer: int = 10_000, buffer_dir: str | None = None,
                  buffer_max_bytes: int = 1 << 30, buffer_fsync: bool = False, window: int = 2000,
                  delivery_timeout_ms: int = 30_000, linger_s: float = 0.01, kafka_client: str = "auto",
-                 compact_bytes: int = 64 << 20, name: str = "proxy", inline_commit: bool = False) -> None:
+                 compact_bytes: int = 64 << 20, name: str = "proxy", inline_commit: bool = True,
+                 mirror_max_bytes: int = 64 << 20) -> None:
         if kafka_client == "librdkafka" and not have_librdkafka():
             raise ImportError("proxy.kafka_client=librdkafka needs: pip install confluent-kafka")
         if kafka_client not in ("auto", "librdkafka", "kafka-python"):
@@ -127,6 +138,10 @@ class EventPublisher:
         self._mem: deque = deque()  # memory backlog (no buffer folder, or the disk refused)
         self._lock = threading.Condition()
         self._inflight: list = []  # a window taken from memory, while it is sent
+        self._mirror: deque = deque()  # committed buffer rows (id, topic, key, value), contiguous ids, for the sender
+        self._mirror_bytes = 0
+        self._committed_id = self._buf.last_id if self._buf is not None else 0  # newest row the sender may send
+        self.mirror_max_bytes = mirror_max_bytes
         self._sent_id = 0  # last buffer row acknowledged by the broker (sender)
         self._deleted_id = 0  # last buffer row deleted (writer)
         self._transport = None
@@ -195,7 +210,7 @@ class EventPublisher:
         try:
             items: list = []
             self._encode(batch, items)
-            self._store(items, inline=True)
+            self._store(items)
             self._run_commit_hooks()
             self._out += len(batch)
         finally:
@@ -311,6 +326,7 @@ class EventPublisher:
                 self._notify_waiters()
                 with self._lock:
                     self._lock.notify_all()
+                self._housekeep()
                 M.EVENTS_BUFFERED.set(self.buffered)
                 if stop:
                     break
@@ -342,12 +358,12 @@ class EventPublisher:
                 self._drop("invalid", 1)
                 log.error("event %s could not be encoded: %s", getattr(ev, "TYPE", "?"), e)
 
-    def _store(self, items: list, inline: bool = False) -> None:
-        """Commit ``items`` (and delete what was delivered) — to disk, else to the memory backlog.
-        ``inline`` (the event loop's commit): no deletion and no compaction, which stay with the
-        writer thread (the sender's acknowledgement wakes it). Caller holds ``_commit_lock``."""
+    def _store(self, items: list) -> None:
+        """Commit ``items`` and delete what the broker acknowledged, in one transaction — to disk,
+        else to the memory backlog. Caller holds ``_commit_lock`` (the writer thread or the event
+        loop's inline commit)."""
         buf = self._buf
-        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id and not inline else None
+        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id else None
         if buf is None:
             self._to_memory(items, None)
             return
@@ -357,6 +373,7 @@ class EventPublisher:
         if not items and ack is None:
             return
         t0 = time.perf_counter()
+        before = buf.last_id
         try:
             try:
                 buf.append(items, delete_through=ack)
@@ -371,21 +388,64 @@ class EventPublisher:
             self._to_memory(items, "disk_error")
             self._log_error(f"event buffer refused {len(items)} event(s), held in memory: {e}")
             return
+        self._committed(before + 1, items[:done])
         if done < len(items):
             self._to_memory(items[done:], "buffer_full")
             self._log_error(f"event buffer {buf.dir} is full: {len(items) - done} event(s) held in memory")
         if items:
             M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
-        if not inline:  # the WAL goes into the database here, never in a commit on the event loop
-            try:
-                buf.maybe_checkpoint()
-            except EventBufferError as e:
-                self._log_error(str(e))
-        if ack is not None and buf.count == 0 and buf.file_bytes() > self.compact_bytes:
-            try:
-                buf.compact()
-            except EventBufferError as e:
-                self._log_error(str(e))
+
+    def _housekeep(self) -> None:
+        """Writer thread, outside ``_commit_lock`` (the event loop's commits go on meanwhile): copy
+        the WAL into the database now and then (never in a commit on the event loop), and compact
+        the buffer once it has drained and its files grew beyond ``compact_bytes``."""
+        buf = self._buf
+        if buf is None:
+            return
+        try:
+            buf.maybe_checkpoint()
+        except EventBufferError as e:
+            self._log_error(str(e))
+        if buf.count or buf.file_bytes() <= self.compact_bytes:
+            return
+        with self._commit_lock:
+            if buf.count == 0:
+                try:
+                    buf.compact()
+                except EventBufferError as e:
+                    self._log_error(str(e))
+
+    def _committed(self, first_id: int, items: list) -> None:
+        """Show the sender the rows just committed (ids ``first_id`` on), and keep them in memory
+        so that it sends them without reading them back from SQLite. The mirror holds contiguous
+        ids only: rows that find it full (``mirror_max_bytes``) are left out, and so is every row
+        after them until the sender has emptied it; meanwhile the sender reads the buffer, and
+        takes the mirror again once its first row is the next one to send."""
+        if not items:
+            return
+        size = sum(len(v) for _, _, v in items)
+        with self._lock:
+            self._committed_id = first_id + len(items) - 1
+            m = self._mirror
+            if (m and m[-1][0] != first_id - 1) or self._mirror_bytes + size > self.mirror_max_bytes:
+                return
+            m.extend((first_id + i, t, k, v) for i, (t, k, v) in enumerate(items))
+            self._mirror_bytes += size
+
+    def _mirror_drop_through(self, last_id: int) -> None:
+        """Forget mirrored rows with id ``<= last_id`` (delivered). Caller holds ``_lock``."""
+        m = self._mirror
+        while m and m[0][0] <= last_id:
+            self._mirror_bytes -= len(m.popleft()[3])
+
+    def _take_rows(self) -> list | None:
+        """The next window of buffer rows from the mirror when it starts at the next row to send;
+        None when the sender must read the buffer. Caller holds ``_lock``."""
+        self._mirror_drop_through(self._sent_id)
+        m = self._mirror
+        if not m or m[0][0] != self._sent_id + 1:
+            return None
+        return [m[i] for i in range(min(self.window, len(m)))]
 
     def _append_what_fits(self, items: list) -> int:
         """Append the longest prefix of ``items`` that fits (halving on :class:`EventBufferFull`)."""
@@ -416,7 +476,7 @@ class EventPublisher:
 
     # ---- sender thread ------------------------------------------------------------------------
     def _disk_pending(self) -> bool:
-        return self._buf is not None and self._buf.last_id > self._sent_id
+        return self._committed_id > self._sent_id
 
     def _sender(self) -> None:
         while True:
@@ -433,16 +493,18 @@ class EventPublisher:
                 if self._finished:
                     return
                 from_disk = self._disk_pending()
+                rows = self._take_rows() if from_disk else None
                 if not from_disk:
                     k = min(self.window, len(self._mem))
                     self._inflight = [self._mem.popleft() for _ in range(k)]
             if from_disk:
-                try:
-                    rows = self._buf.read(self._sent_id, self.window)
-                except Exception as e:  # noqa: BLE001 - the buffer's reader must not kill the thread
-                    self._log_error(f"event buffer read failed: {e}")
-                    time.sleep(0.5)
-                    continue
+                if rows is None:
+                    try:
+                        rows = self._buf.read(self._sent_id, self.window)
+                    except Exception as e:  # noqa: BLE001 - the buffer's reader must not kill the thread
+                        self._log_error(f"event buffer read failed: {e}")
+                        time.sleep(0.5)
+                        continue
                 items = [(t, k, v) for _, t, k, v in rows]
             else:
                 items = self._inflight
@@ -455,6 +517,7 @@ class EventPublisher:
                     prefix = next((i for i, g in enumerate(ok) if not g), len(ok))
                     if prefix:
                         self._sent_id = rows[prefix - 1][0]
+                        self._mirror_drop_through(self._sent_id)
                         self._inbox.put(_ACK)  # the writer deletes them in its next commit
                     failed = len(ok) - prefix
                 else:

@@ -8,15 +8,17 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.proxy.buffer import DB_NAME, DiskBuffer, EventBufferFull, EventBufferLocked
+from pipeline.proxy.buffer import ROWS_PER_INSERT, DB_NAME, DiskBuffer, EventBufferFull, EventBufferLocked
 
 
 def _value(i: int, size: int = 64) -> bytes:
@@ -32,13 +34,67 @@ def test_buffer_is_a_persistent_fifo_with_one_owner(tmp_path):
     with pytest.raises(EventBufferLocked, match="in use by another process"):
         DiskBuffer(tmp_path / "buf")  # two proxies never share a buffer
     b.append([("t", "k4", b"d")], delete_through=rows[0][0])  # "a" delivered, deleted in the same commit
-    assert len(b) == 3 and b.bytes == 3
+    assert len(b) == 3 and b.last_id == last + 1
     b.close()
     b = DiskBuffer(tmp_path / "buf")  # a restart resumes with what was not delivered, in order
     assert len(b) == 3 and [r[3] for r in b.read(0, 10)] == [b"b", b"c", b"d"]
     assert b.delete_through(b.last_id) == 3 and len(b) == 0
     b.close()
 
+
+
+def test_row_ids_are_contiguous_across_statements_restarts_and_older_files(tmp_path):
+    """``append`` gives the ids itself (one writer owns the file): a group of more rows than one
+    INSERT statement takes gets contiguous ids in order, a restart goes on after the newest row,
+    and a file made before (ids from AUTOINCREMENT, with gaps) is read in its order and extended."""
+    b = DiskBuffer(tmp_path / "buf")
+    n = 2 * ROWS_PER_INSERT + 5  # three INSERT statements in one transaction
+    assert b.append([("t", f"k{i}", _value(i)) for i in range(n)]) == n
+    assert [r[0] for r in b.read(0, n)] == list(range(1, n + 1))
+    assert b.delete_through(ROWS_PER_INSERT) == ROWS_PER_INSERT and len(b) == n - ROWS_PER_INSERT
+    b.close()
+    b = DiskBuffer(tmp_path / "buf")
+    assert (len(b), b.last_id) == (n - ROWS_PER_INSERT, n)
+    assert b.append([("t", None, b"x"), ("t", None, b"y")]) == n + 2
+    assert [r[3] for r in b.read(n - 1, 10)] == [_value(n - 1), b"x", b"y"]
+    b.delete_through(b.last_id)
+    b.close()
+    b = DiskBuffer(tmp_path / "buf")  # drained: ids may start again (each process sends from its own start)
+    assert len(b) == 0 and [r[3] for r in b.read(0, 10)] == []
+    b.close()
+
+    old = tmp_path / "old"
+    old.mkdir()
+    c = sqlite3.connect(old / DB_NAME)
+    c.execute("CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, topic TEXT NOT NULL, key TEXT, "
+              "value BLOB NOT NULL)")
+    c.executemany("INSERT INTO events(id, topic, key, value) VALUES (?, ?, ?, ?)",
+                  [(5, "t", "a", b"a"), (9, "t", "b", b"b"), (10, "t", None, b"c")])
+    c.commit()
+    c.close()
+    b = DiskBuffer(old)
+    assert (len(b), b.last_id) == (3, 10)
+    assert b.append([("t", "d", b"d")]) == 11
+    assert [(r[0], r[3]) for r in b.read(0, 10)] == [(5, b"a"), (9, b"b"), (10, b"c"), (11, b"d")]
+    assert b.delete_through(9) == 2 and len(b) == 2
+    b.close()
+
+
+def test_a_passive_checkpoint_runs_beside_an_open_write_transaction(tmp_path):
+    """The checkpoint has its own connection: it neither waits for nor blocks a writer (the
+    event loop commits while the writer thread checkpoints)."""
+    b = DiskBuffer(tmp_path / "buf")
+    b.append([("t", "k", _value(0))])
+    b._w.execute("BEGIN IMMEDIATE")
+    b._w.execute("INSERT INTO events(id, topic, key, value) VALUES (2, 't', 'k', x'01')")
+    t0 = time.monotonic()
+    assert b.maybe_checkpoint(every=0)
+    assert time.monotonic() - t0 < 5  # the busy timeout is 30 s: a blocked checkpoint would wait it out
+    b._w.execute("COMMIT")
+    b.last_id = 2
+    assert b.append([("t", "k", _value(3))]) == 3
+    assert [r[0] for r in b.read(0, 10)] == [1, 2, 3]
+    b.close()
 
 
 def test_the_wal_is_checkpointed_by_maybe_checkpoint_only(tmp_path):
@@ -67,6 +123,9 @@ def test_a_full_buffer_refuses_the_whole_group_and_keeps_what_it_had(tmp_path):
     with pytest.raises(EventBufferFull):
         b.append([("t", "k", _value(-1, 4000))] * 5)
     assert len(b) == kept and [r[3] for r in b.read(0, kept)] == [_value(i, 4000) for i in range(kept)]
+    with pytest.raises(EventBufferFull):  # a group of several INSERT statements is refused whole
+        b.append([("t", "k", _value(-1, 4000))] * (2 * ROWS_PER_INSERT + 1))
+    assert len(b) == kept and [r[3] for r in b.read(0, kept + 1)] == [_value(i, 4000) for i in range(kept)]
     b.delete_through(b.read(0, kept)[kept // 2][0])  # delivered: room again
     b.append([("t", "k", _value(-2, 4000))])
     b.close()

@@ -295,3 +295,124 @@ def test_a_group_is_committed_on_the_event_loop_only_with_inline_commit_and_no_f
         assert set(committers) == {expected}
     finally:
         pub.close(timeout_s=0.5)
+
+
+# ---- the sender's memory mirror of committed rows, deletion and compaction ----------------------------
+class FakeBrokerTransport:
+    """Stand-in for the Kafka transport (a unit test of the sender's logic, no broker): records
+    every window it acknowledges; while ``down`` it fails every window."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.sent: list = []
+
+    def send_window(self, items: list, give_up) -> list[bool]:
+        if self.down:
+            return [False] * len(items)
+        self.sent.extend(items)
+        return [True] * len(items)
+
+    def close(self) -> None:
+        pass
+
+
+def _publish_all(pub: EventPublisher, names: list[str], in_loop: bool) -> None:
+    """Publish one SessionEnd per name: from an event loop (inline commits, a response waiting
+    for each group) or from a plain thread (each event straight to the writer thread)."""
+    def publish(name: str) -> None:
+        assert pub.publish("t", events.SessionEnd(session_id=name, created_at=0), name)
+
+    async def answers() -> None:
+        for i in range(0, len(names), 4):
+            for name in names[i:i + 4]:
+                publish(name)
+            await pub.durable()
+
+    if in_loop:
+        asyncio.run(answers())
+    else:
+        for name in names:
+            publish(name)
+
+
+@pytest.mark.parametrize("in_loop", [False, True])
+@pytest.mark.parametrize("mirror_events", [1000, 10, 0])
+def test_the_sender_takes_committed_rows_from_memory_and_reads_the_buffer_only_past_its_bound(
+        tmp_path, monkeypatch, mirror_events, in_loop):
+    """Committed rows are kept in memory for the sender, up to ``mirror_max_bytes``: within it
+    the buffer is never read back; past it the sender reads the buffer until it has caught up
+    and then takes the memory again. Either way every event is sent once, in order, delivered
+    rows are deleted, and the memory is given back."""
+    fake = FakeBrokerTransport()
+    monkeypatch.setattr("pipeline.proxy.publisher.make_transport", lambda *a, **k: fake)
+    size = len(events.encode(events.SessionEnd(session_id="s00", created_at=0)))
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), mirror_max_bytes=mirror_events * size,
+                         linger_s=0)
+    reads: list[int] = []
+    real_read = pub._buf.read
+    monkeypatch.setattr(pub._buf, "read", lambda after, n: reads.append(after) or real_read(after, n))
+    pub.start()
+    try:
+        first = [f"s{i:02d}" for i in range(40)]
+        _publish_all(pub, first, in_loop)
+        assert until(lambda: pub._buf.count == 40, timeout_s=10)  # all committed while the broker is away
+        fake.down = False
+        assert pub.wait_idle(30), pub.stats()
+        assert [events.decode(v).session_id for _, _, v in fake.sent] == first  # once each, in order
+        assert bool(reads) == (mirror_events < 40)
+        assert until(lambda: pub._buf.count == 0 and not pub._mirror and pub._mirror_bytes == 0, timeout_s=10)
+        before = len(reads)
+        _publish_all(pub, ["a0", "a1"], in_loop)  # the mirror has drained: it takes new rows again
+        assert pub.wait_idle(30), pub.stats()
+        assert [events.decode(v).session_id for _, _, v in fake.sent[40:]] == ["a0", "a1"]
+        assert (len(reads) == before) == (mirror_events >= 2)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert pub.stats()["dropped_total"] == 0
+
+
+def test_a_drained_buffer_is_compacted_beside_the_event_loops_commits(tmp_path, monkeypatch):
+    """The writer thread compacts the buffer once everything was delivered and its files grew
+    past ``compact_bytes`` (here 0: every time it drains), outside the commit lock the event
+    loop's inline commits take; nothing published meanwhile is lost."""
+    fake = FakeBrokerTransport()
+    fake.down = False
+    monkeypatch.setattr("pipeline.proxy.publisher.make_transport", lambda *a, **k: fake)
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), compact_bytes=0, linger_s=0).start()
+    wal = tmp_path / "buf" / "events.sqlite-wal"
+    try:
+        for round_ in range(3):
+            names = [f"r{round_}-{i}" for i in range(30)]
+            _publish_all(pub, names, in_loop=True)
+            assert pub.wait_idle(30), pub.stats()
+            assert until(lambda: not wal.exists() or wal.stat().st_size == 0, timeout_s=10)  # compacted
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [events.decode(v).session_id for _, _, v in fake.sent] == [
+        f"r{r}-{i}" for r in range(3) for i in range(30)]
+
+
+def test_the_mirror_holds_contiguous_rows_only(tmp_path):
+    """The rows kept in memory are always the next ones to send, without a hole: rows that found
+    the memory full are read from the buffer, and no later row is kept until the memory is empty
+    (else the sender would skip the hole)."""
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), mirror_max_bytes=10)  # threads not started
+    item = ("t", None, b"x")
+    try:
+        pub._committed(1, [item] * 10)  # rows 1-10 kept (10 bytes)
+        pub._committed(11, [item] * 5)  # 11-15: the memory is full
+        pub._sent_id = 5
+        assert [r[0] for r in pub._take_rows()] == [6, 7, 8, 9, 10]
+        pub._committed(16, [item])  # room again, but 11-15 are missing: not kept
+        assert [r[0] for r in pub._mirror] == [6, 7, 8, 9, 10] and pub._mirror_bytes == 5
+        pub._sent_id = 10
+        assert pub._take_rows() is None and not pub._mirror  # 11 on: read from the buffer
+        pub._committed(17, [item, item])  # empty memory: a new run starts
+        assert pub._take_rows() is None  # 11-16 still come from the buffer
+        pub._sent_id = 16
+        assert [r[0] for r in pub._take_rows()] == [17, 18] and pub._disk_pending()
+    finally:
+        pub._buf.close()
