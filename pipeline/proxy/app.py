@@ -246,6 +246,7 @@ class ProxyApp:
                                     deferred=durable_index)
         if durable_index:  # written with each group commit, before the responses waiting for it complete
             self.publisher.add_commit_hook(self.turn_index.flush)
+            self.publisher.add_housekeeping_hook(self.turn_index.maintain)  # its rewrite: off the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready_cache = (0.0, 0)

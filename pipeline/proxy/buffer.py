@@ -30,11 +30,11 @@ standard library — instead of a file format of our own:
 - **One owner.** The folder is locked (``flock`` on ``LOCK``) while a buffer is open: a second
   proxy pointed at the same folder fails at start instead of interleaving with the first.
 
-Threads: one writer at a time (``append``, ``delete_through``, ``compact``; the publisher
-serialises its event loop and its writer thread), one reader (``read``) and one checkpointer
-(``maybe_checkpoint``); each uses its own connection (WAL lets the reader and a passive
-checkpoint run beside the writer). The writer connection does not checkpoint on its own
-(``wal_autocheckpoint=0``): :meth:`maybe_checkpoint` does, from the publisher's writer thread.
+Threads: one writer at a time (``append``, ``delete_through``, ``compact``, ``maybe_checkpoint``;
+the publisher serialises its event loop and its writer thread) and one reader (``read``); each
+uses its own connection (WAL lets the reader run beside the writer). The writer connection does
+not checkpoint on its own (``wal_autocheckpoint=0``): :meth:`maybe_checkpoint` does, from the
+publisher's writer thread.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ Item = tuple  # (topic: str, key: str | None, value: bytes)
 Row = tuple  # (id: int, topic: str, key: str | None, value: bytes)
 DB_NAME = "events.sqlite"
 
+CHECKPOINT_EVERY = 256  # commits between two checkpoints of the WAL
+WAL_KEEP_BYTES = 16 << 20  # the WAL file is cut back to this after a checkpoint let it start over
 ROWS_PER_INSERT = 128  # rows per INSERT statement (4 parameters each; SQLite allows 32,766 since 3.32)
 
 
@@ -100,17 +102,16 @@ class DiskBuffer:
         try:
             self._w = self._connect()
             self._w.execute("PRAGMA wal_autocheckpoint=0")  # never inside a commit: maybe_checkpoint()
+            self._w.execute(f"PRAGMA journal_size_limit={WAL_KEEP_BYTES}")  # the WAL file left after a spike
             self._w.execute(_SCHEMA)
             page = self._w.execute("PRAGMA page_size").fetchone()[0]
             self.max_pages = max(64, int(max_bytes) // page)
             self._w.execute(f"PRAGMA max_page_count={self.max_pages}")
             self._r = self._connect()
-            self._c = self._connect()  # checkpoints, beside the writer (maybe_checkpoint)
-            row = self._w.execute("SELECT count(*), coalesce(max(id), 0) FROM events").fetchone()
+            self.count, self.last_id = self._w.execute("SELECT count(*), coalesce(max(id), 0) FROM events").fetchone()
         except sqlite3.Error as e:
             self._unlock()
             raise EventBufferError(f"cannot open the event buffer {self.path}: {e}") from e
-        self.count, self.last_id = row
         self._commits = 0  # commits since the last checkpoint
         self._rlock = threading.Lock()
         if self.count:
@@ -148,12 +149,15 @@ class DiskBuffer:
         alone, committed by itself (a statement is atomic).
 
         Returns the id of the last appended row. Raises :class:`EventBufferFull` (size bound or disk
-        full) or :class:`EventBufferError` (other I/O errors); then nothing of the call was applied.
+        full) or :class:`EventBufferError` (other I/O errors); then nothing of the call was applied
+        (and an id already in the file, which only a bug could give, re-reads ``last_id``).
         """
         w = self._w
         first = self.last_id + 1
         alone = delete_through is None and len(items) <= ROWS_PER_INSERT
         try:
+            if w.in_transaction:  # left by a failed rollback: what it holds was reported failed already
+                w.execute("ROLLBACK")
             if not alone:
                 w.execute("BEGIN IMMEDIATE")
             freed = self._delete(delete_through) if delete_through is not None else 0
@@ -173,24 +177,37 @@ class DiskBuffer:
                     pass
             if isinstance(e, sqlite3.OperationalError) and "full" in str(e):
                 raise EventBufferFull(f"event buffer {self.path} is full ({e})") from e
+            if isinstance(e, sqlite3.IntegrityError):
+                self._resync()
             raise EventBufferError(f"event buffer {self.path}: {e}") from e
         self.count += len(items) - freed
         self.last_id = first + len(items) - 1
         self._commits += 1
         return self.last_id
 
-    def maybe_checkpoint(self, every: int = 256) -> bool:
+    def _resync(self) -> None:
+        try:
+            self.count, self.last_id = self._w.execute("SELECT count(*), coalesce(max(id), 0) FROM events").fetchone()
+        except sqlite3.Error:
+            pass
+
+    def checkpoint_due(self, every: int = CHECKPOINT_EVERY) -> bool:
+        """True once ``every`` commits were made since the last checkpoint (:meth:`maybe_checkpoint`)."""
+        return self._commits >= every
+
+    def maybe_checkpoint(self, every: int = CHECKPOINT_EVERY) -> bool:
         """Copy the WAL into the database (``PRAGMA wal_checkpoint(PASSIVE)``) once ``every``
         commits were made since the last time; True when it ran. The writer connection never
         checkpoints by itself (``wal_autocheckpoint=0``): a commit made on the proxy's event loop
-        never includes a checkpoint and its syncs. The checkpoint has its own connection and may
-        run while another thread appends (a passive checkpoint never blocks a writer, nor waits
-        for one). Crash-safe as every SQLite checkpoint. Raises :class:`EventBufferError`."""
+        never includes a checkpoint and its syncs. A writer call like the others (the publisher
+        runs it holding its commit lock: with no commit beside it, it copies the whole WAL, and
+        the next commit starts the WAL over). Crash-safe as every SQLite checkpoint. Raises
+        :class:`EventBufferError`."""
         if self._commits < every:
             return False
         self._commits = 0
         try:
-            self._c.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            self._w.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as e:
             raise EventBufferError(f"event buffer {self.path}: checkpoint failed: {e}") from e
         return True
@@ -244,7 +261,7 @@ class DiskBuffer:
 
     def close(self) -> None:
         """Close both connections (the last one checkpoints the WAL) and release the folder."""
-        for c in (self._r, self._c, self._w):
+        for c in (self._r, self._w):
             try:
                 c.close()
             except sqlite3.Error:

@@ -69,7 +69,9 @@ class TurnIndex:
             line at once (the proxy runs it after each group commit of its event buffer,
             :meth:`pipeline.proxy.publisher.EventPublisher.add_commit_hook`: one write per group
             instead of one system call per turn, still in the file before the turn's response
-            completes); False: :meth:`add` writes at once.
+            completes; that commit may run on the event loop, so the rewrite, which takes
+            ~0.1 s at 200,000 turns, is left to :meth:`maintain`, a housekeeping hook of the
+            publisher's writer thread); False: :meth:`add` writes at once and rewrites when due.
     """
 
     def __init__(self, max_turns: int, folder: str | None = None, deferred: bool = False) -> None:
@@ -125,7 +127,8 @@ class TurnIndex:
 
     def flush(self) -> None:
         """Append the queued lines to the file in one write (thread-safe against :meth:`add`;
-        one flushing thread at a time). Rewrites the file once it holds twice ``max_turns`` lines."""
+        one flushing thread at a time). Not deferred: also rewrites the file once it holds twice
+        ``max_turns`` lines (deferred: :meth:`maintain` does)."""
         queued = self._queued
         if not queued:
             return
@@ -137,9 +140,21 @@ class TurnIndex:
                 self._file = open(self.path, "ab", buffering=0)
             self._file.write(b"".join(lines))
             self._lines += len(lines)
-            if self._lines > 2 * self.max:
+            if self._lines > 2 * self.max and not self.deferred:
                 self._rewrite()
         except OSError as e:  # the turns are served and recorded all the same; only their index is not kept
+            log.warning("turn index %s: %s", self.path, e)
+
+    def maintain(self) -> None:
+        """Rewrite the file with the kept turns once it holds twice ``max_turns`` lines (after
+        writing what is queued). Not beside :meth:`flush`: the proxy runs both holding its
+        publisher's commit lock."""
+        if self.path is None or self._lines + len(self._queued) <= 2 * self.max:
+            return
+        self.flush()
+        try:
+            self._rewrite()
+        except OSError as e:
             log.warning("turn index %s: %s", self.path, e)
 
     def _rewrite(self) -> None:

@@ -60,11 +60,21 @@ from pipeline import events
 from pipeline.config import Config
 from pipeline.metrics import EVENTS_FAILED, EVENTS_PRODUCED
 from pipeline.proxy import metrics as M
-from pipeline.proxy.buffer import DiskBuffer, EventBufferError, EventBufferFull
+from pipeline.proxy.buffer import CHECKPOINT_EVERY, DiskBuffer, EventBufferError, EventBufferFull
 from pipeline.bus.window_producer import have_librdkafka, make_transport
 
 log = logging.getLogger(__name__)
-_ACK = object()  # inbox marker: the sender advanced, delete what it delivered
+_WAKE = object()  # inbox marker: work for the writer besides a group (delete what the sender delivered, housekeeping)
+
+
+class _Encoded:
+    """A group the event loop encoded but could not commit: the writer thread commits it."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self, items: list, n: int) -> None:
+        self.items = items  # (topic, key, msgpack bytes)
+        self.n = n  # events published (those that failed to encode were counted already)
 
 
 class EventPublisher:
@@ -92,6 +102,7 @@ class EventPublisher:
         mirror_max_bytes: most bytes of committed events kept in memory beside the disk buffer, so
             that the sender takes them from there instead of reading them back from SQLite
             (:meth:`_committed`); beyond it (a broker away for long) the sender reads the buffer.
+        checkpoint_every: commits between two checkpoints of the buffer's WAL (:meth:`_housekeep`).
         inline_commit: commit a loop iteration's events on the event loop when the writer thread
             holds nothing (:meth:`_commit_inline`). On by default since the commit became one
             SQLite statement (a multi-row ``INSERT``, ids given by the buffer): the loop releases
@@ -112,7 +123,7 @@ class EventPublisher:
                  buffer_max_bytes: int = 1 << 30, buffer_fsync: bool = False, window: int = 2000,
                  delivery_timeout_ms: int = 30_000, linger_s: float = 0.01, kafka_client: str = "auto",
                  compact_bytes: int = 64 << 20, name: str = "proxy", inline_commit: bool = True,
-                 mirror_max_bytes: int = 64 << 20) -> None:
+                 mirror_max_bytes: int = 64 << 20, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
         if kafka_client == "librdkafka" and not have_librdkafka():
             raise ImportError("proxy.kafka_client=librdkafka needs: pip install confluent-kafka")
         if kafka_client not in ("auto", "librdkafka", "kafka-python"):
@@ -128,10 +139,13 @@ class EventPublisher:
         self.inline_commit = inline_commit
         self.kafka_client = kafka_client
         self._buf = DiskBuffer(buffer_dir, buffer_max_bytes, buffer_fsync) if buffer_dir else None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of (topic, key, event), _ACK, None (stop)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of (topic, key, event), _Encoded, _WAKE, None (stop)
         self._pending: deque = deque()  # published in this loop iteration, not yet handed to the writer
         self._flush_scheduled = False
         self._hooks: list = []  # run after each group commit (add_commit_hook)
+        self._housekeeping_hooks: list = []  # run by the writer thread (add_housekeeping_hook)
+        self._writer_commits_next = False  # a checkpoint ran: the writer thread makes the next commit
+        self._wake_asked = False  # an inline commit asked the writer thread for a checkpoint
         self._commit_lock = threading.Lock()  # one committer at a time: the writer thread or the event loop
         self._in = 0  # events accepted by publish() (event loop only)
         self._out = 0  # events the writer has committed or accounted for (writer only)
@@ -144,6 +158,7 @@ class EventPublisher:
         self._mirror_bytes = 0
         self._committed_id = self._buf.last_id if self._buf is not None else 0  # newest row the sender may send
         self.mirror_max_bytes = mirror_max_bytes
+        self.checkpoint_every = max(1, checkpoint_every)
         self._sent_id = 0  # last buffer row acknowledged by the broker (sender)
         self._deleted_id = 0  # last buffer row deleted (writer)
         self._transport = None
@@ -202,19 +217,35 @@ class EventPublisher:
 
     def _commit_inline(self, batch: list) -> bool:
         """Encode and commit ``batch`` on the event loop, in order after everything published
-        before it, and release the responses waiting for it; False (nothing done) when the
-        writer thread must do it: ``inline_commit`` off, no disk buffer, fsync on every commit, stopping, events still
-        in the writer's hands (order), or the writer busy with the buffer (deletion, compaction)."""
+        before it, and release the responses waiting for it. Only an append: deleting what was
+        delivered, checkpoints (and the WAL's start-over that follows one, which syncs),
+        compaction and housekeeping hooks stay with the writer thread. False (nothing done)
+        when the writer thread must commit: ``inline_commit`` off, no disk buffer, fsync on
+        every commit, stopping, events still in the writer's hands or in the memory backlog
+        (order), a checkpoint just ran, or the writer holds the buffer. A group the buffer
+        refuses (full, I/O error: nothing of it applied) goes to the writer thread encoded."""
         buf = self._buf
         if (not self.inline_commit or buf is None or buf.fsync or not self._threads or self._stop.is_set()
-                or self._out != self._in - len(batch) or not self._commit_lock.acquire(blocking=False)):
+                or self._writer_commits_next or self._mem or self._out != self._in - len(batch)
+                or not self._commit_lock.acquire(blocking=False)):
             return False
         try:
             items: list = []
             self._encode(batch, items)
-            self._store(items)
+            before = buf.last_id
+            t0 = time.perf_counter()
+            try:
+                buf.append(items)
+            except EventBufferError:
+                self._inbox.put(_Encoded(items, len(batch)))  # the writer's fallbacks: halves, memory
+                return True
+            M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
+            self._committed(before + 1, items)
             self._run_commit_hooks()
             self._out += len(batch)
+            if buf.checkpoint_due(self.checkpoint_every) and not self._wake_asked:
+                self._wake_asked = True  # also while the broker is away (no acknowledgement wakes it)
+                self._inbox.put(_WAKE)
         finally:
             self._commit_lock.release()
         self._wake()
@@ -318,7 +349,10 @@ class EventPublisher:
                 for it in batch:
                     if it is None:
                         stop = True
-                    elif it is not _ACK:
+                    elif isinstance(it, _Encoded):
+                        n += it.n
+                        items.extend(it.items)
+                    elif it is not _WAKE:
                         n += len(it)
                         self._encode(it, items)
                 with self._commit_lock:
@@ -340,11 +374,20 @@ class EventPublisher:
         """Run ``hook()`` in the writer thread after each group commit, before the responses
         waiting for it are released (:class:`DurableSend`): what it writes is on disk before
         those responses complete (the proxy's turn index, :class:`pipeline.proxy.feedback.TurnIndex`).
-        A hook must not block for long and must not raise (an exception is logged and ignored)."""
+        A hook runs on the event loop when the loop commits (``inline_commit``): it must not
+        block for long (one write, no rewrite of a file) and must not raise (an exception is
+        logged and ignored); long work goes to :meth:`add_housekeeping_hook`."""
         self._hooks.append(hook)
 
-    def _run_commit_hooks(self) -> None:
-        for hook in self._hooks:
+    def add_housekeeping_hook(self, hook) -> None:
+        """Run ``hook()`` in the writer thread after each of its wake-ups (the sender's
+        acknowledgements, checkpoints, its own commits), holding the commit lock: no commit and
+        no commit hook runs meanwhile, and never on the event loop, so it may take long (the turn
+        index's rewrite). It must not raise (an exception is logged and ignored)."""
+        self._housekeeping_hooks.append(hook)
+
+    def _run_commit_hooks(self, hooks: list | None = None) -> None:
+        for hook in self._hooks if hooks is None else hooks:
             try:
                 hook()
             except Exception as e:  # noqa: BLE001 - the writer thread must go on
@@ -362,13 +405,13 @@ class EventPublisher:
 
     def _store(self, items: list) -> None:
         """Commit ``items`` and delete what the broker acknowledged, in one transaction — to disk,
-        else to the memory backlog. Caller holds ``_commit_lock`` (the writer thread or the event
-        loop's inline commit)."""
+        else to the memory backlog (writer thread, holding ``_commit_lock``). A group the buffer
+        cannot take whole: what fits is committed, the rest goes to memory, counted."""
         buf = self._buf
-        ack = self._sent_id if buf is not None and self._sent_id > self._deleted_id else None
         if buf is None:
             self._to_memory(items, None)
             return
+        ack = self._sent_id if self._sent_id > self._deleted_id else None
         if items and self._mem:  # the memory backlog must drain first: one FIFO
             self._to_memory(items, "behind_memory")
             items = []
@@ -376,6 +419,7 @@ class EventPublisher:
             return
         t0 = time.perf_counter()
         before = buf.last_id
+        err = None
         try:
             try:
                 buf.append(items, delete_through=ack)
@@ -383,39 +427,49 @@ class EventPublisher:
             except EventBufferFull:
                 if ack is not None:
                     buf.delete_through(ack)  # free what was delivered first
-                done = self._append_what_fits(items)
+                done, err = self._append_what_fits(items)
             if ack is not None:
                 self._deleted_id = ack
-        except EventBufferError as e:
+        except EventBufferError as e:  # nothing of the group was applied
             self._to_memory(items, "disk_error")
             self._log_error(f"event buffer refused {len(items)} event(s), held in memory: {e}")
             return
+        if done or ack is not None:
+            self._writer_commits_next = False  # this commit started the WAL over if a checkpoint asked it
         self._committed(before + 1, items[:done])
         if done < len(items):
-            self._to_memory(items[done:], "buffer_full")
-            self._log_error(f"event buffer {buf.dir} is full: {len(items) - done} event(s) held in memory")
+            reason = "disk_error" if err is not None and not isinstance(err, EventBufferFull) else "buffer_full"
+            self._to_memory(items[done:], reason)
+            self._log_error(f"event buffer {buf.dir} refused {len(items) - done} event(s) ({err}): held in memory")
         if items:
             M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
 
     def _housekeep(self) -> None:
-        """Writer thread, outside ``_commit_lock`` (the event loop's commits go on meanwhile): copy
-        the WAL into the database now and then (never in a commit on the event loop), and compact
-        the buffer once it has drained and its files grew beyond ``compact_bytes``."""
+        """Writer thread, after each wake-up: copy the WAL into the database once
+        ``checkpoint_every`` commits were made (holding the commit lock, so that it copies all of
+        it; then the writer thread makes the next commit, which starts the WAL over and syncs
+        its header, never the event loop), compact the buffer once it has drained and its files
+        grew beyond ``compact_bytes``, and run the housekeeping hooks."""
         buf = self._buf
+        self._wake_asked = False
         if buf is None:
             return
-        try:
-            buf.maybe_checkpoint()
-        except EventBufferError as e:
-            self._log_error(str(e))
-        if buf.count or buf.file_bytes() <= self.compact_bytes:
-            return
-        with self._commit_lock:
-            if buf.count == 0:
+        if buf.checkpoint_due(self.checkpoint_every):
+            with self._commit_lock:
                 try:
-                    buf.compact()
+                    self._writer_commits_next = buf.maybe_checkpoint(self.checkpoint_every) or self._writer_commits_next
                 except EventBufferError as e:
                     self._log_error(str(e))
+        if not buf.count and buf.file_bytes() > self.compact_bytes:
+            with self._commit_lock:
+                if buf.count == 0:
+                    try:
+                        buf.compact()
+                    except EventBufferError as e:
+                        self._log_error(str(e))
+        if self._housekeeping_hooks:
+            with self._commit_lock:
+                self._run_commit_hooks(self._housekeeping_hooks)
 
     def _committed(self, first_id: int, items: list) -> None:
         """Show the sender the rows just committed (ids ``first_id`` on), and keep them in memory
@@ -449,19 +503,26 @@ class EventPublisher:
             return None
         return [m[i] for i in range(min(self.window, len(m)))]
 
-    def _append_what_fits(self, items: list) -> int:
-        """Append the longest prefix of ``items`` that fits (halving on :class:`EventBufferFull`)."""
+    def _append_what_fits(self, items: list) -> tuple[int, EventBufferError | None]:
+        """Append the longest prefix of ``items`` the buffer takes, halving the group while it is
+        full; returns how many were appended and the error that stopped the rest (None: all).
+        Never raises: rows already appended stay counted even when a later half fails."""
         if not items:
-            return 0
+            return 0, None
         try:
             self._buf.append(items)
-            return len(items)
-        except EventBufferFull:
+            return len(items), None
+        except EventBufferFull as e:
             if len(items) == 1:
-                return 0
+                return 0, e
+        except EventBufferError as e:
+            return 0, e
         half = len(items) // 2
-        n = self._append_what_fits(items[:half])
-        return n if n < half else half + self._append_what_fits(items[half:])
+        n, err = self._append_what_fits(items[:half])
+        if n < half:
+            return n, err
+        m, err = self._append_what_fits(items[half:])
+        return half + m, err
 
     def _to_memory(self, items: list, reason: str | None) -> None:
         if not items:
@@ -520,7 +581,7 @@ class EventPublisher:
                     if prefix:
                         self._sent_id = rows[prefix - 1][0]
                         self._mirror_drop_through(self._sent_id)
-                        self._inbox.put(_ACK)  # the writer deletes them in its next commit
+                        self._inbox.put(_WAKE)  # the writer deletes them in its next commit
                     failed = len(ok) - prefix
                 else:
                     back = [it for it, g in zip(items, ok) if not g]

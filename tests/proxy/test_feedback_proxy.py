@@ -111,6 +111,27 @@ def test_a_deferred_turn_index_writes_its_lines_at_flush(tmp_path):
     assert TurnIndex(10, str(tmp_path)).find(None, {"response_id": "chatcmpl-r3"}).request_id == "r3"
     assert (tmp_path / "turn-index.jsonl").read_bytes().count(b"\n") == 4
 
+
+def test_a_deferred_turn_index_rewrites_its_file_in_maintain_only(tmp_path):
+    """The flush of a deferred index may run on the proxy's event loop: it only appends. The
+    rewrite (the kept turns, once the file holds twice ``max_turns`` lines) is ``maintain``'s,
+    which the publisher's writer thread runs; a restart reads the rewritten file."""
+    idx = TurnIndex(3, str(tmp_path), deferred=True)
+    path = tmp_path / "turn-index.jsonl"
+    for k in range(10):
+        idx.add(IndexedTurn(None, "s", k, f"r{k}", f"chatcmpl-r{k}"))
+        idx.flush()
+    assert path.read_bytes().count(b"\n") == 10  # over 2 x 3: never rewritten by a flush
+    idx.maintain()
+    assert path.read_bytes().count(b"\n") == 3
+    idx.maintain()  # nothing due: unchanged
+    assert path.read_bytes().count(b"\n") == 3
+    idx.add(IndexedTurn(None, "s", 10, "r10", "chatcmpl-r10"))
+    idx.close()
+    again = TurnIndex(3, str(tmp_path))
+    assert [again.find(None, {"session_id": "s", "turn_index": k}) is not None for k in (7, 8, 9, 10)] == [
+        False, True, True, True]
+
 # ---- over HTTP with the real clients ---------------------------------------------------------------
 def test_each_sdks_response_id_names_its_turn(kafka_config):
     """Chat (unary and streamed), Responses and Messages answers: the id each SDK returns is

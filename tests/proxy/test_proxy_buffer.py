@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.proxy.buffer import ROWS_PER_INSERT, DB_NAME, DiskBuffer, EventBufferFull, EventBufferLocked
+from pipeline.proxy.buffer import DB_NAME, ROWS_PER_INSERT, DiskBuffer, EventBufferError, EventBufferFull, EventBufferLocked
 
 
 def _value(i: int, size: int = 64) -> bytes:
@@ -80,20 +80,23 @@ def test_row_ids_are_contiguous_across_statements_restarts_and_older_files(tmp_p
     b.close()
 
 
-def test_a_passive_checkpoint_runs_beside_an_open_write_transaction(tmp_path):
-    """The checkpoint has its own connection: it neither waits for nor blocks a writer (the
-    event loop commits while the writer thread checkpoints)."""
+def test_an_append_recovers_from_ids_or_a_transaction_left_out_of_step(tmp_path):
+    """Hardening against a bug elsewhere: an id already in the file fails that append alone (an
+    error, nothing applied) and re-reads the ids, so the next append goes on; a transaction a
+    failed rollback left open is rolled back, not joined (its rows would never be committed)."""
     b = DiskBuffer(tmp_path / "buf")
-    b.append([("t", "k", _value(0))])
-    b._w.execute("BEGIN IMMEDIATE")
-    b._w.execute("INSERT INTO events(id, topic, key, value) VALUES (2, 't', 'k', x'01')")
-    t0 = time.monotonic()
-    assert b.maybe_checkpoint(every=0)
-    assert time.monotonic() - t0 < 5  # the busy timeout is 30 s: a blocked checkpoint would wait it out
-    b._w.execute("COMMIT")
-    b.last_id = 2
-    assert b.append([("t", "k", _value(3))]) == 3
-    assert [r[0] for r in b.read(0, 10)] == [1, 2, 3]
+    b.append([("t", None, b"a"), ("t", None, b"b")])
+    b.last_id = 1  # out of step with the file
+    with pytest.raises(EventBufferError, match="UNIQUE"):
+        b.append([("t", None, b"c")])
+    assert (b.last_id, len(b)) == (2, 2)
+    assert b.append([("t", None, b"c")]) == 3
+    b._w.execute("BEGIN IMMEDIATE")  # as a failed ROLLBACK would leave it
+    b._w.execute("INSERT INTO events(id, topic, key, value) VALUES (99, 't', NULL, x'00')")
+    assert b.append([("t", None, b"d")]) == 4 and not b._w.in_transaction
+    b.close()
+    b = DiskBuffer(tmp_path / "buf")
+    assert [r[3] for r in b.read(0, 10)] == [b"a", b"b", b"c", b"d"]
     b.close()
 
 

@@ -20,6 +20,7 @@ from pipeline import events
 from pipeline.broker import EmbeddedBroker
 from pipeline.procutil import free_port
 from pipeline.config import load_config
+from pipeline.proxy.buffer import EventBufferError, EventBufferFull
 from pipeline.proxy.publisher import EventPublisher
 from pipeline.bus.admin import apply_topics
 from pipeline.topics import load_topics
@@ -414,5 +415,142 @@ def test_the_mirror_holds_contiguous_rows_only(tmp_path):
         assert pub._take_rows() is None  # 11-16 still come from the buffer
         pub._sent_id = 16
         assert [r[0] for r in pub._take_rows()] == [17, 18] and pub._disk_pending()
+    finally:
+        pub._buf.close()
+
+
+def _traced(pub: EventPublisher, monkeypatch) -> list:
+    """Record ``(thread name, what)`` for each append (``append`` or ``append+delete``),
+    deletion and checkpoint the publisher makes on its buffer."""
+    trace: list = []
+    buf = pub._buf
+    real_append, real_delete, real_cp = buf.append, buf.delete_through, buf.maybe_checkpoint
+
+    def append(items, delete_through=None):
+        out = real_append(items, delete_through)
+        trace.append((threading.current_thread().name, "append+delete" if delete_through else "append"))
+        return out
+
+    def delete_through(last_id):
+        trace.append((threading.current_thread().name, "delete"))
+        return real_delete(last_id)
+
+    def maybe_checkpoint(*args):
+        ran = real_cp(*args)
+        if ran:
+            trace.append((threading.current_thread().name, "checkpoint"))
+        return ran
+
+    monkeypatch.setattr(buf, "append", append)
+    monkeypatch.setattr(buf, "delete_through", delete_through)
+    monkeypatch.setattr(buf, "maybe_checkpoint", maybe_checkpoint)
+    return trace
+
+
+@pytest.mark.parametrize("broker_up", [False, True])
+def test_the_event_loop_only_appends_and_the_writer_commits_first_after_a_checkpoint(
+        tmp_path, monkeypatch, broker_up):
+    """On the event loop a commit is an append and nothing else: deleting what was delivered
+    (long for a big window) and checkpoints are the writer thread's, and so is the first commit
+    after a checkpoint (it starts the WAL over and syncs its header). Checkpoints run while the
+    broker is away too (no acknowledgement wakes the writer then), so the WAL stays bounded."""
+    fake = FakeBrokerTransport()
+    fake.down = not broker_up
+    monkeypatch.setattr("pipeline.proxy.publisher.make_transport", lambda *a, **k: fake)
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), linger_s=0, checkpoint_every=16)
+    trace = _traced(pub, monkeypatch)
+    pub.start()
+    loop_thread = threading.current_thread().name
+    big = [{"role": "user", "content": "x" * 2000}]
+    wal = tmp_path / "buf" / "events.sqlite-wal"
+    wal_sizes = []
+
+    async def answers() -> None:
+        for i in range(400):
+            pub.publish("t", events.NextState(session_id="S", messages=big, after_turn_index=i, created_at=i), "S")
+            await pub.durable()
+            if i % 50 == 49:
+                wal_sizes.append(wal.stat().st_size)
+
+    try:
+        asyncio.run(answers())
+        if broker_up:
+            assert pub.wait_idle(30), pub.stats()
+    finally:
+        pub.close(timeout_s=1.0)
+    on_loop = {what for who, what in trace if who == loop_thread}
+    assert on_loop == {"append"}  # never a deletion or a checkpoint on the loop
+    assert sum(1 for who, what in trace if who == loop_thread) > 200  # the loop did most commits
+    checkpoints = [i for i, (_, what) in enumerate(trace) if what == "checkpoint"]
+    assert len(checkpoints) >= 5, trace[-20:]  # one per 16 commits or so (the writer wakes when it gets the GIL)
+    for i in checkpoints:  # the commit right after a checkpoint is the writer thread's
+        nxt = next((t for t in trace[i + 1:] if t[1] != "checkpoint"), None)
+        assert nxt is None or nxt[0] == "proxy-publish-writer", trace[i - 2:i + 3]
+    assert max(wal_sizes) < 2 << 20, wal_sizes  # 400 commits of ~2 KB: the WAL starts over, never grows
+    if broker_up:
+        assert any(what in ("append+delete", "delete") for _, what in trace)  # on the writer (above)
+        assert len(fake.sent) == 400
+
+
+def test_a_group_refused_on_the_event_loop_goes_to_the_writer_once(tmp_path, monkeypatch):
+    """A full buffer refuses the event loop's commit (nothing of it applied): the group goes to
+    the writer thread already encoded, which keeps what fits and holds the rest in memory. An
+    event that cannot be encoded is counted once, not again by the writer."""
+    fake = FakeBrokerTransport()
+    monkeypatch.setattr("pipeline.proxy.publisher.make_transport", lambda *a, **k: fake)
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, max_buffer=1000, buffer_dir=str(tmp_path / "buf"), buffer_max_bytes=64 * 4096,
+                         linger_s=0).start()
+    big = [{"role": "user", "content": "x" * 4000}]
+
+    async def answers() -> None:
+        for i in range(100):
+            pub.publish("t", events.NextState(session_id="F", messages=big, after_turn_index=i, created_at=i), "F")
+            if i == 50:
+                pub.publish("t", object(), "F")  # a bug upstream: cannot be encoded
+            await pub.durable()
+
+    try:
+        asyncio.run(answers())
+        st = pub.stats()
+        assert st["dropped"] == {"invalid": 1}, st
+        assert 0 < st["on_disk"] < 100 and st["on_disk"] + st["in_memory"] == 100, st
+        assert st["not_durable"]["buffer_full"] >= 1 and set(st["not_durable"]) <= {"buffer_full", "behind_memory"}
+        assert sum(st["not_durable"].values()) == st["in_memory"], st
+        fake.down = False
+        assert pub.wait_idle(30), pub.stats()
+    finally:
+        pub.close(timeout_s=1.0)
+    got = [events.decode(v).after_turn_index for _, _, v in fake.sent]
+    assert got == list(range(100))  # the disk part then the memory part, in order, once each
+
+
+def test_rows_committed_before_a_disk_error_are_sent_once_in_order(tmp_path, monkeypatch):
+    """A group the full buffer takes only in part: the halves it took stay committed and
+    visible to the sender even when a later half fails with an I/O error; only the rest goes
+    to memory (counted as a disk error), so nothing is sent twice or out of order."""
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"))  # threads not started: _store by hand
+    real_append = pub._buf.append
+    calls = []
+
+    def append(items, delete_through=None):
+        calls.append(len(items))
+        if len(items) == 8:
+            raise EventBufferFull("full")
+        if len(calls) == 4:  # the second half of 8 (the group, the group again, its first half)
+            raise EventBufferError("I/O error")
+        return real_append(items, delete_through)
+
+    monkeypatch.setattr(pub._buf, "append", append)
+    items = [("t", f"k{i}", bytes([i])) for i in range(8)]
+    try:
+        with pub._commit_lock:
+            pub._store(items)
+        assert calls == [8, 8, 4, 4]
+        assert pub._buf.count == 4 and pub._committed_id == pub._buf.last_id == 4
+        assert [r[0] for r in pub._take_rows()] == [1, 2, 3, 4]
+        assert list(pub._mem) == items[4:] and pub.not_durable == {"disk_error": 4}
     finally:
         pub._buf.close()
