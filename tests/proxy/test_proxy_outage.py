@@ -467,9 +467,10 @@ def test_the_event_loop_only_appends_and_the_writer_commits_first_after_a_checkp
     wal_sizes = []
 
     async def answers() -> None:
-        for i in range(400):
+        for i in range(800):
             pub.publish("t", events.NextState(session_id="S", messages=big, after_turn_index=i, created_at=i), "S")
             await pub.durable()
+            await asyncio.sleep(0.0002)  # the next request arrives over the network: other threads run
             if i % 50 == 49:
                 wal_sizes.append(wal.stat().st_size)
 
@@ -481,16 +482,16 @@ def test_the_event_loop_only_appends_and_the_writer_commits_first_after_a_checkp
         pub.close(timeout_s=1.0)
     on_loop = {what for who, what in trace if who == loop_thread}
     assert on_loop == {"append"}  # never a deletion or a checkpoint on the loop
-    assert sum(1 for who, what in trace if who == loop_thread) > 200  # the loop did most commits
+    assert sum(1 for who, what in trace if who == loop_thread) > 400  # the loop did most commits
     checkpoints = [i for i, (_, what) in enumerate(trace) if what == "checkpoint"]
     assert len(checkpoints) >= 5, trace[-20:]  # one per 16 commits or so (the writer wakes when it gets the GIL)
     for i in checkpoints:  # the commit right after a checkpoint is the writer thread's
         nxt = next((t for t in trace[i + 1:] if t[1] != "checkpoint"), None)
         assert nxt is None or nxt[0] == "proxy-publish-writer", trace[i - 2:i + 3]
-    assert max(wal_sizes) < 2 << 20, wal_sizes  # 400 commits of ~2 KB: the WAL starts over, never grows
+    assert max(wal_sizes) < 2 << 20, wal_sizes  # 800 commits of ~2 KB (~9 MB of WAL): it starts over
     if broker_up:
         assert any(what in ("append+delete", "delete") for _, what in trace)  # on the writer (above)
-        assert len(fake.sent) == 400
+        assert len(fake.sent) == 800
 
 
 def test_a_group_refused_on_the_event_loop_goes_to_the_writer_once(tmp_path, monkeypatch):
