@@ -13,7 +13,8 @@ standard library — instead of a file format of our own:
   group go in as one multi-row ``INSERT`` (up to ``ROWS_PER_INSERT`` rows a statement) with ids
   given here, not read back: Python's sqlite3 releases and re-takes the GIL around every SQLite
   step, and the event loop commits itself (``EventPublisher(inline_commit=True)``), so a commit
-  is one step, not one per row plus a query. Measured here: ~30 us of CPU per request's
+  is one step, not one per row plus a query. Deletions, checkpoints and compaction are the
+  publisher's writer thread's. Measured here: ~30 us of CPU per request's
   commit (bench/proxy_stages.py), ~350 us per commit with fsync.
 - **Durability.** Journal mode WAL. ``fsync=False`` (default, ``synchronous=NORMAL``): a commit
   is in the operating system before the response goes out, so it survives the proxy's crash or

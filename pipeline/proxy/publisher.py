@@ -10,16 +10,17 @@ Flow of one event::
 - :meth:`EventPublisher.publish` only appends to a list (a few microseconds); it never blocks
   and never raises. The events of one event-loop iteration are committed together right after
   it (one callback): encoded (msgpack) and appended to the
-  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit), with the
-  deletion of what the broker acknowledged. The event loop does this itself when the writer
-  thread holds nothing (``inline_commit``, the default; one SQLite statement, no hand-off to a
-  thread and back); with ``buffer_fsync`` (a commit waits for the disk), or while earlier events
-  are still in the writer's hands (order), the group goes to the writer thread, which commits
-  everything that arrived meanwhile at once. The writer also checkpoints the WAL and compacts,
-  beside the loop's commits. Then the responses waiting in :meth:`durable` are released. A
-  response is completed only after its events are committed (:class:`DurableSend` holds its
-  last body message): a proxy killed right after it answered loses nothing, the next proxy on
-  the same buffer folder sends what it left.
+  :class:`pipeline.proxy.buffer.DiskBuffer` in one transaction (group commit). The event loop
+  does this itself (``inline_commit``, the default): one SQLite statement, no hand-off to a
+  thread and back. The writer thread commits instead with ``buffer_fsync`` (a commit waits for
+  the disk), while earlier events are still in its hands (order), right after a checkpoint
+  (its commit starts the WAL over, which syncs), or when it holds the buffer for more than
+  ``INLINE_LOCK_WAIT_S``; it commits everything that arrived meanwhile at once. Work whose
+  length grows with the data stays on the writer thread: deleting what the broker
+  acknowledged, WAL checkpoints, compaction and housekeeping hooks. Then the responses
+  waiting in :meth:`durable` are released. A response is completed only after its events are
+  committed (:class:`DurableSend` holds its last body message): a proxy killed right after it
+  answered loses nothing, the next proxy on the same buffer folder sends what it left.
 - If the disk buffer refuses a group (``buffer_max_bytes`` reached, disk full, I/O error), those
   events are held in memory (up to ``max_buffer``, counted in
   ``pipeline_proxy_events_not_durable_total{reason}`` and logged) and, until that memory backlog
