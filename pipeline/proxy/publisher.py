@@ -148,7 +148,9 @@ class EventPublisher:
         self._flush_scheduled = False
         self._hooks: list = []  # run after each group commit (add_commit_hook)
         self._housekeeping_hooks: list = []  # run by the writer thread (add_housekeeping_hook)
-        self._writer_commits_next = False  # a checkpoint ran: the writer thread makes the next commit
+        # the writer thread makes the next commit: the WAL is new (at start, after a checkpoint or a
+        # compaction) and its first commit syncs its header (never on the event loop)
+        self._writer_commits_next = True
         self._wake_asked = False  # an inline commit asked the writer thread for a checkpoint
         self._commit_lock = threading.Lock()  # one committer at a time: the writer thread or the event loop
         self._in = 0  # events accepted by publish() (event loop only)
@@ -233,12 +235,13 @@ class EventPublisher:
         goes to the writer thread encoded."""
         buf = self._buf
         if (not self.inline_commit or buf is None or buf.fsync or not self._threads or self._stop.is_set()
-                or self._writer_commits_next or self._mem or self._out != self._in - len(batch)
+                or self._writer_commits_next or self._out != self._in - len(batch)
                 or not self._commit_lock.acquire(True, INLINE_LOCK_WAIT_S)):
             return False
         try:
-            if self._writer_commits_next or self._mem or self._out != self._in - len(batch):
-                return False  # the writer checkpointed (or took events) while the loop waited for the lock
+            if (self._stop.is_set() or self._writer_commits_next or self._out != self._in - len(batch)
+                    or self._in_memory()):
+                return False  # re-checked under the lock: the writer may have moved on while the loop waited
             items: list = []
             self._encode(batch, items)
             before = buf.last_id
@@ -421,7 +424,7 @@ class EventPublisher:
             self._to_memory(items, None)
             return
         ack = self._sent_id if self._sent_id > self._deleted_id else None
-        if items and self._mem:  # the memory backlog must drain first: one FIFO
+        if items and self._in_memory():  # the memory backlog must drain first: one FIFO
             self._to_memory(items, "behind_memory")
             items = []
         if not items and ack is None:
@@ -453,6 +456,12 @@ class EventPublisher:
         if items:
             M.BUFFER_COMMIT.observe(time.perf_counter() - t0)
 
+    def _in_memory(self) -> bool:
+        """Whether events wait in the memory backlog, or in a window the sender took from it (a
+        failed window goes back there, ahead of what is on disk)."""
+        with self._lock:
+            return bool(self._mem or self._inflight)
+
     def _housekeep(self) -> None:
         """Writer thread, after each wake-up: copy the WAL into the database once
         ``checkpoint_every`` commits were made (holding the commit lock, so that it copies all of
@@ -477,6 +486,7 @@ class EventPublisher:
                         buf.compact()
                     except EventBufferError as e:
                         self._log_error(str(e))
+                    self._writer_commits_next = True  # the WAL was truncated: a new one starts
 
     def _committed(self, first_id: int, items: list) -> None:
         """Show the sender the rows just committed (ids ``first_id`` on), and keep them in memory
@@ -658,6 +668,7 @@ class EventPublisher:
             self._finished = True
             rest = list(self._inflight) + list(self._mem)
             self._inflight, self._mem = [], deque()
+        rest += self._left_in_inbox()
         buf = self._buf
         if buf is not None:
             locked = self._commit_lock.acquire(timeout=5.0)  # an event-loop commit still running finishes first
@@ -682,6 +693,22 @@ class EventPublisher:
             self._drop("shutdown", len(rest))
         self._reset_producer()
         M.EVENTS_BUFFERED.set(self.buffered)
+
+    def _left_in_inbox(self) -> list:
+        """Encoded events the writer thread did not take before it stopped (a group handed over
+        by the event loop while :meth:`close` ran): kept with the rest, or counted as dropped."""
+        items: list = []
+        while True:
+            try:
+                it = self._inbox.get_nowait()
+            except queue.Empty:
+                return items
+            if isinstance(it, _Encoded):
+                items.extend(it.items)
+                self._out += it.n
+            elif isinstance(it, list):
+                self._encode(it, items)
+                self._out += len(it)
 
     def _log_error(self, msg: str) -> None:
         now = time.monotonic()

@@ -271,9 +271,10 @@ def test_a_commit_hook_runs_before_the_waiting_response_is_released(tmp_path):
 
 @pytest.mark.parametrize("fsync,inline", [(False, True), (True, True), (False, False)])
 def test_a_group_is_committed_on_the_event_loop_only_with_inline_commit_and_no_fsync(tmp_path, fsync, inline):
-    """With ``inline_commit`` and no fsync the events of one loop iteration are committed by the
-    loop itself (no hand-off to the writer thread and back); with ``buffer_fsync`` (a commit waits
-    for the disk) or by default by the writer thread. Either way in publish order, and durable()
+    """With ``inline_commit`` (the default) and no fsync the events of one loop iteration are
+    committed by the loop itself (no hand-off to the writer thread and back), once the writer
+    made the new WAL's first commit; with ``buffer_fsync`` (a commit waits for the disk) or
+    without ``inline_commit`` by the writer thread. Either way in publish order, and durable()
     returns once they are on disk."""
     config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
     pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), buffer_fsync=fsync, inline_commit=inline)
@@ -292,8 +293,11 @@ def test_a_group_is_committed_on_the_event_loop_only_with_inline_commit_and_no_f
         assert pub._buf.count == 9  # nothing delivered (no broker): all on disk
         assert [events.decode(r[3]).session_id for r in pub._buf.read(0, 9)] == [
             f"s{k}-{i}" for k in range(3) for i in range(3)]
-        expected = threading.current_thread().name if inline and not fsync else "proxy-publish-writer"
-        assert set(committers) == {expected}
+        if inline and not fsync:  # the first commit of the new WAL is the writer's (it syncs), then the loop's
+            assert committers[0] == "proxy-publish-writer"
+            assert set(committers[1:]) == {threading.current_thread().name}
+        else:
+            assert set(committers) == {"proxy-publish-writer"}
     finally:
         pub.close(timeout_s=0.5)
 
@@ -555,3 +559,71 @@ def test_rows_committed_before_a_disk_error_are_sent_once_in_order(tmp_path, mon
         assert list(pub._mem) == items[4:] and pub.not_durable == {"disk_error": 4}
     finally:
         pub._buf.close()
+
+
+def test_a_new_event_waits_behind_a_memory_window_in_flight(tmp_path, monkeypatch):
+    """Events the disk refused are sent from memory; while the sender has such a window in
+    flight, a new event must not go to disk ahead of it (a failed window goes back to memory,
+    and the sender would send the disk first): it goes behind the memory backlog, in order."""
+    sent: list = []
+    started, release = threading.Event(), threading.Event()
+
+    class SlowFirstWindow(FakeBrokerTransport):
+        def send_window(self, items, give_up):
+            if not started.is_set():  # the memory window: in flight until released, then failed
+                started.set()
+                release.wait(10)
+                return [False] * len(items)
+            sent.extend(v for _, _, v in items)
+            return [True] * len(items)
+
+    fake = SlowFirstWindow()
+    monkeypatch.setattr("pipeline.proxy.publisher.make_transport", lambda *a, **k: fake)
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), linger_s=0).start()
+    try:
+        with pub._commit_lock:
+            pub._to_memory([("t", "k", b"OLD-%d" % i) for i in range(3)], "disk_error")  # as if refused
+        with pub._lock:
+            pub._lock.notify_all()
+        assert started.wait(10) and pub._inflight and not pub._mem
+
+        async def answer() -> None:
+            pub.publish("t", events.SessionEnd(session_id="NEW", created_at=0), "k")
+            await pub.durable()
+
+        asyncio.run(answer())
+        release.set()
+        assert pub.wait_idle(30), pub.stats()
+    finally:
+        release.set()
+        pub.close(timeout_s=1.0)
+    assert [v if v.startswith(b"OLD") else b"NEW" for v in sent] == [b"OLD-0", b"OLD-1", b"OLD-2", b"NEW"]
+    assert pub.stats()["not_durable"] == {"disk_error": 3, "behind_memory": 1}
+
+
+def test_the_first_commit_of_a_new_wal_is_the_writer_threads(tmp_path, monkeypatch):
+    """A new WAL (at start, after a compaction) syncs its header at its first commit: that
+    commit is the writer thread's, the event loop's come after it."""
+    fake = FakeBrokerTransport()
+    fake.down = False
+    monkeypatch.setattr("pipeline.proxy.publisher.make_transport", lambda *a, **k: fake)
+    config = load_config(None, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    pub = EventPublisher(config, buffer_dir=str(tmp_path / "buf"), compact_bytes=0, linger_s=0)
+    trace = _traced(pub, monkeypatch)
+    real_compact = pub._buf.compact
+    monkeypatch.setattr(pub._buf, "compact", lambda: trace.append(("", "compact")) or real_compact())
+    pub.start()
+    try:
+        for _ in range(2):
+            _publish_all(pub, [f"e{i}" for i in range(12)], in_loop=True)
+            assert pub.wait_idle(30), pub.stats()
+            assert until(lambda: trace[-1][1] == "compact", timeout_s=10)  # drained: compacted
+    finally:
+        pub.close(timeout_s=1.0)
+    appends = [i for i, t in enumerate(trace) if t[1].startswith("append")]
+    assert trace[appends[0]][0] == "proxy-publish-writer"  # the first commit after the start
+    compacts = [i for i, t in enumerate(trace) if t[1] == "compact"]
+    after = [i for i in appends if i > compacts[0]]
+    assert after and trace[after[0]][0] == "proxy-publish-writer", trace  # the first after a compaction
+    assert any(t[0] == threading.current_thread().name for t in trace)  # and the loop commits otherwise
