@@ -112,7 +112,7 @@ class EventPublisher:
             SQLite statement (a multi-row ``INSERT``, ids given by the buffer): the loop releases
             the GIL once per commit instead of once per row and query, and the hand-off to the
             writer thread and back (two wake-ups, a future per response) is gone. Measured with
-            ``bench/proxy.py`` (docs/guide.md, n=3): 16-client throughput 2.73-3.02x the naive
+            ``bench/proxy.py`` (docs/guide.md, n=3): 16-client throughput 2.87-3.29x the naive
             forwarder's (2.46-2.61x before), streaming TTFT within naive's at 1 and 16 clients in
             every run. Off: every group goes through the writer thread.
 
