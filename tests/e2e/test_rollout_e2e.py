@@ -134,8 +134,10 @@ def worse_rolled_back_better_promoted(tmp_path: Path, kind: str) -> None:
         first = alice.turn(alice.ask(early))  # begins on the base model, before any candidate
         assert first.adapter is None and first.canary is None
         # phase 0: liked answers of the base train alice's first adapter: the first candidate
+        # (the proxy may route a session to the candidate before this test reads that it is live: the
+        # candidate's answers are disliked from its first, as in phase 1)
         live = _until("alice's first candidate to go live", lambda: _view(config).scope(TENANT).live or None,
-                      tick=lambda: alice.session(lambda t: 1))
+                      tick=lambda: alice.session(lambda t: -1 if t.canary == "candidate" else 1))
         cand = _view(config).scope(TENANT).candidate
         # phase 1: the candidate's answers are disliked, the incumbent's liked
         turns = []
