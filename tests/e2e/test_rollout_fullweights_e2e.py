@@ -4,7 +4,7 @@ package's CPU engine serving tiny-random; docs/rollout.md): the eval set alone g
 The eval set is built at test start from the incumbent's own greedy answers (``exact``), so the
 incumbent (v0) scores 16/16. Checked from the records and the engine:
 
-- the trainer (lr 0.05) publishes v0, then its first candidate: large steps change its greedy
+- the trainer (lr 0.5) publishes v0, then its first candidate: large steps change its greedy
   answers, its guard falls and the evaluator rolls it back (``rollback``, rule
   ``newcombe-evalset-v1``); the syncer re-applies v0's own weights order (``applied`` of v0 with
   its sha256) and the engine serves v0 again, to a new session too;
@@ -59,7 +59,9 @@ def _config(run_dir: Path, eval_set: Path):
     return load_config(
         None,
         engine={"model": "tiny-random", **ENGINE},
-        trainer={"model": "tiny-random", "rollout_batch_size": 2, "lr": 0.05, "threads": 1,
+        # lr 0.5: one step must change the greedy answers enough for the guard to fall (at 0.05 a step on two
+        # samples once left all 16 unchanged, and the first candidate was promoted)
+        trainer={"model": "tiny-random", "rollout_batch_size": 2, "lr": 0.5, "threads": 1,
                  "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
                  "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False, "max_staleness": None},
         judge={"mode": "rl", "backend": "constant", "idle_timeout_s": 5},
