@@ -5,7 +5,8 @@ The eval set is built at test start from the incumbent's own greedy answers (``e
 incumbent (v0) scores 16/16. Checked from the records and the engine:
 
 - the trainer (lr 0.5) publishes v0, then its first candidate: large steps change its greedy
-  answers, its guard falls and the evaluator rolls it back (``rollback``, rule
+  answers, its guard falls (or, with one or two answers changed, is not shown non-inferior:
+  ``guard_margin`` 0.2, below) and the evaluator rolls it back (``rollback``, rule
   ``newcombe-evalset-v1``); the syncer re-applies v0's own weights order (``applied`` of v0 with
   its sha256) and the engine serves v0 again, to a new session too;
 - the trainer is restarted mid-canary with a tiny lr (1e-9): it holds what it trained, reads the
@@ -65,16 +66,37 @@ def _config(run_dir: Path, eval_set: Path):
                  "checkpoint_dir": str(run_dir / "ckpt"), "export_dir": str(run_dir / "weights"),
                  "metrics_file": str(run_dir / "trainer.jsonl"), "progress": False, "max_staleness": None},
         judge={"mode": "rl", "backend": "constant", "idle_timeout_s": 5},
+        # guard_margin 0.2: on 16 items Newcombe's lower bound (z 1.645) is -0.144 for 16/16 against 16/16 (the
+        # guard holds: promoted) and -0.237 for 15/16 against 16/16 (it falls): one changed answer rolls back
         rollout={"enabled": True, "eval_set": str(eval_set), "guards": ["accuracy"], "guard_min_n": N_ITEMS,
-                 "guard_margin": 0.5, "eval_max_tokens": MAX_TOKENS, "eval_seed": 7})
+                 "guard_margin": 0.2, "eval_max_tokens": MAX_TOKENS, "eval_seed": 7})
+
+
+#: what a timed-out wait reports: the run's config (set by the test)
+_RUN: dict = {}
 
 
 def _until(what, check, seconds=150, tick=None):
     deadline = time.monotonic() + seconds
     while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{_what_happened()}"
         (tick or (lambda: time.sleep(0.5)))()
     return got
+
+
+def _what_happened() -> str:
+    """The run's full-weight control records, its evaluations and its stages' last log lines."""
+    if "config" not in _RUN:
+        return ""
+    config, run_dir = _RUN["config"], _RUN["run_dir"]
+    out = ["control: " + ", ".join(f"{c.action} v{c.policy_version} e{c.epoch}" for c in _controls(config)),
+           "evaluations: " + ", ".join(f"v{e.policy_version} {e.metrics}" for e in read_topic(config, "metrics")
+                                       if isinstance(e, events.Evaluation))]
+    for stage in ("evaluator", "trainer", "syncer"):
+        log = run_dir / "logs" / f"{stage}.log"
+        lines = log.read_text(errors="replace").splitlines()[-25:] if log.exists() else ["(no log)"]
+        out += [f"--- {stage}.log", *lines]
+    return "\n".join(out)
 
 
 def _controls(config) -> list[events.Control]:
@@ -139,6 +161,7 @@ def test_a_full_weight_candidate_whose_guard_falls_is_rolled_back_and_one_whose_
     eval_set = _eval_set(tmp_path / "incumbent.jsonl")
     stack = start_stack(_config(run_dir, eval_set), run_dir, ready_timeout_s=300, dashboard=False)
     config, users = stack.config, None
+    _RUN.update(config=config, run_dir=run_dir)
     try:
         users = Users(stack)
         v0 = _until("the trainer's order of v0", lambda: _first(config, "weights", 0))
@@ -152,8 +175,13 @@ def test_a_full_weight_candidate_whose_guard_falls_is_rolled_back_and_one_whose_
         _restart_trainer(stack, "--set", "trainer.lr=1e-9")
         rollback = _until("the rollback", lambda: _first(config, "rollback", cand.policy_version))
         ev = rollback.evidence
-        assert (ev["rule"], ev["reason"], ev["incumbent"]) == ("newcombe-evalset-v1", "guard_fell:accuracy", 0)
-        assert ev["arms"]["incumbent"]["accuracy"] == [N_ITEMS, N_ITEMS] and ev["bounds"]["accuracy"][1] < 0
+        assert (ev["rule"], ev["incumbent"]) == ("newcombe-evalset-v1", 0)
+        assert ev["arms"]["incumbent"]["accuracy"] == [N_ITEMS, N_ITEMS]
+        low, high = ev["bounds"]["accuracy"]
+        # fallen (worse for sure), or not shown non-inferior by the one run of the eval set there will be
+        assert (ev["reason"], high < 0) == ("guard_fell:accuracy", True) or \
+            (ev["reason"], low <= -0.2, high >= 0) == ("inconclusive", True, True), ev
+        assert ev["arms"]["candidate"]["accuracy"][0] < N_ITEMS  # its answers changed
         assert _first(config, "promote") is None
         _until("the incumbent re-applied", lambda: any(
             c.action == "applied" and c.policy_version == 0 and c.sha256 == v0.sha256
@@ -175,6 +203,7 @@ def test_a_full_weight_candidate_whose_guard_falls_is_rolled_back_and_one_whose_
         rolled = [c.policy_version for c in _controls(config) if c.action == "rollback"]
         assert rolled == [cand.policy_version]
     finally:
+        _RUN.clear()
         if users is not None:
             users.http.close()
         stack.stop()
