@@ -415,7 +415,12 @@ def run(request, broker_bootstrap, tmp_path_factory, runtime) -> Run:
             if isinstance(e, events.Turn)}
         c = c.replace(judge={"backend": "llm", "vote_timeout_s": 10.0, "retries": 0, "retry_backoff_s": 0.05,
                              "votes": 3, "hint_min_chars": HINT_MIN_CHARS},
-                      engine={"model": served if path == "vllm" else "tiny-random", "teacher_url": front})
+                      engine={"model": served if path == "vllm" else "tiny-random", "teacher_url": front},
+                      # each stand-in judge answers its calls in a scripted order, so a turn judged twice would
+                      # take the next turn's answers: three judges, a proxy and an engine share this process,
+                      # and on a loaded worker a 2 s session timeout expelled a starved judge from its group
+                      # (its turns re-delivered and judged again, as at-least-once delivery allows)
+                      kafka={"session_timeout_ms": 15000, "heartbeat_interval_ms": 1000})
         total = sum(len(w) for w in want.values())
         with contextlib.ExitStack() as judges:
             for mode in MODES:

@@ -142,6 +142,13 @@ def test_serve_command_has_what_the_client_needs(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
 
 
+def test_serve_env_turns_ahead_of_time_compilation_off_unless_the_caller_sets_it(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert serve_env()["VLLM_USE_AOT_COMPILE"] == "0"  # the compile cache is read: no compile at every start
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert serve_env()["VLLM_USE_AOT_COMPILE"] == "1"
+
+
 def test_adapter_model_per_engine_kind():
     assert adapter_model("vllm", "base", "alice-v3") == "alice-v3"
     assert adapter_model("sglang", "base", "alice-v3") == "base:alice-v3"
