@@ -33,12 +33,14 @@ Name mapping (HF -> Megatron, local spec; TE spec names in brackets):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,6 +320,34 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+@contextlib.contextmanager
+def output_at(model, sel: torch.Tensor) -> Iterator[None]:
+    """Within the block, ``model(input_ids [b, s], position_ids, None)`` runs the output layer at
+    the positions ``sel`` (``[b, s]`` bool) only and returns ``[1, N, vocab / tp]``: the logits
+    of the ``N`` selected positions in row-major order (``logits[sel]`` of the full call), each
+    the same numbers as there up to rounding (a row of the output layer's product depends on its
+    own hidden state alone; a smaller product may sum in another order). The decoder still runs over every position (attention needs them); what is
+    skipped is the output layer's ``[s, hidden] x [hidden, vocab / tp]`` product and its
+    ``[b, s, vocab / tp]`` result at prompt and padding positions, which dominate a long agent
+    prompt with a short reply (6,000 prompt tokens: 1.2 GB of fp32 logits per sample at
+    SmolLM2's vocabulary). A forward hook on the GPTModel's decoder (its output is the final-norm
+    hidden state ``[s, b, hidden]``, the output layer's input) keeps the rows of ``sel``."""
+    gpt = _unwrap(model)
+    if gpt.config.sequence_parallel or gpt.config.context_parallel_size > 1 or gpt.config.mtp_num_layers \
+            or not gpt.post_process:
+        raise ValueError("output_at needs the whole sequence's hidden state at the output layer: no sequence or "
+                         "context parallelism, no multi-token prediction, the last pipeline stage")
+
+    def keep(_module, _args, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.transpose(0, 1)[sel.to(hidden.device)].unsqueeze(1)  # [N, 1, hidden]
+
+    handle = gpt.decoder.register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # ---------------------------------------------------------------- load / export

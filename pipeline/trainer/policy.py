@@ -94,18 +94,41 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
     Returns:
         ``(log_probs [b, S], entropy [b, S] or None)``.
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    temps = temperatures.to(logits.device, torch.float32)
     if mask is not None:
         sel = mask.to(logits.device) > 0
-        rows = logits[sel].float()  # [N, V/tp], a copy: the kernel below may work in place
-        row_t = temps[:, None].expand(sel.shape)[sel]
-        scaled = rows / row_t[:, None] if bool((row_t != 1).any()) else rows
-        tgt = targets.to(logits.device)[sel]
-    else:
-        scaled = logits.float() / temps[:, None, None]
-        tgt = targets
+        return selected_log_probs(logits[sel], targets, temperatures, sel, entropy)
+    scaled = logits.float() / temperatures.to(logits.device, torch.float32)[:, None, None]
+    return _log_probs(scaled, targets, entropy)
+
+
+def selected_log_probs(rows: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, sel: torch.Tensor,
+                       entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_log_probs` from the logits at the positions ``sel`` alone.
+
+    Args:
+        rows: ``[N, V/tp]`` the logits of the ``N`` positions where ``sel`` is True, in row-major
+            order (``logits[sel]``, or the model's output under :func:`pipeline.trainer.model.output_at`).
+        targets: ``[b, S]`` token ids; temperatures: ``[b]``; sel: ``[b, S]`` bool.
+        entropy: as in :func:`token_log_probs`.
+    Returns:
+        ``(log_probs [b, S], entropy [b, S] or None)``, 0 outside ``sel``.
+    """
+    sel = sel.to(rows.device)
+    row_t = temperatures.to(rows.device, torch.float32)[:, None].expand(sel.shape)[sel]
+    rows = rows.float()
+    # a new tensor either way: the cross-entropy kernel works in place on its input
+    scaled = rows / row_t[:, None] if bool((row_t != 1).any()) else rows.clone()
+    logp, ent = _log_probs(scaled, targets.to(rows.device)[sel], entropy)
+    full = torch.zeros(sel.shape, dtype=torch.float32, device=rows.device).index_put((sel,), logp)
+    if ent is not None:
+        ent = torch.zeros(sel.shape, dtype=torch.float32, device=rows.device).index_put((sel,), ent)
+    return full, ent
+
+
+def _log_probs(scaled: torch.Tensor, tgt: torch.Tensor, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log_softmax(scaled)[tgt], entropy or None)`` over a vocabulary split over TP (the last dim)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
     ent = None
     if entropy == "metric":
         with torch.no_grad():
@@ -113,14 +136,7 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
     elif entropy == "grad":
         ent = vocab_parallel_entropy(scaled)
         scaled = scaled.clone()  # the cross-entropy kernel works in place on its input
-    logp = -vocab_parallel_cross_entropy(scaled, tgt)
-    if mask is None:
-        return logp, ent
-    full = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)
-    full = full.index_put((sel,), logp)
-    if ent is not None:
-        ent = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device).index_put((sel,), ent)
-    return full, ent
+    return -vocab_parallel_cross_entropy(scaled, tgt), ent
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -345,9 +361,13 @@ class PolicyTrainer:
     # ------------------------------------------------------------ scoring
 
     def _forward(self, model, mb: B.MicroBatch, entropy: str = "none"):
+        """``(log_probs [b, S], entropy or None)`` at the micro-batch's masked positions (0
+        elsewhere): the output layer runs at those positions only (:func:`M.output_at`)."""
         mb = mb.to(self.par.device)
-        logits = model(mb.tokens, mb.position_ids, None)
-        return token_log_probs(logits, mb.targets, mb.temperatures, entropy, mask=mb.mask)
+        sel = mb.mask > 0
+        with M.output_at(model, sel):
+            rows = model(mb.tokens, mb.position_ids, None)[0]  # [N, V/tp]
+        return selected_log_probs(rows, mb.targets, mb.temperatures, sel, entropy)
 
     @torch.no_grad()
     def log_probs(self, samples: list[events.Sample], reference: bool = False,

@@ -137,3 +137,40 @@ def test_qwen_variants_match_transformers(runtime, tmp_path, model_type):
     assert (_mg_logits(model, ids) - _hf_logits(path, ids)).abs().max().item() < 1e-5
     out = M.export_hf(model, arch, path, tmp_path / "out")
     assert (_hf_logits(out.path, ids) - _hf_logits(path, ids)).abs().max().item() == 0.0
+
+
+def test_output_at_gives_the_selected_rows_of_the_full_logits_and_their_gradients(runtime):
+    """``M.output_at``: the same logits at the selected positions as the full call (row-major), the
+    same parameter gradients from a loss on them, an empty selection gives no rows, and the hook
+    is gone after the block (the next call is the full one again)."""
+    path = resolve_model("tiny-random")
+    arch = M.Arch.from_hf(path)
+    model = M.build_model(arch)
+    M.load_hf_weights(model, path, arch)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, arch.vocab_size, (2, 24), generator=g)
+    pos = torch.arange(24).unsqueeze(0).expand_as(ids)
+    sel = torch.zeros(2, 24, dtype=torch.bool)
+    sel[0, 10:15], sel[1, 3:4], sel[1, 20:24] = True, True, True
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    full = model(ids, pos, None)
+    want = full[sel]
+    g_full = grads(torch.log_softmax(want, -1)[:, 7].sum())
+    with M.output_at(model, sel):
+        rows = model(ids, pos, None)
+    assert rows.shape == (1, int(sel.sum()), arch.vocab_size)
+    assert torch.equal(rows[0], want.detach()) or (rows[0] - want).abs().max().item() < 1e-6
+    g_rows = grads(torch.log_softmax(rows[0], -1)[:, 7].sum())
+    assert g_rows.keys() == g_full.keys()
+    for name in g_full:
+        diff, scale = (g_rows[name] - g_full[name]).abs().max().item(), g_full[name].abs().max().item()
+        assert diff <= 1e-5 * scale, (name, diff, scale)  # fp32 sums in another order
+    with torch.no_grad(), M.output_at(model, torch.zeros(2, 24, dtype=torch.bool)):
+        assert model(ids, pos, None).shape == (1, 0, arch.vocab_size)
+    with torch.no_grad():
+        assert model(ids, pos, None).shape == (2, 24, arch.vocab_size)  # the hook was removed
