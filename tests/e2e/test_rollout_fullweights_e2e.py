@@ -1,7 +1,7 @@
 """Full-weight rollout with one engine through the whole stack (every stage its own process, this
 package's CPU engine serving tiny-random; docs/rollout.md): the eval set alone gates a candidate.
 
-The eval set is built at test start from the incumbent's own greedy answers (``exact``), so the
+The eval set is built at test start from the incumbent's own greedy answers (the whole reply), so the
 incumbent (v0) scores 16/16. Checked from the records and the engine:
 
 - the trainer (lr 0.5) publishes v0, then its first candidate: large steps change its greedy
@@ -18,6 +18,7 @@ incumbent (v0) scores 16/16. Checked from the records and the engine:
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -44,14 +45,20 @@ def _ask(url: str, content: str, model: str = "tiny-random") -> str:
 
 
 def _eval_set(path: Path) -> Path:
-    """The incumbent's own greedy answers as the expected ones (``exact``: the stripped reply;
-    tiny-random's greedy replies are mostly blank lines, so a candidate whose answers moved to
-    any text fails them)."""
+    """The incumbent's own greedy answers as the expected ones: a ``regex`` anchored on the whole
+    reply, whitespace included (tiny-random's greedy reply is eight newlines whatever the prompt;
+    ``exact`` strips it, and a candidate whose replies moved to other whitespace would pass it).
+    Simulated with transformers, one AdamW step on two sampled replies: at lr 0.5 the stripped
+    replies stayed blank on all 16 items in 1 of 100 trials; counted both ways (60 trials at lr
+    0.5, 40 at 2.0) the whole reply changed on at least 3 items in every trial (one is enough
+    for a rollback, below)."""
     rows = [{"eval_set": "incumbent-answers", "guards": ["accuracy"]}]
     with running_engine("tiny-random", threads=1, max_batch_size=1, prefix_cache_bytes=0) as url:
         for i in range(N_ITEMS):
             prompt = f"Question {i}: what comes next after {i * 7}?"
-            rows.append({"id": f"q{i}", "prompt": prompt, "checks": {"accuracy": {"exact": _ask(url, prompt).strip()}}})
+            reply = _ask(url, prompt)
+            rows.append({"id": f"q{i}", "prompt": prompt,
+                         "checks": {"accuracy": {"regex": r"\A" + re.escape(reply) + r"\Z"}}})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
